@@ -1,0 +1,166 @@
+"""Pure-JAX ragged paged attention: the oracle that every kernel is tested against."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .attention_inputs import check_attention_inputs
+from .quantization import dequantize
+
+NULL_PAGE = 0  # never allocated by the host pool; the reference reads it in place of unnamed pages
+
+# Bytes of gathered K/V one lax.map iteration may hold; bounds the reference's memory.
+_GATHER_BUDGET_BYTES = 64 * 1024 * 1024
+
+
+def token_layout(
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    kv_lens: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[1]
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Maps each packed query row to `(seq_id i32[T], position i32[T], valid bool[T])`.
+
+    Row t belongs to the sequence s with `cu_q_lens[s] <= t < cu_q_lens[s + 1]`, and sits
+    at absolute position `kv_lens[s] - q_len[s] + (t - cu_q_lens[s])`. Rows at or past
+    `cu_q_lens[num_seqs]` are padding (`valid=False`, seq_id and position 0).
+    """
+    max_num_seqs = kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    n = num_seqs[0]
+    # Ends of live sequences; padding sequences' ends are pushed past every row.
+    live = jnp.arange(max_num_seqs) < n
+    ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
+    seq = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+    valid = t < cu_q_lens[n]
+    seq = jnp.where(valid, jnp.minimum(seq, max_num_seqs - 1), 0)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, jnp.where(valid, pos, 0), valid
+
+
+def visible_kv(
+    position: jax.Array,  # i32[...]
+    kv_len: jax.Array,  # i32[...]
+    valid: jax.Array,  # bool[...]
+    kv_positions: jax.Array,  # i32[L]
+    sliding_window: int | None,
+) -> jax.Array:  # bool[..., L]
+    """Which kv positions a query at `position` attends to.
+
+    Causal: `j <= position` (and `j < kv_len`); with a sliding window W, also
+    `j > position - W`, i.e. the query sees itself and the W - 1 tokens before it.
+    """
+    p = position[..., None]
+    mask = (kv_positions <= p) & (kv_positions < kv_len[..., None]) & valid[..., None]
+    if sliding_window is not None:
+        mask &= kv_positions > p - sliding_window
+    return mask
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+def _reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales, *, sm_scale, soft_cap, sliding_window):
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    max_len = pages_per_seq * page_size
+    kv_positions = jnp.arange(max_len, dtype=jnp.int32)
+    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+
+    def one_row(args):
+        q_row, seq, pos, ok = args  # [Hq, D], (), (), ()
+        kv_len = kv_lens[seq]
+        mask = visible_kv(pos, kv_len, ok, kv_positions, sliding_window)  # bool[L]
+        # Pages holding no visible position are replaced by the null page before the
+        # gather, so the table's entries for them are never dereferenced.
+        page_used = jnp.any(mask.reshape(pages_per_seq, page_size), axis=1)
+        pages = jnp.where(page_used, block_tables[seq], NULL_PAGE)  # i32[pages_per_seq]
+
+        def gather(pages_arr, scales):
+            x = pages_arr[pages]  # [pages_per_seq, Hkv, ps, D]
+            if scales is not None:
+                x = dequantize(x, scales[pages])
+            x = x.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(num_kv_heads, max_len, head_dim)
+            return jnp.where(mask[None, :, None], x, 0.0)  # a poisoned entry must not leak
+
+        k = gather(k_pages, k_scales)  # f32[Hkv, L, D]
+        v = gather(v_pages, v_scales)
+        qg = q_row.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
+        s = jnp.einsum("kgd,kld->kgl", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask, s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m), 0.0)
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("kgl,kld->kgd", p, v, precision=jax.lax.Precision.HIGHEST)
+        o = o / jnp.where(denom > 0, denom, 1.0)
+        return o.reshape(num_q_heads, head_dim)
+
+    row_bytes = 2 * num_kv_heads * max_len * head_dim * 4
+    batch = max(1, min(num_tokens, _GATHER_BUDGET_BYTES // max(row_bytes, 1)))
+    out = jax.lax.map(one_row, (q, seq_ids, positions, valid), batch_size=batch)
+    return out.astype(q.dtype)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, Hkv, ps, D]
+    v_pages: jax.Array,  # [P, Hkv, ps, D]
+    kv_lens: jax.Array,  # i32[S]
+    block_tables: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+) -> jax.Array:  # [T, Hq, D], q.dtype
+    """Attention of a ragged batch of new query tokens over a paged KV cache.
+
+    Semantics (every backend implements exactly this):
+
+    * Sequences `s < num_seqs[0]` are live; the others are padding. Live sequence s
+      owns the packed query rows `cu_q_lens[s] : cu_q_lens[s + 1]` (its `q_len` new
+      tokens; 1 for decode, more for prefill or a prefill chunk) and has `kv_lens[s]`
+      tokens in the cache, counting those new tokens, so `q_len <= kv_len`.
+    * Token j of sequence s lives in page `block_tables[s, j // ps]` at offset
+      `j % ps`: its key is `k_pages[page, h, j % ps, :]` for KV head h. Quantized pages
+      (int8, float8) are dequantized as `k_pages[...].astype(f32) * k_scales[page, h, j % ps]`
+      (likewise V).
+    * Query row i of sequence s (0-based within its chunk) is at position
+      `p = kv_len - q_len + i` and attends to the kv positions j with `j <= p`; with
+      `sliding_window=W` also `j > p - W` (itself and the W - 1 tokens before it).
+    * Query head h reads KV head `h // (Hq // Hkv)` (MHA, GQA and MQA alike).
+    * Logits are `sm_scale * (q . k)`, then `soft_cap * tanh(logits / soft_cap)` when
+      `soft_cap` is set; softmax over the visible positions; output the weighted sum
+      of the values. Everything is computed in float32 at HIGHEST precision and the
+      result is cast to `q.dtype`.
+    * Padding rows (at or past `cu_q_lens[num_seqs]`) and rows that see no position
+      are exactly zero, never NaN.
+    * Block-table entries that hold no visible position of a live row are never
+      dereferenced (the null page 0 is read in their place and masked), so their
+      contents, NaN included, cannot affect the output.
+
+    Raises:
+      ValueError: at trace time, for inconsistent shapes or dtypes, naming the
+        argument; for an eager call, also for out-of-range lengths or a block table
+        too narrow for a `kv_len`.
+    """
+    check_attention_inputs(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    return _reference(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales,
+        sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=sliding_window,
+    )

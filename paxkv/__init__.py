@@ -1,0 +1,25 @@
+"""paxkv: paged KV-cache attention for JAX.
+
+Submodules load lazily, so the host-side modules (`paxkv.page_pool`, later the
+scheduler) import without pulling in JAX.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "PagedKVCache": "paxkv.cache",
+    "PageTable": "paxkv.cache",
+    "PagePool": "paxkv.page_pool",
+    "NULL_PAGE": "paxkv.page_pool",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'paxkv' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

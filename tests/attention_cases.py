@@ -1,0 +1,255 @@
+"""Random ragged paged-attention batches and an independent float64 oracle.
+
+`make_case` lays a ragged batch out in a paged cache the way the host pool would
+(scattered, non-contiguous pages), and poisons everything a correct implementation
+must not read: unused pages, the unused tail of each sequence's last page, the null
+page, padding block-table entries and padding query rows. `naive_attention` is a
+per-sequence, per-token, per-head NumPy float64 loop that shares no code with the
+library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+# Relative tolerances keyed by the dtype of the output.
+TOLERANCES = {np.dtype(np.float32): 1e-5, np.dtype(ml_dtypes.bfloat16): 2e-2}
+
+
+@dataclasses.dataclass
+class Case:
+    q: np.ndarray  # [T, Hq, D]
+    k_pages: np.ndarray  # [P, Hkv, ps, D]
+    v_pages: np.ndarray
+    kv_lens: np.ndarray  # i32[S]
+    block_tables: np.ndarray  # i32[S, pages_per_seq]
+    cu_q_lens: np.ndarray  # i32[S + 1]
+    num_seqs: np.ndarray  # i32[1]
+    k_scales: np.ndarray | None  # f32[P, Hkv, ps]
+    v_scales: np.ndarray | None
+    sm_scale: float
+
+    def args(self):
+        """Positional arguments of the attention call, as jax arrays."""
+        return tuple(
+            jnp.asarray(a)
+            for a in (self.q, self.k_pages, self.v_pages, self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs)
+        )
+
+    def scale_kwargs(self):
+        if self.k_scales is None:
+            return {}
+        return {"k_scales": jnp.asarray(self.k_scales), "v_scales": jnp.asarray(self.v_scales)}
+
+
+def _quantize_np(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    dtype = np.dtype(dtype)
+    qmax = 127.0 if dtype == np.int8 else float(ml_dtypes.finfo(dtype).max)
+    amax = np.abs(x).max(axis=-1)
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    y = x / scale[..., None]
+    if dtype == np.int8:
+        y = np.clip(np.round(y), -127, 127)
+    return y.astype(dtype), scale
+
+
+def make_case(
+    seed: int,
+    *,
+    q_lens,
+    kv_lens,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype=np.float32,
+    page_dtype=None,
+    extra_pages: int = 3,
+    pad_seqs: int = 1,
+    pad_tokens: int = 3,
+    pad_pages_per_seq: int = 1,
+) -> Case:
+    """A ragged batch: live sequence s has `q_lens[s]` new tokens and `kv_lens[s]` in cache."""
+    rng = np.random.default_rng(seed)
+    q_lens = np.asarray(q_lens, np.int32)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    assert np.all(q_lens <= kv_lens)
+    dtype = np.dtype(dtype)
+    page_dtype = np.dtype(page_dtype or dtype)
+    quantized = page_dtype in (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+    n = len(kv_lens)
+    pages_needed = -(-kv_lens // page_size)
+    pages_per_seq = int(max(1, pages_needed.max(initial=0))) + pad_pages_per_seq
+    num_pages = 1 + int(pages_needed.sum()) + extra_pages
+    max_num_seqs = n + pad_seqs
+
+    # Scattered physical pages, like a pool after some churn; page 0 is the null page.
+    perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
+    unused = perm[pages_needed.sum() :]
+    poison_pages = np.concatenate([[0], unused]).astype(np.int32)
+    block_tables = rng.choice(poison_pages, size=(max_num_seqs, pages_per_seq)).astype(np.int32)
+    live = np.zeros((num_pages, page_size), bool)  # slots a correct kernel may read
+    start = 0
+    for s in range(n):
+        pages = perm[start : start + pages_needed[s]]
+        start += pages_needed[s]
+        block_tables[s, : pages_needed[s]] = pages
+        for j in range(kv_lens[s]):
+            live[pages[j // page_size], j % page_size] = True
+
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    k = rng.standard_normal(shape, np.float32)
+    v = rng.standard_normal(shape, np.float32)
+    dead = ~live[:, None, :, None]
+    if quantized:
+        k, k_scales = _quantize_np(k, page_dtype)
+        v, v_scales = _quantize_np(v, page_dtype)
+        for scales in (k_scales, v_scales):
+            scales[~np.broadcast_to(live[:, None, :], scales.shape)] = np.nan
+        if page_dtype != np.int8:  # float8 can hold NaN itself
+            k = np.where(dead, np.nan, k.astype(np.float32)).astype(page_dtype)
+            v = np.where(dead, np.nan, v.astype(np.float32)).astype(page_dtype)
+    else:
+        k_scales = v_scales = None
+        k = np.where(dead, np.nan, k).astype(page_dtype)
+        v = np.where(dead, np.nan, v).astype(page_dtype)
+
+    total_q = int(q_lens.sum())
+    cu_q_lens = np.full(max_num_seqs + 1, total_q, np.int32)
+    cu_q_lens[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    q = rng.standard_normal((total_q + pad_tokens, num_q_heads, head_dim), np.float32)
+    q[total_q:] = np.nan
+    kv_lens_padded = np.zeros(max_num_seqs, np.int32)
+    kv_lens_padded[:n] = kv_lens
+    kv_lens_padded[n:] = rng.integers(0, pages_per_seq * page_size + 1, size=pad_seqs)
+    return Case(
+        q=q.astype(dtype),
+        k_pages=k,
+        v_pages=v,
+        kv_lens=kv_lens_padded,
+        block_tables=block_tables,
+        cu_q_lens=cu_q_lens,
+        num_seqs=np.array([n], np.int32),
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sm_scale=1.0 / float(np.sqrt(head_dim)),
+    )
+
+
+def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.ndarray:
+    """Float64 loop over sequences, query tokens and heads. Returns `[T, Hq, D]` float64."""
+    q = case.q.astype(np.float64)
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size = case.k_pages.shape[2]
+    group = num_q_heads // case.k_pages.shape[1]
+    out = np.zeros((num_tokens, num_q_heads, head_dim))
+    for s in range(int(case.num_seqs[0])):
+        q_start, q_end = int(case.cu_q_lens[s]), int(case.cu_q_lens[s + 1])
+        q_len, kv_len = q_end - q_start, int(case.kv_lens[s])
+
+        def gather(pages, scales):  # float64 [kv_len, Hkv, D], one token at a time
+            rows = []
+            for j in range(kv_len):
+                page = case.block_tables[s, j // page_size]
+                x = pages[page, :, j % page_size].astype(np.float64)
+                if scales is not None:
+                    x = x * scales[page, :, j % page_size].astype(np.float64)[:, None]
+                rows.append(x)
+            return np.stack(rows) if rows else np.zeros((0,) + pages.shape[1:2] + pages.shape[3:])
+
+        keys, vals = gather(case.k_pages, case.k_scales), gather(case.v_pages, case.v_scales)
+        for i in range(q_len):
+            pos = kv_len - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(num_q_heads):
+                kh = h // group
+                logits = case.sm_scale * (keys[lo : pos + 1, kh] @ q[q_start + i, h])
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
+                w = np.exp(logits - logits.max())
+                out[q_start + i, h] = (w / w.sum()) @ vals[lo : pos + 1, kh]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPoint:
+    """One configuration of the shared test grid (reference and every kernel)."""
+
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str = "float32"
+    page_dtype: str | None = None
+    soft_cap: float | None = None
+    sliding_window: int | None = None
+
+    def case(self, seed: int = 0) -> Case:
+        return make_case(
+            seed,
+            q_lens=self.q_lens,
+            kv_lens=self.kv_lens,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            dtype=np.dtype(self.dtype),
+            page_dtype=None if self.page_dtype is None else np.dtype(self.page_dtype),
+        )
+
+    def attention_kwargs(self, case: Case) -> dict:
+        return dict(
+            sm_scale=case.sm_scale,
+            soft_cap=self.soft_cap,
+            sliding_window=self.sliding_window,
+            **case.scale_kwargs(),
+        )
+
+
+def _decode(ps):  # kv_len 1, a page boundary +-1, and a few pages
+    return (1, 1, 1, 1, 1), (1, ps - 1, ps, ps + 1, 3 * ps + 5)
+
+
+def _prefill(ps):
+    lens = (1, ps, ps + 1, 2 * ps - 1, 3 * ps + 2)
+    return lens, lens
+
+
+def _mixed(ps):  # decode, an empty sequence, prefills and prefill chunks
+    return (1, 0, 5, 1, ps + 1, 3), (ps + 1, 0, 5, 1, 3 * ps, 2 * ps + 7)
+
+
+def _long(ps):  # long decode and a chunked-prefill chunk at the end of a long context
+    return (1, 1, 24), (2048, 2100 + ps // 2, 2048 + 24)
+
+
+def _grid() -> list[GridPoint]:
+    g = []
+
+    def add(name, lens, hq, hkv, d, ps, **kw):
+        q_lens, kv_lens = lens(ps)
+        g.append(GridPoint(name, q_lens, kv_lens, hq, hkv, d, ps, **kw))
+
+    add("decode-mha-d64-p16", _decode, 4, 4, 64, 16)
+    add("decode-mqa-d128-p8-softcap", _decode, 8, 1, 128, 8, soft_cap=30.0)
+    add("decode-gqa2-d64-p32-int8-softcap", _decode, 4, 2, 64, 32, page_dtype="int8", soft_cap=20.0)
+    add("prefill-gqa2-d64-p32-window", _prefill, 4, 2, 64, 32, sliding_window=7)
+    add("prefill-mha-d128-p8-fp8-softcap", _prefill, 2, 2, 128, 8, page_dtype="float8_e4m3fn", soft_cap=10.0)
+    add("prefill-mqa-d64-p16-window1", _prefill, 4, 1, 64, 16, sliding_window=1)
+    add("mixed-gqa8-d128-p16-softcap-window", _mixed, 16, 2, 128, 16, soft_cap=25.0, sliding_window=20)
+    add("mixed-gqa2-d64-p8-int8", _mixed, 4, 2, 64, 8, page_dtype="int8")
+    add("mixed-gqa8-d64-p16-fp8-window", _mixed, 8, 1, 64, 16, page_dtype="float8_e4m3fn", sliding_window=9)
+    add("mixed-gqa4-d128-p16-bf16", _mixed, 8, 2, 128, 16, dtype="bfloat16")
+    add("long-gqa2-d64-p32", _long, 4, 2, 64, 32)
+    add("long-mqa-d128-p16-int8-window", _long, 4, 1, 128, 16, page_dtype="int8", sliding_window=300)
+    return g
+
+
+GRID = _grid()

@@ -1,0 +1,135 @@
+"""The reference oracle against an independent float64 loop and hand-computed values."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import GRID, TOLERANCES, make_case, naive_attention
+
+from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
+
+
+def _i32(*xs):
+    return jnp.asarray(xs, jnp.int32)
+
+
+@pytest.mark.parametrize("point", GRID, ids=lambda p: p.name)
+def test_reference_matches_naive_float64_loop(point):
+    case = point.case(seed=1)
+    out = reference(*case.args(), **point.attention_kwargs(case))
+    expected = naive_attention(case, soft_cap=point.soft_cap, sliding_window=point.sliding_window)
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.all(np.isfinite(out)), "poisoned pages or padding leaked into the output"
+    tol = TOLERANCES[np.dtype(case.q.dtype)]
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
+    # Padding rows are exactly zero.
+    assert np.all(out[int(case.cu_q_lens[case.num_seqs[0]]) :] == 0)
+
+
+def test_hand_computed_two_tokens():
+    # One sequence, one head, D=2, page_size 8; kv = [k0, k1] in page 3.
+    # logits of row 1 are [0, ln 3] -> weights [1/4, 3/4].
+    q = jnp.array([[[1.0, 0.0]], [[1.0, 0.0]]])  # [T=2, Hq=1, D=2]
+    k = jnp.full((4, 1, 8, 2), jnp.nan).at[3, 0, 0].set([0.0, 0.0]).at[3, 0, 1].set([np.log(3.0), 0.0])
+    v = jnp.full((4, 1, 8, 2), jnp.nan).at[3, 0, 0].set([4.0, 0.0]).at[3, 0, 1].set([0.0, 8.0])
+    args = (q, k, v, _i32(2), _i32([3]), _i32(0, 2), _i32(1))
+    out = reference(*args, sm_scale=1.0)
+    # Row 0 is causal: it sees only k0.
+    np.testing.assert_allclose(out[:, 0], [[4.0, 0.0], [1.0, 6.0]], rtol=1e-6)
+    # A window of 1: each row sees only itself.
+    out = reference(*args, sm_scale=1.0, sliding_window=1)
+    np.testing.assert_allclose(out[:, 0], [[4.0, 0.0], [0.0, 8.0]], rtol=1e-6)
+    # Soft-cap c: logits become [0, c * tanh(ln 3 / c)].
+    c = 0.5
+    w1 = 1.0 / (1.0 + np.exp(-c * np.tanh(np.log(3.0) / c)))
+    out = reference(*args, sm_scale=1.0, soft_cap=c)
+    np.testing.assert_allclose(out[1, 0], [4.0 * (1 - w1), 8.0 * w1], rtol=1e-6)
+    # Decode of the second token alone (q_len 1, kv_len 2) matches row 1 of the prefill.
+    out = reference(q[1:], k, v, _i32(2), _i32([3]), _i32(0, 1), _i32(1), sm_scale=1.0)
+    np.testing.assert_allclose(out[0, 0], [1.0, 6.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("point", [GRID[6], GRID[7]], ids=lambda p: p.name)
+def test_poisoned_pages_do_not_change_output(point):
+    case = point.case(seed=2)
+    poisoned = reference(*case.args(), **point.attention_kwargs(case))
+
+    # The same batch with every poisoned value replaced by finite garbage.
+    def clean(x):
+        if x is None or not np.issubdtype(np.asarray(x).dtype, np.floating) and x.dtype.kind != "V":
+            return x
+        y = np.asarray(x, np.float32)
+        return np.where(np.isnan(y), 123.0, y).astype(x.dtype)
+
+    cleaned = dataclasses.replace(
+        case,
+        q=clean(case.q),
+        k_pages=clean(case.k_pages),
+        v_pages=clean(case.v_pages),
+        k_scales=clean(case.k_scales),
+        v_scales=clean(case.v_scales),
+    )
+    out = reference(*cleaned.args(), **point.attention_kwargs(cleaned))
+    assert np.all(np.isfinite(np.asarray(poisoned)))
+    np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(out))
+
+
+def test_empty_sequences_and_no_live_sequences_give_zeros():
+    case = make_case(3, q_lens=(0, 1), kv_lens=(0, 9), num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=8)
+    out = np.asarray(reference(*case.args(), sm_scale=case.sm_scale))
+    assert np.all(out[1:] == 0) and np.all(np.isfinite(out))
+    args = list(case.args())
+    args[6] = _i32(0)  # num_seqs = 0: every row is padding
+    out = np.asarray(reference(*args, sm_scale=case.sm_scale))
+    assert np.all(out == 0)
+
+
+def test_reference_under_user_jit():
+    point = GRID[7]
+    case = point.case(seed=4)
+    kwargs = point.attention_kwargs(case)
+    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales")}
+    fn = jax.jit(lambda *a, **s: reference(*a, **s, **kwargs))
+    np.testing.assert_array_equal(
+        np.asarray(fn(*case.args(), **scales)), np.asarray(reference(*case.args(), **kwargs, **scales))
+    )
+
+
+def _valid_args():
+    case = make_case(5, q_lens=(1, 3), kv_lens=(10, 3), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    return list(case.args()), case.sm_scale
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.__setitem__(0, a[0][:, :3]), "num_q_heads=3"),
+        (lambda a: a.__setitem__(0, a[0][:, :, :32]), "head_dim mismatch"),
+        (lambda a: a.__setitem__(2, a[2][:, :1]), "v_pages.shape"),
+        (lambda a: (a.__setitem__(1, a[1][:, :, :6]), a.__setitem__(2, a[2][:, :, :6])), "page_size=6"),
+        (lambda a: (a.__setitem__(1, jnp.zeros((7, 2, 12, 64))), a.__setitem__(2, jnp.zeros((7, 2, 12, 64)))), "page_size=12"),
+        (lambda a: a.__setitem__(4, a[4][:, :1]), "block_tables too narrow"),
+        (lambda a: a.__setitem__(3, a[3].astype(jnp.float32)), "kv_lens.dtype"),
+        (lambda a: a.__setitem__(5, a[5][:-1]), "cu_q_lens.shape"),
+        (lambda a: a.__setitem__(3, a[3].at[1].set(2)), "kv_len=2 is smaller than its q_len=3"),
+        (lambda a: a.__setitem__(4, a[4].at[0, 0].set(10_000)), "outside [0, P="),
+        (lambda a: a.__setitem__(6, _i32(7)), "num_seqs=7"),
+        (lambda a: (a.__setitem__(1, a[1].astype(jnp.int8)), a.__setitem__(2, a[2].astype(jnp.int8))), "k_scales is required"),
+    ],
+)
+def test_bad_input_names_the_argument(mutate, message):
+    args, sm_scale = _valid_args()
+    mutate(args)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        reference(*args, sm_scale=sm_scale)
+
+
+def test_bad_window_and_softcap():
+    args, sm_scale = _valid_args()
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        reference(*args, sm_scale=sm_scale, sliding_window=0)
+    with pytest.raises(ValueError, match="soft_cap=-1.0"):
+        reference(*args, sm_scale=sm_scale, soft_cap=-1.0)
