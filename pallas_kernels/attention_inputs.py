@@ -23,7 +23,11 @@ import numpy as np
 
 MIN_PAGE_SIZE = 8
 MAX_PAGE_SIZE = 1024
-QUANTIZED_PAGE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+QUANTIZED_PAGE_DTYPES = (
+    jnp.dtype(jnp.int8),
+    jnp.dtype(jnp.float8_e4m3fn),
+    jnp.dtype(jnp.float8_e5m2),
+)
 FLOAT_PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -76,7 +80,9 @@ def check_attention_inputs(
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got q.shape={q.shape}")
     if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [P, Hkv, page_size, D], got k_pages.shape={k_pages.shape}")
+        raise ValueError(
+            f"k_pages must be [P, Hkv, page_size, D], got k_pages.shape={k_pages.shape}"
+        )
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} differ")
     if k_pages.dtype != v_pages.dtype:
@@ -84,7 +90,9 @@ def check_attention_inputs(
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, kv_head_dim = k_pages.shape
     if kv_head_dim != head_dim:
-        raise ValueError(f"head_dim mismatch: q has D={head_dim}, k_pages/v_pages have D={kv_head_dim}")
+        raise ValueError(
+            f"head_dim mismatch: q has D={head_dim}, k_pages/v_pages have D={kv_head_dim}"
+        )
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads={num_q_heads} (q.shape[1]) must be a multiple of "
@@ -117,7 +125,9 @@ def check_attention_inputs(
             if scales.dtype != jnp.float32:
                 raise ValueError(f"{name}.dtype={scales.dtype} must be float32")
     elif k_scales is not None or v_scales is not None:
-        raise ValueError(f"k_scales/v_scales were given but k_pages.dtype={page_dtype} is not quantized")
+        raise ValueError(
+            f"k_scales/v_scales were given but k_pages.dtype={page_dtype} is not quantized"
+        )
 
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens must be i32[S], got kv_lens.shape={kv_lens.shape}")
@@ -156,18 +166,30 @@ def check_attention_inputs(
         quantized=quantized,
     )
     if all(_is_concrete(a) for a in (kv_lens, block_tables, cu_q_lens, num_seqs)):
-        _check_lengths(shapes, np.asarray(kv_lens), np.asarray(block_tables), np.asarray(cu_q_lens), int(np.asarray(num_seqs)[0]))
+        _check_lengths(
+            shapes,
+            np.asarray(kv_lens),
+            np.asarray(block_tables),
+            np.asarray(cu_q_lens),
+            int(np.asarray(num_seqs)[0]),
+        )
     return shapes
 
 
-def _check_lengths(shapes: AttentionShapes, kv_lens, block_tables, cu_q_lens, num_seqs: int) -> None:
+def _check_lengths(
+    shapes: AttentionShapes, kv_lens, block_tables, cu_q_lens, num_seqs: int
+) -> None:
     if not 0 <= num_seqs <= shapes.max_num_seqs:
         raise ValueError(f"num_seqs={num_seqs} must be in [0, S={shapes.max_num_seqs}]")
     cu = cu_q_lens[: num_seqs + 1]
     if cu[0] != 0 or np.any(np.diff(cu) < 0):
-        raise ValueError(f"cu_q_lens[:num_seqs + 1]={cu.tolist()} must start at 0 and be non-decreasing")
+        raise ValueError(
+            f"cu_q_lens[:num_seqs + 1]={cu.tolist()} must start at 0 and be non-decreasing"
+        )
     if cu[-1] > shapes.num_tokens:
-        raise ValueError(f"cu_q_lens[num_seqs]={cu[-1]} exceeds the number of query rows T={shapes.num_tokens}")
+        raise ValueError(
+            f"cu_q_lens[num_seqs]={cu[-1]} exceeds the number of query rows T={shapes.num_tokens}"
+        )
     lens = kv_lens[:num_seqs]
     q_lens = np.diff(cu)
     if np.any(lens < q_lens):

@@ -36,7 +36,9 @@ def write_kv_pages(
     """
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     if new_k.shape != new_v.shape or new_k.ndim != 3:
-        raise ValueError(f"new_k.shape={new_k.shape} and new_v.shape={new_v.shape} must both be [T, Hkv, D]")
+        raise ValueError(
+            f"new_k.shape={new_k.shape} and new_v.shape={new_v.shape} must both be [T, Hkv, D]"
+        )
     if new_k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
             f"new_k.shape={new_k.shape} must be [T, Hkv={num_kv_heads}, D={head_dim}] to match k_pages"

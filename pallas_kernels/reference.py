@@ -62,7 +62,21 @@ def visible_kv(
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
-def _reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales, *, sm_scale, soft_cap, sliding_window):
+def _reference(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    k_scales,
+    v_scales,
+    *,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+):
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -155,11 +169,28 @@ def ragged_paged_attention_reference(
         too narrow for a `kv_len`.
     """
     check_attention_inputs(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window, soft_cap=soft_cap,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     return _reference(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        k_scales,
+        v_scales,
         sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=sliding_window,

@@ -37,7 +37,15 @@ class Case:
         """Positional arguments of the attention call, as jax arrays."""
         return tuple(
             jnp.asarray(a)
-            for a in (self.q, self.k_pages, self.v_pages, self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs)
+            for a in (
+                self.q,
+                self.k_pages,
+                self.v_pages,
+                self.kv_lens,
+                self.block_tables,
+                self.cu_q_lens,
+                self.num_seqs,
+            )
         )
 
     def scale_kwargs(self):
@@ -80,7 +88,11 @@ def make_case(
     assert np.all(q_lens <= kv_lens)
     dtype = np.dtype(dtype)
     page_dtype = np.dtype(page_dtype or dtype)
-    quantized = page_dtype in (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+    quantized = page_dtype in (
+        np.dtype(np.int8),
+        np.dtype(ml_dtypes.float8_e4m3fn),
+        np.dtype(ml_dtypes.float8_e5m2),
+    )
     n = len(kv_lens)
     pages_needed = -(-kv_lens // page_size)
     pages_per_seq = int(max(1, pages_needed.max(initial=0))) + pad_pages_per_seq
@@ -151,7 +163,7 @@ def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.nda
         q_start, q_end = int(case.cu_q_lens[s]), int(case.cu_q_lens[s + 1])
         q_len, kv_len = q_end - q_start, int(case.kv_lens[s])
 
-        def gather(pages, scales):  # float64 [kv_len, Hkv, D], one token at a time
+        def gather(pages, scales, s=s, kv_len=kv_len):  # float64 [kv_len, Hkv, D], token by token
             rows = []
             for j in range(kv_len):
                 page = case.block_tables[s, j // page_size]
@@ -159,7 +171,7 @@ def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.nda
                 if scales is not None:
                     x = x * scales[page, :, j % page_size].astype(np.float64)[:, None]
                 rows.append(x)
-            return np.stack(rows) if rows else np.zeros((0,) + pages.shape[1:2] + pages.shape[3:])
+            return np.stack(rows) if rows else np.zeros((0, pages.shape[1], pages.shape[3]))
 
         keys, vals = gather(case.k_pages, case.k_scales), gather(case.v_pages, case.v_scales)
         for i in range(q_len):
@@ -241,14 +253,43 @@ def _grid() -> list[GridPoint]:
     add("decode-mqa-d128-p8-softcap", _decode, 8, 1, 128, 8, soft_cap=30.0)
     add("decode-gqa2-d64-p32-int8-softcap", _decode, 4, 2, 64, 32, page_dtype="int8", soft_cap=20.0)
     add("prefill-gqa2-d64-p32-window", _prefill, 4, 2, 64, 32, sliding_window=7)
-    add("prefill-mha-d128-p8-fp8-softcap", _prefill, 2, 2, 128, 8, page_dtype="float8_e4m3fn", soft_cap=10.0)
+    add(
+        "prefill-mha-d128-p8-fp8-softcap",
+        _prefill,
+        2,
+        2,
+        128,
+        8,
+        page_dtype="float8_e4m3fn",
+        soft_cap=10.0,
+    )
     add("prefill-mqa-d64-p16-window1", _prefill, 4, 1, 64, 16, sliding_window=1)
-    add("mixed-gqa8-d128-p16-softcap-window", _mixed, 16, 2, 128, 16, soft_cap=25.0, sliding_window=20)
+    add(
+        "mixed-gqa8-d128-p16-softcap-window",
+        _mixed,
+        16,
+        2,
+        128,
+        16,
+        soft_cap=25.0,
+        sliding_window=20,
+    )
     add("mixed-gqa2-d64-p8-int8", _mixed, 4, 2, 64, 8, page_dtype="int8")
-    add("mixed-gqa8-d64-p16-fp8-window", _mixed, 8, 1, 64, 16, page_dtype="float8_e4m3fn", sliding_window=9)
+    add(
+        "mixed-gqa8-d64-p16-fp8-window",
+        _mixed,
+        8,
+        1,
+        64,
+        16,
+        page_dtype="float8_e4m3fn",
+        sliding_window=9,
+    )
     add("mixed-gqa4-d128-p16-bf16", _mixed, 8, 2, 128, 16, dtype="bfloat16")
     add("long-gqa2-d64-p32", _long, 4, 2, 64, 32)
-    add("long-mqa-d128-p16-int8-window", _long, 4, 1, 128, 16, page_dtype="int8", sliding_window=300)
+    add(
+        "long-mqa-d128-p16-int8-window", _long, 4, 1, 128, 16, page_dtype="int8", sliding_window=300
+    )
     return g
 
 
