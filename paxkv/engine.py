@@ -1,0 +1,418 @@
+"""The engine: turns each scheduler decision into one jitted step of the model.
+
+The host schedules (`paxkv.scheduler`), builds the step batch (tokens, positions,
+page table, sampling parameters) as int32/float32 arrays padded to a small declared
+set of bucket shapes, and calls one jitted function with the KV cache donated:
+
+    step(graphdef, params, kv_cache, batch) -> (tokens i32[S], logprobs f32[S], kv_cache)
+
+A long run therefore compiles each bucket once; `Engine.num_compilations` counts the
+compilations, and a test asserts that it stays flat after warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx, struct
+
+from paxkv.cache import PagedKVCache, PageTable
+from paxkv.page_pool import PagePool
+from paxkv.request import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    normalize_prompt,
+)
+from paxkv.sampling import SamplingBatch, sample
+from paxkv.scheduler import Scheduler, SchedulerOutput, Sequence
+
+
+@struct.dataclass
+class StepBatch:
+    """Everything one compiled step consumes, padded to its bucket shapes."""
+
+    tokens: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    table: PageTable
+    logits_indices: jax.Array  # i32[S]; the packed row of each sequence's last token
+    sampling: SamplingBatch
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return (*out, hi)
+
+
+def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits and shapes. `None` buckets are powers of two up to the limit."""
+
+    num_pages: int = 1024
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    watermark: float = 0.01
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs}, so every running sequence can decode each step"
+            )
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be at least 2 (page 0 is reserved)")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(token, sequence, pages-per-sequence) buckets, each ending at its limit."""
+        tokens = self.token_buckets or _powers_of_two(
+            min(16, self.max_num_batched_tokens), self.max_num_batched_tokens
+        )
+        seqs = self.seq_buckets or _powers_of_two(min(4, self.max_num_seqs), self.max_num_seqs)
+        pages = self.page_buckets or _powers_of_two(min(8, self.pages_per_seq), self.pages_per_seq)
+        return tuple(tokens), tuple(seqs), tuple(pages)
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+
+
+class Engine:
+    """A serving engine for JAX pipelines that drive their own loop.
+
+    `add_request` submits (and validates) a request, `step` runs one scheduled step and
+    returns the requests it advanced, `abort` ends a request at any time, and
+    `has_unfinished` tells when to stop. Every submitted request ends finished or
+    aborted; one that can never be served is rejected by `add_request` with a
+    ValueError, and nothing else is affected.
+
+    Args:
+      model: an NNX causal LM with a `config` (num_layers, num_kv_heads, head_dim,
+        vocab_size, dtype, eos_token_ids), `__call__(tokens, positions, kv_cache, table,
+        attention_backend=)` and `logits(hidden)`, like `paxkv.models.LlamaForCausalLM`.
+      config: serving limits (`EngineConfig`).
+      tokenizer: optional, with `encode(str) -> list[int]` and `decode(list[int]) -> str`.
+    """
+
+    def __init__(
+        self, model: nnx.Module, config: EngineConfig = EngineConfig(), *, tokenizer: Any = None
+    ) -> None:
+        self.config = config
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        mc = model.config
+        self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
+        self._graphdef, self._params = nnx.split(model)
+        dtype = jnp.dtype(mc.dtype)
+        self.kv_cache = PagedKVCache.create(
+            num_layers=mc.num_layers,
+            num_pages=config.num_pages,
+            num_kv_heads=mc.num_kv_heads,
+            page_size=config.page_size,
+            head_dim=mc.head_dim,
+            dtype=jnp.float32 if dtype == jnp.float32 else dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+        self.pool = PagePool(config.num_pages)
+        self.scheduler = Scheduler(
+            self.pool,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            watermark=config.watermark,
+        )
+        self._token_buckets, self._seq_buckets, self._page_buckets = config.buckets()
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[RequestOutput] = []  # reported by the next step
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self.num_compilations = 0
+        self.num_steps = 0
+        self.host_time_s = 0.0
+        self.device_time_s = 0.0
+        self._step_fn = jax.jit(self._step, donate_argnames=("kv_cache",))
+
+    # The compiled step.
+
+    def _step(self, graphdef, params, kv_cache, batch: StepBatch):
+        self.num_compilations += 1  # runs once per trace, i.e. per compiled bucket
+        model = nnx.merge(graphdef, params)
+        hidden, kv_cache = model(
+            batch.tokens,
+            batch.positions,
+            kv_cache,
+            batch.table,
+            attention_backend=self.config.attention_backend,
+        )
+        logits = model.logits(hidden[batch.logits_indices])
+        tokens, logprobs = sample(logits, batch.sampling)
+        return tokens, logprobs, kv_cache
+
+    # Requests.
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | dict,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validates and queues a request; returns its id. Raises ValueError to reject it."""
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        text, ids = self.validate(request_id, prompt, params or SamplingParams())
+        params = params or SamplingParams()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        seqs = [
+            Sequence(
+                seq_id=request_id if params.n == 1 else f"{request_id}/{i}",
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=list(ids),
+                params=params,
+                seed=(base_seed + i) % 2**31,
+                arrival_time=arrival,
+                priority=priority,
+            )
+            for i in range(params.n)
+        ]
+        self._requests[request_id] = _Request(request_id, text, ids, seqs, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def validate(
+        self, request_id: str, prompt, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Returns `(text, token_ids)` of a servable request, or raises ValueError saying why not."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = normalize_prompt(prompt)
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "a string prompt needs a tokenizer, and this model has none: pass "
+                    "{'prompt_token_ids': [...]} instead"
+                )
+            ids = list(self.tokenizer.encode(text))
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(
+                f"request {request_id!r}: token id {t} at position {i} is outside the vocabulary [0, {vocab})"
+            )
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens is longer than max_model_len={self.config.max_model_len}"
+            )
+        try:
+            self.scheduler.check_fits(len(ids), params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        return text, ids
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request now (finish reason "abort") and frees every page it holds."""
+        req = self._requests.pop(str(request_id), None)
+        if req is None:
+            raise KeyError(f"no unfinished request with request_id={request_id!r}")
+        self.scheduler.abort(req.seqs)
+        self._aborted.append(self._output(req))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # Stepping.
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of the requests it advanced or finished.
+
+        Requests aborted since the last step are reported here too, finished with reason
+        "abort".
+        """
+        t0 = time.perf_counter()
+        aborted, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler made no progress with requests pending")
+            return aborted
+        batch = self._build_batch(plan)
+        t1 = time.perf_counter()
+        tokens, logprobs, self.kv_cache = self._step_fn(
+            self._graphdef, self._params, self.kv_cache, batch
+        )
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        t2 = time.perf_counter()
+        sampled = [
+            (tokens[i], logprobs[i]) if c.samples else None for i, c in enumerate(plan.chunks)
+        ]
+        self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
+        touched = dict.fromkeys(c.seq.request_id for c in plan.chunks if c.samples)
+        outputs = [self._output(self._requests[r]) for r in touched if r in self._requests]
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
+        self.num_steps += 1
+        self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.device_time_s += t2 - t1
+        return aborted + outputs
+
+    def _build_batch(self, plan: SchedulerOutput) -> StepBatch:
+        n_tokens = plan.num_tokens
+        n_seqs = len(plan.chunks)
+        t_pad = _bucket(n_tokens, self._token_buckets, "tokens in the step")
+        s_pad = _bucket(n_seqs, self._seq_buckets, "sequences in the step")
+        pages_needed = max(
+            -(-(c.start + c.num_tokens) // self.config.page_size) for c in plan.chunks
+        )
+        p_pad = _bucket(pages_needed, self._page_buckets, "pages per sequence")
+        tokens = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        logits_indices = np.zeros(s_pad, np.int32)
+        row = 0
+        sampling = []
+        for i, c in enumerate(plan.chunks):
+            seq = c.seq
+            tokens[row : row + c.num_tokens] = seq.token_ids(c.start, c.start + c.num_tokens)
+            positions[row : row + c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
+            row += c.num_tokens
+            logits_indices[i] = row - 1
+            p = seq.params
+            sampling.append(
+                (p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_token_ids))
+            )
+        table = PageTable.from_host(
+            [
+                c.seq.pages[: -(-(c.start + c.num_tokens) // self.config.page_size)]
+                for c in plan.chunks
+            ],
+            [c.start + c.num_tokens for c in plan.chunks],
+            [c.num_tokens for c in plan.chunks],
+            page_size=self.config.page_size,
+            max_num_seqs=s_pad,
+            pages_per_seq=p_pad,
+        )
+        return StepBatch(
+            tokens=jnp.asarray(tokens),
+            positions=jnp.asarray(positions),
+            table=table,
+            logits_indices=jnp.asarray(logits_indices),
+            sampling=SamplingBatch.from_host(sampling, s_pad),
+        )
+
+    def _output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_token_ids)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    token_ids=list(seq.output_token_ids),
+                    text=text,
+                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+                    finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
+                )
+            )
+        first = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=first.last_token_time,
+            finished_time=first.finished_time,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=completions,
+            finished=all(s.finish_reason is not None for s in req.seqs),
+            num_cached_tokens=0,
+            metrics=metrics,
+        )
+
+    # Introspection.
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the run so far: compilations, steps, preemptions, KV usage, host vs device time."""
+        return {
+            "num_compilations": self.num_compilations,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "host_time_s": self.host_time_s,
+            "device_time_s": self.device_time_s,
+            **self.scheduler.kv_usage(),
+        }
+
+    def warmup(self) -> None:
+        """Compiles every bucket now, so no request waits for a compilation later."""
+        logging.info(
+            "paxkv: compiling %d buckets",
+            len(self._token_buckets) * len(self._seq_buckets) * len(self._page_buckets),
+        )
+        for t, s, p in itertools.product(
+            self._token_buckets, self._seq_buckets, self._page_buckets
+        ):
+            if s > t:
+                continue
+            table = PageTable(
+                block_tables=jnp.zeros((s, p), jnp.int32),
+                kv_lens=jnp.zeros(s, jnp.int32),
+                cu_q_lens=jnp.zeros(s + 1, jnp.int32),
+                num_seqs=jnp.zeros(1, jnp.int32),
+                page_size=self.config.page_size,
+            )
+            batch = StepBatch(
+                tokens=jnp.zeros(t, jnp.int32),
+                positions=jnp.zeros(t, jnp.int32),
+                table=table,
+                logits_indices=jnp.zeros(s, jnp.int32),
+                sampling=SamplingBatch.from_host([], s),
+            )
+            _, _, self.kv_cache = self._step_fn(self._graphdef, self._params, self.kv_cache, batch)
