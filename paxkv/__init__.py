@@ -13,6 +13,11 @@ _LAZY = {
     "PageTable": "paxkv.cache",
     "PagePool": "paxkv.page_pool",
     "NULL_PAGE": "paxkv.page_pool",
+    "LLM": "paxkv.llm",
+    "Engine": "paxkv.engine",
+    "EngineConfig": "paxkv.engine",
+    "SamplingParams": "paxkv.request",
+    "RequestOutput": "paxkv.request",
 }
 
 

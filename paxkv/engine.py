@@ -63,6 +63,25 @@ def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
     raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
 
 
+_TRACES = [0]  # traces of `_step` in this process: one per compiled bucket signature
+
+
+def _step(graphdef, params, kv_cache: PagedKVCache, batch: StepBatch, *, attention_backend: str):
+    """One model step: write the batch's K/V, attend, sample a token per sequence."""
+    _TRACES[0] += 1  # runs at trace time only
+    model = nnx.merge(graphdef, params)
+    hidden, kv_cache = model(
+        batch.tokens, batch.positions, kv_cache, batch.table, attention_backend=attention_backend
+    )
+    logits = model.logits(hidden[batch.logits_indices])
+    tokens, logprobs = sample(logits, batch.sampling)
+    return tokens, logprobs, kv_cache
+
+
+# Module level, so engines serving the same model at the same shapes share compilations.
+_STEP = jax.jit(_step, static_argnames=("attention_backend",), donate_argnames=("kv_cache",))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Serving limits and shapes. `None` buckets are powers of two up to the limit."""
@@ -162,27 +181,10 @@ class Engine:
         self._aborted: list[RequestOutput] = []  # reported by the next step
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
-        self.num_compilations = 0
+        self.num_compilations = 0  # compilations this engine's steps triggered
         self.num_steps = 0
         self.host_time_s = 0.0
         self.device_time_s = 0.0
-        self._step_fn = jax.jit(self._step, donate_argnames=("kv_cache",))
-
-    # The compiled step.
-
-    def _step(self, graphdef, params, kv_cache, batch: StepBatch):
-        self.num_compilations += 1  # runs once per trace, i.e. per compiled bucket
-        model = nnx.merge(graphdef, params)
-        hidden, kv_cache = model(
-            batch.tokens,
-            batch.positions,
-            kv_cache,
-            batch.table,
-            attention_backend=self.config.attention_backend,
-        )
-        logits = model.logits(hidden[batch.logits_indices])
-        tokens, logprobs = sample(logits, batch.sampling)
-        return tokens, logprobs, kv_cache
 
     # Requests.
 
@@ -280,9 +282,7 @@ class Engine:
             return aborted
         batch = self._build_batch(plan)
         t1 = time.perf_counter()
-        tokens, logprobs, self.kv_cache = self._step_fn(
-            self._graphdef, self._params, self.kv_cache, batch
-        )
+        tokens, logprobs = self._run_step(batch)
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         t2 = time.perf_counter()
         sampled = [
@@ -298,6 +298,18 @@ class Engine:
         self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
         self.device_time_s += t2 - t1
         return aborted + outputs
+
+    def _run_step(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+        traces = _TRACES[0]
+        tokens, logprobs, self.kv_cache = _STEP(
+            self._graphdef,
+            self._params,
+            self.kv_cache,
+            batch,
+            attention_backend=self.config.attention_backend,
+        )
+        self.num_compilations += _TRACES[0] - traces
+        return tokens, logprobs
 
     def _build_batch(self, plan: SchedulerOutput) -> StepBatch:
         n_tokens = plan.num_tokens
@@ -415,4 +427,4 @@ class Engine:
                 logits_indices=jnp.zeros(s, jnp.int32),
                 sampling=SamplingBatch.from_host([], s),
             )
-            _, _, self.kv_cache = self._step_fn(self._graphdef, self._params, self.kv_cache, batch)
+            self._run_step(batch)

@@ -72,16 +72,20 @@ class Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of `seq`, starting at position `start`, run this step."""
+    """`num_tokens` tokens of `seq`, starting at position `start`, run this step.
+
+    `samples` is whether the step samples a token for the sequence: its chunk reaches
+    the end of the tokens known when it was scheduled.
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether the step samples a token for this sequence (its chunk reaches the end)."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, start: int, num_tokens: int) -> ScheduledChunk:
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +211,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            chunks.append(ScheduledChunk.of(seq, seq.num_computed_tokens, n))
             scheduled.add(id(seq))
             budget -= n
         # Admit waiting sequences first-come-first-served while they fit.
@@ -224,7 +228,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, 0, n))
+            chunks.append(ScheduledChunk.of(seq, 0, n))
             scheduled.add(id(seq))
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))

@@ -1,0 +1,294 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) in Flax NNX, over the paged KV cache.
+
+Parameter names follow Hugging Face's (`embed_tokens`, `layers[i].self_attn.q_proj`,
+`mlp.gate_proj`, `input_layernorm`, ...) so `weights.py` maps checkpoints by rule.
+Linear kernels are stored `[in, out]` (NNX's layout), the transpose of Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from paxkv.pallas_kernels import ragged_paged_attention
+
+from paxkv.cache import PagedKVCache, PageTable
+
+from .config import Llama3RopeScaling, LlamaConfig
+
+INIT_STD = 0.02  # Hugging Face's initializer_range for these models
+
+
+def rope_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: Llama3RopeScaling | None
+) -> np.ndarray:  # f64[D // 2]
+    """RoPE inverse frequencies `theta ** (-2i / D)`, with Llama 3.1's scaling when given.
+
+    Computed on the host in float64: they are constants of the model.
+    """
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope_scaling is None:
+        return inv_freq
+    s = rope_scaling
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    return np.where(
+        wavelen > low_freq_wavelen,
+        inv_freq / s.factor,
+        np.where(wavelen < high_freq_wavelen, inv_freq, interpolated),
+    )
+
+
+def apply_rope(
+    x: jax.Array,  # [T, H, D]
+    positions: jax.Array,  # i32[T]
+    inv_freq: np.ndarray,  # [D // 2]
+) -> jax.Array:  # [T, H, D], x.dtype
+    """Rotates x by its positions, Hugging Face's rotate-half convention.
+
+    Element i pairs with element i + D/2: `out[i] = x[i] cos(p f_i) - x[i + D/2] sin(p f_i)`
+    and `out[i + D/2] = x[i + D/2] cos(p f_i) + x[i] sin(p f_i)`. Computed in float32.
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
+    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D // 2]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def dense_causal_attention(
+    q: jax.Array,  # [L, Hq, D]
+    k: jax.Array,  # [L, Hkv, D]
+    v: jax.Array,  # [L, Hkv, D]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+) -> jax.Array:  # [L, Hq, D], q.dtype
+    """Plain causal softmax attention of one sequence, in float32 at HIGHEST precision.
+
+    Query i sees keys `j <= i`, and with a window W only `j > i - W`.
+    """
+    length, num_q_heads, _ = q.shape
+    group = num_q_heads // k.shape[1]
+    k = jnp.repeat(k.astype(jnp.float32), group, axis=1)
+    v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k, precision=hi) * sm_scale
+    i = jnp.arange(length)[:, None]
+    j = jnp.arange(length)[None, :]
+    mask = j <= i
+    if sliding_window is not None:
+        mask &= j > i - sliding_window
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", p, v, precision=hi).astype(q.dtype)
+
+
+def _precision(config: LlamaConfig) -> jax.lax.Precision:
+    # float32 models are the test dtype: keep their matmuls exact on TPU/GPU too.
+    if config.dtype == "float32":
+        return jax.lax.Precision.HIGHEST
+    return jax.lax.Precision.DEFAULT
+
+
+def _linear(config, d_in, d_out, *, bias, rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        dtype=config.dtype,
+        param_dtype=config.dtype,
+        precision=_precision(config),
+        kernel_init=nnx.initializers.normal(INIT_STD),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """`weight * (x / sqrt(mean(x^2) + eps))`, normalised in float32 (Hugging Face's order)."""
+
+    def __init__(self, size: int, *, eps: float, dtype: str):
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(config, h, m, bias=False, rngs=rngs)
+        self.up_proj = _linear(config, h, m, bias=False, rngs=rngs)
+        self.down_proj = _linear(config, m, h, bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nnx.Module):
+    """GQA projections and RoPE; the attention itself is the caller's (paged or dense)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        h, d = config.hidden_size, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = _linear(config, h, config.num_heads * d, bias=bias, rngs=rngs)
+        self.k_proj = _linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
+        self.v_proj = _linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
+        self.o_proj = _linear(config, config.num_heads * d, h, bias=False, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+
+    def qkv(
+        self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`x [T, hidden]` -> q `[T, Hq, D]`, k and v `[T, Hkv, D]`, q and k rotated."""
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def out(self, attn: jax.Array) -> jax.Array:
+        """`attn [T, Hq, D]` -> `[T, hidden]`."""
+        return self.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype
+        )
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype
+        )
+        self.mlp = MLP(config, rngs=rngs)
+
+    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        """The residual stream after this layer, given its attention output `[T, Hq, D]`."""
+        x = x + self.self_attn.out(attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The decoder with its LM head (or tied embedding); see `__call__` for the paged step."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=config.dtype,
+            param_dtype=config.dtype,
+            embedding_init=nnx.initializers.normal(INIT_STD),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _linear(config, config.hidden_size, config.vocab_size, bias=False, rngs=rngs)
+        )
+
+    @property
+    def inv_freq(self) -> np.ndarray:  # f64[D // 2]
+        c = self.config
+        return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_cache: PagedKVCache,
+        table: PageTable,
+        *,
+        attention_backend: str = "auto",
+    ) -> tuple[jax.Array, PagedKVCache]:  # [T, hidden], new cache
+        """One paged step over packed rows: writes their K/V and returns final-norm hidden states.
+
+        Rows are packed as `table.cu_q_lens` says; `positions[t]` must be row t's
+        absolute position (`kv_len - q_len + i`), which RoPE uses, while the cache
+        write and the attention mask take positions from the table. Padding rows
+        (token 0, position 0) are dropped by the write, attend to nothing, and give
+        finite hidden states that the caller ignores.
+        """
+        sm_scale = self.config.head_dim**-0.5
+        inv_freq = self.inv_freq
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            kv_cache = kv_cache.write(i, k, v, table)
+            attn = ragged_paged_attention(
+                q,
+                **kv_cache.layer(i),
+                **table.kernel_kwargs(),
+                sm_scale=sm_scale,
+                sliding_window=self.config.sliding_window,
+                backend=attention_backend,
+            )
+            x = layer.finish(x, attn)
+        return self.norm(x), kv_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
+        w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return jnp.dot(
+            hidden.astype(w.dtype),
+            w,
+            precision=_precision(self.config),
+            preferred_element_type=jnp.float32,
+        )
+
+    def dense_logits(self, tokens: jax.Array) -> jax.Array:
+        """`i32[L]` -> `f32[L, vocab]`: one sequence from position 0, dense causal attention.
+
+        The oracle for the paged path: the same weights and RoPE, but no cache, no page
+        table and no attention kernel.
+        """
+        positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        inv_freq = self.inv_freq
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            attn = dense_causal_attention(
+                q,
+                k,
+                v,
+                sm_scale=self.config.head_dim**-0.5,
+                sliding_window=self.config.sliding_window,
+            )
+            x = layer.finish(x, attn)
+        return self.logits(self.norm(x))
+
+
+def init_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
+    """A randomly initialised model (normal(0.02) weights, unit norms, zero biases)."""
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+
+
+def init_cache(
+    config: LlamaConfig, *, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
+) -> PagedKVCache:
+    """A zeroed paged cache for every layer; "auto" pages are in `config.dtype`."""
+    return PagedKVCache.create(
+        num_layers=config.num_layers,
+        num_pages=num_pages,
+        num_kv_heads=config.num_kv_heads,
+        page_size=page_size,
+        head_dim=config.head_dim,
+        dtype=config.dtype,
+        kv_cache_dtype=kv_cache_dtype,
+    )

@@ -1,0 +1,58 @@
+"""Text <-> token ids: a Hugging Face `tokenizer.json` (optional `tokenizers` library) or raw bytes."""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255; invalid byte sequences decode to U+FFFD."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` read from a `tokenizer.json`.
+
+    `encode` adds the special tokens the file's post-processor defines (e.g. Llama 3's
+    BOS); `decode` drops special tokens.
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
+    """The tokenizer in directory `path`, or None without a `tokenizer.json` or `tokenizers`."""
+    file = os.path.join(os.fspath(path), TOKENIZER_FILE)
+    if not os.path.exists(file):
+        return None
+    try:
+        from tokenizers import Tokenizer as _Tokenizer
+    except ImportError:
+        return None
+    return HFTokenizer(_Tokenizer.from_file(file))

@@ -1,0 +1,216 @@
+"""The engine end to end on the tiny model: token-for-token against a dense forward pass."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from paxkv.models import load_model
+
+from paxkv import LLM, SamplingParams
+from paxkv.engine import Engine, EngineConfig
+
+PS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config, model, tokenizer = load_model("tiny", dtype="float32", seed=0)
+    return config, model, tokenizer
+
+
+DENSE_LEN = 128
+
+
+@functools.cache
+def _dense_fn(model):
+    # Causal, so zero padding at the end changes none of the earlier rows' logits; one
+    # fixed length compiles once.
+    return jax.jit(lambda tokens: model.dense_logits(tokens))
+
+
+def _engine(model, tokenizer=None, **kw):
+    cfg = dict(
+        num_pages=64,
+        page_size=PS,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        token_buckets=(16, 64),
+        seq_buckets=(8,),
+        page_buckets=(16,),
+    )
+    cfg.update(kw)
+    return Engine(model, EngineConfig(**cfg), tokenizer=tokenizer)
+
+
+def _run(engine, prompts, params=GREEDY):
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def _dense_greedy(model, prompt, n):
+    tokens, logprobs = list(prompt), []
+    for _ in range(n):
+        padded = np.zeros(DENSE_LEN, np.int32)
+        padded[: len(tokens)] = tokens
+        logits = np.asarray(_dense_fn(model)(padded)[len(tokens) - 1], np.float64)
+        nxt = int(np.argmax(logits))
+        logprobs.append(
+            float(logits[nxt] - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
+        )
+        tokens.append(nxt)
+    return tokens[len(prompt) :], logprobs
+
+
+def _prompts(vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    # Lengths 1, page - 1, page, page + 1 and long (several pages, chunked by the budget).
+    return [rng.integers(0, vocab, size=n).tolist() for n in (1, PS - 1, PS, PS + 1, 90)]
+
+
+def test_greedy_matches_dense_forward_token_for_token(tiny):
+    config, model, _ = tiny
+    prompts = _prompts(config.vocab_size)
+    outs = _run(_engine(model), prompts)
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected, logprobs = _dense_greedy(model, prompt, GREEDY.max_tokens)
+        assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].finish_reason == "length"
+        np.testing.assert_allclose(out.outputs[0].logprobs, logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_preemption_and_pool_size_do_not_change_outputs(tiny):
+    config, model, _ = tiny
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (17, 20, 9, 25, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    big = _engine(model)
+    reference = [o.outputs[0].token_ids for o in _run(big, prompts, params)]
+    assert big.stats()["num_preemptions"] == 0
+    # 14 usable pages of 8 tokens: each sequence fits alone (at most 49 tokens, 7 pages),
+    # but together they need 31 pages by the end.
+    small = _engine(model, num_pages=15)
+    got = [o.outputs[0].token_ids for o in _run(small, prompts, params)]
+    assert small.stats()["num_preemptions"] > 0
+    assert got == reference
+    assert small.pool.num_in_use == 0
+    small.pool.check_invariants()
+
+
+def test_no_recompilation_after_warmup(tiny):
+    config, model, _ = tiny
+    # Bucket shapes no other test compiles, since engines share compilations.
+    engine = _engine(
+        model,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        token_buckets=(24, 48),
+        seq_buckets=(6,),
+        page_buckets=(8, 16),
+    )
+    engine.warmup()
+    warm = engine.num_compilations
+    assert warm == 4  # one per (token, sequence, page) bucket
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (3, 50, 17, 1, 33, 8)]
+    _run(engine, prompts, SamplingParams(temperature=0.8, max_tokens=5, seed=1))
+    assert engine.num_compilations == warm
+
+
+def test_seed_reproduces_sample(tiny):
+    _config, model, _ = tiny
+    prompt = [[5, 6, 7]]
+    sampled = lambda seed: _run(
+        _engine(model), prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
+    )[0]
+    a, b, c = sampled(11), sampled(11), sampled(12)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].token_ids != c.outputs[0].token_ids
+
+
+def test_bad_requests_are_rejected_and_others_unaffected(tiny):
+    config, model, _ = tiny
+    engine = _engine(model)
+    good = [1, 2, 3]
+    engine.add_request("good", {"prompt_token_ids": good}, GREEDY)
+    engine.step()  # the good request is running when the bad ones arrive
+    bad = [
+        ({"prompt_token_ids": []}, GREEDY, "the prompt is empty"),
+        (
+            {"prompt_token_ids": [1, config.vocab_size]},
+            GREEDY,
+            f"token id {config.vocab_size} at position 1",
+        ),
+        ({"prompt_token_ids": [-1]}, GREEDY, "token id -1 at position 0"),
+        ({"prompt_token_ids": [1] * 129}, GREEDY, "longer than max_model_len=128"),
+        ({"prompt_token_ids": [1] * 125}, GREEDY, "exceeds max_model_len=128"),
+        ("a string", GREEDY, "needs a tokenizer"),
+        (42, GREEDY, "a prompt must be a str or a dict"),
+    ]
+    for i, (prompt, params, message) in enumerate(bad):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(f"bad{i}", prompt, params)
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", {"prompt_token_ids": good}, GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(done) == ["good"]
+    assert done["good"].outputs[0].token_ids == _dense_greedy(model, good, GREEDY.max_tokens)[0]
+    assert engine.pool.num_in_use == 0
+
+
+def test_abort_frees_pages_and_reports(tiny):
+    _config, model, _ = tiny
+    engine = _engine(model)
+    engine.add_request("a", {"prompt_token_ids": list(range(40))}, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": [1, 2]}, GREEDY)
+    engine.step()
+    assert engine.pool.num_in_use > 0
+    engine.abort("a")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_in_use == 0
+    engine.pool.check_invariants()
+    with pytest.raises(KeyError):
+        engine.abort("a")
+
+
+def test_llm_api_generate_and_stream(tiny):
+    llm = LLM(
+        model="tiny",
+        dtype="float32",
+        num_pages=64,
+        page_size=PS,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(["def f(x):", {"prompt_token_ids": [10, 20, 30]}], params)
+    assert [o.request_id for o in outs] == ["0", "1"]
+    assert outs[0].prompt == "def f(x):" and outs[0].prompt_token_ids == list(b"def f(x):")
+    assert len(outs[0].outputs[0].token_ids) == 5 and isinstance(outs[0].outputs[0].text, str)
+    assert outs[0].metrics.ttft is not None and outs[0].num_cached_tokens == 0
+    streamed = [o for o in llm.generate_stream(["def f(x):"], params)]
+    assert [len(o.outputs[0].token_ids) for o in streamed] == [1, 2, 3, 4, 5]
+    assert (
+        streamed[-1].finished and streamed[-1].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    )
+    with pytest.raises(ValueError, match=r"prompt 1: .*the prompt is empty"):
+        llm.generate(["ok", {"prompt_token_ids": []}], params)
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(TypeError, match="unknown arguments"):
+        LLM(model="tiny", num_page=3)
