@@ -25,6 +25,7 @@ from absl import logging
 from flax import nnx, struct
 
 from paxkv.cache import PagedKVCache, PageTable
+from paxkv.metrics import EngineMetrics, format_log_line
 from paxkv.page_pool import PagePool
 from paxkv.request import (
     CompletionOutput,
@@ -95,6 +96,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    reservation: str = "paged"  # "max" / "guess": contiguous-style baselines (benchmarks)
+    guess_tokens: int = 256
+    log_stats_interval_s: float = 10.0  # a periodic absl log line; 0 turns it off
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
@@ -175,6 +180,9 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             watermark=config.watermark,
+            enable_prefix_caching=config.enable_prefix_caching,
+            reservation=config.reservation,
+            guess_tokens=config.guess_tokens,
         )
         self._token_buckets, self._seq_buckets, self._page_buckets = config.buckets()
         self._requests: dict[str, _Request] = {}
@@ -182,9 +190,8 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.num_compilations = 0  # compilations this engine's steps triggered
-        self.num_steps = 0
-        self.host_time_s = 0.0
-        self.device_time_s = 0.0
+        self.metrics = EngineMetrics()
+        self._last_log = time.monotonic()
 
     # Requests.
 
@@ -196,8 +203,13 @@ class Engine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validates and queues a request; returns its id. Raises ValueError to reject it."""
+        """Validates and queues a request; returns its id. Raises ValueError to reject it.
+
+        Lower `priority` values run first and are preempted last. Requests with
+        different `cache_salt` never share prefix-cache pages.
+        """
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         text, ids = self.validate(request_id, prompt, params or SamplingParams())
         params = params or SamplingParams()
@@ -213,10 +225,13 @@ class Engine:
                 seed=(base_seed + i) % 2**31,
                 arrival_time=arrival,
                 priority=priority,
+                cache_salt=cache_salt,
             )
             for i in range(params.n)
         ]
         self._requests[request_id] = _Request(request_id, text, ids, seqs, arrival)
+        self.metrics.on_arrival(arrival)
+        self.metrics.prompt_tokens += len(ids)
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -261,6 +276,7 @@ class Engine:
             raise KeyError(f"no unfinished request with request_id={request_id!r}")
         self.scheduler.abort(req.seqs)
         self._aborted.append(self._output(req))
+        self._on_finished(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
@@ -276,6 +292,7 @@ class Engine:
         t0 = time.perf_counter()
         aborted, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
+        t_sched = time.perf_counter()
         if not plan.chunks:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with requests pending")
@@ -288,16 +305,48 @@ class Engine:
         sampled = [
             (tokens[i], logprobs[i]) if c.samples else None for i, c in enumerate(plan.chunks)
         ]
+        previous = [c.seq.last_token_time for c in plan.chunks]
         self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
+        for chunk, before in zip(plan.chunks, previous, strict=True):
+            if chunk.samples and chunk.seq.last_token_time != before:
+                self.metrics.on_token(
+                    None if before is None else chunk.seq.last_token_time - before
+                )
         touched = dict.fromkeys(c.seq.request_id for c in plan.chunks if c.samples)
         outputs = [self._output(self._requests[r]) for r in touched if r in self._requests]
         for out in outputs:
             if out.finished:
-                del self._requests[out.request_id]
-        self.num_steps += 1
-        self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
-        self.device_time_s += t2 - t1
+                self._on_finished(self._requests.pop(out.request_id))
+        m = self.metrics
+        m.num_steps += 1
+        m.schedule_time_s += t_sched - t0
+        m.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        m.device_time_s += t2 - t1
+        self._maybe_log()
         return aborted + outputs
+
+    def _on_finished(self, req: _Request) -> None:
+        for seq in req.seqs:
+            self.metrics.on_finish(
+                seq.finish_reason.value,
+                queue=None
+                if seq.first_scheduled_time is None
+                else seq.first_scheduled_time - seq.arrival_time,
+                ttft=None
+                if seq.first_token_time is None
+                else seq.first_token_time - seq.arrival_time,
+                e2e=seq.finished_time - seq.arrival_time,
+                first_token=seq.first_token_time,
+                last_token=seq.last_token_time,
+                num_tokens=len(seq.output_token_ids),
+            )
+
+    def _maybe_log(self) -> None:
+        interval = self.config.log_stats_interval_s
+        now = time.monotonic()
+        if interval > 0 and now - self._last_log >= interval:
+            self._last_log = now
+            logging.info(format_log_line(self.stats()))
 
     def _run_step(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
         traces = _TRACES[0]
@@ -384,22 +433,55 @@ class Engine:
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=completions,
             finished=all(s.finish_reason is not None for s in req.seqs),
-            num_cached_tokens=0,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
             metrics=metrics,
         )
 
     # Introspection.
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the run so far: compilations, steps, preemptions, KV usage, host vs device time."""
+        """The run's metrics so far, with vLLM-compatible names where one exists.
+
+        Counters (tokens, preemptions, prefix-cache queries and hits in tokens,
+        compilations), gauges (running and waiting requests, KV usage in pages and in
+        token slots), latency summaries (p50/p90/p99/mean of queue time, TTFT, TPOT,
+        inter-token latency, end-to-end latency), throughput, and the host's scheduling
+        and batch-building time against the device step time.
+        """
+        m, sch = self.metrics, self.scheduler
+        kv = sch.kv_usage()
+        running = len(sch.running)
+        host, device = m.host_time_s, m.device_time_s
         return {
+            "num_requests_running": running,
+            "num_requests_waiting": len(sch.waiting),
+            "peak_num_requests_running": sch.peak_running,
+            "kv_cache_usage_perc": kv["page_usage"],
+            "kv_pages_in_use": kv["pages_in_use"],
+            "kv_pages_total": kv["pages_total"],
+            "kv_token_slots_used": kv["token_slots_used"],
+            "kv_token_slots_reserved": kv["token_slots_reserved"],
+            "kv_token_utilization": kv["kv_utilization"],
+            "kv_wasted_slots_per_seq": kv["wasted_slots"] / running if running else 0.0,
+            "prefix_cache_queries": sch.prefix_queries,
+            "prefix_cache_hits": sch.prefix_hits,
+            "prefix_cache_hit_rate": sch.prefix_hits / sch.prefix_queries
+            if sch.prefix_queries
+            else 0.0,
+            "prefix_cache_short_prefix_misses": sch.short_prefix_misses,
+            "num_preemptions": sch.num_preemptions,
+            "num_recomputed_tokens": sch.num_recomputed_tokens,
+            "prompt_tokens": m.prompt_tokens,
+            "generation_tokens": m.generation_tokens,
+            "requests_finished": dict(m.finished),
+            **{name: summary.summary() for name, summary in m.latency.items()},
+            **m.throughput(),
+            "num_steps": m.num_steps,
             "num_compilations": self.num_compilations,
-            "num_steps": self.num_steps,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
-            "host_time_s": self.host_time_s,
-            "device_time_s": self.device_time_s,
-            **self.scheduler.kv_usage(),
+            "schedule_time_per_step_s": m.schedule_time_s / m.num_steps if m.num_steps else 0.0,
+            "host_time_s": host,
+            "device_time_s": device,
+            "host_overhead_fraction": host / (host + device) if host + device else 0.0,
         }
 
     def warmup(self) -> None:

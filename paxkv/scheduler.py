@@ -9,6 +9,19 @@ sequence needs a page and none is left, the scheduler preempts by recompute: the
 victim (lowest priority, then latest arrival) frees its pages and goes back to the
 front of the waiting queue, and later re-prefills its prompt plus the tokens it had
 generated, so its output continues exactly.
+
+Automatic prefix caching (on by default): every full page a sequence computes is
+registered in the pool under a chained key of its tokens (`paxkv.prefix_cache`). A new
+sequence first takes the longest run of cached pages matching its tokens (their
+reference counts go up), and computes only the rest; at least its last token is
+always computed, so the partial last page is handled by recompute. Freed pages keep
+their keys and stay reusable, in LRU order, until allocation evicts them; a
+preempted sequence therefore usually finds its own pages again.
+
+`reservation` selects what a sequence holds, for comparisons at equal memory:
+"paged" (the pages its tokens need), "max" (a contiguous-style reservation of
+max_model_len slots at admission) or "guess" (prompt + `guess_tokens` at admission;
+a sequence that outgrows its guess is preempted and readmitted with twice the guess).
 """
 
 from __future__ import annotations
@@ -16,11 +29,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
+from absl import logging
+
 from paxkv.page_pool import PagePool
+from paxkv.prefix_cache import PageKey, page_keys
 from paxkv.request import FinishReason, SamplingParams
+
+RESERVATIONS = ("paged", "max", "guess")
+_MAX_LEADS = 8192  # first pages remembered for reporting sub-page prefix sharing
 
 
 class SeqStatus(enum.Enum):
@@ -41,6 +60,7 @@ class Sequence:
     seed: int
     arrival_time: float
     priority: int = 0  # lower runs first, as in vLLM
+    cache_salt: str | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
@@ -48,6 +68,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    keys: list[PageKey] = dataclasses.field(default_factory=list)  # of its full computed pages
+    guess_growth: int = 1  # reservation="guess": multiplier of the guess after outgrowing it
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -111,6 +134,9 @@ class Scheduler:
       max_model_len: longest sequence (prompt + output).
       watermark: fraction of the pool kept free when admitting a new sequence, so
         running sequences can grow without an immediate preemption.
+      enable_prefix_caching: reuse cached pages of equal prefixes.
+      reservation: "paged", "max" or "guess" (see the module docstring).
+      guess_tokens: output tokens reserved per sequence when reservation="guess".
     """
 
     def __init__(
@@ -122,9 +148,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+        reservation: str = "paged",
+        guess_tokens: int = 256,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
+        if reservation not in RESERVATIONS:
+            raise ValueError(f"reservation={reservation!r} must be one of {RESERVATIONS}")
+        if reservation != "paged" and enable_prefix_caching:
+            raise ValueError(
+                f"reservation={reservation!r} models contiguous allocation: turn prefix caching off"
+            )
         self.pool = pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -133,8 +168,20 @@ class Scheduler:
         self.watermark_pages = int(watermark * pool.num_usable)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.enable_prefix_caching = enable_prefix_caching
+        self.reservation = reservation
+        self.guess_tokens = guess_tokens
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+        self.short_prefix_misses = (
+            0  # requests sharing their first 4+ tokens, but < 1 page, with a cached prefix
+        )
+        # Leading tokens of recently cached first pages (bounded), to notice prefixes
+        # shared over less than a page.
+        self._first_tokens: OrderedDict[tuple, None] = OrderedDict()
+        self.peak_running = 0
 
     # Admission.
 
@@ -146,7 +193,9 @@ class Scheduler:
                 f"prompt of {num_prompt_tokens} tokens + max_tokens={params.max_tokens} = {total} "
                 f"exceeds max_model_len={self.max_model_len}"
             )
-        pages = -(-total // self.page_size)
+        pages = -(
+            -max(total, self.max_model_len if self.reservation == "max" else 0) // self.page_size
+        )
         if pages > self.pool.num_usable:
             raise ValueError(
                 f"prompt + max_tokens needs {pages} pages but the whole pool has {self.pool.num_usable}"
@@ -161,10 +210,25 @@ class Scheduler:
 
     # Scheduling.
 
+    def _reserved_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """Token slots `seq` must hold to compute its first `num_tokens` tokens."""
+        if self.reservation == "max":
+            return self.max_model_len
+        if self.reservation == "guess" and not seq.pages:
+            guess = len(seq.prompt_token_ids) + self.guess_tokens * seq.guess_growth
+            return max(num_tokens, min(self.max_model_len, guess))
+        return num_tokens
+
     def _pages_for(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.page_size) - len(seq.pages))
+        return max(0, -(-self._reserved_tokens(seq, num_tokens) // self.page_size) - len(seq.pages))
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        if (
+            self.reservation == "guess"
+            and seq.pages
+            and num_tokens > len(seq.pages) * self.page_size
+        ):
+            return False  # a contiguous reservation cannot grow in place
         need = self._pages_for(seq, num_tokens)
         if need == 0:
             return True
@@ -175,9 +239,12 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.reservation == "guess" and seq.num_tokens > len(seq.pages) * self.page_size:
+            seq.guess_growth *= 2
         self.pool.free(reversed(seq.pages))
         self.num_recomputed_tokens += seq.num_computed_tokens
         seq.pages = []
+        seq.keys = []
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -201,7 +268,15 @@ class Scheduler:
                 continue
             n = self._chunk(seq, budget)
             while not self._grow(seq, seq.num_computed_tokens + n):
-                victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+                outgrown = (
+                    self.reservation == "guess"
+                    and seq.num_computed_tokens + n > len(seq.pages) * self.page_size
+                )
+                victims = [
+                    s
+                    for s in self.running
+                    if id(s) not in scheduled and s is not seq and not outgrown
+                ]
                 victim = max(victims, key=Sequence.precedence) if victims else seq
                 if victim.precedence() < seq.precedence() or victim is seq:
                     victim = seq
@@ -217,21 +292,111 @@ class Scheduler:
         # Admit waiting sequences first-come-first-served while they fit.
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            whole = self._pages_for(seq, seq.num_tokens)
-            if self.pool.num_free - whole < self.watermark_pages and self.running:
+            if self._sibling_prefilling(seq):
+                break  # it will share the sibling's prompt pages once they are cached
+            hits = self._lookup(seq)
+            evictable = sum(1 for p in hits if self.pool.refcount(p) == 0)
+            whole = max(
+                0, -(-self._reserved_tokens(seq, seq.num_tokens) // self.page_size) - len(hits)
+            )
+            if self.pool.num_free - evictable - whole < self.watermark_pages and self.running:
                 break
+            self.pool.touch(hits)
+            seq.pages = list(hits)
+            seq.num_computed_tokens = len(hits) * self.page_size
             n = self._chunk(seq, budget)
-            if not self._grow(seq, n):
+            if not self._grow(seq, seq.num_computed_tokens + n):
+                self.pool.free(reversed(seq.pages))
+                seq.pages, seq.num_computed_tokens = [], 0
                 break
+            self._count_lookup(seq, len(hits))
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            chunks.append(ScheduledChunk.of(seq, 0, n))
+            chunks.append(ScheduledChunk.of(seq, seq.num_computed_tokens, n))
             scheduled.add(id(seq))
             budget -= n
+        self.peak_running = max(self.peak_running, len(self.running))
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """Whether another completion of seq's request is still computing the cacheable
+        (full) pages of their shared prompt, which seq will then reuse."""
+        if not self.enable_prefix_caching or seq.params.n == 1 or seq.output_token_ids:
+            return False
+        shared = (len(seq.prompt_token_ids) - 1) // self.page_size * self.page_size
+        return any(
+            s.request_id == seq.request_id and s.num_computed_tokens < shared for s in self.running
+        )
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Pages of the longest cached prefix of seq's tokens, leaving its last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        seq.keys = page_keys(
+            tokens,
+            self.page_size,
+            num_pages=(len(tokens) - 1) // self.page_size,
+            salt=seq.cache_salt,
+        )
+        hits = []
+        for key in seq.keys:
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            hits.append(page)
+        del seq.keys[len(hits) :]
+        return hits
+
+    def _count_lookup(self, seq: Sequence, num_hit_pages: int) -> None:
+        if not self.enable_prefix_caching or seq.num_preemptions:
+            return  # a resumed sequence's hits are recompute savings, not prompt hits
+        self.prefix_queries += len(seq.prompt_token_ids)
+        hit_tokens = num_hit_pages * self.page_size
+        self.prefix_hits += hit_tokens
+        seq.num_cached_tokens = hit_tokens
+        lead = self._lead(seq.prompt_token_ids, seq.cache_salt)
+        if num_hit_pages == 0 and lead in self._first_tokens:
+            self.short_prefix_misses += 1
+            logging.log_first_n(
+                logging.INFO,
+                "paxkv: request %s shares a prefix shorter than one page (page_size=%d) with a "
+                "cached one; prefixes are cached in whole pages, so it was not reused",
+                10,
+                seq.request_id,
+                self.page_size,
+            )
+
+    def _lead(self, tokens: list[int], salt) -> tuple:
+        return (salt, tuple(tokens[: min(4, self.page_size)]))
+
+    def _register_pages(self, seq: Sequence) -> None:
+        """Caches the full pages seq has computed since the last call."""
+        full = min(seq.num_computed_tokens // self.page_size, len(seq.pages))
+        if len(seq.keys) >= full:
+            return
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        parent = seq.keys[-1] if seq.keys else None
+        new = page_keys(
+            tokens,
+            self.page_size,
+            num_pages=full - len(seq.keys),
+            start=len(seq.keys),
+            parent=parent,
+            salt=seq.cache_salt,
+        )
+        for i, key in enumerate(new, start=len(seq.keys)):
+            self.pool.mark_cached(seq.pages[i], key)
+            if i == 0:
+                lead = self._lead(tokens, seq.cache_salt)
+                self._first_tokens[lead] = None
+                self._first_tokens.move_to_end(lead)
+                if len(self._first_tokens) > _MAX_LEADS:
+                    self._first_tokens.popitem(last=False)
+        seq.keys.extend(new)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to run now: all that remain, or a page-aligned prefix that fits."""
@@ -263,6 +428,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if self.enable_prefix_caching:
+                self._register_pages(seq)
             if result is None:
                 continue
             token, logprob = result
@@ -317,4 +484,5 @@ class Scheduler:
             "token_slots_used": used_slots,
             "token_slots_reserved": reserved,
             "wasted_slots": reserved - used_slots,
+            "kv_utilization": used_slots / reserved if reserved else 1.0,
         }

@@ -214,3 +214,86 @@ def test_llm_api_generate_and_stream(tiny):
     assert not llm.engine.has_unfinished()
     with pytest.raises(TypeError, match="unknown arguments"):
         LLM(model="tiny", num_page=3)
+
+
+def test_prefix_caching_on_and_off_give_identical_outputs(tiny):
+    config, model, _ = tiny
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, config.vocab_size, size=27).tolist()  # 3 full pages + 3 tokens
+    prompts = [system + rng.integers(0, config.vocab_size, size=n).tolist() for n in (1, 4, 9, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    off = _run(_engine(model, enable_prefix_caching=False), prompts, params)
+    engine = _engine(model)
+    # The first request fills the cache; the rest arrive after it.
+    first = _run(engine, prompts[:1], params)
+    rest = []
+    for i, p in enumerate(prompts[1:]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    while engine.has_unfinished():
+        rest += [o for o in engine.step() if o.finished]
+    rest.sort(key=lambda o: o.request_id)
+    on = first + rest
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert all(o.num_cached_tokens == 24 for o in on[1:])  # the 3 full system-prompt pages
+    assert all(o.num_cached_tokens == 0 for o in off)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == 3 * 24
+
+
+def test_cache_salt_isolates_tenants(tiny):
+    config, model, _ = tiny
+    engine = _engine(model)
+    prompt = {"prompt_token_ids": list(range(30))}
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = {}
+    for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
+        engine.add_request(rid, prompt, params, cache_salt=salt)
+        while engine.has_unfinished():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["b"].num_cached_tokens == 0 and outs["c"].num_cached_tokens == 24
+    assert (
+        outs["a"].outputs[0].token_ids
+        == outs["b"].outputs[0].token_ids
+        == outs["c"].outputs[0].token_ids
+    )
+
+
+def test_parallel_sampling_n(tiny):
+    config, model, _ = tiny
+    engine = _engine(model)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=7, ignore_eos=True)
+    (out,) = _run(engine, [list(range(20))], params)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per completion
+    assert engine.pool.num_in_use == 0
+
+
+def test_stats_and_prometheus_exposition(tiny):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from paxkv.metrics import PrometheusCollector, format_log_line
+
+    config, model, _ = tiny
+    engine = _engine(model)
+    prompts = [list(range(20)), list(range(20)) + [5, 6], [9, 9]]
+    outs = _run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    stats = engine.stats()
+    assert stats["generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs) == 12
+    assert stats["prompt_tokens"] == 20 + 22 + 2
+    assert stats["requests_finished"] == {"length": 3}
+    assert stats["num_requests_running"] == 0 and stats["kv_pages_in_use"] == 0
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ):
+        s = stats[name]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"]
+    assert 0 < stats["host_overhead_fraction"] < 1 and stats["num_steps"] > 0
+    assert "running=0 waiting=0" in format_log_line(stats)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(PrometheusCollector(engine.stats))
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "paxkv:generation_tokens_total 12.0" in text
+    assert 'paxkv:request_success_total{finished_reason="length"} 3.0' in text
+    assert 'paxkv:time_to_first_token_seconds{quantile="0.5"}' in text

@@ -40,6 +40,8 @@ from absl import app, flags, logging
 
 from paxkv.pallas_kernels import quantize
 
+IMPLS = ("paxkv", "jax-pallas", "xla-dense")
+
 _BATCH_SIZES = flags.DEFINE_list(
     "batch_sizes", ["1", "8", "32", "128", "256"], "Decode batch sizes."
 )
@@ -65,17 +67,13 @@ _COPY_MIB = flags.DEFINE_integer("copy_mib", 4096, "Size of the copy that measur
 _MATMUL_SIZE = flags.DEFINE_integer(
     "matmul_size", 8192, "n of the n x n x n matmul that measures FLOP/s."
 )
-_IMPLS = flags.DEFINE_list(
-    "impls", ["paxkv", "jax-pallas", "xla-dense"], "Implementations to time."
-)
+_IMPLS = flags.DEFINE_list("impls", list(IMPLS), "Implementations to time.")
 _TINY = flags.DEFINE_bool(
     "tiny",
     False,
     "Tiny sizes (overriding the size flags): runs on the CPU in seconds, kernels interpreted.",
 )
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results here as JSON.")
-
-IMPLS = ("paxkv", "jax-pallas", "xla-dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +99,7 @@ class Settings:
 
     @classmethod
     def tiny(cls, **overrides) -> Settings:
+        """Sizes that run on the CPU in seconds (f32, so results compare tightly)."""
         base = dict(
             batch_sizes=(3,), contexts=(40,), prefill_lens=(24,), prefill_batch=2,
             num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32",
@@ -446,7 +445,7 @@ def run(settings: Settings) -> dict:
 
 def settings_from_flags() -> Settings:
     if _TINY.value:
-        return Settings.tiny()
+        return Settings.tiny(impls=tuple(_IMPLS.value))
     ints = lambda values: tuple(int(v) for v in values)
     return Settings(
         batch_sizes=ints(_BATCH_SIZES.value),
