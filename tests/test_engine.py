@@ -241,7 +241,7 @@ def test_prefix_caching_on_and_off_give_identical_outputs(tiny):
 
 
 def test_cache_salt_isolates_tenants(tiny):
-    config, model, _ = tiny
+    _config, model, _ = tiny
     engine = _engine(model)
     prompt = {"prompt_token_ids": list(range(30))}
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -259,7 +259,7 @@ def test_cache_salt_isolates_tenants(tiny):
 
 
 def test_parallel_sampling_n(tiny):
-    config, model, _ = tiny
+    _config, model, _ = tiny
     engine = _engine(model)
     params = SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=7, ignore_eos=True)
     (out,) = _run(engine, [list(range(20))], params)
@@ -273,9 +273,9 @@ def test_stats_and_prometheus_exposition(tiny):
     prometheus_client = pytest.importorskip("prometheus_client")
     from paxkv.metrics import PrometheusCollector, format_log_line
 
-    config, model, _ = tiny
+    _config, model, _ = tiny
     engine = _engine(model)
-    prompts = [list(range(20)), list(range(20)) + [5, 6], [9, 9]]
+    prompts = [list(range(20)), [*list(range(20)), 5, 6], [9, 9]]
     outs = _run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     stats = engine.stats()
     assert stats["generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs) == 12
