@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from paxkv.pallas_kernels import NULL_PAGE, write_kv_pages
+from paxkv.host_batch import pad_page_table
+from paxkv.pallas_kernels import write_kv_pages
 
 KV_CACHE_DTYPES = {
     "int8": jnp.int8,
@@ -96,34 +96,19 @@ class PageTable:
         `pages[s]` are the page ids of live sequence s in order, `kv_lens[s]` its cache
         length after the step and `q_lens[s]` its new tokens.
         """
-        n = len(kv_lens)
-        if not (len(pages) == n == len(q_lens)):
-            raise ValueError(
-                f"pages, kv_lens and q_lens have lengths {len(pages)}, {n}, {len(q_lens)}"
-            )
-        if n > max_num_seqs:
-            raise ValueError(f"{n} sequences exceed max_num_seqs={max_num_seqs}")
-        table = np.full((max_num_seqs, pages_per_seq), NULL_PAGE, np.int32)
-        for s, row in enumerate(pages):
-            if len(row) > pages_per_seq:
-                raise ValueError(
-                    f"sequence {s} holds {len(row)} pages, more than pages_per_seq={pages_per_seq}"
-                )
-            if -(-kv_lens[s] // page_size) > len(row):
-                raise ValueError(
-                    f"sequence {s}: kv_len={kv_lens[s]} needs more than its {len(row)} pages"
-                )
-            table[s, : len(row)] = row
-        lens = np.zeros(max_num_seqs, np.int32)
-        lens[:n] = kv_lens
-        cu = np.zeros(max_num_seqs + 1, np.int32)
-        cu[1 : n + 1] = np.cumsum(q_lens)
-        cu[n + 1 :] = cu[n]
+        table, lens, cu, n = pad_page_table(
+            pages,
+            kv_lens,
+            q_lens,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            pages_per_seq=pages_per_seq,
+        )
         return cls(
             block_tables=jnp.asarray(table),
             kv_lens=jnp.asarray(lens),
             cu_q_lens=jnp.asarray(cu),
-            num_seqs=jnp.asarray([n], jnp.int32),
+            num_seqs=jnp.asarray(n),
             page_size=page_size,
         )
 

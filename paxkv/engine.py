@@ -25,6 +25,7 @@ from absl import logging
 from flax import nnx, struct
 
 from paxkv.cache import PagedKVCache, PageTable
+from paxkv.host_batch import Buckets, build_host_batch
 from paxkv.metrics import EngineMetrics, format_log_line
 from paxkv.page_pool import PagePool
 from paxkv.request import (
@@ -55,13 +56,6 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return (*out, hi)
-
-
-def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
 
 
 _TRACES = [0]  # traces of `_step` in this process: one per compiled bucket signature
@@ -184,7 +178,7 @@ class Engine:
             reservation=config.reservation,
             guess_tokens=config.guess_tokens,
         )
-        self._token_buckets, self._seq_buckets, self._page_buckets = config.buckets()
+        self._buckets = Buckets(*config.buckets())
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []  # reported by the next step
         self._rng = random.Random(config.seed)
@@ -361,47 +355,20 @@ class Engine:
         return tokens, logprobs
 
     def _build_batch(self, plan: SchedulerOutput) -> StepBatch:
-        n_tokens = plan.num_tokens
-        n_seqs = len(plan.chunks)
-        t_pad = _bucket(n_tokens, self._token_buckets, "tokens in the step")
-        s_pad = _bucket(n_seqs, self._seq_buckets, "sequences in the step")
-        pages_needed = max(
-            -(-(c.start + c.num_tokens) // self.config.page_size) for c in plan.chunks
-        )
-        p_pad = _bucket(pages_needed, self._page_buckets, "pages per sequence")
-        tokens = np.zeros(t_pad, np.int32)
-        positions = np.zeros(t_pad, np.int32)
-        logits_indices = np.zeros(s_pad, np.int32)
-        row = 0
-        sampling = []
-        for i, c in enumerate(plan.chunks):
-            seq = c.seq
-            tokens[row : row + c.num_tokens] = seq.token_ids(c.start, c.start + c.num_tokens)
-            positions[row : row + c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
-            row += c.num_tokens
-            logits_indices[i] = row - 1
-            p = seq.params
-            sampling.append(
-                (p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_token_ids))
-            )
-        table = PageTable.from_host(
-            [
-                c.seq.pages[: -(-(c.start + c.num_tokens) // self.config.page_size)]
-                for c in plan.chunks
-            ],
-            [c.start + c.num_tokens for c in plan.chunks],
-            [c.num_tokens for c in plan.chunks],
+        hb = build_host_batch(plan, page_size=self.config.page_size, buckets=self._buckets)
+        names = [f.name for f in dataclasses.fields(hb)]
+        a = dict(
+            zip(names, jax.device_put([getattr(hb, n) for n in names]), strict=True)
+        )  # one transfer
+        table = PageTable(
+            block_tables=a["block_tables"],
+            kv_lens=a["kv_lens"],
+            cu_q_lens=a["cu_q_lens"],
+            num_seqs=a["num_seqs"],
             page_size=self.config.page_size,
-            max_num_seqs=s_pad,
-            pages_per_seq=p_pad,
         )
-        return StepBatch(
-            tokens=jnp.asarray(tokens),
-            positions=jnp.asarray(positions),
-            table=table,
-            logits_indices=jnp.asarray(logits_indices),
-            sampling=SamplingBatch.from_host(sampling, s_pad),
-        )
+        sampling = SamplingBatch(floats=a["sampling_floats"], ints=a["sampling_ints"])
+        return StepBatch(a["tokens"], a["positions"], table, a["logits_indices"], sampling)
 
     def _output(self, req: _Request) -> RequestOutput:
         completions = []
@@ -488,10 +455,10 @@ class Engine:
         """Compiles every bucket now, so no request waits for a compilation later."""
         logging.info(
             "paxkv: compiling %d buckets",
-            len(self._token_buckets) * len(self._seq_buckets) * len(self._page_buckets),
+            len(self._buckets.tokens) * len(self._buckets.seqs) * len(self._buckets.pages),
         )
         for t, s, p in itertools.product(
-            self._token_buckets, self._seq_buckets, self._page_buckets
+            self._buckets.tokens, self._buckets.seqs, self._buckets.pages
         ):
             if s > t:
                 continue

@@ -10,32 +10,38 @@ from flax import struct
 
 @struct.dataclass
 class SamplingBatch:
-    """Per-sequence sampling parameters of one step, padded to the step's S."""
+    """Per-sequence sampling parameters of one step, padded to the step's S.
 
-    temperature: jax.Array  # f32[S]; 0 = greedy
-    top_k: jax.Array  # i32[S]; <= 0 = off
-    top_p: jax.Array  # f32[S]; 1 = off
-    min_p: jax.Array  # f32[S]; 0 = off
-    seeds: jax.Array  # i32[S]
-    counters: jax.Array  # i32[S]; index of the token being sampled within its completion
+    Two arrays, so the host moves them in two transfers: `floats` holds temperature
+    (0 = greedy), top_p (1 = off) and min_p (0 = off); `ints` holds top_k (<= 0 = off),
+    the seed, and the counter (index of the token being sampled in its completion).
+    """
+
+    floats: jax.Array  # f32[S, 3]
+    ints: jax.Array  # i32[S, 3]
+
+    temperature = property(lambda self: self.floats[:, 0])
+    top_p = property(lambda self: self.floats[:, 1])
+    min_p = property(lambda self: self.floats[:, 2])
+    top_k = property(lambda self: self.ints[:, 0])
+    seeds = property(lambda self: self.ints[:, 1])
+    counters = property(lambda self: self.ints[:, 2])
+
+    @staticmethod
+    def host_rows(size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Padding rows (greedy, no truncation) to fill: `(floats f32[size, 3], ints i32[size, 3])`."""
+        floats = np.zeros((size, 3), np.float32)
+        floats[:, 1] = 1.0
+        return floats, np.zeros((size, 3), np.int32)
 
     @classmethod
-    def from_host(
-        cls, params: list[tuple[float, int, float, float, int, int]], size: int
-    ) -> SamplingBatch:
-        """Pads `(temperature, top_k, top_p, min_p, seed, counter)` rows to `size` rows (greedy)."""
-        rows = np.zeros((size, 6), np.float64)
-        rows[:, 2] = 1.0
-        if params:
-            rows[: len(params)] = np.asarray(params, np.float64)
-        return cls(
-            temperature=jnp.asarray(rows[:, 0], jnp.float32),
-            top_k=jnp.asarray(rows[:, 1], jnp.int32),
-            top_p=jnp.asarray(rows[:, 2], jnp.float32),
-            min_p=jnp.asarray(rows[:, 3], jnp.float32),
-            seeds=jnp.asarray(rows[:, 4], jnp.int32),
-            counters=jnp.asarray(rows[:, 5], jnp.int32),
-        )
+    def from_host(cls, params, size: int) -> SamplingBatch:
+        """Pads `(temperature, top_k, top_p, min_p, seed, counter)` rows to `size` rows."""
+        floats, ints = cls.host_rows(size)
+        for i, (temperature, top_k, top_p, min_p, seed, counter) in enumerate(params):
+            floats[i] = (temperature, top_p, min_p)
+            ints[i] = (top_k, seed, counter)
+        return cls(floats=jnp.asarray(floats), ints=jnp.asarray(ints))
 
 
 def sample(

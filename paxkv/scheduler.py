@@ -31,6 +31,7 @@ import enum
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from absl import logging
 
@@ -93,8 +94,7 @@ class Sequence:
         return (self.priority, self.arrival_time)
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """`num_tokens` tokens of `seq`, starting at position `start`, run this step.
 
     `samples` is whether the step samples a token for the sequence: its chunk reaches
@@ -261,13 +261,17 @@ class Scheduler:
         now = time.monotonic()
         running = sorted(self.running, key=Sequence.precedence)
         # Decodes (one token left to compute) first, then prefill chunks.
-        order = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
-        order += [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in order:
+        decodes, prefills = [], []
+        for s in running:
+            (decodes if s.num_tokens - s.num_computed_tokens == 1 else prefills).append(s)
+        paged = self.reservation == "paged"
+        ps = self.page_size
+        for seq in decodes + prefills:
             if budget == 0 or seq.status is not SeqStatus.RUNNING:
                 continue
             n = self._chunk(seq, budget)
-            while not self._grow(seq, seq.num_computed_tokens + n):
+            fits = paged and seq.num_computed_tokens + n <= len(seq.pages) * ps  # the common case
+            while not fits and not self._grow(seq, seq.num_computed_tokens + n):
                 outgrown = (
                     self.reservation == "guess"
                     and seq.num_computed_tokens + n > len(seq.pages) * self.page_size
@@ -423,12 +427,13 @@ class Scheduler:
         """
         now = time.monotonic()
         finished = []
+        caching, ps = self.enable_prefix_caching, self.page_size
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            if self.enable_prefix_caching:
+            if caching and seq.num_computed_tokens // ps > len(seq.keys):
                 self._register_pages(seq)
             if result is None:
                 continue

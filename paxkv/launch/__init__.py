@@ -1,0 +1,57 @@
+"""Launch apps over the library: `paxkv-generate` and `paxkv-plan`.
+
+`flags.py` holds the flags the apps share and builds library objects from them; each
+app's `main()` parses its flags, builds, and runs. `read_prompts` (here, so that it
+imports without defining any flag) reads the prompt files of `paxkv-generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def read_prompts(path: str | os.PathLike) -> list[str | dict]:
+    """The prompts of a file: one per line, as text or as JSON objects.
+
+    A `.jsonl` file, or any file whose first non-blank line is a JSON object, holds one
+    object per line with "prompt" (a string) or "prompt_token_ids" (a list of ints).
+    Any other file holds one text prompt per line. Blank lines are skipped. Raises
+    ValueError, naming the file and line, for a malformed line or a file with no prompts.
+    """
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as f:
+        lines = [(i, line.rstrip("\r\n")) for i, line in enumerate(f, 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{path}: the file holds no prompts")
+    if not (path.endswith(".jsonl") or _is_json_object(lines[0][1])):
+        return [line for _, line in lines]
+    return [_json_prompt(path, i, line) for i, line in lines]
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _json_prompt(path: str, lineno: int, line: str) -> dict:
+    where = f"{path}:{lineno}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg}): {line[:80]!r}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "prompt_token_ids" in record:
+        ids = record["prompt_token_ids"]
+        if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+            raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of ints")
+        return {"prompt_token_ids": ids}
+    if isinstance(record.get("prompt"), str):
+        return {"prompt": record["prompt"]}
+    raise ValueError(
+        f'{where}: expected {{"prompt": str}} or {{"prompt_token_ids": [int, ...]}}, '
+        f"got keys {sorted(record)}"
+    )

@@ -1,0 +1,124 @@
+"""Flags shared by the launch apps, and the library objects they build.
+
+`--config` names a serving set-up of `paxkv.configs`; the engine flags override its
+`EngineConfig` fields (unset, they keep the set-up's). `--model_dir` is a local
+Hugging Face checkpoint whose weights (and config.json) replace the set-up's shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import NoReturn
+
+from absl import flags, logging
+
+from paxkv.configs import NAMES, ServingSetup, get_config
+from paxkv.llm import LLM
+from paxkv.models import CONFIG_FILE, LlamaConfig
+from paxkv.models.config import DTYPES
+from paxkv.plan import KV_CACHE_DTYPES
+
+CONFIG = flags.DEFINE_string("config", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
+MODEL_DIR = flags.DEFINE_string(
+    "model_dir",
+    None,
+    "Local Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) of "
+    "--config's model. Required except for configs with random weights (tiny).",
+)
+DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter dtype; unset: the model's.")
+SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
+
+# EngineConfig fields; None keeps the set-up's value.
+NUM_PAGES = flags.DEFINE_integer(
+    "num_pages", None, "KV pages of all layers (page 0 is reserved).", lower_bound=2
+)
+PAGE_SIZE = flags.DEFINE_integer("page_size", None, "Tokens per KV page.", lower_bound=1)
+MAX_NUM_SEQS = flags.DEFINE_integer(
+    "max_num_seqs", None, "Sequences running at once.", lower_bound=1
+)
+MAX_NUM_BATCHED_TOKENS = flags.DEFINE_integer(
+    "max_num_batched_tokens", None, "Tokens computed per step.", lower_bound=1
+)
+MAX_MODEL_LEN = flags.DEFINE_integer(
+    "max_model_len", None, "Longest sequence, prompt and output.", lower_bound=1
+)
+KV_CACHE_DTYPE = flags.DEFINE_enum(
+    "kv_cache_dtype", None, list(KV_CACHE_DTYPES), "KV page dtype; auto: the model dtype."
+)
+ATTENTION_BACKEND = flags.DEFINE_enum(
+    "attention_backend", None, ["auto", "reference", "tpu", "gpu"], "Attention implementation."
+)
+
+_ENGINE_FLAGS = {
+    "num_pages": NUM_PAGES,
+    "page_size": PAGE_SIZE,
+    "max_num_seqs": MAX_NUM_SEQS,
+    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+    "max_model_len": MAX_MODEL_LEN,
+    "kv_cache_dtype": KV_CACHE_DTYPE,
+    "attention_backend": ATTENTION_BACKEND,
+}
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def serving_setup() -> ServingSetup:
+    """The set-up of `--config`, with `--model_dir`'s shapes, `--dtype` and the engine flags.
+
+    Raises ValueError (or OSError) for an unknown config, a missing checkpoint, or
+    engine limits that contradict each other or the model.
+    """
+    setup = get_config(CONFIG.value)
+    model = setup.model
+    if MODEL_DIR.value is not None:
+        model = _checkpoint_config(MODEL_DIR.value)
+        differ = [f for f in _SHAPE_FIELDS if getattr(model, f) != getattr(setup.model, f)]
+        if differ:
+            logging.warning(
+                "--model_dir=%s differs from --config=%s in %s: serving with the checkpoint's "
+                "shapes and the config's engine limits",
+                MODEL_DIR.value,
+                setup.name,
+                ", ".join(differ),
+            )
+    if DTYPE.value is not None:
+        model = model.replace(dtype=DTYPE.value)
+    overrides = {name: f.value for name, f in _ENGINE_FLAGS.items() if f.value is not None}
+    engine = dataclasses.replace(setup.engine, seed=SEED.value, **overrides)
+    if engine.max_model_len > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={engine.max_model_len} exceeds the model's "
+            f"max_position_embeddings={model.max_position_embeddings}"
+        )
+    return setup.replace(model=model, engine=engine)
+
+
+def build_llm(setup: ServingSetup) -> LLM:
+    """An `LLM` serving `setup`: `--model_dir`'s weights, or random ones where the set-up allows."""
+    if MODEL_DIR.value is None and not setup.random_weights:
+        raise ValueError(
+            f"--config={setup.name} holds the model's shapes only: pass "
+            "--model_dir=<local Hugging Face checkpoint directory> for its weights"
+        )
+    engine_kwargs = {
+        f.name: getattr(setup.engine, f.name)
+        for f in dataclasses.fields(setup.engine)
+        if f.name != "seed"  # LLM's own argument
+    }
+    return LLM(MODEL_DIR.value or setup.name, dtype=DTYPE.value, seed=SEED.value, **engine_kwargs)
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """Ends an app on bad input: the message on stderr, exit status 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _checkpoint_config(model_dir: str) -> LlamaConfig:
+    path = os.path.join(model_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"--model_dir={model_dir!r} holds no {CONFIG_FILE}")
+    with open(path) as f:
+        return LlamaConfig.from_hf(json.load(f))

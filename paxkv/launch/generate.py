@@ -1,0 +1,90 @@
+"""Generates completions of prompts with the paged engine, and prints them with the run's stats.
+
+    paxkv-generate --prompt="def f(x):" --prompt="Once upon a time" --max_tokens=32
+    paxkv-generate --config=llama-3.1-8b --model_dir=/ckpt/Llama-3.1-8B --prompts_file=p.jsonl
+
+Prompts come from `--prompt` (repeatable) and `--prompts_file` (one per line: text, or
+JSONL with {"prompt": ...} or {"prompt_token_ids": [...]}; see
+`paxkv.launch.read_prompts`). The default config, tiny, has random weights and a byte
+tokenizer, so it runs on the CPU with nothing to download.
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app, flags
+
+from paxkv.launch import flags as launch_flags
+from paxkv.launch import read_prompts
+from paxkv.request import RequestOutput, SamplingParams
+
+_PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt; repeat the flag for more.")
+_PROMPTS_FILE = flags.DEFINE_string(
+    "prompts_file", None, "File of prompts, one per line: text, or JSONL objects."
+)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Tokens to generate per prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k likeliest tokens; 0 keeps all.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens with this mass.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}; prompts go in --prompt")
+    try:
+        setup = launch_flags.serving_setup()
+        prompts = list(_PROMPT.value)
+        if _PROMPTS_FILE.value is not None:
+            prompts += read_prompts(_PROMPTS_FILE.value)
+        if not prompts:
+            raise ValueError("no prompts: pass --prompt=... (repeatable) or --prompts_file=...")
+        params = SamplingParams(
+            max_tokens=_MAX_TOKENS.value,
+            temperature=_TEMPERATURE.value,
+            top_k=_TOP_K.value,
+            top_p=_TOP_P.value,
+        )
+        llm = launch_flags.build_llm(setup)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)  # validates every prompt before running any
+        elapsed = time.perf_counter() - start
+    except (ValueError, OSError) as e:
+        launch_flags.exit_with_error(str(e))
+    for out in outputs:
+        print(_format_output(out))
+    print(_format_stats(outputs, llm.stats(), elapsed))
+
+
+def _format_output(out: RequestOutput) -> str:
+    prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
+    lines = [f"[{out.request_id}] prompt: {prompt!r}"]
+    for c in out.outputs:
+        text = c.text if c.text is not None else c.token_ids
+        lines.append(
+            f"[{out.request_id}] completion: {text!r} ({len(c.token_ids)} tokens, {c.finish_reason})"
+        )
+    return "\n".join(lines)
+
+
+def _format_stats(outputs: list[RequestOutput], stats: dict, elapsed: float) -> str:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return "\n".join(
+        [
+            "--- stats ---",
+            f"requests: {len(outputs)}, prompt tokens: {prompt_tokens}, generated tokens: {generated}",
+            f"compilations: {stats['num_compilations']}, steps: {stats['num_steps']}, "
+            f"preemptions: {stats['num_preemptions']}",
+            f"throughput: {generated / elapsed:.1f} tokens/s ({generated} tokens in {elapsed:.2f} s, "
+            f"compilation included; device {stats['device_time_s']:.2f} s, host {stats['host_time_s']:.2f} s)",
+        ]
+    )
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,111 @@
+"""The KV capacity planner: how many sequences fit, paged against contiguous, per page size and cache dtype.
+
+    paxkv-plan --config=llama-3.1-8b --device=H200
+    paxkv-plan --config=tiny --kv_budget_gib=0.5 --workload=fixed --prompt_len=100 --output_len=28
+
+The KV budget is `--kv_budget_gib`, or `--kv_fraction` of a `--device`'s memory left
+after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_len`) or
+`--workload=sharegpt` (log-normal with those medians and `--sigma`, capped at
+max_model_len). Prints a markdown report; `--json_out` writes it as JSON. The logic is
+`paxkv.plan`; single-device accounting.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+from paxkv import plan
+from paxkv.launch import flags as launch_flags
+
+_KV_BUDGET_GIB = flags.DEFINE_float(
+    "kv_budget_gib", None, "Bytes for the KV cache, in GiB (instead of --device)."
+)
+_DEVICE = flags.DEFINE_enum(
+    "device",
+    None,
+    list(plan.DEVICE_HBM_GIB),
+    "Accelerator whose memory, less the weights, holds the KV cache (instead of --kv_budget_gib).",
+    case_sensitive=False,
+)
+_KV_FRACTION = flags.DEFINE_float(
+    "kv_fraction", 0.9, "With --device: the share of the memory left after the weights for KV."
+)
+_WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", list(plan.WORKLOADS), "Length distribution.")
+_PROMPT_LEN = flags.DEFINE_integer(
+    "prompt_len", 128, "Prompt tokens: fixed, or the log-normal median (sharegpt)."
+)
+_OUTPUT_LEN = flags.DEFINE_integer(
+    "output_len", 128, "Output tokens: fixed, or the log-normal median (sharegpt)."
+)
+_SIGMA = flags.DEFINE_float("sigma", 1.0, "sharegpt: standard deviation of the log lengths.")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 100_000, "sharegpt: lengths drawn.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the report as JSON to this path.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}")
+    try:
+        setup = launch_flags.serving_setup()
+        report = plan.build_report(
+            setup.model,
+            name=setup.name,
+            budget=_budget(setup.model),
+            workload=plan.Workload(
+                _WORKLOAD.value,
+                prompt_len=_PROMPT_LEN.value,
+                output_len=_OUTPUT_LEN.value,
+                sigma=_SIGMA.value,
+                num_samples=_NUM_SAMPLES.value,
+                seed=launch_flags.SEED.value,
+            ),
+            page_size=setup.engine.page_size,
+            max_model_len=setup.engine.max_model_len,
+        )
+        _check_fits(report)
+        if _JSON_OUT.value is not None:
+            with open(_JSON_OUT.value, "w") as f:
+                json.dump(report.to_dict(), f, indent=2)
+    except (ValueError, OSError) as e:
+        launch_flags.exit_with_error(str(e))
+    print(report.to_markdown(), end="")
+
+
+def _budget(model) -> plan.KVBudget:
+    weights = plan.weights_bytes(model)
+    if (_KV_BUDGET_GIB.value is None) == (_DEVICE.value is None):
+        raise ValueError(
+            f"pass exactly one of --kv_budget_gib=<GiB> or --device=<{'|'.join(plan.DEVICE_HBM_GIB)}>"
+        )
+    if _DEVICE.value is not None:
+        return plan.KVBudget.on_device(
+            _DEVICE.value, weights_bytes=weights, kv_fraction=_KV_FRACTION.value
+        )
+    if not _KV_BUDGET_GIB.value > 0:
+        raise ValueError(f"--kv_budget_gib={_KV_BUDGET_GIB.value} must be positive")
+    return plan.KVBudget.given(int(_KV_BUDGET_GIB.value * plan.GIB), weights_bytes=weights)
+
+
+def _check_fits(report: plan.CapacityReport) -> None:
+    p = report.plans["auto"]
+    if p.fits_one_sequence:
+        return
+    quantized = report.plans["int8"]
+    raise ValueError(
+        f"a KV budget of {p.kv_budget_bytes} bytes ({plan.format_bytes(p.kv_budget_bytes)}) is too "
+        f"small for one sequence of max_model_len={p.max_model_len}: at page_size={p.page_size} a "
+        f"{p.page_dtype} cache needs at least {p.min_kv_budget_bytes} bytes "
+        f"({plan.format_bytes(p.min_kv_budget_bytes)}: {1 + p.pages_per_seq} pages of "
+        f"{p.page_bytes * p.num_layers} bytes, the null page included), an int8 cache "
+        f"{quantized.min_kv_budget_bytes} bytes"
+    )
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
