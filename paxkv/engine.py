@@ -50,11 +50,11 @@ class StepBatch:
     sampling: SamplingBatch
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+def _geometric(lo: int, hi: int, growth: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
         out.append(b)
-        b *= 2
+        b *= growth
     return (*out, hi)
 
 
@@ -79,7 +79,7 @@ _STEP = jax.jit(_step, static_argnames=("attention_backend",), donate_argnames=(
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Serving limits and shapes. `None` buckets are powers of two up to the limit."""
+    """Serving limits and step shapes (see `buckets`)."""
 
     num_pages: int = 1024
     page_size: int = 16
@@ -97,6 +97,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
+    bucket_growth: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -111,14 +112,19 @@ class EngineConfig:
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
-    def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """(token, sequence, pages-per-sequence) buckets, each ending at its limit."""
-        tokens = self.token_buckets or _powers_of_two(
-            min(16, self.max_num_batched_tokens), self.max_num_batched_tokens
+    def buckets(self) -> Buckets:
+        """The step shapes: each list grows by `bucket_growth` and ends at its limit.
+
+        `seq_buckets=None` ties the sequence count to the token bucket.
+        """
+        g = self.bucket_growth
+        tokens = self.token_buckets or _geometric(
+            min(16, self.max_num_batched_tokens), self.max_num_batched_tokens, g
         )
-        seqs = self.seq_buckets or _powers_of_two(min(4, self.max_num_seqs), self.max_num_seqs)
-        pages = self.page_buckets or _powers_of_two(min(8, self.pages_per_seq), self.pages_per_seq)
-        return tuple(tokens), tuple(seqs), tuple(pages)
+        pages = self.page_buckets or _geometric(min(8, self.pages_per_seq), self.pages_per_seq, g)
+        return Buckets(
+            tuple(tokens), tuple(self.seq_buckets or ()), tuple(pages), self.max_num_seqs
+        )
 
 
 @dataclasses.dataclass
@@ -178,7 +184,7 @@ class Engine:
             reservation=config.reservation,
             guess_tokens=config.guess_tokens,
         )
-        self._buckets = Buckets(*config.buckets())
+        self._buckets = config.buckets()
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []  # reported by the next step
         self._rng = random.Random(config.seed)
@@ -453,15 +459,9 @@ class Engine:
 
     def warmup(self) -> None:
         """Compiles every bucket now, so no request waits for a compilation later."""
-        logging.info(
-            "paxkv: compiling %d buckets",
-            len(self._buckets.tokens) * len(self._buckets.seqs) * len(self._buckets.pages),
-        )
-        for t, s, p in itertools.product(
-            self._buckets.tokens, self._buckets.seqs, self._buckets.pages
-        ):
-            if s > t:
-                continue
+        shapes = self._buckets.shapes()
+        logging.info("paxkv: compiling %d step shapes", len(shapes))
+        for t, s, p in shapes:
             table = PageTable(
                 block_tables=jnp.zeros((s, p), jnp.int32),
                 kv_lens=jnp.zeros(s, jnp.int32),

@@ -62,11 +62,17 @@ def pad_page_table(
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """The declared padded sizes of a step: packed tokens, sequences, pages per sequence."""
+    """The declared padded sizes of a step: packed tokens, sequences, pages per sequence.
+
+    With `seqs` empty the sequence count is tied to the token bucket (`min(T,
+    max_seqs)`, always enough since every sequence has a token), so the engine
+    compiles one step per (token, page) bucket pair instead of one per triple.
+    """
 
     tokens: tuple[int, ...]
     seqs: tuple[int, ...]
     pages: tuple[int, ...]
+    max_seqs: int
 
     @staticmethod
     def pick(n: int, sizes: tuple[int, ...], what: str) -> int:
@@ -74,6 +80,20 @@ class Buckets:
             if n <= b:
                 return b
         raise ValueError(f"{what}={n} exceeds the largest bucket {sizes[-1]}")
+
+    def seq_bucket(self, num_seqs: int, token_bucket: int) -> int:
+        if not self.seqs:
+            return min(token_bucket, self.max_seqs)
+        return self.pick(num_seqs, self.seqs, "sequences in the step")
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, pages per sequence) a step can have: what warm-up compiles."""
+        pairs = (
+            [(t, self.seq_bucket(0, t)) for t in self.tokens]
+            if not self.seqs
+            else [(t, s) for t in self.tokens for s in self.seqs if s <= t]
+        )
+        return [(t, s, p) for t, s in pairs for p in self.pages]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +117,7 @@ def build_host_batch(plan: SchedulerOutput, *, page_size: int, buckets: Buckets)
     ends = [c.start + c.num_tokens for c in chunks]
     n_pages = [-(-e // page_size) for e in ends]
     t_pad = Buckets.pick(plan.num_tokens, buckets.tokens, "tokens in the step")
-    s_pad = Buckets.pick(len(chunks), buckets.seqs, "sequences in the step")
+    s_pad = buckets.seq_bucket(len(chunks), t_pad)
     p_pad = Buckets.pick(max(n_pages), buckets.pages, "pages per sequence")
     token_list: list[int] = []
     position_list: list[int] = []

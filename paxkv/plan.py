@@ -266,10 +266,10 @@ class CapacityPlan:
         return self.paged_concurrency * self.pages_per_seq * BLOCK_TABLE_ENTRY_BYTES
 
     @property
-    def paged_gain(self) -> float:
-        """Paged over contiguous concurrency."""
+    def paged_gain(self) -> float | None:
+        """Paged over contiguous concurrency; None when contiguous allocation holds none."""
         if not self.contiguous_concurrency:
-            return math.inf if self.paged_concurrency else 1.0
+            return None
         return self.paged_concurrency / self.contiguous_concurrency
 
     @property
@@ -445,7 +445,7 @@ class CapacityReport:
         for p in self.plans.values():
             lines.append(
                 f"| {_dtype_label(p)} | {p.token_bytes:.0f} | {p.num_pages} | {p.contiguous_concurrency} "
-                f"| {_seqs(p)} | {p.paged_gain:.1f}x "
+                f"| {_seqs(p)} | {'-' if p.paged_gain is None else f'{p.paged_gain:.1f}x'} "
                 f"| {p.contiguous_waste_tokens:.0f} tok ({p.contiguous_waste_fraction:.0%}) "
                 f"| {p.paged_waste_tokens:.1f} tok ({p.paged_waste_fraction:.1%}) "
                 f"| {format_bytes(p.block_table_bytes)} |"

@@ -110,6 +110,20 @@ def build_llm(setup: ServingSetup) -> LLM:
     return LLM(MODEL_DIR.value or setup.name, dtype=DTYPE.value, seed=SEED.value, **engine_kwargs)
 
 
+def list_in_help(app_module: str, doc: str | None) -> None:
+    """Makes `--help` show the app's doc, its flags and these shared ones.
+
+    absl's `--help` shows the flags of the module named by `sys.argv[0]`, which for a
+    console script is the installed wrapper, where no flag is defined.
+    """
+    main = sys.modules["__main__"]
+    for module in (app_module, __name__):
+        for flag in flags.FLAGS.get_flags_for_module(module):
+            flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    if not main.__doc__:
+        main.__doc__ = doc
+
+
 def exit_with_error(message: str) -> NoReturn:
     """Ends an app on bad input: the message on stderr, exit status 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)

@@ -83,6 +83,7 @@ def _format_stats(outputs: list[RequestOutput], stats: dict, elapsed: float) -> 
 
 
 def run() -> None:
+    launch_flags.list_in_help(__name__, __doc__)
     app.run(main)
 
 

@@ -6,8 +6,10 @@
 The KV budget is `--kv_budget_gib`, or `--kv_fraction` of a `--device`'s memory left
 after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_len`) or
 `--workload=sharegpt` (log-normal with those medians and `--sigma`, capped at
-max_model_len). Prints a markdown report; `--json_out` writes it as JSON. The logic is
-`paxkv.plan`; single-device accounting.
+max_model_len). Of the shared flags it reads --config, --model_dir (its config.json),
+--dtype, --page_size, --max_model_len and --seed; it plans every KV cache dtype. Prints a
+markdown report; `--json_out` writes it as JSON. The logic is `paxkv.plan`;
+single-device accounting.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def _check_fits(report: plan.CapacityReport) -> None:
 
 
 def run() -> None:
+    launch_flags.list_in_help(__name__, __doc__)
     app.run(main)
 
 

@@ -1,0 +1,15 @@
+"""The byte-level toy model with random weights: runs on the CPU with no downloads."""
+
+from paxkv.models.config import TINY
+
+from paxkv.engine import EngineConfig
+
+MODEL = TINY
+RANDOM_WEIGHTS = True
+SERVING = EngineConfig(
+    num_pages=256,  # 4096 token slots
+    page_size=16,
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    max_model_len=512,
+)

@@ -1,0 +1,380 @@
+"""Ragged paged attention on NVIDIA GPUs: Pallas kernels with the Triton lowering.
+
+One call serves any mixed batch by composing two kernels (bodies in
+`ragged_paged_attention_kernels.py`):
+
+* decode sequences (q_len == 1) go to a split-K decode kernel, grid
+  `(S, Hkv, num_splits)`: each program reads a contiguous share of one sequence's pages
+  for one KV head, with the G = Hq / Hkv query heads of that KV head as the M dim of the
+  dots (GQA and MQA use the tensor cores); the splits' partial `(acc, max, denominator)`
+  are merged by a log-sum-exp combine in jnp. With one split the kernel writes the
+  normalized output itself.
+* every other live sequence (a prefill or a prefill chunk) goes to a prefill kernel, grid
+  `(query blocks, Hkv)`: each program takes a block of one sequence's query tokens times
+  the G heads and loops over the pages that block can see with an online softmax.
+
+The outputs are merged per row in jnp; padding rows are exact zeros.
+
+Limits (ValueError at trace time): head_dim in (64, 128, 256); the shared contract's page
+sizes (powers of two in [8, 1024]). Triton tensors must be powers of two and a
+tensor-core dot needs M, N, K >= 16, so KV blocks are powers of two >= 16 tokens: pages of
+8 tokens are read several to a block, pages larger than a block a slice at a time, and a
+group G that is not a power of two is padded (masked rows). float8_e4m3fn pages need a
+GPU of compute capability 8.9 or newer (Triton's conversion); H100/H200 are 9.0. Large
+groups (G > 64, e.g. MQA with many heads) give decode tiles of G rows: correct, but with
+more registers per program than the defaults are tuned for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from ..attention_inputs import AttentionShapes, check_attention_inputs
+from ..reference import token_layout
+from .jax_compat import plgpu
+from .ragged_paged_attention_kernels import KernelConfig, decode_kernel, prefill_kernel
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+MIN_BLOCK = 16  # smallest M, N and K of a Triton tensor-core dot
+MAX_KV_BLOCK = 512
+MAX_SPLITS = 64
+# The automatic split count aims for this many decode programs: two waves on an
+# H100/H200 (132 SMs), so a batch of a few long sequences still fills the GPU.
+_TARGET_DECODE_PROGRAMS = 2 * 132
+# Shared memory the default KV blocks may fill with their pipelined K and V tiles: about
+# half of an H100/H200's 228 KiB, leaving room for the Q tile and the dots' staging.
+KV_TILE_BUDGET_BYTES = 128 * 1024
+
+
+def _is_power_of_two(x) -> bool:
+    return isinstance(x, int) and x > 0 and not x & (x - 1)
+
+
+def _next_power_of_two(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _floor_power_of_two(x: int) -> int:
+    return 1 << max(0, x.bit_length() - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Static tunables of `ragged_paged_attention_gpu`; None picks a default for the call.
+
+    A KV block is the number of cached tokens one inner-loop step reads: `kv_block //
+    page_size` whole pages when pages are smaller than the block, a slice of one page when
+    they are larger. Every block size is a power of two (Triton tensors must be).
+
+    Attributes:
+      decode_kv_block: KV tokens per step of the decode kernel, in [16, 512]. Default:
+        the largest of 128, 64, 32, 16 whose `num_stages` buffered K and V tiles fit
+        KV_TILE_BUDGET_BYTES of shared memory (128 for bf16 and head_dim 128).
+      num_splits: KV splits per decode sequence (split-K), in [1, 64]. Default: enough
+        splits for about two waves of `(S, Hkv, splits)` programs on a 132-SM GPU.
+      prefill_block_m: rows of a prefill tile, in (query token, query head) pairs: a
+        tile holds `max(1, prefill_block_m // Gp)` tokens of one sequence, Gp being G
+        rounded up to a power of two. At least 16.
+      prefill_kv_block: KV tokens per step of the prefill kernel, in [16, 512]. Default:
+        as decode_kv_block, at most 64.
+      decode_num_warps, prefill_num_warps: Triton warps per program (1 to 16, powers of two).
+      num_stages: Triton software-pipelining stages of both kernels' KV loops (>= 1).
+    """
+
+    decode_kv_block: int | None = None
+    num_splits: int | None = None
+    prefill_block_m: int = 64
+    prefill_kv_block: int | None = None
+    decode_num_warps: int = 4
+    prefill_num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self) -> None:
+        """Raises ValueError, showing the values, for a field out of range."""
+        for name in ("decode_kv_block", "prefill_kv_block"):
+            value = getattr(self, name)
+            if value is not None and (
+                not _is_power_of_two(value) or not MIN_BLOCK <= value <= MAX_KV_BLOCK
+            ):
+                raise ValueError(
+                    f"BlockSizes.{name}={value!r} must be None or a power of two in "
+                    f"[{MIN_BLOCK}, {MAX_KV_BLOCK}]"
+                )
+        if not _is_power_of_two(self.prefill_block_m) or self.prefill_block_m < MIN_BLOCK:
+            raise ValueError(
+                f"BlockSizes.prefill_block_m={self.prefill_block_m!r} must be a power of two >= {MIN_BLOCK}"
+            )
+        if self.num_splits is not None and (
+            not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= MAX_SPLITS
+        ):
+            raise ValueError(
+                f"BlockSizes.num_splits={self.num_splits!r} must be None or an int in [1, {MAX_SPLITS}]"
+            )
+        for name in ("decode_num_warps", "prefill_num_warps"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value) or value > 16:
+                raise ValueError(f"BlockSizes.{name}={value!r} must be a power of two in [1, 16]")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
+
+    def resolve(self, shapes: AttentionShapes, compute_dtype) -> BlockSizes:
+        """These block sizes with every None replaced by its default for `shapes`."""
+        tile_bytes = self.num_stages * 2 * shapes.head_dim * jnp.dtype(compute_dtype).itemsize
+        fitting = max(MIN_BLOCK, _floor_power_of_two(KV_TILE_BUDGET_BYTES // tile_bytes))
+        decode_kv_block = self.decode_kv_block or min(128, fitting)
+        num_splits = self.num_splits
+        if num_splits is None:
+            max_blocks = -(-shapes.pages_per_seq * shapes.page_size // decode_kv_block)
+            programs = max(1, shapes.max_num_seqs * shapes.num_kv_heads)
+            num_splits = max(
+                1, min(-(-_TARGET_DECODE_PROGRAMS // programs), max_blocks, MAX_SPLITS)
+            )
+        return dataclasses.replace(
+            self,
+            decode_kv_block=decode_kv_block,
+            num_splits=num_splits,
+            prefill_kv_block=self.prefill_kv_block or min(64, fitting),
+        )
+
+
+def _compute_dtype(q_dtype, page_dtype, quantized: bool) -> jnp.dtype:
+    """Operand dtype of the kernels' dots: q's dtype for quantized or same-dtype pages
+    (int8 and both float8 formats convert to bf16/f16 exactly), else float32."""
+    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    if q_dtype == jnp.float32 or (not quantized and page_dtype != q_dtype):
+        return jnp.dtype(jnp.float32)
+    return q_dtype
+
+
+def check_gpu_kernel_inputs(shapes: AttentionShapes, block_sizes: BlockSizes) -> None:
+    """Limits of the GPU kernels beyond the shared input contract (which already requires
+    a power-of-two page size in [8, 1024]): head_dim in SUPPORTED_HEAD_DIMS and valid
+    BlockSizes. Pages of 8 tokens are read several per KV block, so every dot keeps
+    dims >= 16."""
+    if shapes.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim={shapes.head_dim} must be one of {SUPPORTED_HEAD_DIMS} for the GPU kernel"
+        )
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes or None")
+    block_sizes.validate()
+
+
+def _decode_only_check(cu_q_lens, num_seqs) -> None:
+    if isinstance(cu_q_lens, jax.core.Tracer) or isinstance(num_seqs, jax.core.Tracer):
+        return
+    n = int(np.asarray(num_seqs)[0])
+    q_lens = np.diff(np.asarray(cu_q_lens)[: n + 1])
+    if np.any(q_lens > 1):
+        s = int(np.argmax(q_lens > 1))
+        raise ValueError(f"decode_only=True but sequence {s} has q_len={q_lens[s]} > 1")
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, Hkv, ps, D]
+    v_pages: jax.Array,  # [P, Hkv, ps, D]
+    kv_lens: jax.Array,  # i32[S]
+    block_tables: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+    block_sizes: BlockSizes | None = None,
+    decode_only: bool = False,
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D], q.dtype
+    """Ragged paged attention with the semantics of `ragged_paged_attention_reference`.
+
+    Pages `[P, Hkv, ps, D]` (float, or int8/float8 with per-token-per-head scales
+    `f32[P, Hkv, ps]`, dequantized in the kernel); packed ragged queries delimited by
+    `cu_q_lens`; causal within each chunk, optional sliding window (pages wholly before the
+    window are skipped) and soft-cap; padding rows and rows that see nothing are exact
+    zeros. Dots run in float32 (IEEE, never TF32) when q or the pages are float32 (or q
+    and the pages are different 16-bit dtypes), else in q's 16-bit dtype with float32
+    accumulation; quantized pages convert exactly to q's dtype.
+
+    Args:
+      block_sizes: static tunables (None: `BlockSizes()`).
+      decode_only: static promise that every live sequence has q_len <= 1, which skips
+        the prefill kernel. Checked when the lengths are concrete; under `jit` a broken
+        promise leaves the rows of longer chunks zero.
+      interpret: run the kernels in the Pallas interpreter (any backend, e.g. the CPU).
+
+    Raises:
+      ValueError: at trace time, for inputs `check_attention_inputs` rejects, head_dim not
+        in SUPPORTED_HEAD_DIMS, or BlockSizes out of range.
+    """
+    shapes = check_attention_inputs(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window, soft_cap=soft_cap,
+    )  # fmt: skip
+    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    check_gpu_kernel_inputs(shapes, block_sizes)
+    if decode_only:
+        _decode_only_check(cu_q_lens, num_seqs)
+    return _ragged_paged_attention_gpu(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales,
+        sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=sliding_window,
+        block_sizes=block_sizes,
+        decode_only=bool(decode_only),
+        interpret=interpret,
+    )  # fmt: skip
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "block_sizes",
+        "decode_only",
+        "interpret",
+    ),
+)
+def _ragged_paged_attention_gpu(
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales,
+    *, sm_scale, soft_cap, sliding_window, block_sizes, decode_only, interpret,
+):  # fmt: skip
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    max_num_seqs, pages_per_seq = block_tables.shape
+    if num_tokens == 0 or max_num_seqs == 0 or pages_per_seq == 0:
+        return jnp.zeros_like(q)  # no row can see a cached token
+    shapes = AttentionShapes(
+        num_tokens, num_q_heads, num_kv_heads, head_dim, k_pages.shape[0], page_size,
+        max_num_seqs, pages_per_seq, k_scales is not None,
+    )  # fmt: skip
+    group = num_q_heads // num_kv_heads
+    compute_dtype = _compute_dtype(q.dtype, k_pages.dtype, shapes.quantized)
+    block_sizes = block_sizes.resolve(shapes, compute_dtype)
+
+    def config(kv_block):
+        return KernelConfig(
+            num_q_heads=num_q_heads,
+            group_size=group,
+            group_padded=_next_power_of_two(group),
+            page_size=page_size,
+            kv_block=kv_block,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            compute_dtype=compute_dtype,
+            quantized=shapes.quantized,
+        )
+
+    kv_inputs = (q, k_pages, v_pages) + ((k_scales, v_scales) if shapes.quantized else ())
+    seq_of_row, _, row_valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    row_q_len = q_lens[seq_of_row]
+
+    per_seq = _decode(kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes,
+                      config(block_sizes.decode_kv_block), block_sizes, interpret)  # fmt: skip
+    out = jnp.where((row_valid & (row_q_len == 1))[:, None, None], per_seq[seq_of_row], 0)
+    if not decode_only:
+        prefill = _prefill(kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes,
+                           config(block_sizes.prefill_kv_block), block_sizes, interpret)  # fmt: skip
+        out = jnp.where((row_valid & (row_q_len > 1))[:, None, None], prefill, out)
+    return out.astype(q.dtype)
+
+
+def _decode(
+    kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes, cfg, block_sizes, interpret
+):
+    """Decode attention per sequence: `[S, Hq, D]`, valid for decode sequences only."""
+    q = kv_inputs[0]
+    splits = block_sizes.num_splits
+    s, hq, d = shapes.max_num_seqs, shapes.num_q_heads, shapes.head_dim
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((s, hq, d), q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((splits, s, hq, d), jnp.float32),
+            jax.ShapeDtypeStruct((splits, s, hq), jnp.float32),
+            jax.ShapeDtypeStruct((splits, s, hq), jnp.float32),
+        )
+    result = pl.pallas_call(
+        functools.partial(decode_kernel, cfg=cfg, num_splits=splits),
+        out_shape=out_shape,
+        grid=(s, shapes.num_kv_heads, splits),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.decode_num_warps, num_stages=block_sizes.num_stages
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_decode",
+    )(kv_lens, block_tables, cu_q_lens, num_seqs, *kv_inputs)
+    if splits == 1:
+        return result
+    return combine_splits(*result)
+
+
+def combine_splits(acc: jax.Array, row_max: jax.Array, denom: jax.Array) -> jax.Array:
+    """Merges split-K partials with a log-sum-exp rescale.
+
+    acc f32[K, ..., D] (unnormalized weighted values), row_max f32[K, ...] (each split's
+    max logit, -inf when it saw nothing), denom f32[K, ...] (its softmax denominator, 0
+    when it saw nothing). Returns `sum_k e^(max_k - M) acc_k / sum_k e^(max_k - M) denom_k`
+    with M the max over splits, and exact zeros where no split saw anything.
+    """
+    top = jnp.max(row_max, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.where(denom > 0, jnp.exp(row_max - top[None]), 0.0)
+    total = jnp.sum(weight * denom, axis=0)
+    out = jnp.sum(weight[..., None] * acc, axis=0)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+def prefill_blocks(cu_q_lens, num_seqs, rows: int, num_blocks: int):
+    """Query blocks of the prefill kernel: `(block_seq i32[NB], block_index i32[NB])`.
+
+    Each live sequence with q_len > 1 gets `cdiv(q_len, rows)` consecutive blocks; block b
+    belongs to sequence `block_seq[b]` as its `block_index[b]`-th block. Blocks past the
+    last one have `block_seq = -1`.
+    """
+    max_num_seqs = cu_q_lens.shape[0] - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    prefill = (jnp.arange(max_num_seqs) < num_seqs[0]) & (q_lens > 1)
+    counts = jnp.where(prefill, (q_lens + rows - 1) // rows, 0)
+    ends = jnp.cumsum(counts)
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), max_num_seqs - 1).astype(jnp.int32)
+    live = b < ends[-1]
+    block_seq = jnp.where(live, seq, -1)
+    block_index = jnp.where(live, b - (ends[seq] - counts[seq]), 0)
+    return block_seq.astype(jnp.int32), block_index.astype(jnp.int32)
+
+
+def _prefill(
+    kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes, cfg, block_sizes, interpret
+):
+    """Prefill attention `[T, Hq, D]`, valid for rows of sequences with q_len > 1 only."""
+    q = kv_inputs[0]
+    rows = max(1, block_sizes.prefill_block_m // cfg.group_padded)
+    t = shapes.num_tokens
+    # Prefill sequences have q_len >= 2, so there are at most T // 2 of them, and each
+    # adds at most one partly filled block.
+    num_blocks = -(-t // rows) + min(shapes.max_num_seqs, t // 2)
+    block_seq, block_index = prefill_blocks(cu_q_lens, num_seqs, rows, num_blocks)
+    return pl.pallas_call(
+        functools.partial(prefill_kernel, cfg=cfg, rows=rows),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(num_blocks, shapes.num_kv_heads),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.prefill_num_warps, num_stages=block_sizes.num_stages
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_prefill",
+    )(block_seq, block_index, kv_lens, block_tables, cu_q_lens, *kv_inputs)

@@ -1,0 +1,266 @@
+"""The load benchmark: one workload, one model, one KV memory budget, three allocators.
+
+It runs the same requests through the same engine with the same number of KV pages,
+changing only what a sequence reserves:
+
+* `paged`: the pages its tokens need (with prefix caching);
+* `contiguous_max`: max_model_len slots at admission, the classic contiguous cache;
+* `contiguous_guess`: prompt + a guessed output length at admission; a sequence that
+  outgrows its guess is preempted and recomputed with a doubled guess.
+
+and reports throughput, latency percentiles, peak concurrency, KV utilisation (token
+slots used over slots reserved, averaged over steps), preemptions and prefix hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from paxkv.engine import Engine, EngineConfig
+from paxkv.request import SamplingParams
+
+SETUPS = ("paged", "contiguous_max", "contiguous_guess")
+WORKLOADS = ("sharegpt", "fixed", "shared_prefix")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Requests to replay: prompts, output lengths and arrival offsets in seconds."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float]
+
+    def describe(self) -> dict[str, Any]:
+        p = np.array([len(x) for x in self.prompts])
+        o = np.array(self.output_lens)
+        return {
+            "name": self.name,
+            "num_requests": len(p),
+            "prompt_len_mean": float(p.mean()),
+            "prompt_len_max": int(p.max()),
+            "output_len_mean": float(o.mean()),
+            "output_len_max": int(o.max()),
+            "last_arrival_s": float(max(self.arrivals)),
+        }
+
+
+def make_workload(
+    name: str,
+    *,
+    num_requests: int,
+    vocab_size: int,
+    max_model_len: int,
+    seed: int = 0,
+    request_rate: float = float("inf"),
+    burstiness: float = 1.0,
+    fixed_prompt_len: tuple[int, int] = (64, 512),
+    fixed_output_len: tuple[int, int] = (32, 256),
+    prefix_len: int = 512,
+    group_size: int = 8,
+) -> Workload:
+    """Builds a named workload.
+
+    * "sharegpt": log-normal prompt (median ~170) and output (median ~120) lengths with
+      a long tail, prompt + output capped at max_model_len (4k in the defaults);
+    * "fixed": lengths uniform in the given ranges;
+    * "shared_prefix": groups of `group_size` requests sharing a `prefix_len` system prompt.
+
+    Arrivals: all at t=0 when `request_rate` is infinite, else a gamma process with
+    mean rate `request_rate` and shape `burstiness` (1 is Poisson).
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"workload={name!r} must be one of {WORKLOADS}")
+    if not request_rate > 0:
+        raise ValueError(f"request_rate={request_rate} must be > 0 (inf: all at once)")
+    rng = np.random.default_rng(seed)
+    if name == "sharegpt":
+        prompt_lens = np.clip(rng.lognormal(5.15, 1.0, num_requests), 4, max_model_len // 2).astype(
+            int
+        )
+        output_lens = np.clip(rng.lognormal(4.8, 0.9, num_requests), 2, None).astype(int)
+        output_lens = np.minimum(output_lens, max_model_len - prompt_lens)
+    elif name == "fixed":
+        prompt_lens = rng.integers(fixed_prompt_len[0], fixed_prompt_len[1] + 1, num_requests)
+        output_lens = rng.integers(fixed_output_len[0], fixed_output_len[1] + 1, num_requests)
+    else:
+        prompt_lens = prefix_len + rng.integers(8, 128, num_requests)
+        output_lens = rng.integers(16, 128, num_requests)
+    if np.any(prompt_lens + output_lens > max_model_len):
+        raise ValueError(
+            f"workload {name!r} has requests longer than max_model_len={max_model_len}"
+        )
+    prompts = [rng.integers(0, vocab_size, int(n)).tolist() for n in prompt_lens]
+    if name == "shared_prefix":
+        for g in range(0, num_requests, group_size):
+            prefix = rng.integers(0, vocab_size, prefix_len).tolist()
+            for i in range(g, min(g + group_size, num_requests)):
+                prompts[i][:prefix_len] = prefix
+    if np.isinf(request_rate):
+        arrivals = np.zeros(num_requests)
+    else:
+        gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num_requests)
+        arrivals = np.cumsum(gaps) - gaps[0]
+    return Workload(name, prompts, [int(x) for x in output_lens], arrivals.tolist())
+
+
+def _percentiles(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(xs, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def run_setup(
+    setup: str,
+    model,
+    workload: Workload,
+    *,
+    num_pages: int,
+    page_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    guess_tokens: int,
+    kv_cache_dtype: str = "auto",
+    attention_backend: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Replays `workload` through one setup and returns its measurements."""
+    if setup not in SETUPS:
+        raise ValueError(f"setup={setup!r} must be one of {SETUPS}")
+    paged = setup == "paged"
+    engine = Engine(
+        model,
+        EngineConfig(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_backend=attention_backend,
+            enable_prefix_caching=paged,
+            reservation={"paged": "paged", "contiguous_max": "max", "contiguous_guess": "guess"}[
+                setup
+            ],
+            guess_tokens=guess_tokens,
+            watermark=0.0,
+            log_stats_interval_s=0,
+        ),
+    )
+    engine.warmup()
+    compiled = engine.num_compilations
+    order = np.argsort(workload.arrivals, kind="stable")
+    next_req = 0
+    done: dict[str, Any] = {}
+    util_used = util_reserved = 0
+    start = time.monotonic()
+    n = len(order)
+    while len(done) < n:
+        now = time.monotonic() - start
+        while next_req < n and workload.arrivals[order[next_req]] <= now:
+            i = int(order[next_req])
+            params = SamplingParams(
+                temperature=0.0, max_tokens=workload.output_lens[i], ignore_eos=True
+            )
+            engine.add_request(
+                str(i),
+                {"prompt_token_ids": workload.prompts[i]},
+                params,
+                arrival_time=start + workload.arrivals[i],
+            )
+            next_req += 1
+        if not engine.has_unfinished():
+            time.sleep(min(0.01, max(0.0, workload.arrivals[order[next_req]] - now)))
+            continue
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+                if progress is not None:
+                    progress(len(done), n)
+        kv = engine.scheduler.kv_usage()
+        util_used += kv["token_slots_used"]
+        util_reserved += kv["token_slots_reserved"]
+    elapsed = time.monotonic() - start
+    stats = engine.stats()
+    outs = list(done.values())
+    ttft = [o.metrics.ttft for o in outs]
+    tpot = [
+        (o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+        for o in outs
+        if len(o.outputs[0].token_ids) > 1
+    ]
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "setup": setup,
+        "num_requests": n,
+        "elapsed_s": elapsed,
+        "req_per_s": n / elapsed,
+        "output_tok_per_s": out_tokens / elapsed,
+        "ttft_s": _percentiles(ttft),
+        "tpot_s": _percentiles(tpot),
+        "ttft_p50_s": _percentiles(ttft)["p50"],
+        "peak_concurrency": stats["peak_num_requests_running"],
+        "kv_utilization": util_used / util_reserved if util_reserved else 0.0,
+        "preemptions": stats["num_preemptions"],
+        "recomputed_tokens": stats["num_recomputed_tokens"],
+        "prefix_hit_rate": stats["prefix_cache_hit_rate"],
+        "num_steps": stats["num_steps"],
+        "recompilations_after_warmup": engine.num_compilations - compiled,
+        "host_overhead_fraction": stats["host_overhead_fraction"],
+    }
+
+
+def progress_bar(label: str) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr."""
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // total
+        sys.stderr.write(f"\r{label:>17} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """A markdown table of the setups side by side."""
+    rows = [
+        ("peak concurrent sequences", "peak_concurrency", "{:d}"),
+        ("output tok/s", "output_tok_per_s", "{:.1f}"),
+        ("req/s", "req_per_s", "{:.2f}"),
+        ("TTFT p50 / p90 / p99 (s)", "ttft_s", None),
+        ("TPOT p50 / p90 / p99 (ms)", "tpot_s", None),
+        ("KV utilisation (used / reserved)", "kv_utilization", "{:.1%}"),
+        ("preemptions", "preemptions", "{:d}"),
+        ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+    ]
+    setups = results["setups"]
+    names = [s for s in SETUPS if s in setups]
+    lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for label, key, fmt in rows:
+        cells = []
+        for s in names:
+            v = setups[s][key]
+            if fmt is None:
+                scale = 1000 if key == "tpot_s" else 1
+                cells.append(
+                    " / ".join(
+                        "-" if v[q] is None else f"{v[q] * scale:.3g}"
+                        for q in ("p50", "p90", "p99")
+                    )
+                )
+            else:
+                cells.append(fmt.format(v))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

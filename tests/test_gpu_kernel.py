@@ -1,0 +1,379 @@
+"""The GPU (Pallas Triton) ragged paged attention kernel against the reference.
+
+Everything runs in the Pallas interpreter on the CPU; `test_lowers_to_triton` also lowers
+every grid point for CUDA and verifies the Triton IR, so lowering problems show up here
+rather than on the GPU.
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import GRID, TOLERANCES, GridPoint, make_case
+from paxkv.pallas_kernels import AttentionShapes
+from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
+from paxkv.pallas_kernels.gpu import BlockSizes, ragged_paged_attention_gpu
+from paxkv.pallas_kernels.gpu.jax_compat import triton_kernels_in, triton_lowering_target
+from paxkv.pallas_kernels.gpu.ragged_paged_attention import combine_splits
+from paxkv.pallas_kernels.gpu.ragged_paged_attention_kernels import KernelConfig, visible_range
+
+# float16 is not in the shared table: 4x its output rounding (2^-11), as bf16's 2e-2 is of
+# bf16's 2^-8 rounding.
+_TOLERANCES = {**TOLERANCES, np.dtype(np.float16): 2e-3}
+_POINTS = {p.name: p for p in GRID}
+
+
+def kernel(*args, **kwargs):
+    return ragged_paged_attention_gpu(*args, **kwargs, interpret=True)
+
+
+@functools.cache
+def _expected(point: GridPoint, seed: int) -> np.ndarray:
+    case = point.case(seed)
+    out = reference(*case.args(), **point.attention_kwargs(case))
+    return np.asarray(out.astype(jnp.float32))
+
+
+def _check(point: GridPoint, seed: int = 0, **kwargs) -> np.ndarray:
+    case = point.case(seed)
+    out = np.asarray(
+        kernel(*case.args(), **point.attention_kwargs(case), **kwargs).astype(jnp.float32)
+    )
+    assert np.all(np.isfinite(out)), "poisoned pages or padding leaked into the output"
+    tol = _TOLERANCES[np.dtype(case.q.dtype)]
+    np.testing.assert_allclose(out, _expected(point, seed), rtol=tol, atol=tol)
+    assert np.all(out[int(case.cu_q_lens[case.num_seqs[0]]) :] == 0), (
+        "padding rows must be exact zeros"
+    )
+    return out
+
+
+@pytest.mark.parametrize("point", GRID, ids=lambda p: p.name)
+def test_matches_reference_over_grid(point):
+    _check(point)
+
+
+# Shapes the shared grid does not reach: a group of 3 (padded to 4), head_dim 256, pages
+# larger than a KV block, e5m2 and float16 pages, and q and pages of different dtypes.
+EXTRA = [
+    GridPoint("mixed-gqa3-d256-p64-e5m2-window", (1, 3, 70), (90, 3, 200), 6, 2, 256, 64,
+              page_dtype="float8_e5m2", sliding_window=100),
+    GridPoint("mixed-gqa6-d128-p128-f16-softcap", (1, 40, 1), (300, 40, 129), 12, 2, 128, 128,
+              dtype="float16", soft_cap=15.0),
+    GridPoint("mixed-mha-d64-p8-bf16q-f32pages", (1, 9, 17), (33, 9, 40), 2, 2, 64, 8,
+              dtype="bfloat16", page_dtype="float32"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("point", EXTRA, ids=lambda p: p.name)
+def test_matches_reference_beyond_grid(point):
+    _check(point)
+
+
+@pytest.mark.parametrize(
+    "block_sizes",
+    [
+        # KV blocks smaller than a page (a slice of one page per step) and 2-token tiles.
+        BlockSizes(decode_kv_block=16, prefill_kv_block=16, prefill_block_m=16),
+        # KV blocks of many pages, wide prefill tiles, more warps and stages.
+        BlockSizes(
+            decode_kv_block=256,
+            prefill_kv_block=128,
+            prefill_block_m=128,
+            decode_num_warps=8,
+            prefill_num_warps=8,
+            num_stages=3,
+        ),
+    ],
+    ids=["small-blocks", "large-blocks"],
+)
+@pytest.mark.parametrize("name", ["mixed-gqa8-d128-p16-softcap-window", "mixed-gqa2-d64-p8-int8"])
+def test_block_sizes_do_not_change_the_result(name, block_sizes):
+    _check(_POINTS[name], block_sizes=block_sizes)
+
+
+@pytest.mark.parametrize(
+    "name, splits",
+    # decode-mha has sequences of 1 to 3 KV blocks, so most of its 8 splits have none;
+    # long-gqa2's 66 blocks split unevenly in 5.
+    [("decode-mha-d64-p16", 8), ("long-gqa2-d64-p32", 5)],
+)
+def test_split_counts_agree(name, splits):
+    point = _POINTS[name]
+    one, many = (
+        _check(point, block_sizes=BlockSizes(decode_kv_block=32, num_splits=k)) for k in (1, splits)
+    )
+    np.testing.assert_allclose(many, one, rtol=2e-6, atol=2e-6)
+
+
+def test_default_block_sizes_fit_the_call():
+    def shapes(head_dim, max_num_seqs, num_kv_heads, pages_per_seq=2048):
+        return AttentionShapes(
+            num_tokens=max_num_seqs, num_q_heads=4 * num_kv_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, num_pages=10_000, page_size=16, max_num_seqs=max_num_seqs,
+            pages_per_seq=pages_per_seq, quantized=False,
+        )  # fmt: skip
+
+    def resolved(*args, dtype=jnp.bfloat16, **kwargs):
+        r = BlockSizes(**kwargs).resolve(shapes(*args), dtype)
+        return r.decode_kv_block, r.prefill_kv_block, r.num_splits
+
+    assert resolved(128, 1, 8) == (128, 64, 33)  # one long sequence: split it
+    assert resolved(128, 256, 8) == (128, 64, 1)  # 2048 programs already
+    assert resolved(256, 4, 2, dtype=jnp.float32) == (32, 32, 33)  # f32 tiles: smaller blocks
+    assert resolved(64, 1, 1) == (128, 64, 64)  # at most MAX_SPLITS
+    assert resolved(128, 1, 1, decode_kv_block=16, num_splits=3) == (16, 64, 3)
+    assert BlockSizes().resolve(shapes(128, 1, 1, pages_per_seq=4), jnp.bfloat16).num_splits == 1
+
+
+def test_combine_splits_matches_one_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 12)).astype(np.float32) * 4  # [rows, kv]
+    values = rng.standard_normal((12, 8)).astype(np.float32)
+    # Split the kv axis unevenly, with an empty split and a row that sees nothing.
+    visible = np.ones((2, 12), bool)
+    visible[1] = False
+    bounds = [(0, 5), (5, 5), (5, 12)]
+    accs, maxes, denoms = [], [], []
+    for lo, hi in bounds:
+        s = np.where(visible[:, lo:hi], logits[:, lo:hi], -np.inf)
+        row_max = s.max(axis=1, initial=-np.inf)
+        p = np.where(
+            visible[:, lo:hi], np.exp(s - np.where(np.isfinite(row_max), row_max, 0)[:, None]), 0
+        )
+        accs.append(p @ values[lo:hi])
+        maxes.append(row_max)
+        denoms.append(p.sum(axis=1))
+    out = np.asarray(
+        combine_splits(
+            jnp.asarray(np.stack(accs)), jnp.asarray(np.stack(maxes)), jnp.asarray(np.stack(denoms))
+        )
+    )
+    weights = np.exp(logits[0] - logits[0].max())
+    np.testing.assert_allclose(out[0], weights @ values / weights.sum(), rtol=1e-6)
+    assert np.all(out[1] == 0)
+
+
+def test_decode_only_hint():
+    point = _POINTS["decode-gqa2-d64-p32-int8-softcap"]
+    out = _check(point, decode_only=True)
+    np.testing.assert_array_equal(out, _check(point))
+    case = _POINTS["mixed-gqa2-d64-p8-int8"].case(0)
+    with pytest.raises(ValueError, match=re.escape("decode_only=True but sequence 2 has q_len=5")):
+        kernel(
+            *case.args(),
+            **_POINTS["mixed-gqa2-d64-p8-int8"].attention_kwargs(case),
+            decode_only=True,
+        )
+
+
+def test_poisoned_and_garbage_entries_do_not_change_output():
+    point = _POINTS["mixed-gqa8-d64-p16-fp8-window"]
+    case = point.case(seed=2)
+    poisoned = np.asarray(kernel(*case.args(), **point.attention_kwargs(case)))
+
+    def clean(x):
+        y = np.asarray(x, np.float32)
+        return np.where(np.isnan(y), 123.0, y).astype(x.dtype)
+
+    # Finite garbage in place of NaN, and block-table entries past each sequence's pages
+    # that name no page at all: neither may be read.
+    tables = case.block_tables.copy()
+    needed = -(-case.kv_lens // case.k_pages.shape[2])
+    for s in range(tables.shape[0]):
+        if s >= case.num_seqs[0]:
+            tables[s] = 10**6
+        tables[s, needed[s] :] = -7
+    cleaned = dataclasses.replace(
+        case,
+        q=clean(case.q),
+        k_pages=clean(case.k_pages),
+        v_pages=clean(case.v_pages),
+        k_scales=clean(case.k_scales),
+        v_scales=clean(case.v_scales),
+        block_tables=tables,
+    )
+    out = np.asarray(kernel(*cleaned.args(), **point.attention_kwargs(cleaned)))
+    assert np.all(np.isfinite(poisoned))
+    np.testing.assert_array_equal(poisoned, out)
+
+
+def test_empty_sequences_and_no_live_sequences_give_zeros():
+    case = make_case(
+        3,
+        q_lens=(0, 1, 4),
+        kv_lens=(0, 9, 4),
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=8,
+    )
+    out = np.asarray(kernel(*case.args(), sm_scale=case.sm_scale))
+    expected = np.asarray(reference(*case.args(), sm_scale=case.sm_scale))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert np.all(out[5:] == 0)
+    args = list(case.args())
+    args[6] = jnp.asarray([0], jnp.int32)  # num_seqs = 0: every row is padding
+    assert np.all(np.asarray(kernel(*args, sm_scale=case.sm_scale)) == 0)
+
+
+def test_under_user_jit():
+    point = _POINTS["mixed-gqa2-d64-p8-int8"]
+    case = point.case(seed=0)
+    kwargs = point.attention_kwargs(case)
+    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales")}
+    fn = jax.jit(lambda *a, **s: kernel(*a, **s, **kwargs))
+    tol = _TOLERANCES[np.dtype(case.q.dtype)]
+    np.testing.assert_allclose(
+        np.asarray(fn(*case.args(), **scales)), _expected(point, 0), rtol=tol, atol=tol
+    )
+
+
+@pytest.mark.parametrize(
+    "window, kv_block, page_size",
+    [(None, 64, 16), (1, 64, 16), (40, 64, 16), (40, 16, 64), (300, 128, 8), (5, 16, 16)],
+)
+def test_window_loop_starts_at_first_visible_page(window, kv_block, page_size):
+    cfg = KernelConfig(
+        num_q_heads=1,
+        group_size=1,
+        group_padded=1,
+        page_size=page_size,
+        kv_block=kv_block,
+        sm_scale=1.0,
+        soft_cap=None,
+        sliding_window=window,
+        compute_dtype=jnp.dtype(jnp.float32),
+        quantized=False,
+    )
+    for first_pos, last_pos in [(0, 0), (7, 7), (100, 100), (100, 131), (1000, 1063)]:
+        lo, hi, start, num_blocks = (
+            int(x) for x in visible_range(jnp.int32(first_pos), jnp.int32(last_pos), cfg)
+        )
+        assert (lo, hi) == (0 if window is None else max(0, first_pos - window + 1), last_pos)
+        assert start // page_size == lo // page_size, "the loop must start in the page holding lo"
+        assert start <= lo and start % min(kv_block, page_size) == 0
+        assert start + (num_blocks - 1) * kv_block <= hi < start + num_blocks * kv_block
+
+
+def _valid_args():
+    case = make_case(
+        5, q_lens=(1, 3), kv_lens=(10, 3), num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8
+    )
+    return list(case.args()), case.sm_scale
+
+
+def _with_head_dim(args, head_dim):
+    args[0] = jnp.zeros((*args[0].shape[:2], head_dim))
+    args[1] = args[2] = jnp.zeros((*args[1].shape[:3], head_dim))
+
+
+@pytest.mark.parametrize(
+    "mutate, kwargs, message",
+    [
+        (lambda a: _with_head_dim(a, 96), {}, "head_dim=96 must be one of (64, 128, 256)"),
+        (lambda a: _with_head_dim(a, 32), {}, "head_dim=32"),
+        (None, {"block_sizes": BlockSizes(decode_kv_block=48)}, "BlockSizes.decode_kv_block=48"),
+        (None, {"block_sizes": BlockSizes(prefill_kv_block=8)}, "BlockSizes.prefill_kv_block=8"),
+        (
+            None,
+            {"block_sizes": BlockSizes(prefill_kv_block=1024)},
+            "BlockSizes.prefill_kv_block=1024",
+        ),
+        (None, {"block_sizes": BlockSizes(prefill_block_m=8)}, "BlockSizes.prefill_block_m=8"),
+        (None, {"block_sizes": BlockSizes(num_splits=0)}, "BlockSizes.num_splits=0"),
+        (None, {"block_sizes": BlockSizes(decode_num_warps=3)}, "BlockSizes.decode_num_warps=3"),
+        (None, {"block_sizes": BlockSizes(num_stages=0)}, "BlockSizes.num_stages=0"),
+        (None, {"block_sizes": (64, 64)}, "block_sizes=(64, 64) must be a BlockSizes"),
+        # The shared contract is checked first.
+        (lambda a: a.__setitem__(2, a[2][:, :1]), {}, "v_pages.shape"),
+        (lambda a: a.__setitem__(4, a[4][:, :1]), {}, "block_tables too narrow"),
+    ],
+)
+def test_bad_input_names_the_argument(mutate, kwargs, message):
+    args, sm_scale = _valid_args()
+    if mutate is not None:
+        mutate(args)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kernel(*args, sm_scale=sm_scale, **kwargs)
+
+
+LOWERING_VARIANTS = [(p, None) for p in GRID + EXTRA] + [
+    (_POINTS["mixed-gqa8-d128-p16-softcap-window"], BlockSizes(decode_kv_block=16, num_splits=4)),
+    (_POINTS["mixed-gqa4-d128-p16-bf16"], BlockSizes(decode_kv_block=256, prefill_block_m=128)),
+    (EXTRA[0], BlockSizes(prefill_kv_block=16, prefill_block_m=16)),
+]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # JAX >= 0.11 deprecates Pallas Triton
+@pytest.mark.parametrize(
+    "point, block_sizes",
+    LOWERING_VARIANTS,
+    ids=[p.name + ("" if b is None else "-tuned") for p, b in LOWERING_VARIANTS],
+)
+def test_lowers_to_triton(point, block_sizes):
+    case = point.case(0)
+    kwargs = dict(point.attention_kwargs(case), block_sizes=block_sizes)
+    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales") if k in kwargs}
+    fn = jax.jit(lambda *a, **s: ragged_paged_attention_gpu(*a, **s, **kwargs))
+    args = case.args()  # made outside: no concrete array may be created under the abstract mesh
+    with triton_lowering_target("NVIDIA H200"):
+        lowered = fn.trace(*args, **scales).lower(lowering_platforms=("cuda",))
+    modules = triton_kernels_in(lowered)
+    assert [re.search(r"tt.func public @(\w+)", m).group(1) for m in modules] == [
+        "ragged_paged_attention_decode",
+        "ragged_paged_attention_prefill",
+    ]
+    for module in modules:
+        assert "tt.dot" in module
+        if case.q.dtype == np.float32:  # f32 dots must not be lowered to TF32
+            assert "inputPrecision = tf32" not in module
+
+
+def _random_point(rng, i: int) -> GridPoint:
+    num_kv_heads = int(rng.choice([1, 2, 4]))
+    group = int(rng.choice([1, 2, 3, 4, 5, 8, 16]))
+    page_size = int(rng.choice([8, 16, 32, 64, 128]))
+    n = int(rng.integers(1, 5))
+    kv_lens = rng.integers(1, 6 * page_size, size=n)
+    q_lens = [int(rng.choice([1, rng.integers(1, k + 1)])) for k in kv_lens]
+    dtype, page_dtype = [
+        ("float32", None),
+        ("bfloat16", None),
+        ("float16", None),
+        ("float32", "int8"),
+        ("bfloat16", "int8"),
+        ("bfloat16", "float8_e4m3fn"),
+        ("float32", "float8_e5m2"),
+    ][int(rng.integers(7))]
+    return GridPoint(
+        f"random-{i}",
+        tuple(q_lens),
+        tuple(int(k) for k in kv_lens),
+        group * num_kv_heads,
+        num_kv_heads,
+        int(rng.choice([64, 128, 256])),
+        page_size,
+        dtype=dtype,
+        page_dtype=page_dtype,
+        soft_cap=float(rng.choice([0, 10.0])) or None,
+        sliding_window=int(rng.choice([0, 1, 13, 2 * page_size + 3])) or None,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(40))
+def test_random_sweep(i):
+    rng = np.random.default_rng(1000 + i)
+    point = _random_point(rng, i)
+    block_sizes = BlockSizes(
+        decode_kv_block=int(rng.choice([16, 64, 128])),
+        num_splits=int(rng.choice([1, 2, 5])),
+        prefill_block_m=int(rng.choice([16, 64])),
+        prefill_kv_block=int(rng.choice([16, 32, 128])),
+    )
+    _check(point, seed=i, block_sizes=block_sizes)
