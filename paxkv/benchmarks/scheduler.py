@@ -52,7 +52,9 @@ def host_step_times(
     for i in range(num_seqs):
         prompt = rng.integers(0, 32000, size=prompt_len).tolist()
         sched.add(Sequence(str(i), str(i), 0, prompt, params, seed=i, arrival_time=float(i)))
-    buckets = Buckets(tokens=(num_seqs, 8192 * 8), seqs=(num_seqs,), pages=(pages_per_seq,), max_seqs=num_seqs)
+    buckets = Buckets(
+        tokens=(num_seqs, 8192 * 8), seqs=(num_seqs,), pages=(pages_per_seq,), max_seqs=num_seqs
+    )
     while len(sched.running) < num_seqs or any(
         s.num_computed_tokens < prompt_len for s in sched.running
     ):
