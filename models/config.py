@@ -214,7 +214,7 @@ TINY = LlamaConfig(
     head_dim=64,
     rope_theta=10000.0,
     rms_norm_eps=1e-5,
-    max_position_embeddings=2048,
+    max_position_embeddings=4096,
     dtype="float32",
 )
 

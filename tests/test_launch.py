@@ -28,6 +28,20 @@ TINY_FLAGS = [
 ]
 
 
+# The load benchmark at toy size: 4 requests of fixed lengths, 2 contiguous slots.
+BENCH_FLAGS = [
+    "--workload=fixed",
+    "--fixed_prompt_len=8,40",
+    "--fixed_output_len=4,12",
+    "--num_requests=4",
+    "--max_model_len=128",
+    "--max_num_seqs=4",
+    "--max_num_batched_tokens=64",
+    "--kv_budget_mib=0.5",  # 16 pages of 32 KiB: 15 usable, 8 per 128-token sequence
+    "--guess_tokens=16",
+]
+
+
 def _commands(tmp):
     jsonl = tmp / "prompts.jsonl"
     jsonl.write_text('{"prompt": "from the file"}\n\n{"prompt_token_ids": [72, 105]}\n')
@@ -35,6 +49,7 @@ def _commands(tmp):
     bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
     generate = [sys.executable, "-m", "paxkv.launch.generate"]
     plan_app = [sys.executable, "-m", "paxkv.launch.plan"]
+    bench = [sys.executable, "-m", "paxkv.launch.bench"]
     return {
         "generate": [
             *generate,
@@ -56,6 +71,15 @@ def _commands(tmp):
         ],
         "plan_too_small": [*plan_app, "--config=llama-3.1-8b", "--kv_budget_gib=0.5"],
         "plan_zero_budget": [*plan_app, "--kv_budget_gib=0"],
+        "bench": [
+            *bench,
+            *BENCH_FLAGS,
+            f"--json_out={tmp / 'bench.json'}",
+            f"--plot_out={tmp / 'bench.png'}",
+        ],
+        "bench_bad_rate": [*bench, *BENCH_FLAGS, "--request_rate=0"],
+        "bench_too_small": [*bench, *BENCH_FLAGS, "--kv_budget_mib=0.1"],
+        "bench_unknown_config": [*bench, "--config=nope"],
     }
 
 
@@ -235,3 +259,34 @@ def test_read_prompts_malformed(tmp_path, text, match):
 def test_read_prompts_missing_file(tmp_path):
     with pytest.raises(OSError):
         read_prompts(tmp_path / "nope.txt")
+
+
+def test_bench_runs_three_setups(runs):
+    results, tmp = runs
+    out = _ok(results["bench"])
+    assert "| metric | paged | contiguous_max | contiguous_guess |" in out
+    data = json.loads((tmp / "bench.json").read_text())
+    assert set(data["setups"]) == {"paged", "contiguous_max", "contiguous_guess"}
+    assert data["kv_budget_bytes"] == 16 * 32 * 1024 and data["workload"]["num_requests"] == 4
+    for name, r in data["setups"].items():
+        for key in (
+            "peak_concurrency",
+            "output_tok_per_s",
+            "req_per_s",
+            "kv_utilization",
+            "preemptions",
+            "ttft_p50_s",
+        ):
+            assert key in r, (name, key)
+        assert r["num_requests"] == 4 and r["recompilations_after_warmup"] == 0
+    assert data["setups"]["contiguous_max"]["peak_concurrency"] == 1  # 15 usable pages / 8
+    assert data["setups"]["paged"]["peak_concurrency"] > 1
+    assert (tmp / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_bad_input(runs):
+    results, _ = runs
+    assert "--request_rate=0.0 must be > 0" in _error(results["bench_bad_rate"])
+    err = _error(results["bench_too_small"])
+    assert "cannot hold one sequence of max_model_len=128: that needs 9 pages" in err
+    assert "unknown config 'nope'" in _error(results["bench_unknown_config"])

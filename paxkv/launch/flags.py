@@ -95,19 +95,32 @@ def serving_setup() -> ServingSetup:
     return setup.replace(model=model, engine=engine)
 
 
-def build_llm(setup: ServingSetup) -> LLM:
-    """An `LLM` serving `setup`: `--model_dir`'s weights, or random ones where the set-up allows."""
+def _model_source(setup: ServingSetup) -> str:
     if MODEL_DIR.value is None and not setup.random_weights:
         raise ValueError(
             f"--config={setup.name} holds the model's shapes only: pass "
             "--model_dir=<local Hugging Face checkpoint directory> for its weights"
         )
+    return MODEL_DIR.value or setup.name
+
+
+def build_model(setup: ServingSetup):
+    """The model of `setup` (an NNX module): `--model_dir`'s weights, or random ones where allowed."""
+    from paxkv.models import load_model
+
+    _, model, _ = load_model(_model_source(setup), dtype=DTYPE.value, seed=SEED.value)
+    return model
+
+
+def build_llm(setup: ServingSetup) -> LLM:
+    """An `LLM` serving `setup`: `--model_dir`'s weights, or random ones where the set-up allows."""
+    source = _model_source(setup)
     engine_kwargs = {
         f.name: getattr(setup.engine, f.name)
         for f in dataclasses.fields(setup.engine)
         if f.name != "seed"  # LLM's own argument
     }
-    return LLM(MODEL_DIR.value or setup.name, dtype=DTYPE.value, seed=SEED.value, **engine_kwargs)
+    return LLM(source, dtype=DTYPE.value, seed=SEED.value, **engine_kwargs)
 
 
 def list_in_help(app_module: str, doc: str | None) -> None:
