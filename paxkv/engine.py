@@ -24,7 +24,9 @@ import numpy as np
 from absl import logging
 from flax import nnx, struct
 
+from paxkv import decode_loop
 from paxkv.cache import PagedKVCache, PageTable
+from paxkv.decode_loop import MAX_STOP_IDS, DecodeLimits
 from paxkv.host_batch import Buckets, build_host_batch
 from paxkv.metrics import EngineMetrics, format_log_line
 from paxkv.page_pool import PagePool
@@ -36,7 +38,7 @@ from paxkv.request import (
     normalize_prompt,
 )
 from paxkv.sampling import SamplingBatch, sample
-from paxkv.scheduler import Scheduler, SchedulerOutput, Sequence
+from paxkv.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 
 @struct.dataclass
@@ -94,6 +96,9 @@ class EngineConfig:
     reservation: str = "paged"  # "max" / "guess": contiguous-style baselines (benchmarks)
     guess_tokens: int = 256
     log_stats_interval_s: float = 10.0  # a periodic absl log line; 0 turns it off
+    # Decode steps per compiled call when every scheduled sequence is decoding
+    # (`paxkv.decode_loop`); 1 runs one step per call.
+    num_decode_steps: int = 1
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
@@ -297,21 +302,21 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with requests pending")
             return aborted
-        batch = self._build_batch(plan)
+        limits = self._multi_step_limits(plan)
+        batch = self._build_batch(plan, all_pages=limits is not None)
         t1 = time.perf_counter()
-        tokens, logprobs = self._run_step(batch)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        if limits is None:
+            tokens, logprobs = self._run_step(batch)
+            results = [(np.asarray(tokens), np.asarray(logprobs), None)]
+        else:
+            tokens, logprobs, valid = self._run_decode_loop(batch, plan, limits)
+            results = [(tokens[i], logprobs[i], valid[i]) for i in range(len(tokens))]
         t2 = time.perf_counter()
-        sampled = [
-            (tokens[i], logprobs[i]) if c.samples else None for i, c in enumerate(plan.chunks)
-        ]
-        previous = [c.seq.last_token_time for c in plan.chunks]
-        self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
-        for chunk, before in zip(plan.chunks, previous, strict=True):
-            if chunk.samples and chunk.seq.last_token_time != before:
-                self.metrics.on_token(
-                    None if before is None else chunk.seq.last_token_time - before
-                )
+        for i, (tokens, logprobs, valid) in enumerate(results):
+            chunks = plan.chunks if i == 0 else tuple(
+                ScheduledChunk(c.seq, c.start + i, 1, True) for c in plan.chunks
+            )
+            self._record(SchedulerOutput(chunks, ()), tokens, logprobs, valid)
         touched = dict.fromkeys(c.seq.request_id for c in plan.chunks if c.samples)
         outputs = [self._output(self._requests[r]) for r in touched if r in self._requests]
         for out in outputs:
@@ -324,6 +329,54 @@ class Engine:
         m.device_time_s += t2 - t1
         self._maybe_log()
         return aborted + outputs
+
+    def _record(self, plan: SchedulerOutput, tokens, logprobs, valid) -> None:
+        """Hands one iteration's sampled tokens to the scheduler; `valid` masks a loop's."""
+        sampled = [
+            (tokens[i], logprobs[i]) if c.samples and (valid is None or valid[i]) else None
+            for i, c in enumerate(plan.chunks)
+        ]
+        previous = [c.seq.last_token_time for c in plan.chunks]
+        running = [c.seq.status is SeqStatus.RUNNING for c in plan.chunks]
+        self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
+        for chunk, before, was_running, got in zip(plan.chunks, previous, running, sampled, strict=True):
+            if valid is not None and was_running != (got is not None):
+                raise RuntimeError(
+                    f"multi-step decode disagrees with the host about {chunk.seq.seq_id}: "
+                    f"running={was_running}, token produced={got is not None}"
+                )
+            if got is not None:
+                self.metrics.on_token(None if before is None else chunk.seq.last_token_time - before)
+
+    def _multi_step_limits(self, plan: SchedulerOutput) -> list[int] | None:
+        """Token limits of a decode-only plan whose pages for N steps could be reserved."""
+        n = self.config.num_decode_steps
+        if n <= 1 or any(c.num_tokens != 1 or not c.samples for c in plan.chunks):
+            return None
+        if any(len(self._stop_ids(c.seq)) > MAX_STOP_IDS for c in plan.chunks):
+            return None
+        return self.scheduler.reserve_ahead(plan, n)
+
+    def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        eos = () if seq.params.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys((*seq.params.stop_token_ids, *eos)))
+
+    def _run_decode_loop(self, batch: StepBatch, plan: SchedulerOutput, limits: list[int]):
+        size = batch.logits_indices.shape[0]
+        stops = DecodeLimits.from_host([self._stop_ids(c.seq) for c in plan.chunks], limits, size)
+        traces = decode_loop.TRACES[0]
+        tokens, logprobs, valid, self.kv_cache = decode_loop.DECODE_LOOP(
+            self._graphdef,
+            self._params,
+            self.kv_cache,
+            batch,
+            stops,
+            attention_backend=self.config.attention_backend,
+            num_steps=self.config.num_decode_steps,
+        )
+        self.num_compilations += decode_loop.TRACES[0] - traces
+        self.metrics.num_decode_loops += bool(plan.chunks)
+        return np.asarray(tokens), np.asarray(logprobs), np.asarray(valid)
 
     def _on_finished(self, req: _Request) -> None:
         for seq in req.seqs:
@@ -360,8 +413,10 @@ class Engine:
         self.num_compilations += _TRACES[0] - traces
         return tokens, logprobs
 
-    def _build_batch(self, plan: SchedulerOutput) -> StepBatch:
-        hb = build_host_batch(plan, page_size=self.config.page_size, buckets=self._buckets)
+    def _build_batch(self, plan: SchedulerOutput, *, all_pages: bool = False) -> StepBatch:
+        hb = build_host_batch(
+            plan, page_size=self.config.page_size, buckets=self._buckets, all_pages=all_pages
+        )
         names = [f.name for f in dataclasses.fields(hb)]
         a = dict(
             zip(names, jax.device_put([getattr(hb, n) for n in names]), strict=True)
@@ -450,6 +505,7 @@ class Engine:
             **{name: summary.summary() for name, summary in m.latency.items()},
             **m.throughput(),
             "num_steps": m.num_steps,
+            "num_decode_loops": m.num_decode_loops,
             "num_compilations": self.num_compilations,
             "schedule_time_per_step_s": m.schedule_time_s / m.num_steps if m.num_steps else 0.0,
             "host_time_s": host,
@@ -477,3 +533,6 @@ class Engine:
                 sampling=SamplingBatch.from_host([], s),
             )
             self._run_step(batch)
+            if self.config.num_decode_steps > 1:
+                plan = SchedulerOutput((), ())
+                self._run_decode_loop(batch, plan, [])

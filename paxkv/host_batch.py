@@ -111,11 +111,20 @@ class HostBatch:
     sampling_ints: np.ndarray  # i32[S, 3]: top_k, seed, counter
 
 
-def build_host_batch(plan: SchedulerOutput, *, page_size: int, buckets: Buckets) -> HostBatch:
-    """Lays out one scheduled step: its chunks' tokens packed in plan order."""
+def build_host_batch(
+    plan: SchedulerOutput, *, page_size: int, buckets: Buckets, all_pages: bool = False
+) -> HostBatch:
+    """Lays out one scheduled step: its chunks' tokens packed in plan order.
+
+    Block-table rows hold the pages the chunks' tokens need, or with `all_pages` every
+    page the sequences hold (the multi-step decode reserves pages ahead).
+    """
     chunks = plan.chunks
     ends = [c.start + c.num_tokens for c in chunks]
-    n_pages = [-(-e // page_size) for e in ends]
+    if all_pages:
+        n_pages = [len(c.seq.pages) for c in chunks]
+    else:
+        n_pages = [-(-e // page_size) for e in ends]
     t_pad = Buckets.pick(plan.num_tokens, buckets.tokens, "tokens in the step")
     s_pad = buckets.seq_bucket(len(chunks), t_pad)
     p_pad = Buckets.pick(max(n_pages), buckets.pages, "pages per sequence")

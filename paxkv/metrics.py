@@ -65,6 +65,7 @@ class EngineMetrics:
         self.host_time_s = 0.0
         self.device_time_s = 0.0
         self.num_steps = 0
+        self.num_decode_loops = 0  # steps that ran several decode iterations in one call
 
     def on_arrival(self, now: float) -> None:
         if self.start_time is None:

@@ -411,6 +411,32 @@ class Scheduler:
         aligned = end - end % self.page_size
         return aligned - seq.num_computed_tokens if aligned > seq.num_computed_tokens else budget
 
+    def remaining_tokens(self, seq: Sequence) -> int:
+        """Tokens `seq` may still generate before max_tokens or max_model_len ends it."""
+        return min(
+            seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens
+        )
+
+    def reserve_ahead(self, output: SchedulerOutput, num_steps: int) -> list[int] | None:
+        """Reserves the pages for up to `num_steps` decode tokens of every chunk of a
+        decode-only plan; returns each chunk's token limit, or None (reserving nothing)
+        when the pool cannot hold them all."""
+        added = []
+        limits = []
+        for c in output.chunks:
+            seq = c.seq
+            remaining = self.remaining_tokens(seq)
+            steps = min(num_steps, remaining)
+            before = len(seq.pages)
+            if not self._grow(seq, c.start + steps):
+                for s, n in added:
+                    self.pool.free(reversed(s.pages[n:]))
+                    del s.pages[n:]
+                return None
+            added.append((seq, before))
+            limits.append(remaining)
+        return limits
+
     # Results.
 
     def update(

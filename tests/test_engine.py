@@ -297,3 +297,46 @@ def test_stats_and_prometheus_exposition(tiny):
     assert "paxkv:generation_tokens_total 12.0" in text
     assert 'paxkv:request_success_total{finished_reason="length"} 3.0' in text
     assert 'paxkv:time_to_first_token_seconds{quantile="0.5"}' in text
+
+
+@pytest.mark.parametrize("num_steps", [4, 8])
+def test_multi_step_decode_matches_single_steps(tiny, num_steps):
+    config, model, _ = tiny
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (3, 17, 9, 25, 12, 30)]
+    # Greedy, with per-request limits that end sequences mid-loop, and a stop token.
+    single = _engine(model)
+    base = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    reference = _run(single, prompts, base)
+    stop_at = reference[2].outputs[0].token_ids[5]  # the 6th token of request 2
+    params = [
+        base,
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=11, stop_token_ids=[stop_at], ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=13, seed=4, ignore_eos=True),
+        base,
+        base,
+    ]
+
+    def run(engine):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [done[str(i)].outputs[0] for i in range(len(prompts))]
+
+    one = run(_engine(model))
+    # 15 usable pages: preemption happens while the loop reserves pages ahead.
+    for kw in ({}, {"num_pages": 15}):
+        multi = _engine(model, num_decode_steps=num_steps, **kw)
+        got = run(multi)
+        assert [c.token_ids for c in got] == [c.token_ids for c in one]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in one]
+        assert multi.stats()["num_decode_loops"] > 0
+        assert multi.pool.num_in_use == 0  # nothing reserved ahead is leaked
+        multi.pool.check_invariants()
+        if kw:
+            assert multi.stats()["num_preemptions"] > 0
+    assert one[2].finish_reason == "stop" and one[2].token_ids[-1] == stop_at
+    assert one[1].finish_reason == "length" and len(one[1].token_ids) == 3
