@@ -1,0 +1,94 @@
+"""Benchmark: decode steps per compiled call against host overhead and throughput.
+
+    python -m paxkv.benchmarks.multi_step [--num_seqs=64] [--steps=1,4,8,16]
+
+The tiny model on the CPU with `--num_seqs` sequences decoding together (short
+prompts, `--max_tokens` each). For each N it reports the host-overhead fraction
+(host time, during which the device waits, over host + device time per step) and the
+output tok/s of the decode phase, each the median of `--repeats` alternated runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from absl import app, flags
+
+_NUM_SEQS = flags.DEFINE_integer("num_seqs", 64, "Sequences decoding together.")
+_STEPS = flags.DEFINE_list("steps", ["1", "4", "8", "16"], "Decode steps per call (N).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens generated per sequence.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Alternated runs per N.")
+
+
+def measure(model, num_steps: int, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    from paxkv.engine import Engine, EngineConfig
+    from paxkv.request import SamplingParams
+
+    n = len(prompts)
+    engine = Engine(
+        model,
+        EngineConfig(
+            num_pages=n * 8 + 1,
+            page_size=16,
+            max_num_seqs=n,
+            max_num_batched_tokens=max(n, 256),
+            max_model_len=128,
+            num_decode_steps=num_steps,
+            log_stats_interval_s=0,
+        ),
+    )
+    engine.warmup()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    while (
+        any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
+        engine.step()  # prefill, not timed
+    m = engine.metrics
+    host0, dev0, tok0 = m.host_time_s, m.device_time_s, m.generation_tokens
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - start
+    host, dev = m.host_time_s - host0, m.device_time_s - dev0
+    return {"host_overhead": host / (host + dev), "tok_per_s": (m.generation_tokens - tok0) / wall}
+
+
+def main(argv) -> None:
+    del argv
+    import jax
+
+    from paxkv.models import load_model
+
+    _, model, _ = load_model("tiny", dtype="float32")
+    rng = np.random.default_rng(0)
+    prompts = [
+        rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(4, 32, _NUM_SEQS.value)
+    ]
+    steps = [int(s) for s in _STEPS.value]
+    runs = {s: [] for s in steps}
+    for _ in range(_REPEATS.value):
+        for s in steps:
+            runs[s].append(measure(model, s, prompts, _MAX_TOKENS.value))
+    print(
+        f"machine: {jax.devices()[0].device_kind}; tiny model, {_NUM_SEQS.value} sequences decoding "
+        f"{_MAX_TOKENS.value} tokens; medians of {_REPEATS.value} alternated runs; overlap off"
+    )
+    print("| decode steps per call (N) | host overhead | output tok/s | vs N=1 |")
+    print("|---:|---:|---:|---:|")
+    base = np.median([r["tok_per_s"] for r in runs[steps[0]]])
+    for s in steps:
+        h = np.median([r["host_overhead"] for r in runs[s]])
+        t = np.median([r["tok_per_s"] for r in runs[s]])
+        print(f"| {s} | {h:.1%} | {t:.1f} | {t / base:.2f}x |")
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
