@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 from flax import nnx, struct
 
-from paxkv import decode_loop
+from paxkv import decode_loop, sharding
 from paxkv.cache import PagedKVCache, PageTable
 from paxkv.decode_loop import MAX_STOP_IDS, DecodeLimits
 from paxkv.host_batch import Buckets, build_host_batch
@@ -97,8 +97,9 @@ class EngineConfig:
     guess_tokens: int = 256
     log_stats_interval_s: float = 10.0  # a periodic absl log line; 0 turns it off
     # Decode steps per compiled call when every scheduled sequence is decoding
-    # (`paxkv.decode_loop`); 1 runs one step per call.
-    num_decode_steps: int = 1
+    # (`paxkv.decode_loop`); 1 runs one step per call. None: 8 on an accelerator, where
+    # it hides the host's time, and 1 on the CPU, where host and "device" share cores.
+    num_decode_steps: int | None = None
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
@@ -156,10 +157,17 @@ class Engine:
         attention_backend=)` and `logits(hidden)`, like `paxkv.models.LlamaForCausalLM`.
       config: serving limits (`EngineConfig`).
       tokenizer: optional, with `encode(str) -> list[int]` and `decode(list[int]) -> str`.
+      mesh: a `jax.sharding.Mesh` of one replica (see `paxkv.sharding`) to serve on;
+        None: `paxkv.sharding.default_mesh()`, which is None (one device) unless set.
     """
 
     def __init__(
-        self, model: nnx.Module, config: EngineConfig = EngineConfig(), *, tokenizer: Any = None
+        self,
+        model: nnx.Module,
+        config: EngineConfig = EngineConfig(),
+        *,
+        tokenizer: Any = None,
+        mesh: Any = None,
     ) -> None:
         self.config = config
         self.model_config = model.config
@@ -177,6 +185,11 @@ class Engine:
             dtype=jnp.float32 if dtype == jnp.float32 else dtype,
             kv_cache_dtype=config.kv_cache_dtype,
         )
+        self.mesh = mesh if mesh is not None else sharding.default_mesh()
+        if self.mesh is not None:  # weights and pages spread over the mesh's devices
+            self._graphdef, self._params, self.kv_cache = sharding.shard_engine_state(
+                self._graphdef, self._params, self.kv_cache, self.mesh
+            )
         self.pool = PagePool(config.num_pages)
         self.scheduler = Scheduler(
             self.pool,
@@ -190,6 +203,11 @@ class Engine:
             guess_tokens=config.guess_tokens,
         )
         self._buckets = config.buckets()
+        if config.num_decode_steps is None:
+            steps = 1 if jax.default_backend() == "cpu" else 8
+            self.config = config = dataclasses.replace(config, num_decode_steps=steps)
+        elif config.num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps={config.num_decode_steps} must be at least 1")
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []  # reported by the next step
         self._rng = random.Random(config.seed)
