@@ -8,9 +8,10 @@ from typing import Any, Literal
 import jax
 
 from .reference import ragged_paged_attention_reference
+from .scan_attention import ragged_paged_attention_scan
 
-Backend = Literal["auto", "reference", "tpu", "gpu"]
-BACKENDS = ("auto", "reference", "tpu", "gpu")
+Backend = Literal["auto", "reference", "xla", "tpu", "gpu"]
+BACKENDS = ("auto", "reference", "xla", "tpu", "gpu")
 
 # Kernel modules load on first use, so the reference path never imports Pallas.
 _KERNELS = {
@@ -22,14 +23,15 @@ _KERNELS = {
 def resolve_backend(backend: Backend, platform: str | None = None) -> str:
     """The concrete backend `backend` names on `platform` (default: JAX's default backend).
 
-    "auto" is the TPU kernel on TPU, the GPU kernel on GPU, and the reference elsewhere.
+    "auto" is the TPU kernel on TPU, the GPU kernel on GPU, and the "xla" loop
+    (`scan_attention`, which skips padding) elsewhere.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
     if backend != "auto":
         return backend
     platform = platform or jax.default_backend()
-    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "reference")
+    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "xla")
 
 
 def ragged_paged_attention(
@@ -53,7 +55,8 @@ def ragged_paged_attention(
     """Ragged paged attention on the chosen backend; semantics of the reference.
 
     Every backend computes exactly what `ragged_paged_attention_reference` documents.
-    `backend="auto"` picks the platform's kernel (the reference on the CPU); "tpu" and
+    `backend="auto"` picks the platform's kernel (the "xla" loop on the CPU);
+    "reference" is the oracle, "xla" a pure-JAX loop that skips padding, "tpu" and
     "gpu" force a kernel, and with `interpret=` (True, or `pltpu.InterpretParams()` for
     the TPU kernel) run it in the Pallas interpreter on any platform. `block_sizes` is
     the kernel's `BlockSizes` (None: its defaults); the reference takes none.
@@ -71,6 +74,10 @@ def ragged_paged_attention(
         if block_sizes is not None:
             raise ValueError("block_sizes applies to the tpu and gpu kernels, not the reference")
         return ragged_paged_attention_reference(*args, **kwargs)
+    if name == "xla":
+        if block_sizes is not None:
+            raise ValueError("block_sizes applies to the tpu and gpu kernels, not the xla loop")
+        return ragged_paged_attention_scan(*args, **kwargs)
     module, fn = _KERNELS[name]
     kernel = getattr(importlib.import_module(module), fn)
     return kernel(*args, **kwargs, block_sizes=block_sizes, interpret=interpret)

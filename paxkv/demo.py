@@ -20,7 +20,7 @@ from absl import app, flags
 
 from paxkv.cache import PagedKVCache, PageTable, page_bytes
 from paxkv.page_pool import PagePool
-from paxkv.pallas_kernels import ragged_paged_attention, resolve_backend
+from paxkv.pallas_kernels import BACKENDS, ragged_paged_attention, resolve_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +161,7 @@ _NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences in the ragged batch.
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 4096, "Longest sequence the model serves.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the lengths and values.")
-_BACKEND = flags.DEFINE_enum(
-    "backend", "auto", ["auto", "reference", "tpu", "gpu"], "Attention backend."
-)
+_BACKEND = flags.DEFINE_enum("backend", "auto", list(BACKENDS), "Attention backend.")
 
 
 def main(argv) -> None:

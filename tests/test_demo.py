@@ -15,4 +15,4 @@ def test_demo_numbers():
     assert r.contiguous_bytes == 6 * 512 * 2 * 2 * 64 * 4
     assert r.paged_bytes < r.contiguous_bytes
     text = format_result(r, max_model_len=512, page_size=16)
-    assert "on 'reference'" in text and "less KV memory" in text
+    assert "on 'xla'" in text and "less KV memory" in text

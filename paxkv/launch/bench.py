@@ -26,7 +26,7 @@ _BURSTINESS = flags.DEFINE_float(
     "burstiness", 1.0, "Gamma shape of the inter-arrival times (1: Poisson)."
 )
 _KV_BUDGET_MIB = flags.DEFINE_float(
-    "kv_budget_mib", 16.0, "KV memory of every set-up, in MiB (ignored with --num_pages)."
+    "kv_budget_mib", 32.0, "KV memory of every set-up, in MiB (ignored with --num_pages)."
 )
 _GUESS = flags.DEFINE_integer(
     "guess_tokens", 128, "Output tokens contiguous_guess reserves per request.", lower_bound=1
@@ -46,6 +46,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}")
     try:
+        launch_flags.init_runtime()
         results = _run()
     except (ValueError, OSError) as e:
         launch_flags.exit_with_error(str(e))
