@@ -1,0 +1,249 @@
+"""Kernel body of the TPU ragged paged attention: it sees only refs.
+
+One grid step `(kv head block, work item)` computes one chunk of at most
+`queries_per_block` query rows of one sequence against that sequence's pages, for
+`kv_heads_per_block` KV heads. The wrapper (`ragged_paged_attention.py`) builds the
+work items and lays the query rows out so that each KV head's rows form one
+`[M, D]` matrix: row `r` is token `r // G` of the item and query head `r % G` of the
+group, so GQA/MQA groups share every K/V tile on the matrix unit.
+
+The pages the item needs, `[first_page, end_page)`, are walked in blocks of
+`pages_per_block`. Each page is one DMA from HBM into a double-buffered VMEM slot
+(and, for 8-bit pages, one more DMA per scale array); the copies of block `i + 1`
+are in flight while block `i` is computed. Pages outside that range (past the
+item's last row, or before its sliding window) are never fetched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# Finite, so a row that has seen nothing yet gives exp(MASK - MASK) = 1 (then zeroed
+# by `where`) rather than exp(-inf + inf) = NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Width of the lane-replicated running max / sum scratch (one vreg row).
+STATS_LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static parameters of one kernel instance."""
+
+    page_size: int  # ps
+    pages_per_block: int
+    kv_heads_per_block: int
+    group_size: int  # G = Hq // Hkv
+    rows: int  # M: rows of one item's q tile per KV head (>= queries_per_block * G)
+    pages_per_seq: int
+    sm_scale: float
+    soft_cap: float | None
+    sliding_window: int | None
+    quantized: bool
+    matmul_dtype: np.dtype
+
+    @property
+    def block_tokens(self) -> int:
+        """KV positions covered by one block of pages (N)."""
+        return self.pages_per_block * self.page_size
+
+
+def page_copy(src_hbm, dst_vmem, sem, *, page, slot, index, head_start, heads):
+    """DMA of one page's `heads` KV heads from `head_start` into a VMEM buffer slot.
+
+    The same copy serves pages (`[P, Hkv, ps, D]` -> `[2, ppb, hb, ps, D]`) and their
+    scales (`[P, Hkv, ps]` -> `[2, ppb, hb, ps]`): the page lands at `[slot, index]`.
+    """
+    return pltpu.make_async_copy(
+        src_hbm.at[page, pl.ds(head_start, heads)], dst_vmem.at[slot, index], sem
+    )
+
+
+def _visible(cfg: KernelConfig, shape, col_start, first_pos, num_rows):
+    """bool[M, N]: which (row, kv column) pairs a block attends to.
+
+    Row r is token `i = r // G` at position `first_pos + i`; column c is kv position
+    `j = col_start + c`. Causal `j <= first_pos + i` is `(j - first_pos) * G <= r`, and
+    the window `j > first_pos + i - W` is `(j - first_pos + W) * G > r`: both without a
+    vector division.
+    """
+    g = cfg.group_size
+    r = lax.broadcasted_iota(jnp.int32, shape, 0)
+    d = (col_start - first_pos + lax.broadcasted_iota(jnp.int32, shape, 1)) * g
+    vis = (d <= r) & (r < num_rows * g)
+    if cfg.sliding_window is not None:
+        vis &= r < d + cfg.sliding_window * g
+    return vis
+
+
+def _attend_block(
+    cfg: KernelConfig, bufs, stats, slot, col_start, first_pos, num_rows, hi, *, masked
+):
+    """Online-softmax update of every head's (m, l, acc) with one block of pages.
+
+    `masked=False` is the fast path for blocks every row sees in full (no causal,
+    window or length boundary inside): no mask is built. `hi` is one past the item's
+    last position; columns at or past it may be stale or poisoned, so in the masked
+    path their values are removed with `where`, never by multiplying by zero.
+    """
+    q_ref, kbuf, vbuf, ksbuf, vsbuf = bufs
+    m_ref, l_ref, acc_ref = stats
+    rows, n = cfg.rows, cfg.block_tokens
+    mm = cfg.matmul_dtype
+    precision = lax.Precision.HIGHEST if mm == np.float32 else lax.Precision.DEFAULT
+    dot = functools.partial(
+        lax.dot_general, preferred_element_type=jnp.float32, precision=precision
+    )
+    if masked:
+        vis = _visible(cfg, (rows, n), col_start, first_pos, num_rows)
+        live_row = col_start + lax.broadcasted_iota(jnp.int32, (1, n), 1) < hi  # [1, N]
+        live_col = col_start + lax.broadcasted_iota(jnp.int32, (n, 1), 0) < hi  # [N, 1]
+
+    def head(h, carry):
+        q = q_ref[h].astype(mm)  # [M, D]
+        k = kbuf[slot, :, h].reshape(n, -1).astype(mm)  # [ppb, ps, D] -> [N, D]
+        s = dot(q, k, (((1,), (1,)), ((), ())))  # [M, N] f32
+        if cfg.quantized:  # dequantize through the logits: q . (k * s_j) = (q . k) * s_j
+            s = s * (ksbuf[slot, :, h].reshape(1, n) * cfg.sm_scale)
+        else:
+            s = s * cfg.sm_scale
+        if cfg.soft_cap is not None:
+            s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+        if masked:
+            s = jnp.where(vis, s, MASK_VALUE)
+        m_prev = m_ref[h][:, :1]  # [M, 1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        if masked:
+            p = jnp.where(vis, p, 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+        v = vbuf[slot, :, h].reshape(n, -1)  # [N, D]
+        if cfg.quantized:
+            v_scale = vsbuf[slot, :, h].reshape(1, n)  # [ppb, ps] -> [1, N]
+            if masked:
+                v_scale = jnp.where(live_row, v_scale, 0.0)
+            p = p * v_scale
+        if masked:
+            v = jnp.where(live_col, v, jnp.zeros_like(v))
+        pv = dot(p.astype(mm), v.astype(mm), (((1,), (0,)), ((), ())))  # [M, D]
+        acc_ref[h] = alpha * acc_ref[h] + pv
+        m_ref[h] = jnp.broadcast_to(m_new, (rows, STATS_LANES))
+        l_ref[h] = jnp.broadcast_to(l_new, (rows, STATS_LANES))
+        return carry
+
+    lax.fori_loop(0, cfg.kv_heads_per_block, head, 0)
+
+
+def ragged_paged_attention_kernel(
+    # Scalar prefetch (SMEM).
+    kv_lens_ref,  # i32[S]
+    block_tables_ref,  # i32[S * pages_per_seq], row-major
+    cu_q_lens_ref,  # i32[S + 1]
+    num_seqs_ref,  # i32[1]
+    item_seq_ref,  # i32[NB]  sequence of each work item
+    item_start_ref,  # i32[NB]  first query row of the item within its sequence's chunk
+    item_rows_ref,  # i32[NB]  query rows of the item (0: padding item)
+    # Inputs.
+    q_ref,  # [hb, M, D] VMEM block of this item
+    k_hbm,  # [P, Hkv, ps, D] HBM
+    v_hbm,  # [P, Hkv, ps, D] HBM
+    *refs,  # ([k_scales_hbm, v_scales_hbm] f32[P, Hkv, ps]), o_ref, scratch...
+    cfg: KernelConfig,
+):
+    if cfg.quantized:
+        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems, m_ref, l_ref, acc_ref = refs
+        streams = ((k_hbm, kbuf), (v_hbm, vbuf), (ks_hbm, ksbuf), (vs_hbm, vsbuf))
+    else:
+        o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref = refs
+        ksbuf = vsbuf = None
+        streams = ((k_hbm, kbuf), (v_hbm, vbuf))
+    ps, ppb, pps = cfg.page_size, cfg.pages_per_block, cfg.pages_per_seq
+    head_start = pl.program_id(0) * cfg.kv_heads_per_block
+    item = pl.program_id(1)
+
+    seq = item_seq_ref[item]
+    num_rows = item_rows_ref[item]
+    live = (num_rows > 0) & (seq < num_seqs_ref[0])
+    q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
+    first_pos = kv_lens_ref[seq] - q_len + item_start_ref[item]  # position of row 0
+    hi = first_pos + num_rows  # one past the last row's position
+    lo = 0 if cfg.sliding_window is None else jnp.maximum(first_pos - cfg.sliding_window + 1, 0)
+    # Truncating division: the operands of a live item are non-negative.
+    first_page = lax.div(lo, ps)
+    end_page = lax.div(hi + ps - 1, ps)
+    num_blocks = jnp.where(live, lax.div(end_page - first_page + ppb - 1, ppb), 0)
+
+    def for_each_page_copy(block, slot, action):
+        """Applies `action` to the copy of every stream of every page the block needs."""
+        block_first = first_page + block * ppb
+        num_pages = jnp.minimum(ppb, end_page - block_first)  # the last block may be short
+
+        def one_page(i, carry):
+            page = block_tables_ref[seq * pps + block_first + i]
+            for stream, (src, dst) in enumerate(streams):
+                copy = page_copy(
+                    src,
+                    dst,
+                    sems.at[stream, slot],
+                    page=page,
+                    slot=slot,
+                    index=i,
+                    head_start=head_start,
+                    heads=cfg.kv_heads_per_block,
+                )
+                action(copy)
+            return carry
+
+        lax.fori_loop(0, num_pages, one_page, 0)
+
+    def start(block, slot):
+        for_each_page_copy(block, slot, lambda copy: copy.start())
+
+    def wait(block, slot):
+        for_each_page_copy(block, slot, lambda copy: copy.wait())
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    bufs = (q_ref, kbuf, vbuf, ksbuf, vsbuf)
+    stats = (m_ref, l_ref, acc_ref)
+
+    @pl.when(num_blocks > 0)
+    def _():
+        start(0, 0)
+
+    def body(block, carry):
+        slot = lax.rem(block, 2)
+
+        @pl.when(block + 1 < num_blocks)
+        def _():
+            start(block + 1, 1 - slot)
+
+        wait(block, slot)
+        col_start = (first_page + block * ppb) * ps
+        # Every row sees every column: all columns at or before the first row's
+        # position and, with a window, inside the last row's window.
+        inside = col_start + cfg.block_tokens <= first_pos + 1
+        if cfg.sliding_window is not None:
+            inside &= col_start > hi - 1 - cfg.sliding_window
+        args = (cfg, bufs, stats, slot, col_start, first_pos, num_rows, hi)
+        lax.cond(
+            inside,
+            lambda: _attend_block(*args, masked=False),
+            lambda: _attend_block(*args, masked=True),
+        )
+        return carry
+
+    lax.fori_loop(0, num_blocks, body, 0)
+
+    denom = l_ref[...][:, :, :1]  # [hb, M, 1]
+    # Rows that saw nothing (padding) have denom 0: exact zeros, never 0 / 0.
+    out = jnp.where(denom > 0, acc_ref[...] / jnp.where(denom > 0, denom, 1.0), 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)

@@ -1,0 +1,386 @@
+"""The TPU (Mosaic) ragged paged attention kernel, run in the Pallas TPU interpreter on
+the CPU, against the reference over the shared grid.
+
+The interpreter fills uninitialised VMEM with NaN and raises on out-of-bounds reads,
+so a kernel that reads a scratch slot it never wrote, or a page the block table does
+not name for a live token, fails here. Each interpreted call costs a few seconds,
+mostly compilation: the default run takes every grid point once with the default
+block sizes and a few with small ones; the `slow` sweep takes all combinations.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import GRID, TOLERANCES, make_case
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # race detector's `races`
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
+from paxkv.pallas_kernels.tpu import (
+    BlockSizes,
+    ragged_paged_attention_tpu,
+    ragged_paged_attention_tpu_decode,
+)
+from paxkv.pallas_kernels.tpu import ragged_paged_attention as rpa_module
+
+INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+POINTS = {p.name: p for p in GRID}
+# Small blocks: several page blocks per item (double buffering), sequences split
+# into several items, one KV head per step.
+SMALL = BlockSizes(pages_per_block=2, queries_per_block=3, kv_heads_per_block=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    # The interpreter keeps global state after a kernel raises; never let one test's
+    # failure leak into the next.
+    yield
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+def _check(point, case, out, expected=None):
+    if expected is None:
+        expected = reference(*case.args(), **point.attention_kwargs(case))
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    expected = np.asarray(expected.astype(jnp.float32))
+    assert np.all(np.isfinite(out)), "poisoned pages, scratch or padding leaked into the output"
+    tol = TOLERANCES[np.dtype(case.q.dtype)]
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
+    # Padding rows are exactly zero.
+    assert np.all(out[int(case.cu_q_lens[case.num_seqs[0]]) :] == 0)
+
+
+def _run(fn, point, case, **kwargs):
+    kwargs.setdefault("interpret", INTERPRET)
+    return fn(*case.args(), **point.attention_kwargs(case), **kwargs)
+
+
+@pytest.mark.parametrize("point", GRID, ids=lambda p: p.name)
+def test_kernel_matches_reference(point):
+    case = point.case(seed=0)
+    _check(point, case, _run(ragged_paged_attention_tpu, point, case))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "prefill-gqa2-d64-p32-window",
+        "mixed-gqa8-d128-p16-softcap-window",
+        "mixed-gqa2-d64-p8-int8",
+        "long-mqa-d128-p16-int8-window",
+    ],
+)
+def test_small_blocks(name):
+    point = POINTS[name]
+    case = point.case(seed=1)
+    _check(point, case, _run(ragged_paged_attention_tpu, point, case, block_sizes=SMALL))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["decode-gqa2-d64-p32-int8-softcap", "decode-mqa-d128-p8-softcap", "mixed-gqa4-d128-p16-bf16"],
+)
+def test_decode_path(name):
+    # Exact on any batch, prefill rows included; built for q_len == 1.
+    point = POINTS[name]
+    case = point.case(seed=2)
+    _check(point, case, _run(ragged_paged_attention_tpu_decode, point, case))
+
+
+def test_no_race_on_two_cores():
+    point = POINTS["mixed-gqa2-d64-p8-int8"]  # Hkv = 2: grid (2, items), both parallel
+    case = point.case(seed=3)
+    params = pltpu.InterpretParams(
+        detect_races=True, num_cores_or_threads=2, random_seed=7, uninitialized_memory="nan"
+    )
+    out = _run(ragged_paged_attention_tpu, point, case, block_sizes=SMALL, interpret=params)
+    out = jax.block_until_ready(out)
+    assert interpret_pallas_call.races is not None, "the race detector did not run"
+    assert not interpret_pallas_call.races.races_found
+    _check(point, case, out)
+
+
+def test_race_detector_sees_a_planted_race():
+    # Guards the assertion above: two cores writing one output block is reported.
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + pl.program_id(0).astype(jnp.float32)
+
+    block = pl.BlockSpec((8, 128), lambda i: (0, 0))
+    racy = pl.pallas_call(
+        kernel,
+        grid=(2,),
+        in_specs=[block],
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=(pltpu.PARALLEL,)),
+        interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2),
+    )
+    jax.block_until_ready(racy(jnp.ones((8, 128), jnp.float32)))
+    assert interpret_pallas_call.races.races_found
+
+
+def test_pages_outside_the_window_and_table_are_never_fetched():
+    # Every block-table entry the kernel must not dereference is made out of range;
+    # the interpreter raises on any out-of-bounds DMA. Under jit the shared value
+    # checks (which would reject such a table) are skipped, as in a serving step.
+    point = POINTS["long-mqa-d128-p16-int8-window"]
+    case = point.case(seed=4)
+    expected = reference(*case.args(), **point.attention_kwargs(case))
+    ps, window = case.k_pages.shape[2], point.sliding_window
+    tables = case.block_tables.copy()
+    bad = case.k_pages.shape[0] + 1000
+    for s in range(tables.shape[0]):
+        if s >= case.num_seqs[0]:
+            tables[s] = bad
+            continue
+        kv_len = int(case.kv_lens[s])
+        q_len = int(case.cu_q_lens[s + 1] - case.cu_q_lens[s])
+        first_visible = max(0, kv_len - q_len - window + 1)
+        pages = np.arange(tables.shape[1])
+        tables[s, ((pages + 1) * ps <= first_visible) | (pages * ps >= kv_len)] = bad
+    assert np.sum(tables == bad) > 100  # most of the long sequences' pages are skipped
+    poisoned = dataclasses.replace(case, block_tables=tables)
+    kwargs = point.attention_kwargs(case)
+    fn = jax.jit(
+        lambda *args: ragged_paged_attention_tpu(
+            *args, **kwargs, block_sizes=SMALL, interpret=INTERPRET
+        )
+    )
+    _check(point, case, fn(*poisoned.args()), expected)
+
+
+def test_empty_sequences_and_no_live_sequences_give_zeros():
+    case = make_case(
+        5,
+        q_lens=(0, 1, 0),
+        kv_lens=(0, 9, 4),
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=8,
+    )
+    out = np.asarray(
+        ragged_paged_attention_tpu(*case.args(), sm_scale=case.sm_scale, interpret=INTERPRET)
+    )
+    expected = np.asarray(reference(*case.args(), sm_scale=case.sm_scale))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert np.all(out[1:] == 0) and np.all(np.isfinite(out))
+    args = list(case.args())
+    args[6] = jnp.asarray([0], jnp.int32)  # num_seqs = 0: every row is padding
+    out = np.asarray(ragged_paged_attention_tpu(*args, sm_scale=case.sm_scale, interpret=INTERPRET))
+    assert np.all(out == 0)
+
+
+def _valid_args(head_dim=64, dtype=np.float32):
+    case = make_case(
+        6,
+        q_lens=(1, 3),
+        kv_lens=(10, 3),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=8,
+        dtype=dtype,
+    )
+    return list(case.args()), case.sm_scale
+
+
+def test_head_dim_must_be_supported():
+    args, sm_scale = _valid_args(head_dim=96)
+    with pytest.raises(ValueError, match=re.escape("head_dim=96 must be one of (64, 128, 256)")):
+        ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=INTERPRET)
+
+
+def test_shared_validation_runs_first():
+    args, sm_scale = _valid_args()
+    args[3] = args[3].at[1].set(2)
+    with pytest.raises(ValueError, match=re.escape("kv_len=2 is smaller than its q_len=3")):
+        ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=INTERPRET)
+
+
+def test_vmem_budget_is_checked_before_compiling(monkeypatch):
+    def must_not_compile(*args, **kwargs):
+        raise AssertionError("the kernel was built for an over-budget configuration")
+
+    monkeypatch.setattr(rpa_module, "_ragged_paged_attention", must_not_compile)
+    args, sm_scale = _valid_args()
+    huge = BlockSizes(pages_per_block=4096, queries_per_block=256, kv_heads_per_block=2)
+    with pytest.raises(
+        ValueError, match=r"needs [\d.]+ MiB of VMEM .* budget is 12.00 MiB; shrink pages_per_block"
+    ):
+        ragged_paged_attention_tpu(*args, sm_scale=sm_scale, block_sizes=huge, interpret=INTERPRET)
+
+
+def test_block_table_must_fit_smem():
+    args, sm_scale = _valid_args()
+    args[4] = jnp.pad(args[4], ((0, 0), (0, 200_000 - args[4].shape[1])))
+    with pytest.raises(ValueError, match="bytes of SMEM but the budget is 786432"):
+        ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=INTERPRET)
+
+
+def test_bad_block_sizes():
+    args, sm_scale = _valid_args()
+    with pytest.raises(
+        ValueError, match=re.escape("kv_heads_per_block=3 must divide num_kv_heads=2")
+    ):
+        ragged_paged_attention_tpu(
+            *args, sm_scale=sm_scale, block_sizes=BlockSizes(2, 2, 3), interpret=INTERPRET
+        )
+    with pytest.raises(ValueError, match=re.escape("BlockSizes.pages_per_block=0")):
+        BlockSizes(0, 2, 1)
+
+
+def test_float16_is_rejected_for_hardware_but_interpreted():
+    args, sm_scale = _valid_args(dtype=np.float16)
+    args[1], args[2] = args[1].astype(jnp.float16), args[2].astype(jnp.float16)
+    with pytest.raises(ValueError, match="float16 is not supported on TPU"):
+        ragged_paged_attention_tpu(*args, sm_scale=sm_scale)
+    out = ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=INTERPRET)
+    expected = reference(*args, sm_scale=sm_scale)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(expected, np.float32), rtol=2e-3, atol=2e-3
+    )
+
+
+def test_defaults_fit_the_budget_for_a_large_model():
+    shapes = rpa_module.AttentionShapes(
+        num_tokens=8192,
+        num_q_heads=64,
+        num_kv_heads=8,
+        head_dim=256,
+        num_pages=4096,
+        page_size=256,
+        max_num_seqs=256,
+        pages_per_seq=512,
+        quantized=True,
+    )
+    chip = rpa_module.chip_info(interpret=True)
+    for decode in (False, True):
+        bs = rpa_module.default_block_sizes(
+            shapes, jnp.bfloat16, jnp.int8, decode=decode, chip=chip
+        )
+        rpa_module.check_block_sizes(shapes, bs, jnp.bfloat16, jnp.int8, chip)
+        assert bs.queries_per_block == (1 if decode else 16)
+
+
+def test_under_user_jit_matches_eager():
+    point = POINTS["mixed-gqa2-d64-p8-int8"]
+    case = point.case(seed=8)
+    kwargs = point.attention_kwargs(case)
+    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales")}
+    fn = jax.jit(lambda *a, **s: ragged_paged_attention_tpu(*a, **s, **kwargs, interpret=INTERPRET))
+    np.testing.assert_array_equal(
+        np.asarray(fn(*case.args(), **scales)),
+        np.asarray(
+            ragged_paged_attention_tpu(*case.args(), **kwargs, **scales, interpret=INTERPRET)
+        ),
+    )
+
+
+SWEEP_BLOCKS = [
+    BlockSizes(1, 1, 1),
+    BlockSizes(2, 3, 1),
+    BlockSizes(3, 5, 2),
+    BlockSizes(8, 16, 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_sizes", SWEEP_BLOCKS, ids=str)
+@pytest.mark.parametrize("point", GRID, ids=lambda p: p.name)
+def test_sweep_block_sizes(point, block_sizes):
+    if point.num_kv_heads % block_sizes.kv_heads_per_block:
+        block_sizes = dataclasses.replace(block_sizes, kv_heads_per_block=1)
+    case = point.case(seed=9)
+    _check(point, case, _run(ragged_paged_attention_tpu, point, case, block_sizes=block_sizes))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", GRID, ids=lambda p: p.name)
+def test_sweep_decode_path_and_races(point):
+    case = point.case(seed=10)
+    params = pltpu.InterpretParams(
+        detect_races=True, num_cores_or_threads=2, random_seed=11, uninitialized_memory="nan"
+    )
+    out = jax.block_until_ready(
+        _run(ragged_paged_attention_tpu_decode, point, case, interpret=params)
+    )
+    assert not interpret_pallas_call.races.races_found
+    _check(point, case, out)
+
+
+# Compiles the kernel with the real Mosaic compiler for TPU chips that are not
+# attached (deviceless, through libtpu's compile-only client). Needs the libtpu that
+# matches the installed jax (`jax[tpu]` pins it): importable, or installed with
+# `pip install --target DIR libtpu==...` and DIR given as PAXKV_LIBTPU_DIR.
+_DEVICELESS_COMPILE = """
+import sys
+import jax, numpy as np, ml_dtypes
+from jax.experimental import topologies
+from paxkv.pallas_kernels.tpu.ragged_paged_attention import BlockSizes, _ragged_paged_attention
+
+CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
+    ("float32", "float32", 8, 64, 4, 4, BlockSizes(3, 16, 2), None, None),
+    ("bfloat16", "bfloat16", 16, 128, 8, 2, BlockSizes(8, 16, 2), 30.0, 64),
+    ("bfloat16", "bfloat16", 32, 64, 4, 4, BlockSizes(16, 1, 4), None, None),
+    ("bfloat16", "int8", 16, 128, 8, 2, BlockSizes(4, 16, 1), 30.0, 64),
+    ("float32", "float8_e4m3fn", 128, 256, 8, 1, BlockSizes(2, 8, 1), None, None),
+    ("bfloat16", "float8_e5m2", 256, 128, 6, 2, BlockSizes(2, 5, 2), None, 300),
+]
+dtype = lambda name: np.dtype(getattr(ml_dtypes, name, None) or name)
+for chip in sys.argv[1:]:
+    topo = topologies.get_topology_desc(topology_name=chip, platform="tpu")
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for qd, pd, ps, d, hq, hkv, bs, cap, win in CONFIGS:
+        spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dtype(dt), sharding=sharding)
+        t, s, p, pps = 40, 4, 64, 32
+        quantized = pd in ("int8", "float8_e4m3fn", "float8_e5m2")
+        args = [spec((t, hq, d), qd), spec((p, hkv, ps, d), pd), spec((p, hkv, ps, d), pd),
+                spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
+                spec((1,), "int32")]
+        args += [spec((p, hkv, ps), "float32")] * 2 if quantized else [None, None]
+        fn = lambda *a: _ragged_paged_attention(
+            *a, sm_scale=0.1, soft_cap=cap, sliding_window=win, block_sizes=bs,
+            vmem_limit_bytes=32 * 2**20, interpret=False)
+        with jax.sharding.set_mesh(mesh):
+            jax.jit(fn).lower(*args).compile()
+        print("compiled", chip, qd, pd, ps, d, bs, flush=True)
+"""
+
+
+def _libtpu_dir():
+    if os.environ.get("PAXKV_LIBTPU_DIR"):
+        return os.environ["PAXKV_LIBTPU_DIR"]
+    spec = importlib.util.find_spec("libtpu")
+    return None if spec is None else os.path.dirname(os.path.dirname(spec.origin))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_libtpu_dir() is None, reason="needs libtpu for a deviceless Mosaic compile")
+def test_compiles_for_tpu_deviceless():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_libtpu_dir(), env.get("PYTHONPATH")]))
+    # A single-host slice, so libtpu needs no metadata server.
+    env.update(
+        TPU_ACCELERATOR_TYPE="v5litepod-4", TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1"
+    )
+    chips = ["v5e:2x2", "v6e:2x2", "v5p:2x2x1", "tpu7x:2x2x1"]
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_DEVICELESS_COMPILE), *chips],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == 6 * len(chips)
