@@ -134,7 +134,7 @@ def build_host_batch(
     for c in chunks:
         seq, n = c.seq, c.num_tokens
         if n == 1:
-            token_list.append(seq.token_ids(c.start, c.start + 1)[0])
+            token_list.append(seq.token_at(c.start))
             position_list.append(c.start)
         else:
             token_list.extend(seq.token_ids(c.start, c.start + n))
@@ -157,7 +157,10 @@ def build_host_batch(
     ints = np.zeros((s_pad, 3), np.int32)
     ints[: len(chunks)] = int_rows
     table, kv_lens, cu_q_lens, num_seqs = pad_page_table(
-        [c.seq.pages[:k] for c, k in zip(chunks, n_pages, strict=True)],
+        [
+            c.seq.pages if k == len(c.seq.pages) else c.seq.pages[:k]
+            for c, k in zip(chunks, n_pages, strict=True)
+        ],
         ends,
         q_lens,
         page_size=page_size,

@@ -77,9 +77,15 @@ class Sequence:
     last_token_time: float | None = None
     finished_time: float | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        # Kept as a plain attribute: the scheduler reads it several times per sequence
+        # and step. `Scheduler.update` is the one place outputs are appended.
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        """Token i of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens `start:stop` of prompt + output."""
@@ -465,6 +471,7 @@ class Scheduler:
                 continue
             token, logprob = result
             seq.output_token_ids.append(int(token))
+            seq.num_tokens += 1
             seq.logprobs.append(float(logprob))
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
