@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from paxkv.pallas_kernels import ragged_paged_attention
 
+from paxkv import sharding
 from paxkv.cache import PagedKVCache, PageTable
 
 from .config import Llama3RopeScaling, LlamaConfig
@@ -202,6 +203,9 @@ class LlamaForCausalLM(nnx.Module):
             if config.tie_word_embeddings
             else _linear(config, config.hidden_size, config.vocab_size, bias=False, rngs=rngs)
         )
+        # A jax Mesh (static): attention runs per shard of its `model` axis. Set by
+        # `paxkv.sharding.shard_engine_state`, with the weights and pages placed to match.
+        self.mesh = None
 
     @property
     def inv_freq(self) -> np.ndarray:  # f64[D // 2]
@@ -230,17 +234,52 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
-            kv_cache = kv_cache.write(i, k, v, table)
-            attn = ragged_paged_attention(
-                q,
-                **kv_cache.layer(i),
-                **table.kernel_kwargs(),
-                sm_scale=sm_scale,
-                sliding_window=self.config.sliding_window,
-                backend=attention_backend,
+            attn, kv_cache = self._paged_attention(
+                i, q, k, v, kv_cache, table, sm_scale=sm_scale, backend=attention_backend
             )
             x = layer.finish(x, attn)
         return self.norm(x), kv_cache
+
+    def _paged_attention(
+        self,
+        layer: int,
+        q: jax.Array,  # [T, Hq, D]
+        k: jax.Array,  # [T, Hkv, D]
+        v: jax.Array,  # [T, Hkv, D]
+        kv_cache: PagedKVCache,
+        table: PageTable,
+        *,
+        sm_scale: float,
+        backend: str,
+    ) -> tuple[jax.Array, PagedKVCache]:  # [T, Hq, D], new cache
+        """Writes `layer`'s new K/V and attends; per shard of `self.mesh` when there is one.
+
+        On a mesh each device writes and reads only its own KV heads' slice of every page
+        and attends with its own q heads (the heads of q, k, v and the pages share one
+        spec); the page table is replicated, so no data crosses devices here.
+        """
+
+        def attend(q, k, v, kv_cache, table):
+            kv_cache = kv_cache.write(layer, k, v, table)
+            attn = ragged_paged_attention(
+                q,
+                **kv_cache.layer(layer),
+                **table.kernel_kwargs(),
+                sm_scale=sm_scale,
+                sliding_window=self.config.sliding_window,
+                backend=backend,
+            )
+            return attn, kv_cache
+
+        if self.mesh is None:
+            return attend(q, k, v, kv_cache, table)
+        heads = sharding.kv_head_spec(self.config.num_kv_heads, self.mesh)
+        return sharding.shard_map(
+            attend,
+            self.mesh,
+            in_specs=(heads, heads, heads, heads, sharding.REPLICATED),
+            out_specs=(heads, heads),
+        )(q, k, v, kv_cache, table)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""

@@ -69,7 +69,7 @@ def _scan_attention(
         first, last = lo // block_len, pos // block_len  # blocks holding visible positions
 
         def block(b, carry):
-            m, l, acc = carry
+            m, denom, acc = carry
             start = b * block_len
             kv_pos = start + jnp.arange(block_len)
             keep = (kv_pos >= lo) & (kv_pos <= pos)
@@ -85,9 +85,9 @@ def _scan_attention(
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
-            l = l * alpha + jnp.sum(p, axis=-1)
+            denom = denom * alpha + jnp.sum(p, axis=-1)
             acc = acc * alpha[..., None] + jnp.einsum("kgl,kld->kgd", p, v, precision=_HIGHEST)
-            return m_new, l, acc
+            return m_new, denom, acc
 
         init = (
             jnp.full((num_kv_heads, group), -jnp.inf),
@@ -95,8 +95,8 @@ def _scan_attention(
             jnp.zeros((num_kv_heads, group, head_dim)),
         )
         # The first block always holds the row's own position, so m is finite after it.
-        _, l, acc = jax.lax.fori_loop(first, last + 1, block, init)
-        return (acc / l[..., None]).reshape(num_q_heads, head_dim)
+        _, denom, acc = jax.lax.fori_loop(first, last + 1, block, init)
+        return (acc / denom[..., None]).reshape(num_q_heads, head_dim)
 
     def row(args):
         q_row, seq, pos, ok = args

@@ -331,8 +331,10 @@ class Engine:
             results = [(tokens[i], logprobs[i], valid[i]) for i in range(len(tokens))]
         t2 = time.perf_counter()
         for i, (tokens, logprobs, valid) in enumerate(results):
-            chunks = plan.chunks if i == 0 else tuple(
-                ScheduledChunk(c.seq, c.start + i, 1, True) for c in plan.chunks
+            chunks = (
+                plan.chunks
+                if i == 0
+                else tuple(ScheduledChunk(c.seq, c.start + i, 1, True) for c in plan.chunks)
             )
             self._record(SchedulerOutput(chunks, ()), tokens, logprobs, valid)
         touched = dict.fromkeys(c.seq.request_id for c in plan.chunks if c.samples)
@@ -357,14 +359,18 @@ class Engine:
         previous = [c.seq.last_token_time for c in plan.chunks]
         running = [c.seq.status is SeqStatus.RUNNING for c in plan.chunks]
         self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
-        for chunk, before, was_running, got in zip(plan.chunks, previous, running, sampled, strict=True):
+        for chunk, before, was_running, got in zip(
+            plan.chunks, previous, running, sampled, strict=True
+        ):
             if valid is not None and was_running != (got is not None):
                 raise RuntimeError(
                     f"multi-step decode disagrees with the host about {chunk.seq.seq_id}: "
                     f"running={was_running}, token produced={got is not None}"
                 )
             if got is not None:
-                self.metrics.on_token(None if before is None else chunk.seq.last_token_time - before)
+                self.metrics.on_token(
+                    None if before is None else chunk.seq.last_token_time - before
+                )
 
     def _multi_step_limits(self, plan: SchedulerOutput) -> list[int] | None:
         """Token limits of a decode-only plan whose pages for N steps could be reserved."""

@@ -2,7 +2,13 @@
 
 Plain Python and NumPy, no JAX: every byte count comes from the model's config fields,
 with the same layout as `paxkv.cache` (a test holds `page_bytes` here equal to
-`paxkv.cache.page_bytes`). The accounting is for one device, weights and KV cache only.
+`paxkv.cache.page_bytes`). The accounting is per device, weights and KV cache only.
+
+On a mesh (`paxkv.mesh_shape.MeshShape`, e.g. model:4,data:2) a budget is per device:
+each device holds its shard of the weights and, of every page, its share of the KV
+heads (all of them when they do not split over the model axis; see `paxkv.sharding`).
+Pages, and so concurrencies, are per replica (each replica has its own page pool), and
+the totals multiply them by the replicas.
 
 A sequence of final length L (prompt plus output, capped at `max_model_len`) holds
   - paged: `ceil(L / ps)` pages, so it wastes `ceil(L / ps) * ps - L` token slots;
@@ -25,6 +31,8 @@ import math
 from typing import Any, Protocol
 
 import numpy as np
+
+from paxkv.mesh_shape import ONE_DEVICE, MeshShape
 
 GIB = 2**30
 # Nominal memory per device, in GiB (the runtime keeps a little of it for itself).
@@ -79,9 +87,34 @@ def num_parameters(model: ModelShape) -> int:
     return embedding + model.num_layers * layer + h + lm_head
 
 
-def weights_bytes(model: ModelShape, dtype: str | None = None) -> int:
-    """Device bytes of the parameters in `dtype` (None: the model's)."""
-    return num_parameters(model) * _itemsize(dtype or model.dtype)
+def num_parameters_per_device(model: ModelShape, mesh: MeshShape) -> int:
+    """Parameters each device of `mesh` holds, by `paxkv.sharding`'s rules.
+
+    Attention splits over the model axis by KV head, the MLP by intermediate feature,
+    the embedding and LM head by vocabulary entry, each only when it divides; norms and
+    o/down biases are replicated.
+    """
+    h, d, m = model.hidden_size, model.head_dim, mesh.model
+    q, kv = model.num_heads * d, model.num_kv_heads * d
+    attention = h * q + 2 * h * kv + q * h
+    if model.attention_bias:
+        attention += q + 2 * kv
+    if mesh.splits(model.num_kv_heads):
+        attention //= m  # every attention tensor has a head axis
+    mlp = 3 * h * model.intermediate_size
+    if mesh.splits(model.intermediate_size):
+        mlp //= m
+    vocab = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    if mesh.splits(model.vocab_size):
+        vocab //= m
+    return vocab + model.num_layers * (attention + mlp + 2 * h) + h
+
+
+def weights_bytes(
+    model: ModelShape, dtype: str | None = None, *, mesh: MeshShape = ONE_DEVICE
+) -> int:
+    """Bytes of the parameters in `dtype` (None: the model's) on each device of `mesh`."""
+    return num_parameters_per_device(model, mesh) * _itemsize(dtype or model.dtype)
 
 
 def _itemsize(dtype: str) -> int:
@@ -219,32 +252,83 @@ class Workload:
 # Capacity.
 
 
+def num_pages_for_budget(
+    model: ModelShape,
+    *,
+    kv_budget_bytes: int,
+    page_size: int,
+    mesh: MeshShape = ONE_DEVICE,
+    kv_cache_dtype: str = "auto",
+    dtype: str | None = None,
+) -> int:
+    """The page pool (`EngineConfig.num_pages`, the null page included) of one replica of
+    `mesh` whose every device spends `kv_budget_bytes` on KV pages of all layers.
+
+    Each device stores its share of every page's KV heads, so with the heads split the
+    pool grows with the model axis at a fixed per-device budget.
+    """
+    page_dtype = kv_page_dtype(kv_cache_dtype, dtype or model.dtype)
+    one_page = page_bytes(
+        num_kv_heads=mesh.kv_heads_per_device(model.num_kv_heads),
+        page_size=page_size,
+        head_dim=model.head_dim,
+        page_dtype=page_dtype,
+    )
+    return int(kv_budget_bytes // (one_page * model.num_layers))
+
+
 @dataclasses.dataclass(frozen=True)
 class CapacityPlan:
     """How many sequences of a length distribution fit `kv_budget_bytes`, one page size, one cache dtype.
 
     Concurrencies are floors. Wastes are expectations per sequence in token slots.
     `block_table_bytes` is the int32 block table `[paged_concurrency, pages_per_seq]`.
+    On a mesh, `kv_budget_bytes` and `page_bytes` are per device, pages and
+    concurrencies per replica, and the `total_` properties are over the whole mesh.
     """
 
     kv_cache_dtype: str
     page_dtype: str
     page_size: int
     max_model_len: int
-    kv_budget_bytes: int
+    kv_budget_bytes: int  # per device
     num_layers: int
-    page_bytes: int  # one layer
-    num_pages: int  # pages of all layers in the budget, the null page included
+    page_bytes: int  # one layer, one device's KV heads
+    num_pages: int  # pages of all layers in the budget, the null page included; per replica
     mean_len: float
     mean_pages_per_seq: float
     paged_concurrency: int
     contiguous_concurrency: int
     paged_waste_tokens: float
     contiguous_waste_tokens: float
+    model_parallel: int = 1
+    data_parallel: int = 1
+    kv_heads_per_device: int | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.model_parallel * self.data_parallel
+
+    @property
+    def total_kv_budget_bytes(self) -> int:
+        return self.kv_budget_bytes * self.num_devices
+
+    @property
+    def total_num_pages(self) -> int:
+        """Pages of every replica's pool."""
+        return self.num_pages * self.data_parallel
+
+    @property
+    def total_paged_concurrency(self) -> int:
+        return self.paged_concurrency * self.data_parallel
+
+    @property
+    def total_contiguous_concurrency(self) -> int:
+        return self.contiguous_concurrency * self.data_parallel
 
     @property
     def token_bytes(self) -> float:
-        """Bytes of one token slot across all layers, scales included."""
+        """Bytes of one token slot across all layers on one device, scales included."""
         return self.page_bytes * self.num_layers / self.page_size
 
     @property
@@ -283,6 +367,11 @@ class CapacityPlan:
 
     def to_dict(self) -> dict[str, Any]:
         derived = (
+            "num_devices",
+            "total_kv_budget_bytes",
+            "total_num_pages",
+            "total_paged_concurrency",
+            "total_contiguous_concurrency",
             "token_bytes",
             "pages_per_seq",
             "min_kv_budget_bytes",
@@ -304,13 +393,15 @@ def plan_capacity(
     max_model_len: int,
     kv_cache_dtype: str = "auto",
     dtype: str | None = None,
+    mesh: MeshShape = ONE_DEVICE,
 ) -> CapacityPlan:
     """The capacity of `kv_budget_bytes` for sequences of final lengths `lengths` (i64[N]).
 
     The expectations are means over `lengths`: pass samples of a distribution, or one
     entry for a fixed length. `dtype` is the model dtype "auto" pages use (None: the
     model's). A budget below `min_kv_budget_bytes` is not an error: the plan says so
-    (`fits_one_sequence`), and its concurrencies may be 0.
+    (`fits_one_sequence`), and its concurrencies may be 0. On a `mesh` the budget is
+    per device and the plan per replica (see `CapacityPlan`).
     """
     for name, value in (
         ("kv_budget_bytes", kv_budget_bytes),
@@ -327,13 +418,21 @@ def plan_capacity(
             f"lengths must lie in [1, max_model_len={max_model_len}], got [{lengths.min()}, {lengths.max()}]"
         )
     page_dtype = kv_page_dtype(kv_cache_dtype, dtype or model.dtype)
+    kv_heads = mesh.kv_heads_per_device(model.num_kv_heads)
     one_page = page_bytes(
-        num_kv_heads=model.num_kv_heads,
+        num_kv_heads=kv_heads,
         page_size=page_size,
         head_dim=model.head_dim,
         page_dtype=page_dtype,
     )
-    num_pages = kv_budget_bytes // (one_page * model.num_layers)
+    num_pages = num_pages_for_budget(
+        model,
+        kv_budget_bytes=kv_budget_bytes,
+        page_size=page_size,
+        mesh=mesh,
+        kv_cache_dtype=kv_cache_dtype,
+        dtype=dtype,
+    )
     usable = max(num_pages - 1, 0)
     pages = -(-lengths // page_size)
     contiguous_bytes = max_model_len * one_page * model.num_layers // page_size
@@ -353,6 +452,9 @@ def plan_capacity(
         contiguous_concurrency=int(kv_budget_bytes // contiguous_bytes),
         paged_waste_tokens=float((pages * page_size - lengths).mean()),
         contiguous_waste_tokens=float((max_model_len - lengths).mean()),
+        model_parallel=mesh.model,
+        data_parallel=mesh.data,
+        kv_heads_per_device=kv_heads,
     )
 
 
@@ -384,6 +486,7 @@ class CapacityReport:
     lengths: np.ndarray
     plans: dict[str, CapacityPlan]
     tradeoffs: dict[str, list[CapacityPlan]]
+    mesh: MeshShape = ONE_DEVICE
 
     def length_stats(self) -> dict[str, float | int]:
         q = np.percentile(self.lengths, [50, 90, 99])
@@ -396,6 +499,27 @@ class CapacityReport:
             "num_capped": int((self.lengths == self.max_model_len).sum()),
         }
 
+    def _mesh_lines(self) -> list[str]:
+        mesh, m = self.mesh, self.model
+        if mesh.num_devices == 1:
+            return []
+        per_device = mesh.kv_heads_per_device(m.num_kv_heads)
+        heads = (
+            f"{m.num_kv_heads} KV heads split {per_device} per device"
+            if per_device < m.num_kv_heads
+            else f"{m.num_kv_heads} KV heads on every device (fewer than model={mesh.model}: replicated)"
+        )
+        p = self.plans.get("auto") or next(iter(self.plans.values()))
+        return [
+            f"- mesh: {mesh} = {mesh.num_devices} devices, {mesh.data} "
+            f"replica{'s' if mesh.data > 1 else ''} of {mesh.model}; "
+            f"{heads}; weights and KV budget above are per device",
+            f"- in total ({_dtype_label(p)}): KV {format_bytes(p.total_kv_budget_bytes)} over "
+            f"{mesh.num_devices} devices, {p.total_num_pages} pages, {p.total_paged_concurrency} "
+            f"paged / {p.total_contiguous_concurrency} contiguous sequences; the tables below "
+            "are per replica",
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.name,
@@ -406,6 +530,7 @@ class CapacityReport:
                 "dtype": self.dtype,
                 "num_parameters": num_parameters(self.model),
             },
+            "mesh": dataclasses.asdict(self.mesh) | {"num_devices": self.mesh.num_devices},
             "budget": dataclasses.asdict(self.budget),
             "workload": dataclasses.asdict(self.workload) | {"lengths": self.length_stats()},
             "page_size": self.page_size,
@@ -431,6 +556,7 @@ class CapacityReport:
                 if b.device
                 else ""
             ),
+            *self._mesh_lines(),
             f"- workload: {self.workload.describe()}",
             f"- lengths (prompt + output): mean {s['mean']:.0f}, p50 {s['p50']:.0f}, p90 {s['p90']:.0f}, "
             f"p99 {s['p99']:.0f}, max {s['max']}; {s['num_capped']} of {self.lengths.size} capped at "
@@ -473,7 +599,7 @@ class CapacityReport:
                 )
         notes = [
             "",
-            "Single-device accounting of weights and KV only: activations and the runtime live in "
+            "Per-device accounting of weights and KV only: activations and the runtime live in "
             "the rest of the memory, and the scheduler's admission watermark (1% of pages) is not "
             "deducted.",
         ]
@@ -495,8 +621,10 @@ def build_report(
     max_model_len: int,
     dtype: str | None = None,
     kv_cache_dtypes: tuple[str, ...] = KV_CACHE_DTYPES,
+    mesh: MeshShape = ONE_DEVICE,
 ) -> CapacityReport:
-    """Plans `model` under `budget` for `workload`, at `page_size` and across `PAGE_SIZES`."""
+    """Plans `model` under `budget` (per device of `mesh`) for `workload`, at `page_size`
+    and across `PAGE_SIZES`."""
     dtype = dtype or model.dtype
     lengths = workload.lengths(max_model_len)
     common = dict(
@@ -504,6 +632,7 @@ def build_report(
         lengths=lengths,
         max_model_len=max_model_len,
         dtype=dtype,
+        mesh=mesh,
     )
     plans = {
         k: plan_capacity(model, page_size=page_size, kv_cache_dtype=k, **common)
@@ -521,6 +650,7 @@ def build_report(
         lengths=lengths,
         plans=plans,
         tradeoffs=tradeoffs,
+        mesh=mesh,
     )
 
 

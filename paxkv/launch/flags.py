@@ -3,6 +3,10 @@
 `--config` names a serving set-up of `paxkv.configs`; the engine flags override its
 `EngineConfig` fields (unset, they keep the set-up's). `--model_dir` is a local
 Hugging Face checkpoint whose weights (and config.json) replace the set-up's shapes.
+
+The runtime flags (`--mesh`, `--jax_distributed` and its addresses,
+`--compilation_cache_dir`) take effect in `init_runtime()`, which every app's `main()`
+calls first.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from absl import flags, logging
 
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.llm import LLM
+from paxkv.mesh_shape import MeshShape
 from paxkv.models import CONFIG_FILE, LlamaConfig
 from paxkv.models.config import DTYPES
+from paxkv.pallas_kernels import BACKENDS
 from paxkv.plan import KV_CACHE_DTYPES
 
 CONFIG = flags.DEFINE_string("config", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
@@ -49,7 +55,45 @@ KV_CACHE_DTYPE = flags.DEFINE_enum(
     "kv_cache_dtype", None, list(KV_CACHE_DTYPES), "KV page dtype; auto: the model dtype."
 )
 ATTENTION_BACKEND = flags.DEFINE_enum(
-    "attention_backend", None, ["auto", "reference", "tpu", "gpu"], "Attention implementation."
+    "attention_backend", None, list(BACKENDS), "Attention implementation."
+)
+
+# The runtime: devices, hosts, compilation cache.
+MESH = flags.DEFINE_string(
+    "mesh",
+    None,
+    "Device mesh as axis:size pairs, e.g. model:4,data:2: tensor parallelism over `model` "
+    "devices, times `data` independent replicas. An app serves the one replica holding this "
+    "process's devices. Unset: one device.",
+)
+JAX_DISTRIBUTED = flags.DEFINE_bool(
+    "jax_distributed",
+    False,
+    "Call jax.distributed.initialize() first: multi-host (e.g. TPU pod slices), with the same "
+    "command on every host.",
+)
+COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "With --jax_distributed: host:port of process 0. Unset: detected (TPU VMs, SLURM, ...).",
+)
+NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes",
+    None,
+    "With --jax_distributed: processes in all. Unset: detected.",
+    lower_bound=1,
+)
+PROCESS_ID = flags.DEFINE_integer(
+    "process_id",
+    None,
+    "With --jax_distributed: this process's index. Unset: detected.",
+    lower_bound=0,
+)
+COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir",
+    None,
+    "Directory of JAX's persistent compilation cache: later runs load the compiled steps "
+    "instead of compiling them.",
 )
 
 _ENGINE_FLAGS = {
@@ -62,6 +106,56 @@ _ENGINE_FLAGS = {
     "attention_backend": ATTENTION_BACKEND,
 }
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def mesh_shape() -> MeshShape | None:
+    """`--mesh` parsed, or None when unset; ValueError saying what is wrong with it."""
+    if MESH.value is None:
+        return None
+    try:
+        return MeshShape.parse(MESH.value)
+    except ValueError as e:
+        raise ValueError(f"--mesh={MESH.value}: {e}") from None
+
+
+def init_runtime() -> MeshShape | None:
+    """Applies the runtime flags; returns `--mesh`'s shape (None: one device).
+
+    In order: `jax.distributed.initialize` (`--jax_distributed`), the persistent
+    compilation cache (`--compilation_cache_dir`), then the mesh: built over every
+    process's devices, cut into replicas, and the replica holding this process's devices
+    made the default of every `Engine` (`paxkv.sharding.set_default_mesh`). Raises
+    ValueError for flags that contradict each other or the devices.
+    """
+    shape = mesh_shape()  # bad syntax fails before anything starts
+    addresses = {
+        "coordinator_address": COORDINATOR_ADDRESS.value,
+        "num_processes": NUM_PROCESSES.value,
+        "process_id": PROCESS_ID.value,
+    }
+    given = [f"--{name}" for name, value in addresses.items() if value is not None]
+    if given and not JAX_DISTRIBUTED.value:
+        raise ValueError(
+            f"{', '.join(given)} only {'apply' if len(given) > 1 else 'applies'} with --jax_distributed"
+        )
+    import jax
+
+    if JAX_DISTRIBUTED.value:
+        jax.distributed.initialize(**addresses)
+        logging.info(
+            "paxkv: process %d of %d, %d of %d devices local",
+            jax.process_index(),
+            jax.process_count(),
+            jax.local_device_count(),
+            jax.device_count(),
+        )
+    if COMPILATION_CACHE_DIR.value is not None:
+        jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR.value)
+    if shape is not None:
+        from paxkv import sharding
+
+        sharding.set_default_mesh(sharding.process_replica(sharding.make_mesh(shape)))
+    return shape
 
 
 def serving_setup() -> ServingSetup:

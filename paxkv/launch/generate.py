@@ -33,6 +33,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}; prompts go in --prompt")
     try:
+        launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
         prompts = list(_PROMPT.value)
         if _PROMPTS_FILE.value is not None:

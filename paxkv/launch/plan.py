@@ -2,14 +2,19 @@
 
     paxkv-plan --config=llama-3.1-8b --device=H200
     paxkv-plan --config=tiny --kv_budget_gib=0.5 --workload=fixed --prompt_len=100 --output_len=28
+    paxkv-plan --config=llama-3.1-8b --device=v6e --mesh=model:4,data:2
 
 The KV budget is `--kv_budget_gib`, or `--kv_fraction` of a `--device`'s memory left
 after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_len`) or
 `--workload=sharegpt` (log-normal with those medians and `--sigma`, capped at
 max_model_len). Of the shared flags it reads --config, --model_dir (its config.json),
---dtype, --page_size, --max_model_len and --seed; it plans every KV cache dtype. Prints a
-markdown report; `--json_out` writes it as JSON. The logic is `paxkv.plan`;
-single-device accounting.
+--dtype, --page_size, --max_model_len, --seed and --mesh; it plans every KV cache dtype.
+Prints a markdown report; `--json_out` writes it as JSON. The logic is `paxkv.plan`.
+
+With `--mesh` the budget is per device: `--kv_budget_gib` on each device, or
+`--kv_fraction` of each device's memory left after its shard of the weights. The tables
+are per replica, and the report adds the totals over the mesh. Planning needs no
+devices: the mesh is not built.
 """
 
 from __future__ import annotations
@@ -51,10 +56,11 @@ def main(argv: list[str]) -> None:
         launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}")
     try:
         setup = launch_flags.serving_setup()
+        mesh = launch_flags.mesh_shape() or plan.ONE_DEVICE
         report = plan.build_report(
             setup.model,
             name=setup.name,
-            budget=_budget(setup.model),
+            budget=_budget(setup.model, mesh),
             workload=plan.Workload(
                 _WORKLOAD.value,
                 prompt_len=_PROMPT_LEN.value,
@@ -65,6 +71,7 @@ def main(argv: list[str]) -> None:
             ),
             page_size=setup.engine.page_size,
             max_model_len=setup.engine.max_model_len,
+            mesh=mesh,
         )
         _check_fits(report)
         if _JSON_OUT.value is not None:
@@ -75,8 +82,8 @@ def main(argv: list[str]) -> None:
     print(report.to_markdown(), end="")
 
 
-def _budget(model) -> plan.KVBudget:
-    weights = plan.weights_bytes(model)
+def _budget(model, mesh: plan.MeshShape) -> plan.KVBudget:
+    weights = plan.weights_bytes(model, mesh=mesh)  # on each device
     if (_KV_BUDGET_GIB.value is None) == (_DEVICE.value is None):
         raise ValueError(
             f"pass exactly one of --kv_budget_gib=<GiB> or --device=<{'|'.join(plan.DEVICE_HBM_GIB)}>"

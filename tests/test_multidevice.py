@@ -1,0 +1,27 @@
+"""Runs the 8-device mesh tests (`tests/multidevice/`) in a child pytest process.
+
+XLA creates forced host devices only from `XLA_FLAGS` set before JAX starts, which this
+process is past; the child sets it, so `python -m pytest` stays the one test command.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+from conftest import MULTIDEVICE_ENV
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_multidevice_suite():
+    env = os.environ | {MULTIDEVICE_ENV: "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/multidevice"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
