@@ -60,19 +60,36 @@ def _geometric(lo: int, hi: int, growth: int) -> tuple[int, ...]:
     return (*out, hi)
 
 
+PLACEHOLDER_TOKEN = -1  # async scheduling: a sampled token the host has not read yet
 _TRACES = [0]  # traces of `_step` in this process: one per compiled bucket signature
 
 
-def _step(graphdef, params, kv_cache: PagedKVCache, batch: StepBatch, *, attention_backend: str):
-    """One model step: write the batch's K/V, attend, sample a token per sequence."""
+def _step(
+    graphdef,
+    params,
+    kv_cache: PagedKVCache,
+    batch: StepBatch,
+    token_src: jax.Array,  # i32[T]; >= 0: take the token from prev_tokens
+    prev_tokens: jax.Array,  # i32[max_num_seqs]; the previous step's sampled tokens
+    *,
+    attention_backend: str,
+):
+    """One model step: write the batch's K/V, attend, sample a token per sequence.
+
+    Returns tokens and logprobs padded to `max_num_seqs` rows (row i: the batch's
+    sequence i), so the next step can read its input tokens from them on the device.
+    """
     _TRACES[0] += 1  # runs at trace time only
     model = nnx.merge(graphdef, params)
+    fed = prev_tokens[jnp.maximum(token_src, 0)]
+    tokens_in = jnp.where(token_src >= 0, fed, batch.tokens)
     hidden, kv_cache = model(
-        batch.tokens, batch.positions, kv_cache, batch.table, attention_backend=attention_backend
+        tokens_in, batch.positions, kv_cache, batch.table, attention_backend=attention_backend
     )
     logits = model.logits(hidden[batch.logits_indices])
     tokens, logprobs = sample(logits, batch.sampling)
-    return tokens, logprobs, kv_cache
+    pad = prev_tokens.shape[0] - tokens.shape[0]
+    return jnp.pad(tokens, (0, pad)), jnp.pad(logprobs, (0, pad)), kv_cache
 
 
 # Module level, so engines serving the same model at the same shapes share compilations.
@@ -100,6 +117,8 @@ class EngineConfig:
     # (`paxkv.decode_loop`); 1 runs one step per call. None: 8 on an accelerator, where
     # it hides the host's time, and 1 on the CPU, where host and "device" share cores.
     num_decode_steps: int | None = None
+    # Schedule and dispatch step k+1 before reading step k's tokens (`_step_async`).
+    async_scheduling: bool = False
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
@@ -208,8 +227,16 @@ class Engine:
             self.config = config = dataclasses.replace(config, num_decode_steps=steps)
         elif config.num_decode_steps < 1:
             raise ValueError(f"num_decode_steps={config.num_decode_steps} must be at least 1")
+        if config.async_scheduling and config.num_decode_steps > 1:
+            raise ValueError(
+                f"async_scheduling runs one decode step per call: set num_decode_steps=1, "
+                f"not {config.num_decode_steps}"
+            )
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []  # reported by the next step
+        self._inflight = None  # async scheduling: (tokens, logprobs, [(seq, row, index)])
+        self._last_token_seen: dict[int, float] = {}
+        self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.num_compilations = 0  # compilations this engine's steps triggered
@@ -302,7 +329,7 @@ class Engine:
         self._on_finished(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
 
     # Stepping.
 
@@ -312,6 +339,8 @@ class Engine:
         Requests aborted since the last step are reported here too, finished with reason
         "abort".
         """
+        if self.config.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         aborted, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
@@ -321,10 +350,10 @@ class Engine:
                 raise RuntimeError("the scheduler made no progress with requests pending")
             return aborted
         limits = self._multi_step_limits(plan)
-        batch = self._build_batch(plan, all_pages=limits is not None)
+        batch, token_src = self._build_batch(plan, all_pages=limits is not None)
         t1 = time.perf_counter()
         if limits is None:
-            tokens, logprobs = self._run_step(batch)
+            tokens, logprobs = self._run_step(batch, token_src)
             results = [(np.asarray(tokens), np.asarray(logprobs), None)]
         else:
             tokens, logprobs, valid = self._run_decode_loop(batch, plan, limits)
@@ -349,6 +378,82 @@ class Engine:
         m.device_time_s += t2 - t1
         self._maybe_log()
         return aborted + outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step with the host one step ahead of the device.
+
+        Step k+1 is scheduled and dispatched before step k's tokens are read: each
+        sequence step k samples for holds a placeholder token, and step k+1 reads the
+        real token from step k's output on the device. Then the host waits for step k,
+        puts its tokens in place of the placeholders (finishing sequences that sampled a
+        stop token, whose step k+1 work is discarded), and records step k+1's plan. A
+        page freed meanwhile is only reused by steps dispatched later, which the device
+        runs in order.
+        """
+        t0 = time.perf_counter()
+        aborted, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        t_sched = time.perf_counter()
+        launched = None
+        if plan.chunks:
+            pending = (
+                {id(seq): row for seq, row, _ in self._inflight[2]} if self._inflight else None
+            )
+            batch, token_src = self._build_batch(plan, pending=pending)
+            tokens, logprobs = self._run_step(batch, token_src)
+            launched = (tokens, logprobs)
+        elif self._inflight is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler made no progress with requests pending")
+            return aborted
+        t1 = time.perf_counter()
+        outputs = self._resolve(self._inflight) if self._inflight else []
+        t2 = time.perf_counter()
+        self._inflight = None
+        if launched is not None:
+            # Placeholders for the tokens step k+1 samples: lengths advance now (so
+            # max_tokens finishes are known), values arrive with the next call.
+            sampled = [(PLACEHOLDER_TOKEN, 0.0) if c.samples else None for c in plan.chunks]
+            counts = [len(c.seq.output_token_ids) for c in plan.chunks]
+            self.scheduler.update(plan, sampled, eos_token_ids=())
+            entries = [
+                (c.seq, i, counts[i])
+                for i, c in enumerate(plan.chunks)
+                if c.samples and len(c.seq.output_token_ids) > counts[i]
+            ]
+            self._inflight = (*launched, entries)
+        m = self.metrics
+        m.num_steps += 1
+        m.schedule_time_s += t_sched - t0
+        m.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        m.device_time_s += t2 - t1  # waiting for step k while step k+1 is queued
+        self._maybe_log()
+        return aborted + outputs
+
+    def _resolve(self, inflight) -> list[RequestOutput]:
+        """Waits for an in-flight step and puts its sampled tokens in place."""
+        tokens, logprobs, entries = inflight
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        now = time.monotonic()
+        touched = {}
+        for seq, row, index in entries:
+            if index >= len(seq.output_token_ids):
+                continue  # dropped: the sequence stopped at an earlier token
+            before = self._last_token_seen.get(id(seq))
+            self.scheduler.resolve(
+                seq, index, int(tokens[row]), float(logprobs[row]), self.eos_token_ids, now
+            )
+            self.metrics.on_token(None if before is None else now - before)
+            self._last_token_seen[id(seq)] = now
+            touched[seq.request_id] = None
+        outputs = [self._output(self._requests[r]) for r in touched if r in self._requests]
+        for out in outputs:
+            if out.finished:
+                req = self._requests.pop(out.request_id)
+                for seq in req.seqs:
+                    self._last_token_seen.pop(id(seq), None)
+                self._on_finished(req)
+        return outputs
 
     def _record(self, plan: SchedulerOutput, tokens, logprobs, valid) -> None:
         """Hands one iteration's sampled tokens to the scheduler; `valid` masks a loop's."""
@@ -425,22 +530,36 @@ class Engine:
             self._last_log = now
             logging.info(format_log_line(self.stats()))
 
-    def _run_step(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+    def _run_step(self, batch: StepBatch, token_src: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Dispatches one step (without waiting for it); remembers its sampled tokens."""
         traces = _TRACES[0]
         tokens, logprobs, self.kv_cache = _STEP(
             self._graphdef,
             self._params,
             self.kv_cache,
             batch,
+            token_src,
+            self._prev_tokens,
             attention_backend=self.config.attention_backend,
         )
         self.num_compilations += _TRACES[0] - traces
+        self._prev_tokens = tokens
         return tokens, logprobs
 
-    def _build_batch(self, plan: SchedulerOutput, *, all_pages: bool = False) -> StepBatch:
+    def _build_batch(
+        self, plan: SchedulerOutput, *, all_pages: bool = False, pending: dict | None = None
+    ) -> tuple[StepBatch, jax.Array]:
+        """The device batch of `plan` and its token feed (`pending`: see `_step_async`)."""
         hb = build_host_batch(
             plan, page_size=self.config.page_size, buckets=self._buckets, all_pages=all_pages
         )
+        if pending:
+            row = 0
+            for c in plan.chunks:
+                last = c.seq.num_tokens - 1  # the token the in-flight step is sampling
+                if id(c.seq) in pending and c.start <= last < c.start + c.num_tokens:
+                    hb.token_src[row + last - c.start] = pending[id(c.seq)]
+                row += c.num_tokens
         names = [f.name for f in dataclasses.fields(hb)]
         a = dict(
             zip(names, jax.device_put([getattr(hb, n) for n in names]), strict=True)
@@ -453,7 +572,8 @@ class Engine:
             page_size=self.config.page_size,
         )
         sampling = SamplingBatch(floats=a["sampling_floats"], ints=a["sampling_ints"])
-        return StepBatch(a["tokens"], a["positions"], table, a["logits_indices"], sampling)
+        batch = StepBatch(a["tokens"], a["positions"], table, a["logits_indices"], sampling)
+        return batch, a["token_src"]
 
     def _output(self, req: _Request) -> RequestOutput:
         completions = []
@@ -556,7 +676,7 @@ class Engine:
                 logits_indices=jnp.zeros(s, jnp.int32),
                 sampling=SamplingBatch.from_host([], s),
             )
-            self._run_step(batch)
+            self._run_step(batch, jnp.full(t, -1, jnp.int32))
             if self.config.num_decode_steps > 1:
                 plan = SchedulerOutput((), ())
                 self._run_decode_loop(batch, plan, [])

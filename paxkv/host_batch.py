@@ -109,6 +109,9 @@ class HostBatch:
     logits_indices: np.ndarray  # i32[S]; packed row of each sequence's last token
     sampling_floats: np.ndarray  # f32[S, 3]: temperature, top_p, min_p
     sampling_ints: np.ndarray  # i32[S, 3]: top_k, seed, counter
+    # i32[T]: for rows whose token the host does not know yet, the index of the
+    # in-flight step's output that holds it (async scheduling); -1 elsewhere.
+    token_src: np.ndarray
 
 
 def build_host_batch(
@@ -168,5 +171,14 @@ def build_host_batch(
         pages_per_seq=p_pad,
     )
     return HostBatch(
-        tokens, positions, table, kv_lens, cu_q_lens, num_seqs, logits_indices, floats, ints
+        tokens,
+        positions,
+        table,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        logits_indices,
+        floats,
+        ints,
+        np.full(t_pad, -1, np.int32),
     )

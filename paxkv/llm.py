@@ -24,12 +24,20 @@ class LLM:
         checkpoint directory (config.json + safetensors). Nothing is downloaded.
       dtype: parameter dtype ("float32", "bfloat16"); None keeps the model's.
       seed: seed of random initialisation (presets) and of requests without a seed.
+      mesh: a `jax.sharding.Mesh` of one replica to shard the model and cache over
+        (see `paxkv.sharding`); None serves on one device.
       **engine_kwargs: `EngineConfig` fields: num_pages, page_size, max_num_seqs,
         max_num_batched_tokens, max_model_len, kv_cache_dtype, attention_backend, ...
     """
 
     def __init__(
-        self, model: str, *, dtype: str | None = None, seed: int = 0, **engine_kwargs: Any
+        self,
+        model: str,
+        *,
+        dtype: str | None = None,
+        seed: int = 0,
+        mesh: Any = None,
+        **engine_kwargs: Any,
     ) -> None:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - known)
@@ -42,7 +50,9 @@ class LLM:
         models = importlib.import_module("paxkv.models")
         config, module, tokenizer = models.load_model(model, dtype=dtype, seed=seed)
         engine_kwargs.setdefault("max_model_len", min(config.max_position_embeddings, 2048))
-        self.engine = Engine(module, EngineConfig(seed=seed, **engine_kwargs), tokenizer=tokenizer)
+        self.engine = Engine(
+            module, EngineConfig(seed=seed, **engine_kwargs), tokenizer=tokenizer, mesh=mesh
+        )
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

@@ -481,6 +481,38 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def resolve(
+        self,
+        seq: Sequence,
+        index: int,
+        token: int,
+        logprob: float,
+        eos_token_ids: tuple[int, ...],
+        now: float,
+    ) -> None:
+        """Puts the real value of output `index` of `seq`, recorded by `update` as a
+        placeholder (async scheduling), and ends the sequence there if it is a stop token:
+        later placeholders are dropped, and a sequence already finished by length gets
+        finish reason "stop", as it would have without the placeholder."""
+        if seq.finish_reason is FinishReason.ABORT:
+            return
+        seq.output_token_ids[index] = token
+        seq.logprobs[index] = logprob
+        if index == 0:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+            extra = len(seq.output_token_ids) - index - 1
+            if extra:
+                del seq.output_token_ids[index + 1 :]
+                del seq.logprobs[index + 1 :]
+                seq.num_tokens -= extra
+            if seq.status is SeqStatus.FINISHED:
+                seq.finish_reason = FinishReason.STOP
+            else:
+                self._finish(seq, FinishReason.STOP, now)
+
     def _finish_reason(
         self, seq: Sequence, token: int, eos_token_ids: tuple[int, ...]
     ) -> FinishReason | None:

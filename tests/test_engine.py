@@ -8,6 +8,7 @@ import pytest
 from paxkv.models import load_model
 
 from paxkv import LLM, SamplingParams
+from paxkv.engine import PLACEHOLDER_TOKEN as PLACEHOLDER
 from paxkv.engine import Engine, EngineConfig
 
 PS = 8
@@ -340,3 +341,61 @@ def test_multi_step_decode_matches_single_steps(tiny, num_steps):
             assert multi.stats()["num_preemptions"] > 0
     assert one[2].finish_reason == "stop" and one[2].token_ids[-1] == stop_at
     assert one[1].finish_reason == "length" and len(one[1].token_ids) == 3
+
+
+def test_async_scheduling_matches_sync(tiny):
+    config, model, _ = tiny
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (3, 17, 9, 25, 12, 30)]
+    sync_ref = _run(
+        _engine(model), prompts, SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    )
+    stop_at = sync_ref[2].outputs[0].token_ids[4]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=11, stop_token_ids=[stop_at], ignore_eos=True),
+        SamplingParams(temperature=0.9, max_tokens=9, seed=3, ignore_eos=True, logprobs=True),
+        SamplingParams(
+            temperature=0.0, max_tokens=4, stop_token_ids=[sync_ref[4].outputs[0].token_ids[3]]
+        ),
+        SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True),
+    ]
+
+    def run(engine):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [done[str(i)].outputs[0] for i in range(len(prompts))]
+
+    expected = run(_engine(model))
+    assert expected[2].finish_reason == "stop" and expected[4].finish_reason == "stop"
+    for kw in ({}, {"num_pages": 12}):  # with and without preemption
+        engine = _engine(model, async_scheduling=True, **kw)
+        got = run(engine)
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
+        np.testing.assert_allclose(got[3].logprobs, expected[3].logprobs, rtol=1e-5, atol=1e-5)
+        assert PLACEHOLDER not in [t for c in got for t in c.token_ids]
+        assert engine.pool.num_in_use == 0
+        engine.pool.check_invariants()
+        if kw:
+            assert engine.stats()["num_preemptions"] > 0
+
+
+def test_async_abort_in_flight(tiny):
+    _, model, _ = tiny
+    engine = _engine(model, async_scheduling=True)
+    engine.add_request("a", {"prompt_token_ids": list(range(20))}, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": [4, 5]}, GREEDY)
+    engine.step()
+    engine.step()  # a and b are decoding, one step in flight
+    engine.abort("a")
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["a"].outputs[0].finish_reason == "abort"
+    assert outs["b"].outputs[0].token_ids == _dense_greedy(model, [4, 5], GREEDY.max_tokens)[0]
+    assert engine.pool.num_in_use == 0
