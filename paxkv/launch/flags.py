@@ -57,6 +57,17 @@ KV_CACHE_DTYPE = flags.DEFINE_enum(
 ATTENTION_BACKEND = flags.DEFINE_enum(
     "attention_backend", None, list(BACKENDS), "Attention implementation."
 )
+NUM_DECODE_STEPS = flags.DEFINE_integer(
+    "num_decode_steps",
+    None,
+    "Decode steps per compiled call (unset: 8 on accelerators, 1 on CPU).",
+    lower_bound=1,
+)
+ASYNC_SCHEDULING = flags.DEFINE_bool(
+    "async_scheduling",
+    None,
+    "Schedule step k+1 while the device runs step k (needs num_decode_steps=1).",
+)
 
 # The runtime: devices, hosts, compilation cache.
 MESH = flags.DEFINE_string(
@@ -104,6 +115,8 @@ _ENGINE_FLAGS = {
     "max_model_len": MAX_MODEL_LEN,
     "kv_cache_dtype": KV_CACHE_DTYPE,
     "attention_backend": ATTENTION_BACKEND,
+    "num_decode_steps": NUM_DECODE_STEPS,
+    "async_scheduling": ASYNC_SCHEDULING,
 }
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
