@@ -48,16 +48,16 @@ def main(argv: list[str]) -> None:
     try:
         launch_flags.init_runtime()
         results = _run()
+        print(format_table(results))
+        if _JSON_OUT.value:
+            with open(_JSON_OUT.value, "w") as f:
+                json.dump(results, f, indent=2)
+        if _PLOT_OUT.value:
+            from paxkv.bench_plot import plot
+
+            plot(results, _PLOT_OUT.value)
     except (ValueError, OSError) as e:
         launch_flags.exit_with_error(str(e))
-    print(format_table(results))
-    if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
-            json.dump(results, f, indent=2)
-    if _PLOT_OUT.value:
-        from paxkv.bench_plot import plot
-
-        plot(results, _PLOT_OUT.value)
 
 
 def _run() -> dict:
