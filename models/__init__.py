@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import paxkv
+
 from .config import PRESETS, Llama3RopeScaling, LlamaConfig
 from .llama import LlamaForCausalLM, dense_causal_attention, init_cache, init_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -17,8 +19,17 @@ from .weights import (
     save_params,
 )
 
+# Trained checkpoints shipped inside the package, by name: `paxkv-train` writes tiny-py,
+# the tiny architecture as a byte-level LM of the Python standard library.
+CHECKPOINTS = {"tiny-py": os.path.join(os.path.dirname(paxkv.__file__), "checkpoints", "tiny_py")}
+# A checkpoint directory without a tokenizer.json declares a byte-level tokenizer here,
+# as {"tokenizer_class": "ByteTokenizer"} (the key of Hugging Face's file of this name).
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
 __all__ = [
+    "CHECKPOINTS",
     "PRESETS",
+    "TOKENIZER_CONFIG_FILE",
     "ByteTokenizer",
     "HFTokenizer",
     "Llama3RopeScaling",
@@ -43,8 +54,10 @@ def load_model(
     """`(config, model, tokenizer or None)` from a preset name or a local directory.
 
     A preset name gives a random model (`seed`); "tiny" comes with the `ByteTokenizer`.
+    A name of `CHECKPOINTS` ("tiny-py") gives that trained model and the `ByteTokenizer`.
     A directory is a Hugging Face checkpoint, or an orbax checkpoint from `save_params`
-    (`config.json` and `params/`); its tokenizer is its `tokenizer.json`, if any.
+    (`config.json` and `params/`); its tokenizer is its `tokenizer.json`, if any, or the
+    `ByteTokenizer` its `tokenizer_config.json` declares.
     `dtype` overrides the parameter dtype.
     """
     name = os.fspath(name_or_path)
@@ -52,9 +65,18 @@ def load_model(
         config = PRESETS[name] if dtype is None else PRESETS[name].replace(dtype=dtype)
         tokenizer = ByteTokenizer() if name == "tiny" else None
         return config, init_model(config, seed), tokenizer
+    if name in CHECKPOINTS:
+        path = CHECKPOINTS[name]
+        if not os.path.isdir(os.path.join(path, ORBAX_PARAMS_DIR)):
+            raise FileNotFoundError(
+                f"the {name} checkpoint is missing from {path}: train it with `paxkv-train` "
+                "(a few minutes on a CPU)"
+            )
+        return load_model(path, dtype=dtype)
     if not os.path.isdir(name):
         raise ValueError(
-            f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory"
+            f"{name!r} is neither a preset ({', '.join(PRESETS)}), a trained checkpoint "
+            f"({', '.join(CHECKPOINTS)}) nor an existing directory"
         )
     if os.path.isdir(os.path.join(name, ORBAX_PARAMS_DIR)):
         with open(os.path.join(name, CONFIG_FILE)) as f:
@@ -64,4 +86,15 @@ def load_model(
         model = restore_params(config, name)
     else:
         config, model = load_hf_checkpoint(name, dtype=dtype)
-    return config, model, load_tokenizer(name)
+    tokenizer = load_tokenizer(name)
+    if tokenizer is None and _declares_byte_tokenizer(name):
+        tokenizer = ByteTokenizer()
+    return config, model, tokenizer
+
+
+def _declares_byte_tokenizer(path: str) -> bool:
+    file = os.path.join(path, TOKENIZER_CONFIG_FILE)
+    if not os.path.isfile(file):
+        return False
+    with open(file) as f:
+        return json.load(f).get("tokenizer_class") == "ByteTokenizer"

@@ -38,7 +38,9 @@ REFERENCE_DTYPE = "auto"
 
 def _chunk_nll(graphdef, state, kv_cache, tokens, positions, targets, table, *, attention_backend):
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(tokens, positions, kv_cache, table, attention_backend=attention_backend)
+    hidden, kv_cache = model(
+        tokens, positions, kv_cache, table, attention_backend=attention_backend
+    )
     logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)  # f32[T, V]
     return -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], kv_cache
 
@@ -72,7 +74,9 @@ def paged_nll(
     graphdef, state = nnx.split(model)
     pages_per_seq = -(-length // page_size)
     s = min(batch_size, num_windows)
-    block_tables = jnp.asarray(1 + np.arange(s * pages_per_seq).reshape(s, pages_per_seq), jnp.int32)
+    block_tables = jnp.asarray(
+        1 + np.arange(s * pages_per_seq).reshape(s, pages_per_seq), jnp.int32
+    )
     cu_q_lens = jnp.asarray(np.arange(s + 1) * chunk_len, jnp.int32)
     num_seqs = jnp.asarray([s], jnp.int32)
     out = np.empty((num_windows, length), np.float32)
@@ -111,21 +115,21 @@ def paged_nll(
                 table,
                 attention_backend=attention_backend,
             )
-            nll.append(np.asarray(chunk).reshape(s, chunk_len))
-        out[lo : lo + live] = np.concatenate(nll, axis=1)[:live]
+            nll.append(chunk.reshape(s, chunk_len))
+        out[lo : lo + live] = np.concatenate(jax.device_get(nll), axis=1)[:live]
     return out
+
+
+@jax.jit
+def _dense_nll(graphdef, state, windows):
+    logits = jax.vmap(nnx.merge(graphdef, state).dense_logits)(windows[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, windows[:, 1:, None], axis=-1)[..., 0]
 
 
 def dense_nll(model: nnx.Module, windows: np.ndarray) -> np.ndarray:  # f32[N, L]
     """The same per-token NLL as `paged_nll`, from the dense forward (`dense_logits`): the oracle."""
-
-    @jax.jit
-    def nll(graphdef, state, w):
-        logits = jax.vmap(nnx.merge(graphdef, state).dense_logits)(w[:, :-1])
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.take_along_axis(logp, w[:, 1:, None], axis=-1)[..., 0]
-
-    return np.asarray(nll(*nnx.split(model), jnp.asarray(windows, jnp.int32)))
+    return np.asarray(_dense_nll(*nnx.split(model), jnp.asarray(windows, jnp.int32)))
 
 
 def perplexity(nll: np.ndarray) -> dict[str, float]:
@@ -157,7 +161,8 @@ def greedy_continuations(
 ) -> list[list[int]]:
     """The `max_tokens` greedy tokens (EOS ignored) the `Engine` generates for each prompt.
 
-    All prompts run at once, prefilled in one step, over a cache of `kv_cache_dtype`.
+    All prompts run at once over a cache of `kv_cache_dtype`, in steps of one shape: as
+    many tokens as prompts, so the prompts are prefilled in chunks beside the decodes.
     """
     n = len(prompts)
     max_len = max(len(p) for p in prompts) + max_tokens
@@ -166,7 +171,8 @@ def greedy_continuations(
         num_pages=1 + n * (max_model_len // page_size),
         page_size=page_size,
         max_num_seqs=n,
-        max_num_batched_tokens=max(n, sum(len(p) for p in prompts)),
+        max_num_batched_tokens=n,
+        token_buckets=(n,),  # one compiled step shape
         max_model_len=max_model_len,
         kv_cache_dtype=kv_cache_dtype,
         attention_backend=attention_backend,
@@ -229,7 +235,9 @@ def evaluate(
 
     Returns `{"config", "dense", "rows"}`: the dense forward's perplexity (the oracle the
     "auto" row must match), and one row per dtype with its perplexity, its relative
-    perplexity change against "auto", its agreement with "auto" and its seconds.
+    perplexity change against "auto", the mean absolute difference of its per-token NLL
+    from "auto"'s (`nll_abs_diff`, nats: how far the cache moves each prediction, either
+    way), its agreement with "auto" and its seconds.
     """
     dtypes = list(dict.fromkeys((REFERENCE_DTYPE, *config.kv_cache_dtypes)))
     windows = spaced_windows(eval_data, config.num_windows, config.window_len)
@@ -238,17 +246,16 @@ def evaluate(
     rows, reference = [], None
     for dtype in dtypes:
         start = time.perf_counter()
-        ppl = perplexity(
-            paged_nll(
-                model,
-                windows,
-                kv_cache_dtype=dtype,
-                chunk_len=config.chunk_len,
-                batch_size=config.batch_size,
-                page_size=config.page_size,
-                attention_backend=config.attention_backend,
-            )
+        nll = paged_nll(
+            model,
+            windows,
+            kv_cache_dtype=dtype,
+            chunk_len=config.chunk_len,
+            batch_size=config.batch_size,
+            page_size=config.page_size,
+            attention_backend=config.attention_backend,
         )
+        ppl = perplexity(nll)
         tokens = greedy_continuations(
             model,
             prompts,
@@ -258,12 +265,13 @@ def evaluate(
             attention_backend=config.attention_backend,
         )
         if reference is None:
-            reference, reference_ppl = tokens, ppl["perplexity"]
+            reference, reference_nll, reference_ppl = tokens, nll, ppl["perplexity"]
         rows.append(
             {
                 "kv_cache_dtype": dtype,
                 **ppl,
                 "perplexity_change": ppl["perplexity"] / reference_ppl - 1,
+                "nll_abs_diff": float(np.mean(np.abs(nll - reference_nll), dtype=np.float64)),
                 **agreement(reference, tokens),
                 "seconds": time.perf_counter() - start,
             }
@@ -274,13 +282,14 @@ def evaluate(
 def markdown_table(result: dict[str, Any]) -> str:
     """The rows of `evaluate` as a Markdown table."""
     lines = [
-        "| kv cache | bits/byte | perplexity | vs auto | prefix agreement | token agreement | identical |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| kv cache | bits/byte | perplexity | vs auto | mean abs ΔNLL | prefix agreement | token agreement | identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['kv_cache_dtype']} | {r['bits_per_byte']:.4f} | {r['perplexity']:.4f} "
-            f"| {100 * r['perplexity_change']:+.2f}% | {r['prefix_agreement']:.3f} "
+            f"| {100 * r['perplexity_change']:+.3f}% | {r['nll_abs_diff']:.5f} "
+            f"| {r['prefix_agreement']:.3f} "
             f"| {r['token_agreement']:.3f} | {r['identical']:.3f} |"
         )
     return "\n".join(lines)

@@ -109,7 +109,7 @@ class TrainConfig:
     """Optimisation of the byte-level LM; the defaults take a few minutes on a 2-core CPU."""
 
     steps: int = 1200
-    batch_size: int = 16
+    batch_size: int = 8
     seq_len: int = 256
     learning_rate: float = 3e-3
     warmup_steps: int = 60
@@ -221,4 +221,6 @@ def train(
             eval_loss / math.log(2),
             math.exp(eval_loss),
         )
-    return TrainResult(losses, eval_loss, seconds, config.steps * config.batch_size * config.seq_len)
+    return TrainResult(
+        losses, eval_loss, seconds, config.steps * config.batch_size * config.seq_len
+    )
