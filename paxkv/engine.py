@@ -89,7 +89,11 @@ def _step(
     logits = model.logits(hidden[batch.logits_indices])
     tokens, logprobs = sample(logits, batch.sampling)
     pad = prev_tokens.shape[0] - tokens.shape[0]
-    return jnp.pad(tokens, (0, pad)), jnp.pad(logprobs, (0, pad)), kv_cache
+    tokens, logprobs = jnp.pad(tokens, (0, pad)), jnp.pad(logprobs, (0, pad))
+    mesh = getattr(model, "mesh", None)
+    if mesh is not None:  # replicated, like the next step's prev_tokens input
+        tokens = jax.lax.with_sharding_constraint(tokens, sharding.replicated(mesh))
+    return tokens, logprobs, kv_cache
 
 
 # Module level, so engines serving the same model at the same shapes share compilations.
@@ -237,6 +241,8 @@ class Engine:
         self._inflight = None  # async scheduling: (tokens, logprobs, [(seq, row, index)])
         self._last_token_seen: dict[int, float] = {}
         self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
+        if self.mesh is not None:  # as the step returns it, so warm-up compiles the real signature
+            self._prev_tokens = jax.device_put(self._prev_tokens, sharding.replicated(self.mesh))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.num_compilations = 0  # compilations this engine's steps triggered

@@ -119,6 +119,11 @@ def serving_mesh(mesh: Mesh | AbstractMesh) -> MeshShape:
     return shape
 
 
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of an array every device of `mesh` holds whole."""
+    return NamedSharding(mesh, P())
+
+
 def set_default_mesh(mesh: Mesh | None) -> None:
     """The mesh of engines built without one (the launch apps set it from `--mesh`)."""
     _DEFAULT_MESH[0] = mesh
