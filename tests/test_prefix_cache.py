@@ -1,6 +1,7 @@
 """Automatic prefix caching and the reservation modes, scripted with exact page ids; and a
 hypothesis-driven run of the scheduler with a fake model. No JAX."""
 
+import collections
 import dataclasses
 
 from hypothesis import given, settings
@@ -259,8 +260,12 @@ def test_random_workloads_end_cleanly(arrivals, num_pages, budget, caching):
         out = s.schedule()
         s.update(out, [((step * 7 + c.start) % 4, 0.0) if c.samples else None for c in out.chunks])
         s.pool.check_invariants()
-        held = sum(len(q.pages) for q, _ in seqs if q.status is not SeqStatus.FINISHED)
-        assert held >= s.pool.num_in_use - 0  # shared pages are counted once in the pool
+        # Every page in use is held by a live sequence, once per holder: no leak.
+        holders = collections.Counter(
+            p for q, _ in seqs if q.status is not SeqStatus.FINISHED for p in q.pages
+        )
+        assert len(holders) == s.pool.num_in_use
+        assert all(s.pool.refcount(p) == n for p, n in holders.items())
         for q, _ in seqs:
             if q.status is SeqStatus.RUNNING:
                 assert len(q.pages) * PS >= q.num_computed_tokens
