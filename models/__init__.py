@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-import paxkv
-
 from .config import PRESETS, Llama3RopeScaling, LlamaConfig
 from .llama import LlamaForCausalLM, dense_causal_attention, init_cache, init_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -21,7 +19,7 @@ from .weights import (
 
 # Trained checkpoints shipped inside the package, by name: `paxkv-train` writes tiny-py,
 # the tiny architecture as a byte-level LM of the Python standard library.
-CHECKPOINTS = {"tiny-py": os.path.join(os.path.dirname(paxkv.__file__), "checkpoints", "tiny_py")}
+CHECKPOINTS = {"tiny-py": os.path.join(os.path.dirname(__file__), "checkpoints", "tiny_py")}
 # A checkpoint directory without a tokenizer.json declares a byte-level tokenizer here,
 # as {"tokenizer_class": "ByteTokenizer"} (the key of Hugging Face's file of this name).
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

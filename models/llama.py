@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 from paxkv.pallas_kernels import ragged_paged_attention
 
-from paxkv import sharding
-from paxkv.cache import PagedKVCache, PageTable
+from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.sharding import shardings
 
 from .config import Llama3RopeScaling, LlamaConfig
 
@@ -204,7 +204,7 @@ class LlamaForCausalLM(nnx.Module):
             else _linear(config, config.hidden_size, config.vocab_size, bias=False, rngs=rngs)
         )
         # A jax Mesh (static): attention runs per shard of its `model` axis. Set by
-        # `paxkv.sharding.shard_engine_state`, with the weights and pages placed to match.
+        # `paxkv.sharding.shardings.shard_engine_state`, with the weights and pages placed to match.
         self.mesh = None
 
     @property
@@ -273,11 +273,11 @@ class LlamaForCausalLM(nnx.Module):
 
         if self.mesh is None:
             return attend(q, k, v, kv_cache, table)
-        heads = sharding.kv_head_spec(self.config.num_kv_heads, self.mesh)
-        return sharding.shard_map(
+        heads = shardings.kv_head_spec(self.config.num_kv_heads, self.mesh)
+        return shardings.shard_map(
             attend,
             self.mesh,
-            in_specs=(heads, heads, heads, heads, sharding.REPLICATED),
+            in_specs=(heads, heads, heads, heads, shardings.REPLICATED),
             out_specs=(heads, heads),
         )(q, k, v, kv_cache, table)
 

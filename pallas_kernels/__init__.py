@@ -1,23 +1,30 @@
 """Device code for paged attention: Pallas kernels, their references, and the KV write.
 
-Nothing in this package knows about requests; it consumes int32 arrays.
+Nothing in this package knows about requests; it consumes int32 arrays. Submodules load
+lazily, so `paxkv.pallas_kernels.layout` (the page layout as plain facts) imports
+without JAX.
 """
 
-from .attention import BACKENDS, ragged_paged_attention, resolve_backend
-from .attention_inputs import AttentionShapes, check_attention_inputs
-from .kv_write import write_kv_pages
-from .quantization import dequantize, quantize
-from .reference import NULL_PAGE, ragged_paged_attention_reference
+import importlib
 
-__all__ = [
-    "BACKENDS",
-    "NULL_PAGE",
-    "AttentionShapes",
-    "check_attention_inputs",
-    "dequantize",
-    "quantize",
-    "ragged_paged_attention",
-    "ragged_paged_attention_reference",
-    "resolve_backend",
-    "write_kv_pages",
-]
+_LAZY = {
+    "BACKENDS": ".dispatch",
+    "ragged_paged_attention": ".dispatch",
+    "resolve_backend": ".dispatch",
+    "AttentionShapes": ".contract",
+    "check_attention_inputs": ".contract",
+    "write_kv_pages": ".kv_write",
+    "dequantize": ".quantization",
+    "quantize": ".quantization",
+    "NULL_PAGE": ".layout",
+    "ragged_paged_attention_reference": ".reference",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

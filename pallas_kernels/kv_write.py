@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .attention_inputs import QUANTIZED_PAGE_DTYPES
+from .contract import token_layout
+from .layout import QUANTIZED_PAGE_DTYPES
 from .quantization import quantize
-from .reference import token_layout
 
 
 def write_kv_pages(

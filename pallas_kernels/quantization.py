@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .attention_inputs import QUANTIZED_PAGE_DTYPES
+from .layout import QUANTIZED_PAGE_DTYPES
 
 
 def dtype_max(dtype) -> float:

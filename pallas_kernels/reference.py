@@ -7,39 +7,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .attention_inputs import check_attention_inputs
+from .contract import check_attention_inputs, token_layout
+from .layout import NULL_PAGE
 from .quantization import dequantize
-
-NULL_PAGE = 0  # never allocated by the host pool; the reference reads it in place of unnamed pages
 
 # Bytes of gathered K/V one lax.map iteration may hold; bounds the reference's memory.
 _GATHER_BUDGET_BYTES = 64 * 1024 * 1024
-
-
-def token_layout(
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    kv_lens: jax.Array,  # i32[S]
-    num_seqs: jax.Array,  # i32[1]
-    num_tokens: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Maps each packed query row to `(seq_id i32[T], position i32[T], valid bool[T])`.
-
-    Row t belongs to the sequence s with `cu_q_lens[s] <= t < cu_q_lens[s + 1]`, and sits
-    at absolute position `kv_lens[s] - q_len[s] + (t - cu_q_lens[s])`. Rows at or past
-    `cu_q_lens[num_seqs]` are padding (`valid=False`, seq_id and position 0).
-    """
-    max_num_seqs = kv_lens.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    n = num_seqs[0]
-    # Ends of live sequences; padding sequences' ends are pushed past every row.
-    live = jnp.arange(max_num_seqs) < n
-    ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
-    seq = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
-    valid = t < cu_q_lens[n]
-    seq = jnp.where(valid, jnp.minimum(seq, max_num_seqs - 1), 0)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
-    return seq, jnp.where(valid, pos, 0), valid
 
 
 def visible_kv(

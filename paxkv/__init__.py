@@ -1,7 +1,6 @@
 """paxkv: paged KV-cache attention for JAX.
 
-Submodules load lazily, so the host-side modules (`paxkv.page_pool`, later the
-scheduler) import without pulling in JAX.
+Submodules load lazily, so the host core (`paxkv.host`) imports without pulling in JAX.
 """
 
 import importlib
@@ -9,10 +8,10 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "PagedKVCache": "paxkv.cache",
-    "PageTable": "paxkv.cache",
-    "PagePool": "paxkv.page_pool",
-    "NULL_PAGE": "paxkv.page_pool",
+    "PagedKVCache": "paxkv.engine.state",
+    "PageTable": "paxkv.engine.state",
+    "PagePool": "paxkv.host.page_pool",
+    "NULL_PAGE": "paxkv.host.page_pool",
     "LLM": "paxkv.llm",
     "Engine": "paxkv.engine",
     "EngineConfig": "paxkv.engine",

@@ -35,10 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ..attention_inputs import AttentionShapes, check_attention_inputs
-from ..reference import token_layout
+from ..contract import AttentionShapes, check_attention_inputs, token_layout
 from .jax_compat import plgpu
-from .ragged_paged_attention_kernels import KernelConfig, decode_kernel, prefill_kernel
+from .kernel import KernelConfig, decode_kernel, prefill_kernel
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK = 16  # smallest M, N and K of a Triton tensor-core dot

@@ -31,9 +31,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..attention_inputs import AttentionShapes, check_attention_inputs
-from ..reference import token_layout
-from .ragged_paged_attention_kernel import STATS_LANES, KernelConfig, ragged_paged_attention_kernel
+from ..contract import AttentionShapes, check_attention_inputs, token_layout
+from .kernel import STATS_LANES, KernelConfig, ragged_paged_attention_kernel
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # VMEM and SMEM of the smallest supported TensorCore (v4: 16 MiB, 1 MiB); used when no

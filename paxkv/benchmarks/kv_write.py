@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from paxkv.cache import PagedKVCache, PageTable
+from paxkv.engine.state import PagedKVCache, PageTable
 
 _NUM_PAGES = flags.DEFINE_list(
     "num_pages", ["256", "1024", "4096", "16384"], "Cache sizes, in pages."

@@ -18,10 +18,10 @@ import time
 import numpy as np
 from absl import app, flags
 
-from paxkv.host_batch import Buckets, build_host_batch
-from paxkv.page_pool import PagePool
+from paxkv.host.batch import Buckets, build_host_batch
+from paxkv.host.page_pool import PagePool
+from paxkv.host.scheduler import Scheduler, Sequence
 from paxkv.request import SamplingParams
-from paxkv.scheduler import Scheduler, Sequence
 
 _NUM_SEQS = flags.DEFINE_integer("num_seqs", 256, "Running sequences.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Timed decode steps.")

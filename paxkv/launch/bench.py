@@ -5,7 +5,7 @@
 
 The same requests run through the same engine, with the same number of KV pages
 (`--kv_budget_mib`, or `--num_pages`), three times: paged, contiguous max-length
-reservation, and contiguous guessed-length reservation (see `paxkv.load_bench`).
+reservation, and contiguous guessed-length reservation (see `paxkv.tools.load_bench`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,16 @@ import json
 
 from absl import app, flags
 
+from paxkv.kv_layout import kv_page_bytes, resolve_kv_cache_dtype
 from paxkv.launch import flags as launch_flags
-from paxkv.load_bench import SETUPS, WORKLOADS, format_table, make_workload, progress_bar, run_setup
+from paxkv.tools.load_bench import (
+    SETUPS,
+    WORKLOADS,
+    format_table,
+    make_workload,
+    progress_bar,
+    run_setup,
+)
 
 _WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", list(WORKLOADS), "Request lengths.")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 32, "Requests in the workload.", lower_bound=1)
@@ -53,7 +61,7 @@ def main(argv: list[str]) -> None:
             with open(_JSON_OUT.value, "w") as f:
                 json.dump(results, f, indent=2)
         if _PLOT_OUT.value:
-            from paxkv.bench_plot import plot
+            from paxkv.tools.bench_plot import plot
 
             plot(results, _PLOT_OUT.value)
     except (ValueError, OSError) as e:
@@ -68,10 +76,9 @@ def _run() -> dict:
     if not _RATE.value > 0:
         raise ValueError(f"--request_rate={_RATE.value} must be > 0 (inf: all at once)")
     model_cfg, engine_cfg = setup.model, setup.engine
-    from paxkv.cache import page_bytes, resolve_kv_cache_dtype
-
     page_dtype = resolve_kv_cache_dtype(engine_cfg.kv_cache_dtype, model_cfg.dtype)
-    per_page = model_cfg.num_layers * page_bytes(
+    per_page = kv_page_bytes(
+        num_layers=model_cfg.num_layers,
         num_kv_heads=model_cfg.num_kv_heads,
         page_size=engine_cfg.page_size,
         head_dim=model_cfg.head_dim,

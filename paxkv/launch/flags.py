@@ -20,12 +20,12 @@ from typing import NoReturn
 from absl import flags, logging
 
 from paxkv.configs import NAMES, ServingSetup, get_config
+from paxkv.kv_layout import KV_CACHE_DTYPES
 from paxkv.llm import LLM
-from paxkv.mesh_shape import MeshShape
 from paxkv.models import CONFIG_FILE, LlamaConfig
 from paxkv.models.config import DTYPES
 from paxkv.pallas_kernels import BACKENDS
-from paxkv.plan import KV_CACHE_DTYPES
+from paxkv.sharding.mesh_shape import MeshShape
 
 CONFIG = flags.DEFINE_string("config", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
 MODEL_DIR = flags.DEFINE_string(
@@ -137,7 +137,7 @@ def init_runtime() -> MeshShape | None:
     In order: `jax.distributed.initialize` (`--jax_distributed`), the persistent
     compilation cache (`--compilation_cache_dir`), then the mesh: built over every
     process's devices, cut into replicas, and the replica holding this process's devices
-    made the default of every `Engine` (`paxkv.sharding.set_default_mesh`). Raises
+    made the default of every `Engine` (`paxkv.sharding.shardings.set_default_mesh`). Raises
     ValueError for flags that contradict each other or the devices.
     """
     shape = mesh_shape()  # bad syntax fails before anything starts
@@ -165,9 +165,9 @@ def init_runtime() -> MeshShape | None:
     if COMPILATION_CACHE_DIR.value is not None:
         jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR.value)
     if shape is not None:
-        from paxkv import sharding
+        from paxkv.sharding import shardings
 
-        sharding.set_default_mesh(sharding.process_replica(sharding.make_mesh(shape)))
+        shardings.set_default_mesh(shardings.process_replica(shardings.make_mesh(shape)))
     return shape
 
 

@@ -9,7 +9,7 @@ after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_le
 `--workload=sharegpt` (log-normal with those medians and `--sigma`, capped at
 max_model_len). Of the shared flags it reads --config, --model_dir (its config.json),
 --dtype, --page_size, --max_model_len, --seed and --mesh; it plans every KV cache dtype.
-Prints a markdown report; `--json_out` writes it as JSON. The logic is `paxkv.plan`.
+Prints a markdown report; `--json_out` writes it as JSON. The logic is `paxkv.tools.capacity`.
 
 With `--mesh` the budget is per device: `--kv_budget_gib` on each device, or
 `--kv_fraction` of each device's memory left after its shard of the weights. The tables
@@ -23,8 +23,8 @@ import json
 
 from absl import app, flags
 
-from paxkv import plan
 from paxkv.launch import flags as launch_flags
+from paxkv.tools import capacity as plan
 
 _KV_BUDGET_GIB = flags.DEFINE_float(
     "kv_budget_gib", None, "Bytes for the KV cache, in GiB (instead of --device)."

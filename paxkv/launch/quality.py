@@ -4,7 +4,7 @@
     paxkv-quality --num_windows=256 --json_out=quality.json
 
 Reports, per `--kv_cache_dtypes`, the held-out perplexity teacher-forced through the
-paged cache and the greedy agreement with the "auto" cache (see `paxkv.quality`), as a
+paged cache and the greedy agreement with the "auto" cache (see `paxkv.tools.quality`), as a
 Markdown table; `--json_out` also writes every number.
 """
 
@@ -15,10 +15,10 @@ import sys
 
 from absl import app, flags
 
-from paxkv import quality
+from paxkv.kv_layout import KV_CACHE_DTYPES
 from paxkv.models import load_model
-from paxkv.plan import KV_CACHE_DTYPES
-from paxkv.train import load_corpus, stdlib_root
+from paxkv.models.train import load_corpus, stdlib_root
+from paxkv.tools import quality
 
 _DEFAULTS = quality.QualityConfig()
 _MODEL = flags.DEFINE_string(

@@ -4,7 +4,7 @@
     paxkv-train --out_dir=/tmp/tiny_py --steps=200
 
 The corpus is this interpreter's standard library sources, 5% of the files held out
-(see `paxkv.train`). The result loads as `load_model("tiny-py")` when written to the
+(see `paxkv.models.train`). The result loads as `load_model("tiny-py")` when written to the
 default `--out_dir`, and as `load_model(<out_dir>)` anywhere.
 """
 
@@ -19,7 +19,6 @@ import sys
 
 from absl import app, flags, logging
 
-from paxkv import train as training
 from paxkv.models import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -28,6 +27,7 @@ from paxkv.models import (
     init_model,
     save_params,
 )
+from paxkv.models import train as training
 from paxkv.models.config import TINY
 
 _DEFAULTS = training.TrainConfig()

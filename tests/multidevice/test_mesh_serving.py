@@ -15,9 +15,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from paxkv.models import load_model
 
-from paxkv import SamplingParams, plan, sharding
+from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
-from paxkv.mesh_shape import MeshShape
+from paxkv.sharding import shardings
+from paxkv.sharding.mesh_shape import MeshShape
+from paxkv.tools import capacity as plan
 
 PS = 8
 # Per-device KV bytes: 48 pages of the tiny model on one device (2 layers x K, V x 2
@@ -72,7 +74,7 @@ class Served:
 
     def __init__(self, model, config, mesh_shape: MeshShape | None):
         self.shape = mesh_shape or MeshShape()
-        self.mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
+        self.mesh = None if mesh_shape is None else shardings.make_mesh(mesh_shape)
         self.num_pages = plan.num_pages_for_budget(
             config, kv_budget_bytes=BUDGET, page_size=PS, mesh=self.shape
         )
@@ -202,14 +204,14 @@ def test_pool_grows_with_devices_at_a_fixed_per_device_budget(served):
 
 def test_data_parallel_replicas_serve_independently(tiny):
     config, model = tiny
-    mesh = sharding.make_mesh(MeshShape(model=4, data=2))
-    replicas = sharding.replica_meshes(mesh)
+    mesh = shardings.make_mesh(MeshShape(model=4, data=2))
+    replicas = shardings.replica_meshes(mesh)
     assert [r.shape for r in replicas] == [{"data": 1, "model": 4}] * 2
     assert not set(replicas[0].devices.flat) & set(replicas[1].devices.flat)
     with pytest.raises(ValueError, match="one Engine per"):
         Engine(model, _config(16), mesh=mesh)
     with pytest.raises(ValueError, match="holds devices of 2 replicas"):
-        sharding.process_replica(mesh)
+        shardings.process_replica(mesh)
     # Each replica its own engine (scheduler, pool, cache) on its own devices; one step
     # shape each, as every replica compiles its own.
     engines = [Engine(model, _config(32, token_buckets=(64,)), mesh=r) for r in replicas]
@@ -240,7 +242,7 @@ def test_launch_flags_set_the_default_mesh(served, tiny, tmp_path):
             c.token_ids for c in split.outputs[:2]
         ]
     finally:
-        sharding.set_default_mesh(None)
+        shardings.set_default_mesh(None)
         jax.config.update("jax_compilation_cache_dir", None)
         flags.FLAGS.unparse_flags()
 

@@ -1,0 +1,230 @@
+"""Input contract shared by every ragged paged attention backend.
+
+Shape vocabulary (used in every shape comment in the project):
+  T   packed query tokens of one step (padded)      S   sequence slots (padded)
+  P   physical pages in the cache                   ps  tokens per page (page_size)
+  Hq  query heads        Hkv  KV heads              D   head dim
+  pages_per_seq  width of the block table
+
+Page layout: one layer's K (and V) pages are `[P, Hkv, ps, D]`. A page is one
+contiguous block covering every KV head of the layer, so moving a page between
+HBM and on-chip memory is a single DMA, and the per-head slice `[ps, D]` is the
+tile the matrix unit consumes. Quantized pages carry per-token-per-head scales
+`f32[P, Hkv, ps]` beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .layout import FLOAT_PAGE_DTYPES, MAX_PAGE_SIZE, MIN_PAGE_SIZE, QUANTIZED_PAGE_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShapes:
+    """Static sizes of one ragged paged attention call, read off its inputs."""
+
+    num_tokens: int  # T
+    num_q_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    num_pages: int  # P
+    page_size: int  # ps
+    max_num_seqs: int  # S
+    pages_per_seq: int
+    quantized: bool
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA, Hq for MQA)."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_attention_inputs(
+    q,  # [T, Hq, D]
+    k_pages,  # [P, Hkv, ps, D]
+    v_pages,  # [P, Hkv, ps, D]
+    kv_lens,  # i32[S]
+    block_tables,  # i32[S, pages_per_seq]
+    cu_q_lens,  # i32[S + 1]
+    num_seqs,  # i32[1]
+    *,
+    k_scales=None,  # f32[P, Hkv, ps] | None
+    v_scales=None,  # f32[P, Hkv, ps] | None
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> AttentionShapes:
+    """Validates a ragged paged attention call and returns its static sizes.
+
+    Shape and dtype problems raise `ValueError` at trace time, naming the argument
+    and showing the values. When the length arrays are concrete (an eager call, not
+    under a user's `jit`), their values are checked too: lengths in range, `cu_q_lens`
+    non-decreasing, every live sequence's `q_len <= kv_len`, and a block table wide
+    enough for every `kv_len`.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got q.shape={q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [P, Hkv, page_size, D], got k_pages.shape={k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} differ")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages.dtype={k_pages.dtype} and v_pages.dtype={v_pages.dtype} differ")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(
+            f"head_dim mismatch: q has D={head_dim}, k_pages/v_pages have D={kv_head_dim}"
+        )
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads={num_q_heads} (q.shape[1]) must be a multiple of "
+            f"num_kv_heads={num_kv_heads} (k_pages.shape[1])"
+        )
+    if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE) or page_size & (page_size - 1):
+        raise ValueError(
+            f"page_size={page_size} (k_pages.shape[2]) must be a power of two in "
+            f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]"
+        )
+    if jnp.dtype(q.dtype) not in FLOAT_PAGE_DTYPES:
+        raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in FLOAT_PAGE_DTYPES]}")
+    page_dtype = jnp.dtype(k_pages.dtype)
+    quantized = page_dtype in QUANTIZED_PAGE_DTYPES
+    if not quantized and page_dtype not in FLOAT_PAGE_DTYPES:
+        raise ValueError(
+            f"k_pages.dtype={page_dtype} must be a float dtype "
+            f"{[str(d) for d in FLOAT_PAGE_DTYPES]} or a quantized dtype "
+            f"{[str(d) for d in QUANTIZED_PAGE_DTYPES]}"
+        )
+    if quantized:
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is None:
+                raise ValueError(f"k_pages.dtype={page_dtype} is quantized, so {name} is required")
+            if scales.shape != (num_pages, num_kv_heads, page_size):
+                raise ValueError(
+                    f"{name}.shape={scales.shape} must be [P, Hkv, page_size]="
+                    f"{(num_pages, num_kv_heads, page_size)}"
+                )
+            if scales.dtype != jnp.float32:
+                raise ValueError(f"{name}.dtype={scales.dtype} must be float32")
+    elif k_scales is not None or v_scales is not None:
+        raise ValueError(
+            f"k_scales/v_scales were given but k_pages.dtype={page_dtype} is not quantized"
+        )
+
+    if kv_lens.ndim != 1:
+        raise ValueError(f"kv_lens must be i32[S], got kv_lens.shape={kv_lens.shape}")
+    max_num_seqs = kv_lens.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != max_num_seqs:
+        raise ValueError(
+            f"block_tables.shape={block_tables.shape} must be [S, pages_per_seq] with S={max_num_seqs} "
+            f"(kv_lens.shape[0])"
+        )
+    if cu_q_lens.shape != (max_num_seqs + 1,):
+        raise ValueError(f"cu_q_lens.shape={cu_q_lens.shape} must be [S + 1]=({max_num_seqs + 1},)")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs.shape={num_seqs.shape} must be (1,)")
+    for name, arr in (
+        ("kv_lens", kv_lens),
+        ("block_tables", block_tables),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
+        if arr.dtype != jnp.int32:
+            raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap={soft_cap!r} must be a positive float or None")
+
+    shapes = AttentionShapes(
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_num_seqs=max_num_seqs,
+        pages_per_seq=block_tables.shape[1],
+        quantized=quantized,
+    )
+    if all(_is_concrete(a) for a in (kv_lens, block_tables, cu_q_lens, num_seqs)):
+        _check_lengths(
+            shapes,
+            np.asarray(kv_lens),
+            np.asarray(block_tables),
+            np.asarray(cu_q_lens),
+            int(np.asarray(num_seqs)[0]),
+        )
+    return shapes
+
+
+def _check_lengths(
+    shapes: AttentionShapes, kv_lens, block_tables, cu_q_lens, num_seqs: int
+) -> None:
+    if not 0 <= num_seqs <= shapes.max_num_seqs:
+        raise ValueError(f"num_seqs={num_seqs} must be in [0, S={shapes.max_num_seqs}]")
+    cu = cu_q_lens[: num_seqs + 1]
+    if cu[0] != 0 or np.any(np.diff(cu) < 0):
+        raise ValueError(
+            f"cu_q_lens[:num_seqs + 1]={cu.tolist()} must start at 0 and be non-decreasing"
+        )
+    if cu[-1] > shapes.num_tokens:
+        raise ValueError(
+            f"cu_q_lens[num_seqs]={cu[-1]} exceeds the number of query rows T={shapes.num_tokens}"
+        )
+    lens = kv_lens[:num_seqs]
+    q_lens = np.diff(cu)
+    if np.any(lens < q_lens):
+        s = int(np.argmax(lens < q_lens))
+        raise ValueError(f"sequence {s}: kv_len={lens[s]} is smaller than its q_len={q_lens[s]}")
+    capacity = shapes.pages_per_seq * shapes.page_size
+    if np.any(lens > capacity):
+        s = int(np.argmax(lens > capacity))
+        raise ValueError(
+            f"block_tables too narrow: sequence {s} has kv_len={lens[s]} but pages_per_seq="
+            f"{shapes.pages_per_seq} x page_size={shapes.page_size} holds only {capacity} tokens"
+        )
+    needed = -(-lens // shapes.page_size)
+    for s in range(num_seqs):
+        pages = block_tables[s, : needed[s]]
+        if np.any((pages < 0) | (pages >= shapes.num_pages)):
+            raise ValueError(
+                f"block_tables[{s}, :{needed[s]}]={pages.tolist()} names a page outside [0, P={shapes.num_pages})"
+            )
+
+
+def token_layout(
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    kv_lens: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[1]
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Maps each packed query row to `(seq_id i32[T], position i32[T], valid bool[T])`.
+
+    Row t belongs to the sequence s with `cu_q_lens[s] <= t < cu_q_lens[s + 1]`, and sits
+    at absolute position `kv_lens[s] - q_len[s] + (t - cu_q_lens[s])`. Rows at or past
+    `cu_q_lens[num_seqs]` are padding (`valid=False`, seq_id and position 0).
+    """
+    max_num_seqs = kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    n = num_seqs[0]
+    # Ends of live sequences; padding sequences' ends are pushed past every row.
+    live = jnp.arange(max_num_seqs) < n
+    ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
+    seq = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+    valid = t < cu_q_lens[n]
+    seq = jnp.where(valid, jnp.minimum(seq, max_num_seqs - 1), 0)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, jnp.where(valid, pos, 0), valid

@@ -1,0 +1,301 @@
+"""Kernel bodies of the GPU ragged paged attention (Pallas, Triton lowering); they see only refs.
+
+Both kernels compute one tile of query rows against the KV cache of one sequence and one
+KV head, and share the inner loop `_attend_kv_blocks`:
+
+* the decode kernel (grid `(S, Hkv, num_splits)`) takes the single new token of one decode
+  sequence; its tile rows are the G = Hq / Hkv query heads of one KV head (padded to at
+  least 16 rows, the smallest M of a tensor-core dot), and program `(s, h, k)` covers the
+  k-th contiguous share of the sequence's visible KV blocks (split-K, flash-decoding);
+* the prefill kernel (grid `(query blocks, Hkv)`) takes `rows` consecutive query tokens of
+  one prefill sequence times the G query heads of one KV head, in row-major
+  `(token, head)` order, and loops over every KV block the tile can see.
+
+Every ref is a whole array in HBM (no BlockSpecs): the kernels gather K/V rows through the
+block table themselves. Pages the table does not name for a visible position are never
+dereferenced: their table entry is replaced by `NULL_PAGE` before the load (the null page is
+then read and masked, like the reference does). Masked logits, values and scales are
+removed with `jnp.where`, so NaN anywhere outside the visible positions cannot leak.
+Stores are masked per row, and masked rows point past the end of the output, so a program
+never writes a row it does not own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ..layout import NULL_PAGE
+from .jax_compat import plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static facts both kernel bodies need, resolved by the wrapper."""
+
+    num_q_heads: int  # Hq
+    group_size: int  # G = Hq / Hkv
+    group_padded: int  # G rounded up to a power of two: the head stride of a tile row
+    page_size: int  # ps
+    kv_block: int  # KV tokens per inner-loop step (a power of two >= 16)
+    sm_scale: float
+    soft_cap: float | None
+    sliding_window: int | None
+    compute_dtype: jnp.dtype  # operand dtype of both dots (their accumulators are f32)
+    quantized: bool
+
+    @property
+    def precision(self):
+        # f32 operands: IEEE f32 (Triton's "ieee"), never TF32, so f32 results match the
+        # reference to ~1e-6. 16-bit operands use the tensor cores with f32 accumulation.
+        if self.compute_dtype == jnp.float32:
+            return lax.Precision.HIGHEST
+        return None
+
+
+class KvRefs(NamedTuple):
+    """The paged cache of one layer, as the kernels see it."""
+
+    block_tables: object  # i32[S, pages_per_seq]
+    k_pages: object  # [P, Hkv, ps, D]
+    v_pages: object  # [P, Hkv, ps, D]
+    k_scales: object | None  # f32[P, Hkv, ps]
+    v_scales: object | None  # f32[P, Hkv, ps]
+
+
+def _i32(x: int) -> jax.Array:
+    return jnp.int32(x)
+
+
+def _cdiv(a: jax.Array, b: int) -> jax.Array:
+    """Ceil division of a non-negative i32 scalar by a positive static int."""
+    return lax.div(a + _i32(b - 1), _i32(b))
+
+
+def _dot(a: jax.Array, b: jax.Array, *, contract_b: int, precision) -> jax.Array:
+    """`a @ b.T` (contract_b=1) or `a @ b` (contract_b=0), accumulated in f32."""
+    return lax.dot_general(
+        a,
+        b,
+        (((1,), (contract_b,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def visible_range(first_pos: jax.Array, last_pos: jax.Array, cfg: KernelConfig):
+    """KV positions `[lo, hi]` that query rows at positions `first_pos..last_pos` can see
+    together, and the position `start` where the KV block loop begins.
+
+    `start` is `lo` rounded down to a KV block or page boundary (whichever is smaller), so
+    the loop starts in the first page that holds a visible position: with a sliding window,
+    pages before the window are skipped, not read and masked.
+    """
+    hi = last_pos
+    lo = _i32(0)
+    if cfg.sliding_window is not None:
+        lo = jnp.maximum(first_pos - _i32(cfg.sliding_window - 1), lo)
+    unit = min(cfg.kv_block, cfg.page_size)
+    start = lax.div(lo, _i32(unit)) * _i32(unit)
+    num_blocks = _cdiv(jnp.maximum(hi + 1 - start, 0), cfg.kv_block)
+    return lo, hi, start, num_blocks
+
+
+def _attend_kv_blocks(
+    q, pos, row_ok, kv: KvRefs, *, seq, kv_head, lo, hi, start, block_lo, block_hi, cfg
+):
+    """Online softmax of a tile of query rows over KV blocks `[block_lo, block_hi)`.
+
+    q: [M, D] (compute dtype, zero in masked rows); pos: i32[M] positions of the rows;
+    row_ok: bool[M]. Block i holds KV positions `start + i * kv_block + [0, kv_block)`; only
+    the pages holding a position in `[lo, hi]` (what some row of the tile sees) are read,
+    and only those positions enter the softmax and the values.
+    Returns the unnormalized `(acc f32[M, D], row_max f32[M], denom f32[M])`: the weighted
+    sum of values, the running max logit and the softmax denominator; `row_max = -inf` and
+    `denom = 0` for a row that saw nothing.
+    """
+    num_rows, head_dim = q.shape
+    bk, ps = cfg.kv_block, cfg.page_size
+    first_page, last_page = lax.div(lo, _i32(ps)), lax.div(hi, _i32(ps))
+    pages_per_seq, num_pages = kv.block_tables.shape[1], kv.k_pages.shape[0]
+
+    def body(i, carry):
+        acc, row_max, denom = carry
+        j = start + i * _i32(bk) + lax.iota(jnp.int32, bk)  # KV positions of this block
+        kv_ok = (j >= lo) & (j <= hi)
+        page_idx = lax.div(j, _i32(ps))
+        page_ok = (page_idx >= first_page) & (page_idx <= last_page)
+        # The clamps only matter for inputs that break the contract (a kv_len past the
+        # table's width, a page id out of range; unchecked under jit): they turn what would
+        # be an illegal address on the GPU into a wrong answer.
+        entry = kv.block_tables[
+            seq, jnp.where(page_ok, jnp.minimum(page_idx, pages_per_seq - 1), 0)
+        ]
+        page = jnp.where(page_ok, jnp.clip(entry, 0, num_pages - 1), NULL_PAGE)
+        offset = lax.rem(j, _i32(ps))
+        k = kv.k_pages[page, kv_head, offset, :].astype(cfg.compute_dtype)  # [bk, D]
+        v = kv.v_pages[page, kv_head, offset, :].astype(cfg.compute_dtype)
+
+        s = _dot(q, k, contract_b=1, precision=cfg.precision) * cfg.sm_scale  # f32[M, bk]
+        if cfg.quantized:  # per-token K scales scale the logit columns
+            s = s * kv.k_scales[page, kv_head, offset][None, :]
+        if cfg.soft_cap is not None:
+            s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+        visible = row_ok[:, None] & kv_ok[None, :] & (j[None, :] <= pos[:, None])
+        if cfg.sliding_window is not None:
+            visible &= j[None, :] > pos[:, None] - _i32(cfg.sliding_window)
+        s = jnp.where(visible, s, -jnp.inf)
+
+        max_next = jnp.maximum(row_max, jnp.max(s, axis=1))
+        max_safe = jnp.where(max_next == -jnp.inf, 0.0, max_next)  # rows that saw nothing yet
+        alpha = jnp.exp(row_max - max_safe)
+        p = jnp.where(visible, jnp.exp(s - max_safe[:, None]), 0.0)
+        denom = alpha * denom + jnp.sum(p, axis=1)
+        v = jnp.where(kv_ok[:, None], v, 0)
+        if cfg.quantized:  # per-token V scales weight the rows of V: fold them into p
+            p = p * jnp.where(kv_ok, kv.v_scales[page, kv_head, offset], 0.0)[None, :]
+        pv = _dot(p.astype(cfg.compute_dtype), v, contract_b=0, precision=cfg.precision)
+        return alpha[:, None] * acc + pv, max_next, denom
+
+    init = (
+        jnp.zeros((num_rows, head_dim), jnp.float32),
+        jnp.full((num_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+    return lax.fori_loop(block_lo, block_hi, body, init)
+
+
+def _normalize(acc, denom):
+    """acc / denom, and exact zeros for rows that saw no position."""
+    return jnp.where(denom[:, None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[:, None], 0.0)
+
+
+def _store_rows(ref, index, value, row_ok):
+    """Masked store of the tile rows `value[m]` into `ref[index[0][m], index[1][m], ...]`.
+
+    `index` holds one entry per leading dim of `ref`: a scalar, or i32[M] per tile row. A
+    2-D `value` fills the trailing dim. Every index is an array (no slices): the Pallas
+    interpreter implements masked stores only in that form, and Triton lowers it to one
+    pointer tensor. Masked rows point past the end of the array, so even a masked lane
+    never names a row another program owns.
+    """
+    index = [
+        jnp.where(row_ok, i, ref.shape[dim]) if jnp.ndim(i) else i for dim, i in enumerate(index)
+    ]
+    if value.ndim == 1:
+        plgpu.store(ref.at[tuple(index)], value, mask=row_ok)
+        return
+    rows = [i[:, None] if jnp.ndim(i) else i for i in index]
+    cols = lax.iota(jnp.int32, value.shape[1])[None, :]
+    mask = jnp.broadcast_to(row_ok[:, None], value.shape)
+    plgpu.store(ref.at[(*rows, cols)], value, mask=mask)
+
+
+def _unpack(refs, quantized: bool, num_outputs: int):
+    if quantized:
+        *ins, k_scales, v_scales = refs[: len(refs) - num_outputs]
+    else:
+        ins, k_scales, v_scales = refs[: len(refs) - num_outputs], None, None
+    return ins, k_scales, v_scales, refs[len(refs) - num_outputs :]
+
+
+def decode_kernel(*refs, cfg: KernelConfig, num_splits: int):
+    """Program (s, h, k): split k of decode sequence s (q_len == 1) for KV head h.
+
+    Refs: kv_lens i32[S], block_tables, cu_q_lens i32[S + 1], num_seqs i32[1], q [T, Hq, D],
+    k_pages, v_pages, (k_scales, v_scales); outputs either `o [S, Hq, D]` (num_splits == 1,
+    normalized, q dtype) or the split partials `acc f32[K, S, Hq, D], row_max f32[K, S, Hq],
+    denom f32[K, S, Hq]`. Programs of sequences that are not decoding store nothing.
+    """
+    num_outputs = 1 if num_splits == 1 else 3
+    (
+        (kv_lens, block_tables, cu_q_lens, num_seqs, q_ref, k_pages, v_pages),
+        k_scales,
+        v_scales,
+        outs,
+    ) = _unpack(refs, cfg.quantized, num_outputs)
+    kv = KvRefs(block_tables, k_pages, v_pages, k_scales, v_scales)
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows = max(16, cfg.group_padded)
+
+    q_start = cu_q_lens[seq]
+    is_decode = (seq < num_seqs[0]) & (cu_q_lens[seq + 1] - q_start == 1)
+    kv_len = kv_lens[seq]
+    g = lax.iota(jnp.int32, num_rows)
+    row_ok = is_decode & (g < cfg.group_size)
+    heads = kv_head * cfg.group_size + g
+    q = q_ref[jnp.where(is_decode, q_start, 0), jnp.where(row_ok, heads, 0), :]
+    q = jnp.where(row_ok[:, None], q.astype(cfg.compute_dtype), 0)
+    pos = jnp.full((num_rows,), kv_len - 1, jnp.int32)
+
+    lo, hi, start, num_blocks = visible_range(kv_len - 1, kv_len - 1, cfg)
+    num_blocks = jnp.where(is_decode, num_blocks, 0)
+    per_split = _cdiv(num_blocks, num_splits)
+    block_lo = jnp.minimum(split * per_split, num_blocks)
+    block_hi = jnp.minimum(block_lo + per_split, num_blocks)
+    acc, row_max, denom = _attend_kv_blocks(
+        q, pos, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi, start=start,
+        block_lo=block_lo, block_hi=block_hi, cfg=cfg,
+    )  # fmt: skip
+    if num_splits == 1:
+        (o_ref,) = outs
+        _store_rows(o_ref, (seq, heads), _normalize(acc, denom).astype(o_ref.dtype), row_ok)
+    else:
+        acc_ref, max_ref, denom_ref = outs
+        _store_rows(acc_ref, (split, seq, heads), acc, row_ok)
+        _store_rows(max_ref, (split, seq, heads), row_max, row_ok)
+        _store_rows(denom_ref, (split, seq, heads), denom, row_ok)
+
+
+def prefill_kernel(*refs, cfg: KernelConfig, rows: int):
+    """Program (b, h): query block b (`rows` tokens of one prefill sequence) for KV head h.
+
+    Refs: block_seq i32[NB] (the sequence of each query block, -1 past the last one),
+    block_index i32[NB] (its index within the sequence), kv_lens, block_tables, cu_q_lens,
+    q [T, Hq, D], k_pages, v_pages, (k_scales, v_scales); output o [T, Hq, D] (q dtype),
+    of which the program writes its own rows only.
+    """
+    (
+        (block_seq, block_index, kv_lens, block_tables, cu_q_lens, q_ref, k_pages, v_pages),
+        k_scales,
+        v_scales,
+        (o_ref,),
+    ) = _unpack(refs, cfg.quantized, 1)
+    kv = KvRefs(block_tables, k_pages, v_pages, k_scales, v_scales)
+    block, kv_head = pl.program_id(0), pl.program_id(1)
+    gp = cfg.group_padded
+    num_rows = rows * gp
+
+    seq_or_none = block_seq[block]
+    live = seq_or_none >= 0
+    seq = jnp.maximum(seq_or_none, 0)
+    q_start = cu_q_lens[seq]
+    q_len = cu_q_lens[seq + 1] - q_start
+    kv_len = kv_lens[seq]
+    first = block_index[block] * _i32(rows)  # chunk-local index of the tile's first token
+
+    m_idx = lax.iota(jnp.int32, num_rows)
+    local = first + lax.div(m_idx, _i32(gp))
+    g = lax.rem(m_idx, _i32(gp))
+    row_ok = live & (g < cfg.group_size) & (local < q_len)
+    tokens = q_start + local
+    heads = kv_head * cfg.group_size + g
+    q = q_ref[jnp.where(row_ok, tokens, 0), jnp.where(row_ok, heads, 0), :]
+    q = jnp.where(row_ok[:, None], q.astype(cfg.compute_dtype), 0)
+    context = kv_len - q_len  # tokens cached before this chunk
+    pos = context + local
+
+    first_pos = context + first
+    last_pos = jnp.minimum(first_pos + _i32(rows - 1), kv_len - 1)
+    lo, hi, start, num_blocks = visible_range(first_pos, last_pos, cfg)
+    num_blocks = jnp.where(live, num_blocks, 0)
+    acc, _, denom = _attend_kv_blocks(
+        q, pos, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi, start=start,
+        block_lo=_i32(0), block_hi=num_blocks, cfg=cfg,
+    )  # fmt: skip
+    _store_rows(o_ref, (tokens, heads), _normalize(acc, denom).astype(o_ref.dtype), row_ok)

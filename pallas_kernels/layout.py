@@ -1,0 +1,54 @@
+"""The page layout the kernels read, as plain facts (NumPy and ml_dtypes, no JAX).
+
+One layer's K (or V) pages are `[P, Hkv, ps, D]`; quantized pages carry
+`SCALE_DTYPE[P, Hkv, ps]` scales beside them. The host imports this module to agree
+with the kernels on these facts without importing JAX.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+# Never allocated by the host pool; padded block-table entries point here, and a kernel
+# reads it in place of any table entry that names no visible token.
+NULL_PAGE: int = 0
+
+MIN_PAGE_SIZE = 8
+MAX_PAGE_SIZE = 1024
+
+# Storage dtypes the kernels dequantize (per token and head, `x.astype(f32) * scale`).
+QUANTIZED_PAGE_DTYPES: tuple[np.dtype, ...] = (
+    np.dtype(np.int8),
+    np.dtype(ml_dtypes.float8_e4m3fn),
+    np.dtype(ml_dtypes.float8_e5m2),
+)
+FLOAT_PAGE_DTYPES: tuple[np.dtype, ...] = (
+    np.dtype(np.float32),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float16),
+)
+SCALE_DTYPE = np.dtype(np.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` for non-negative integers (host-side: the kernels use `pl.cdiv`)."""
+    return -(-a // b)
+
+
+def is_quantized(page_dtype) -> bool:
+    """Whether pages of `page_dtype` are stored quantized, with scales beside them."""
+    return np.dtype(page_dtype) in QUANTIZED_PAGE_DTYPES
+
+
+def valid_page_size(page_size: int) -> bool:
+    """Whether the kernels accept `page_size` tokens per page: a power of two in range."""
+    return MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
+
+
+def page_bytes(*, num_kv_heads: int, page_size: int, head_dim: int, page_dtype) -> int:
+    """Device bytes of one page of one layer, K and V together, scales included."""
+    dtype = np.dtype(page_dtype)
+    entries = 2 * num_kv_heads * page_size * head_dim * dtype.itemsize
+    scales = 2 * num_kv_heads * page_size * SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
+    return entries + scales

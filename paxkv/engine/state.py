@@ -1,0 +1,185 @@
+"""Device-side cache state: the paged KV cache of every layer and the per-step page table.
+
+Both are immutable pytrees (`flax.struct.dataclass`, the one pytree mechanism in
+paxkv): an update returns a new value, e.g. `table.replace(kv_lens=table.kv_lens + 1)`.
+Under `jit` with the cache donated, the functional write updates the pages in place.
+
+Page layout (per layer): K and V pages are `[P, Hkv, ps, D]`, so one page is one
+contiguous block covering every KV head; moving it between HBM and on-chip memory is a
+single DMA, and the per-head `[ps, D]` tile is what the matrix unit consumes. Layers are
+separate arrays (a tuple), so a layer's pages are handed to a kernel without a copy.
+Quantized caches (int8, fp8) hold `f32[P, Hkv, ps]` scales per layer beside the pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from paxkv.host.batch import pad_page_table
+from paxkv.kv_layout import resolve_kv_cache_dtype
+from paxkv.pallas_kernels import write_kv_pages
+
+
+@struct.dataclass
+class PageTable:
+    """Which pages each sequence of one step reads and writes; built on the host.
+
+    Sequences `s < num_seqs[0]` are live. Sequence s has `kv_lens[s]` tokens in the
+    cache after this step's write (its new tokens included), its new query tokens are
+    the packed rows `cu_q_lens[s] : cu_q_lens[s + 1]`, and token j lives in page
+    `block_tables[s, j // page_size]`. Unused entries point at `NULL_PAGE`.
+    """
+
+    block_tables: jax.Array  # i32[S, pages_per_seq]
+    kv_lens: jax.Array  # i32[S]
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[1]
+    page_size: int = struct.field(pytree_node=False)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    def kernel_args(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """`(kv_lens, block_tables, cu_q_lens, num_seqs)`, in the attention call's order."""
+        return self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs
+
+    def kernel_kwargs(self) -> dict[str, jax.Array]:
+        """The same four arrays as keyword arguments of the attention call."""
+        names = ("kv_lens", "block_tables", "cu_q_lens", "num_seqs")
+        return dict(zip(names, self.kernel_args(), strict=True))
+
+    @classmethod
+    def from_host(
+        cls,
+        pages: Sequence[Sequence[int]],
+        kv_lens: Sequence[int],
+        q_lens: Sequence[int],
+        *,
+        page_size: int,
+        max_num_seqs: int,
+        pages_per_seq: int,
+    ) -> PageTable:
+        """Pads one step's host-side lists to the fixed shapes `[max_num_seqs, pages_per_seq]`.
+
+        `pages[s]` are the page ids of live sequence s in order, `kv_lens[s]` its cache
+        length after the step and `q_lens[s]` its new tokens.
+        """
+        table, lens, cu, n = pad_page_table(
+            pages,
+            kv_lens,
+            q_lens,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            pages_per_seq=pages_per_seq,
+        )
+        return cls(
+            block_tables=jnp.asarray(table),
+            kv_lens=jnp.asarray(lens),
+            cu_q_lens=jnp.asarray(cu),
+            num_seqs=jnp.asarray(n),
+            page_size=page_size,
+        )
+
+
+@struct.dataclass
+class PagedKVCache:
+    """The paged K/V of every layer: `k[l]`, `v[l]` are `[P, Hkv, ps, D]`.
+
+    `k_scales[l]`/`v_scales[l]` (`f32[P, Hkv, ps]`) are present exactly when the pages
+    are quantized. Page `NULL_PAGE` is never allocated by the host pool.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    k_scales: tuple[jax.Array, ...] | None = None
+    v_scales: tuple[jax.Array, ...] | None = None
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype=jnp.bfloat16,
+        kv_cache_dtype: str = "auto",
+    ) -> PagedKVCache:
+        """A zero-filled cache; `kv_cache_dtype` "int8"/"fp8" stores pages quantized."""
+        page_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        k = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_layers))
+        v = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_layers))
+        if kv_cache_dtype == "auto":
+            return cls(k=k, v=v)
+        ones = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(num_layers))
+        return cls(k=k, v=v, k_scales=ones(), v_scales=ones())
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scales is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the cache occupies, scales included."""
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+
+    def layer(self, layer: int) -> dict[str, jax.Array]:
+        """Keyword arguments of the attention call for `layer`: pages and, if quantized, scales."""
+        args = {"k_pages": self.k[layer], "v_pages": self.v[layer]}
+        if self.quantized:
+            args |= {"k_scales": self.k_scales[layer], "v_scales": self.v_scales[layer]}
+        return args
+
+    def write(
+        self,
+        layer: int,
+        new_k: jax.Array,  # [T, Hkv, D]
+        new_v: jax.Array,  # [T, Hkv, D]
+        table: PageTable,
+    ) -> PagedKVCache:
+        """Returns the cache with this step's new K/V of `layer` written into their slots."""
+        if table.page_size != self.page_size:
+            raise ValueError(
+                f"table.page_size={table.page_size} != cache page_size={self.page_size}"
+            )
+        k, v, ks, vs = write_kv_pages(
+            self.k[layer],
+            self.v[layer],
+            new_k,
+            new_v,
+            *table.kernel_args(),
+            k_scales=self.k_scales[layer] if self.quantized else None,
+            v_scales=self.v_scales[layer] if self.quantized else None,
+        )
+        put = lambda xs, x: (*xs[:layer], x, *xs[layer + 1 :])
+        if not self.quantized:
+            return self.replace(k=put(self.k, k), v=put(self.v, v))
+        return self.replace(
+            k=put(self.k, k),
+            v=put(self.v, v),
+            k_scales=put(self.k_scales, ks),
+            v_scales=put(self.v_scales, vs),
+        )

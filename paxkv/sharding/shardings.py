@@ -1,0 +1,236 @@
+"""Serving over a device mesh: the mesh, where weights and KV pages live, per-shard attention.
+
+The mesh has the axes `("data", "model")` (see `paxkv.sharding.mesh_shape`). One engine serves
+one replica, a mesh whose `data` axis has size 1; `replica_meshes` cuts a full mesh into
+those. Within a replica, under `jit`, XLA's SPMD partitioner runs the model:
+
+- weights, Megatron-style: q/k/v, gate and up are column-parallel (their output
+  features split over `model`), o and down row-parallel (their input features split,
+  the partial sums all-reduced); the embedding and the LM head are split over the
+  vocabulary (a lookup is a masked local gather plus an all-reduce; logits come out
+  vocab-sharded). Norms are replicated.
+- KV pages `[P, Hkv, ps, D]` and their scales `[P, Hkv, ps]` are split over KV heads
+  (axis 1), so each device holds every page, and in it its own heads' tokens.
+- the paged write and the attention kernel run per shard under `shard_map`, on the
+  shard's q heads and KV heads, with the page table replicated: a page id means the
+  same page on every device, and no collective is needed inside attention.
+
+A dimension that does not divide by the `model` size is replicated instead. For
+attention the unit is the KV head: with `num_kv_heads % model != 0` (e.g. 2 KV heads on
+8 devices) q/k/v/o and the pages are replicated, every device computes all heads, and
+the cache holds no more pages than on one device; the MLP and the vocabulary still split.
+
+Models opt in through a static `mesh` attribute that their `__call__` honours (as
+`paxkv.models.LlamaForCausalLM` does); the weight rules go by Hugging Face's parameter
+names, those of the Llama family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from paxkv.sharding.mesh_shape import AXES, DATA_AXIS, MODEL_AXIS, MeshShape
+
+REPLICATED = P()
+_DEFAULT_MESH: list[Mesh | None] = [None]
+
+
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `("data", "model")` mesh of `shape` over `devices` (default: every process's).
+
+    The order follows the interconnect topology (`jax.make_mesh`). Over several
+    processes, when one process's devices hold whole replicas, each replica is made of
+    one process's devices, so replicas on different hosts run independently.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    if shape.num_devices > len(devices):
+        raise ValueError(
+            f"mesh {shape} needs {shape.num_devices} devices, and {len(devices)} are visible"
+        )
+    processes = sorted({d.process_index for d in devices})
+    local = len(devices) // len(processes)
+    if len(processes) > 1 and shape.model <= local and local % shape.model == 0:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[: shape.num_devices]
+        return Mesh(
+            np.array(ordered, dtype=object).reshape(shape.data, shape.model),
+            AXES,
+            axis_types=(AxisType.Auto,) * len(AXES),
+        )
+    return jax.make_mesh(
+        (shape.data, shape.model),
+        AXES,
+        axis_types=(AxisType.Auto,) * len(AXES),
+        devices=devices[: shape.num_devices],
+    )
+
+
+def mesh_shape(mesh: Mesh | AbstractMesh) -> MeshShape:
+    sizes = dict(mesh.shape)
+    unknown = sorted(set(sizes) - set(AXES))
+    if unknown or MODEL_AXIS not in sizes:
+        raise ValueError(
+            f"mesh axes {tuple(sizes)} must be {MODEL_AXIS!r} and optionally {DATA_AXIS!r}"
+        )
+    return MeshShape(model=sizes[MODEL_AXIS], data=sizes.get(DATA_AXIS, 1))
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """The replicas of `mesh`, one per `data` index: each a mesh with a `data` axis of size 1."""
+    shape = mesh_shape(mesh)
+    devices = np.asarray(mesh.devices)
+    if DATA_AXIS in mesh.axis_names:
+        devices = np.moveaxis(devices, mesh.axis_names.index(DATA_AXIS), 0)
+    devices = devices.reshape(shape.data, shape.model)
+    return [Mesh(row[None], AXES, axis_types=(AxisType.Auto,) * len(AXES)) for row in devices]
+
+
+def process_replica(mesh: Mesh) -> Mesh:
+    """The replica of `mesh` that holds this process's devices.
+
+    Raises ValueError when this process holds devices of several replicas (an app
+    drives one engine) or of none.
+    """
+    me = jax.process_index()
+    mine = [r for r in replica_meshes(mesh) if any(d.process_index == me for d in r.devices.flat)]
+    if len(mine) != 1:
+        raise ValueError(
+            f"mesh {mesh_shape(mesh)}: process {me} holds devices of {len(mine)} replicas, and "
+            "a launch app serves exactly one; use data:1 here, run one process per replica, "
+            "or build one Engine per paxkv.sharding.replica_meshes(mesh) in Python"
+        )
+    return mine[0]
+
+
+def serving_mesh(mesh: Mesh | AbstractMesh) -> MeshShape:
+    """The shape of `mesh`, checked to be one replica (what one engine serves)."""
+    shape = mesh_shape(mesh)
+    if shape.data != 1:
+        raise ValueError(
+            f"mesh {shape} holds {shape.data} replicas, and an engine serves one: build one "
+            "Engine per paxkv.sharding.replica_meshes(mesh)"
+        )
+    return shape
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of an array every device of `mesh` holds whole."""
+    return NamedSharding(mesh, P())
+
+
+def set_default_mesh(mesh: Mesh | None) -> None:
+    """The mesh of engines built without one (the launch apps set it from `--mesh`)."""
+    _DEFAULT_MESH[0] = mesh
+
+
+def default_mesh() -> Mesh | None:
+    return _DEFAULT_MESH[0]
+
+
+def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    """`f` run per shard of `mesh`: JAX's `shard_map` in every supported version.
+
+    Replication is not checked (`check_vma`/`check_rep` off): the Pallas kernels do
+    not declare it.
+    """
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as experimental_shard_map
+
+    return experimental_shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False
+    )
+
+
+# Where things live.
+
+
+def kv_head_spec(num_kv_heads: int, mesh: Mesh | AbstractMesh) -> P:
+    """The spec of arrays whose axis 1 is heads: pages, scales, and q/k/v `[T, H, D]`."""
+    return P(None, MODEL_AXIS) if serving_mesh(mesh).splits(num_kv_heads) else P()
+
+
+def cache_shardings(cache: Any, num_kv_heads: int, mesh: Mesh) -> Any:
+    """NamedShardings for every leaf of a `PagedKVCache`: split over KV heads, or replicated."""
+    sharding = NamedSharding(mesh, kv_head_spec(num_kv_heads, mesh))
+    return jax.tree.map(lambda _: sharding, cache)
+
+
+# Kernels are `[in, out]`: column-parallel ones split their outputs, row-parallel their inputs.
+_COLUMN, _ROW = P(None, MODEL_AXIS), P(MODEL_AXIS, None)
+
+
+def param_spec(
+    path: tuple[str, ...], shape: tuple[int, ...], config: Any, mesh: Mesh | AbstractMesh
+) -> P:
+    """The spec of the parameter at `path` (names as in `nnx.split`'s state), by the rules above."""
+    m = serving_mesh(mesh)
+    names = set(path)
+    leaf = path[-1]
+    if "self_attn" in names:
+        if not m.splits(config.num_kv_heads):
+            return P()
+        if names & {"q_proj", "k_proj", "v_proj"}:
+            return _COLUMN if leaf == "kernel" else P(MODEL_AXIS)  # kernel [h, H*D], bias [H*D]
+        if "o_proj" in names:
+            return _ROW if leaf == "kernel" else P()  # kernel [Hq*D, h]
+    if "mlp" in names and m.splits(config.intermediate_size):
+        if names & {"gate_proj", "up_proj"}:
+            return _COLUMN if leaf == "kernel" else P(MODEL_AXIS)
+        if "down_proj" in names:
+            return _ROW if leaf == "kernel" else P()
+    if m.splits(config.vocab_size):
+        if "embed_tokens" in names:
+            return _ROW  # embedding [V, h]
+        if "lm_head" in names:
+            return _COLUMN if leaf == "kernel" else P(MODEL_AXIS)  # kernel [h, V]
+    if len(shape) > 2:
+        raise ValueError(f"no sharding rule for the parameter {'.'.join(path)} of shape {shape}")
+    return P()
+
+
+def param_specs(params: nnx.State, config: Any, mesh: Mesh | AbstractMesh) -> Any:
+    """The `PartitionSpec` of every array of `params` (an `nnx.split` state), by `param_spec`."""
+
+    def one(path, x):
+        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        names = tuple(n for n in names if n != "value")
+        return param_spec(names, np.shape(x), config, mesh)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def param_shardings(params: nnx.State, config: Any, mesh: Mesh) -> Any:
+    """`param_specs` as NamedShardings on `mesh`."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        param_specs(params, config, mesh),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def shard_engine_state(graphdef: Any, params: nnx.State, kv_cache: Any, mesh: Mesh):
+    """`(graphdef, params, kv_cache)` placed on `mesh`, the model told to attend per shard.
+
+    The graphdef comes back with the model's static `mesh` set; the caller's module is
+    not changed. Raises ValueError for a mesh of more than one replica, or a model with
+    no `mesh` attribute.
+    """
+    serving_mesh(mesh)
+    model = nnx.merge(graphdef, params)  # a new module over the same arrays
+    if not hasattr(model, "mesh"):
+        raise ValueError(
+            f"{type(model).__name__} has no `mesh` attribute, so it cannot run on a mesh"
+        )
+    model.mesh = mesh
+    graphdef, params = nnx.split(model)
+    config = model.config
+    params = jax.device_put(params, param_shardings(params, config, mesh))
+    kv_cache = jax.device_put(kv_cache, cache_shardings(kv_cache, config.num_kv_heads, mesh))
+    return graphdef, params, kv_cache

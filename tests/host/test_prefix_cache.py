@@ -1,0 +1,282 @@
+"""Automatic prefix caching and the reservation modes, scripted with exact page ids; and a
+hypothesis-driven run of the scheduler with a fake model. No JAX."""
+
+import collections
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paxkv.host.page_pool import PagePool
+from paxkv.host.prefix_cache import page_keys
+from paxkv.host.scheduler import Scheduler, SeqStatus, Sequence
+from paxkv.request import SamplingParams
+
+PS = 4
+
+
+def _seq(name, tokens, *, max_tokens=2, arrival=0.0, salt=None, n=1, index=0):
+    return Sequence(
+        seq_id=f"{name}/{index}",
+        request_id=name,
+        index=index,
+        prompt_token_ids=list(tokens),
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n),
+        seed=0,
+        arrival_time=arrival,
+        cache_salt=salt,
+    )
+
+
+def _sched(num_pages=32, budget=64, max_model_len=64, **kw):
+    return Scheduler(
+        PagePool(num_pages),
+        page_size=PS,
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        watermark=0.0,
+        **kw,
+    )
+
+
+def _step(s, token=99):
+    out = s.schedule()
+    s.update(out, [(token, 0.0) if c.samples else None for c in out.chunks])
+    s.pool.check_invariants()
+    return out
+
+
+def _finish(s):
+    while s.has_unfinished():
+        _step(s)
+
+
+def test_page_keys_chain_and_salt():
+    a = page_keys(list(range(10)), PS)
+    assert len(a) == 2 and a[1][0] == hash(a[0])
+    b = page_keys([*range(8), 50, 51], PS)
+    assert b == a  # only full pages are keyed
+    assert (
+        page_keys([9, *range(1, 10)], PS)[1] != a[1]
+    )  # a different first page changes page 1's key
+    assert page_keys(list(range(10)), PS, salt="t")[0] != a[0]
+    assert page_keys(list(range(10)), PS, start=1, num_pages=1, parent=a[0]) == a[1:]
+
+
+def test_reuse_of_the_longest_cached_prefix_with_exact_pages():
+    s = _sched()
+    a = _seq("a", range(10))
+    s.add(a)
+    _step(s)
+    assert a.pages == [1, 2, 3]  # pages 1 and 2 are full and now cached
+    _finish(s)
+    assert s.pool.num_in_use == 0 and s.pool.num_cached == 2
+    b = _seq("b", [*range(8), 70, 71, 72])
+    s.add(b)
+    out = _step(s)
+    assert b.pages[:2] == [1, 2] and b.num_cached_tokens == 8
+    assert (out.chunks[0].start, out.chunks[0].num_tokens) == (8, 3)
+    assert s.prefix_hits == 8 and s.prefix_queries == 10 + 11
+
+
+def test_last_token_is_always_computed():
+    s = _sched()
+    s.add(_seq("a", range(8)))
+    _finish(s)
+    b = _seq("b", range(8))  # the same 2 full pages: only the first can be reused
+    s.add(b)
+    out = _step(s)
+    assert b.num_cached_tokens == 4 and out.chunks[0].start == 4 and out.chunks[0].num_tokens == 4
+
+
+def test_eviction_is_lru_and_tail_first():
+    s = _sched(num_pages=7)  # 6 usable pages
+    a = _seq("a", range(12), max_tokens=1)  # 3 full pages: 1, 2, 3
+    s.add(a)
+    _finish(s)
+    assert s.pool.num_cached == 3
+    evicted = []
+    s.pool._on_evict = lambda page, key: evicted.append(page)
+    c = _seq("c", range(100, 120), max_tokens=2)  # 5 pages: 3 free ones, then evictions
+    s.add(c)
+    _step(s)
+    # Free pages 4, 5, 6 go first; then a's pages, freed last-first, so its tail (3) is
+    # evicted before its head (1, 2).
+    assert c.pages == [4, 5, 6, 3, 2] and evicted == [3, 2]
+    assert s.pool.lookup(page_keys(list(range(12)), PS)[0]) == 1
+
+
+def test_cache_salt_isolates():
+    s = _sched()
+    s.add(_seq("a", range(10), salt="tenant-1"))
+    _finish(s)
+    other = _seq("b", range(10), salt="tenant-2")
+    same = _seq("c", range(10), salt="tenant-1")
+    s.add(other)
+    s.add(same)
+    _step(s)
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 8
+
+
+def test_preempted_sequence_finds_its_pages_again():
+    s = _sched(num_pages=5)  # 4 usable pages
+    a = _seq("a", range(8), max_tokens=3, arrival=0.0)
+    b = _seq("b", range(50, 58), max_tokens=6, arrival=1.0)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    assert (a.pages, b.pages) == ([1, 2], [3, 4])
+    out = _step(s)  # a needs a third page: b (later) is preempted
+    assert out.preempted == (b,)
+    # b's pages were freed tail first and keep their keys; a's new page evicted b's tail.
+    assert a.pages == [1, 2, 4] and s.pool.num_evictions == 1
+    out = _step(s)  # a's last token; b does not fit beside it yet
+    assert a.status is SeqStatus.FINISHED and [c.seq for c in out.chunks] == [a]
+    out = _step(s)
+    (chunk,) = out.chunks
+    # b recomputes prompt + its 1 output (9 tokens) but finds its first page cached;
+    # its other pages come from the front of the free queue.
+    assert chunk.seq is b and b.pages == [3, 4, 2] and (chunk.start, chunk.num_tokens) == (4, 5)
+    _finish(s)
+    assert s.pool.num_in_use == 0 and len(b.output_token_ids) == 6
+
+
+def test_short_shared_prefix_is_reported():
+    s = Scheduler(
+        PagePool(32),
+        page_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        watermark=0.0,
+    )
+    s.add(_seq("a", range(20)))
+    _finish(s)
+    d = _seq("d", [0, 1, 2, 3, 4, 90, 91, 92, 93, 94])  # shares 5 tokens, less than a page
+    s.add(d)
+    _step(s)
+    assert d.num_cached_tokens == 0 and s.short_prefix_misses == 1
+    e = _seq("e", [7, 7, 7, 7, 7, 7, 7, 7, 7])  # shares nothing
+    s.add(e)
+    _step(s)
+    assert s.short_prefix_misses == 1
+
+
+def test_parallel_sampling_shares_prompt_pages():
+    s = _sched()
+    seqs = [_seq("r", range(9), n=3, index=i, max_tokens=3) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    out = _step(s)
+    assert [c.seq for c in out.chunks] == [seqs[0]]  # siblings wait for the shared prompt
+    _step(s)
+    # Siblings reuse the 2 full prompt pages and recompute only the last prompt token.
+    assert seqs[1].pages[:2] == seqs[0].pages[:2] == seqs[2].pages[:2]
+    assert s.pool.refcount(seqs[0].pages[0]) == 3
+    _finish(s)
+    assert s.pool.num_in_use == 0
+
+
+def test_contiguous_max_reservation():
+    s = _sched(max_model_len=32, enable_prefix_caching=False, reservation="max")
+    a = _seq("a", range(5))
+    s.add(a)
+    _step(s)
+    assert len(a.pages) == 8  # max_model_len / page_size at admission
+    usage = s.kv_usage()
+    assert usage["token_slots_reserved"] == 32 and usage["token_slots_used"] == 5
+
+
+def test_contiguous_guess_reservation_preempts_when_outgrown():
+    s = _sched(max_model_len=64, enable_prefix_caching=False, reservation="guess", guess_tokens=4)
+    a = _seq("a", range(5), max_tokens=10)
+    s.add(a)
+    _step(s)
+    assert len(a.pages) == 3  # 5 + 4 = 9 tokens -> 3 pages
+    while a.num_preemptions == 0:
+        _step(s)
+    assert len(a.output_token_ids) == 8  # 13 tokens outgrew the 12 slots reserved
+    _finish(s)
+    assert a.finish_reason.value == "length" and len(a.output_token_ids) == 10
+    assert s.pool.num_in_use == 0
+
+
+@dataclasses.dataclass
+class _Arrival:
+    step: int
+    prompt: list[int]
+    max_tokens: int
+    salt: str | None
+    abort_at: int | None
+
+
+_arrivals = st.lists(
+    st.builds(
+        _Arrival,
+        step=st.integers(0, 12),
+        prompt=st.lists(
+            st.integers(0, 3), min_size=1, max_size=30
+        ),  # small alphabet: shared prefixes
+        max_tokens=st.integers(1, 12),
+        salt=st.sampled_from([None, None, "x"]),
+        abort_at=st.one_of(st.none(), st.integers(0, 20)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrivals=_arrivals,
+    num_pages=st.integers(12, 40),
+    budget=st.integers(8, 48),
+    caching=st.booleans(),
+)
+def test_random_workloads_end_cleanly(arrivals, num_pages, budget, caching):
+    s = Scheduler(
+        PagePool(num_pages),
+        page_size=PS,
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+        max_model_len=44,
+        watermark=0.0,
+        enable_prefix_caching=caching,
+    )
+    seqs = []
+    for step in range(400):
+        for i, a in enumerate(arrivals):
+            if a.step == step:
+                q = _seq(
+                    str(i), a.prompt, max_tokens=a.max_tokens, arrival=float(step), salt=a.salt
+                )
+                s.check_fits(len(a.prompt), q.params)
+                s.add(q)
+                seqs.append((q, a))
+        for q, a in seqs:
+            if a.abort_at == step and q.status is not SeqStatus.FINISHED:
+                s.abort([q])
+        out = s.schedule()
+        s.update(out, [((step * 7 + c.start) % 4, 0.0) if c.samples else None for c in out.chunks])
+        s.pool.check_invariants()
+        # Every page in use is held by a live sequence, once per holder: no leak.
+        holders = collections.Counter(
+            p for q, _ in seqs if q.status is not SeqStatus.FINISHED for p in q.pages
+        )
+        assert len(holders) == s.pool.num_in_use
+        assert all(s.pool.refcount(p) == n for p, n in holders.items())
+        for q, _ in seqs:
+            if q.status is SeqStatus.RUNNING:
+                assert len(q.pages) * PS >= q.num_computed_tokens
+        if step > 12 and not s.has_unfinished():
+            break
+    assert not s.has_unfinished(), "a request never ended"
+    assert len(seqs) == len(arrivals)
+    for q, a in seqs:
+        assert q.status is SeqStatus.FINISHED
+        assert q.finish_reason.value in ("stop", "length", "abort")
+        if q.finish_reason.value == "length":
+            assert len(q.output_token_ids) == a.max_tokens
+    assert s.pool.num_in_use == 0  # every page is free or cached
+    assert s.pool.num_free == s.pool.num_usable
