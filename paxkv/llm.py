@@ -70,12 +70,8 @@ class LLM:
         validated before any runs: a bad one raises ValueError naming its index, and
         nothing is submitted.
         """
-        final: dict[str, RequestOutput] = {}
         ids = self._submit(prompts, sampling_params)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        final = self.engine.run_until_done()
         return [final[i] for i in ids]
 
     def generate_stream(

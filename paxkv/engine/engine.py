@@ -336,7 +336,20 @@ class Engine:
         self._on_finished(req)
 
     def has_unfinished(self) -> bool:
+        """Whether a request is queued, running, or ended but not yet reported by `step`."""
         return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
+
+    def run_until_done(self) -> dict[str, RequestOutput]:
+        """Steps until every request has ended; returns each one's final output by id.
+
+        The dict is in the order the requests ended (aborted ones included).
+        """
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return final
 
     # Stepping.
 
