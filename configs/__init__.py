@@ -12,9 +12,8 @@ import dataclasses
 from types import ModuleType
 
 from paxkv.configs import llama_3_1_8b, llama_3_2_1b, mistral_7b, qwen2_5_7b, tiny
-from paxkv.models.config import LlamaConfig
-
 from paxkv.engine import EngineConfig
+from paxkv.models.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """Llama 3.1 8B on one 80 GiB accelerator (an H100): 15 GiB of bf16 weights."""
 
-from paxkv.models.config import LLAMA_3_1_8B
-
 from paxkv.engine import EngineConfig
+from paxkv.models.config import LLAMA_3_1_8B
 
 MODEL = LLAMA_3_1_8B
 RANDOM_WEIGHTS = False

@@ -1,8 +1,7 @@
 """Llama 3.2 1B on one 16 GiB accelerator (a TPU v5e): 2.3 GiB of bf16 weights."""
 
-from paxkv.models.config import LLAMA_3_2_1B
-
 from paxkv.engine import EngineConfig
+from paxkv.models.config import LLAMA_3_2_1B
 
 MODEL = LLAMA_3_2_1B
 RANDOM_WEIGHTS = False

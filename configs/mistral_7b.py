@@ -1,8 +1,7 @@
 """Mistral 7B v0.1 on one 80 GiB accelerator (an H100): 13.5 GiB of bf16 weights."""
 
-from paxkv.models.config import MISTRAL_7B
-
 from paxkv.engine import EngineConfig
+from paxkv.models.config import MISTRAL_7B
 
 MODEL = MISTRAL_7B
 RANDOM_WEIGHTS = False

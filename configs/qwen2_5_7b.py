@@ -1,8 +1,7 @@
 """Qwen2.5 7B on one 80 GiB accelerator (an H100): 14.2 GiB of bf16 weights."""
 
-from paxkv.models.config import QWEN2_5_7B
-
 from paxkv.engine import EngineConfig
+from paxkv.models.config import QWEN2_5_7B
 
 MODEL = QWEN2_5_7B
 RANDOM_WEIGHTS = False

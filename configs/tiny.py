@@ -1,8 +1,7 @@
 """The byte-level toy model with random weights: runs on the CPU with no downloads."""
 
-from paxkv.models.config import TINY
-
 from paxkv.engine import EngineConfig
+from paxkv.models.config import TINY
 
 MODEL = TINY
 RANDOM_WEIGHTS = True

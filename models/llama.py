@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from paxkv.pallas_kernels import ragged_paged_attention
 
 from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.pallas_kernels import ragged_paged_attention
 from paxkv.sharding import shardings
 
 from .config import Llama3RopeScaling, LlamaConfig

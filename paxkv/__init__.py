@@ -13,8 +13,8 @@ _LAZY = {
     "PagePool": "paxkv.host.page_pool",
     "NULL_PAGE": "paxkv.host.page_pool",
     "LLM": "paxkv.llm",
-    "Engine": "paxkv.engine",
-    "EngineConfig": "paxkv.engine",
+    "Engine": "paxkv.engine.engine",
+    "EngineConfig": "paxkv.engine.config",
     "SamplingParams": "paxkv.request",
     "RequestOutput": "paxkv.request",
 }

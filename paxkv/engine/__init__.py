@@ -1,5 +1,6 @@
 """The device side: cache state, sampling, the compiled steps and the engine that drives them."""
 
-from paxkv.engine.engine import Engine, EngineConfig
+from paxkv.engine.config import EngineConfig
+from paxkv.engine.engine import Engine
 
 __all__ = ["Engine", "EngineConfig"]

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paxkv.host.page_pool import NULL_PAGE
-from paxkv.host.scheduler import SchedulerOutput
+from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
+
+if TYPE_CHECKING:
+    from paxkv.host.scheduler import SchedulerOutput
 
 
 def pad_page_table(
@@ -44,7 +47,7 @@ def pad_page_table(
         raise ValueError(
             f"sequence {s} holds {held[s]} pages, more than pages_per_seq={pages_per_seq}"
         )
-    short = -(-lens[:n] // page_size) > held
+    short = cdiv(lens[:n], page_size) > held
     if short.any():
         s = int(np.argmax(short))
         raise ValueError(f"sequence {s}: kv_len={lens[s]} needs more than its {held[s]} pages")
@@ -114,20 +117,15 @@ class HostBatch:
     token_src: np.ndarray
 
 
-def build_host_batch(
-    plan: SchedulerOutput, *, page_size: int, buckets: Buckets, all_pages: bool = False
-) -> HostBatch:
+def build_host_batch(plan: SchedulerOutput, *, page_size: int, buckets: Buckets) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
-    Block-table rows hold the pages the chunks' tokens need, or with `all_pages` every
-    page the sequences hold (the multi-step decode reserves pages ahead).
+    Reads only the plan's snapshot: each chunk's tokens, and its pages as the block-table
+    row (with `Scheduler.reserve_ahead`, the pages of the decode steps ahead too).
     """
     chunks = plan.chunks
-    ends = [c.start + c.num_tokens for c in chunks]
-    if all_pages:
-        n_pages = [len(c.seq.pages) for c in chunks]
-    else:
-        n_pages = [-(-e // page_size) for e in ends]
+    ends = [c.end for c in chunks]
+    n_pages = [len(c.pages) for c in chunks]
     t_pad = Buckets.pick(plan.num_tokens, buckets.tokens, "tokens in the step")
     s_pad = buckets.seq_bucket(len(chunks), t_pad)
     p_pad = Buckets.pick(max(n_pages), buckets.pages, "pages per sequence")
@@ -135,16 +133,11 @@ def build_host_batch(
     position_list: list[int] = []
     float_rows, int_rows = [], []
     for c in chunks:
-        seq, n = c.seq, c.num_tokens
-        if n == 1:
-            token_list.append(seq.token_at(c.start))
-            position_list.append(c.start)
-        else:
-            token_list.extend(seq.token_ids(c.start, c.start + n))
-            position_list.extend(range(c.start, c.start + n))
-        p = seq.params
+        token_list.extend(c.token_ids)
+        position_list.extend(range(c.start, c.end))
+        p = c.seq.params
         float_rows.append((p.temperature, p.top_p, p.min_p))
-        int_rows.append((p.top_k, seq.seed, len(seq.output_token_ids)))
+        int_rows.append((p.top_k, c.seq.seed, c.num_output_tokens))
     num = len(token_list)
     tokens = np.zeros(t_pad, np.int32)
     tokens[:num] = token_list
@@ -160,10 +153,7 @@ def build_host_batch(
     ints = np.zeros((s_pad, 3), np.int32)
     ints[: len(chunks)] = int_rows
     table, kv_lens, cu_q_lens, num_seqs = pad_page_table(
-        [
-            c.seq.pages if k == len(c.seq.pages) else c.seq.pages[:k]
-            for c, k in zip(chunks, n_pages, strict=True)
-        ],
+        [c.pages for c in chunks],
         ends,
         q_lens,
         page_size=page_size,

@@ -5,11 +5,11 @@ import functools
 import jax
 import numpy as np
 import pytest
-from paxkv.models import load_model
 
 from paxkv import LLM, SamplingParams
-from paxkv.engine import PLACEHOLDER_TOKEN as PLACEHOLDER
 from paxkv.engine import Engine, EngineConfig
+from paxkv.engine.step import PLACEHOLDER_TOKEN as PLACEHOLDER
+from paxkv.models import load_model
 
 PS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)

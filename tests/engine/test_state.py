@@ -6,15 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.kv_layout import page_bytes
 from paxkv.pallas_kernels import (
     NULL_PAGE,
     dequantize,
     ragged_paged_attention_reference,
     write_kv_pages,
 )
-
-from paxkv.engine.state import PagedKVCache, PageTable
-from paxkv.kv_layout import page_bytes
 
 PAGE = 8
 

@@ -1,4 +1,5 @@
-"""Automatic prefix caching and the reservation modes, scripted with exact page ids; and a
+"""Automatic prefix caching and the reservation policies (the load benchmark's contiguous
+baselines among them), scripted with exact page ids; and a
 hypothesis-driven run of the scheduler with a fake model. No JAX."""
 
 import collections
@@ -9,8 +10,11 @@ from hypothesis import strategies as st
 
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import page_keys
-from paxkv.host.scheduler import Scheduler, SeqStatus, Sequence
+from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import SeqStatus
+from paxkv.host.sequence import SequenceState as Sequence
 from paxkv.request import SamplingParams
+from paxkv.tools.reservations import ContiguousGuess, ContiguousMax
 
 PS = 4
 
@@ -77,7 +81,7 @@ def test_reuse_of_the_longest_cached_prefix_with_exact_pages():
     out = _step(s)
     assert b.pages[:2] == [1, 2] and b.num_cached_tokens == 8
     assert (out.chunks[0].start, out.chunks[0].num_tokens) == (8, 3)
-    assert s.prefix_hits == 8 and s.prefix_queries == 10 + 11
+    assert s.kv_cache.prefix_hits == 8 and s.kv_cache.prefix_queries == 10 + 11
 
 
 def test_last_token_is_always_computed():
@@ -156,11 +160,11 @@ def test_short_shared_prefix_is_reported():
     d = _seq("d", [0, 1, 2, 3, 4, 90, 91, 92, 93, 94])  # shares 5 tokens, less than a page
     s.add(d)
     _step(s)
-    assert d.num_cached_tokens == 0 and s.short_prefix_misses == 1
+    assert d.num_cached_tokens == 0 and s.kv_cache.short_prefix_misses == 1
     e = _seq("e", [7, 7, 7, 7, 7, 7, 7, 7, 7])  # shares nothing
     s.add(e)
     _step(s)
-    assert s.short_prefix_misses == 1
+    assert s.kv_cache.short_prefix_misses == 1
 
 
 def test_parallel_sampling_shares_prompt_pages():
@@ -179,7 +183,7 @@ def test_parallel_sampling_shares_prompt_pages():
 
 
 def test_contiguous_max_reservation():
-    s = _sched(max_model_len=32, enable_prefix_caching=False, reservation="max")
+    s = _sched(max_model_len=32, enable_prefix_caching=False, reservation=ContiguousMax())
     a = _seq("a", range(5))
     s.add(a)
     _step(s)
@@ -189,7 +193,9 @@ def test_contiguous_max_reservation():
 
 
 def test_contiguous_guess_reservation_preempts_when_outgrown():
-    s = _sched(max_model_len=64, enable_prefix_caching=False, reservation="guess", guess_tokens=4)
+    s = _sched(
+        max_model_len=64, enable_prefix_caching=False, reservation=ContiguousGuess(guess_tokens=4)
+    )
     a = _seq("a", range(5), max_tokens=10)
     s.add(a)
     _step(s)

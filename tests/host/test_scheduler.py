@@ -6,7 +6,9 @@ import sys
 import pytest
 
 from paxkv.host.page_pool import PagePool
-from paxkv.host.scheduler import Scheduler, SeqStatus, Sequence
+from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import SeqStatus
+from paxkv.host.sequence import SequenceState as Sequence
 from paxkv.request import SamplingParams
 
 PS = 4

@@ -1,0 +1,54 @@
+"""Compilations an engine triggers, counted from JAX's own monitoring events.
+
+JAX reports every backend compilation (`jax.monitoring`, the event
+`/jax/core/compile/backend_compile_duration` with the jitted function's name). One
+listener, registered once, credits each such event to the `CompileCounter` that is
+active in the calling context, when the compiled function is one it watches. So an
+engine counts only what its own calls compiled, whatever other engines or tests
+compiled before it in the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+
+import jax
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts compilations of the jitted functions named `fun_names` inside `counting()`."""
+
+    def __init__(self, fun_names: Iterable[str]) -> None:
+        self.fun_names = frozenset(f"jit({name})" for name in fun_names)
+        self.count = 0
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Credits the compilations that happen in this context (this thread) to self."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+
+_ACTIVE: contextvars.ContextVar[CompileCounter | None] = contextvars.ContextVar(
+    "paxkv_compile_counter", default=None
+)
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event != _BACKEND_COMPILE_EVENT:
+        return
+    counter = _ACTIVE.get()
+    if counter is not None and kwargs.get("fun_name") in counter.fun_names:
+        counter.count += 1
+        counter.seconds += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)

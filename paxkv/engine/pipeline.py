@@ -1,0 +1,107 @@
+"""Async scheduling: the host one step ahead of the device.
+
+Step k+1 is scheduled and dispatched before step k's tokens are read: each sequence
+that step k samples for holds a placeholder token (`PLACEHOLDER_TOKEN`), and step k+1
+reads the real token from step k's output on the device. Then the host waits for step
+k, puts its tokens in place of the placeholders (finishing sequences that sampled a
+stop token, whose step k+1 work is discarded), and records step k+1's plan. A page
+freed meanwhile is only reused by steps dispatched later, which the device runs in
+order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from paxkv.engine.step import PLACEHOLDER_TOKEN
+from paxkv.host.scheduler import SchedulerOutput
+from paxkv.host.sequence import SequenceState
+from paxkv.request import RequestOutput
+
+if TYPE_CHECKING:
+    from paxkv.engine.engine import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A dispatched step whose tokens the host has not read: its outputs on the device,
+    and for each placeholder it left, `(seq, row of the output, index in seq's outputs)`."""
+
+    tokens: jax.Array  # i32[max_num_seqs]
+    logprobs: jax.Array  # f32[max_num_seqs]
+    placeholders: tuple[tuple[SequenceState, int, int], ...]
+
+
+class AsyncPipeline:
+    """The in-flight step of an engine with `async_scheduling`, and how to resolve it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.inflight: InFlight | None = None
+        self._last_token_seen: dict[int, float] = {}
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step is in flight."""
+        return self.inflight is not None
+
+    def step(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
+        """Dispatches `plan` (if it has work), then resolves the step before it.
+
+        Returns the resolved requests' outputs and the times the dispatch ended and the
+        wait for the previous step ended.
+        """
+        engine = self.engine
+        launched = None
+        if plan.chunks:
+            pending = (
+                {id(seq): row for seq, row, _ in self.inflight.placeholders}
+                if self.inflight
+                else None
+            )
+            batch, token_src = engine.to_device(plan, pending)
+            launched = engine.dispatch(batch, token_src)
+        t1 = time.perf_counter()
+        outputs = self._resolve(self.inflight) if self.inflight else []
+        t2 = time.perf_counter()
+        self.inflight = None
+        if launched is not None:
+            # Placeholders for the tokens this step samples: lengths advance now (so
+            # max_tokens finishes are known), values arrive with the next call.
+            sampled = [(PLACEHOLDER_TOKEN, 0.0) if c.samples else None for c in plan.chunks]
+            counts = [len(c.seq.output_token_ids) for c in plan.chunks]
+            engine.scheduler.update(plan, sampled, eos_token_ids=())
+            placeholders = tuple(
+                (c.seq, i, counts[i])
+                for i, c in enumerate(plan.chunks)
+                if c.samples and len(c.seq.output_token_ids) > counts[i]
+            )
+            self.inflight = InFlight(*launched, placeholders)
+        return outputs, t1, t2
+
+    def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
+        """Waits for an in-flight step and puts its sampled tokens in place."""
+        engine = self.engine
+        tokens, logprobs = np.asarray(inflight.tokens), np.asarray(inflight.logprobs)
+        now = time.monotonic()
+        touched = []
+        for seq, row, index in inflight.placeholders:
+            if index >= len(seq.output_token_ids):
+                continue  # dropped: the sequence stopped at an earlier token
+            before = self._last_token_seen.get(id(seq))
+            engine.scheduler.resolve(
+                seq, index, int(tokens[row]), float(logprobs[row]), engine.eos_token_ids, now
+            )
+            engine.metrics.on_token(None if before is None else now - before)
+            self._last_token_seen[id(seq)] = now
+            touched.append(seq)
+        outputs = engine.report(seq.request_id for seq in touched)
+        for seq in touched:
+            if seq.finish_reason is not None:
+                self._last_token_seen.pop(id(seq), None)
+        return outputs

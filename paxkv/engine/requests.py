@@ -1,0 +1,173 @@
+"""The engine's requests: validation at submission, the registry, and their outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Any
+
+from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import SequenceState
+from paxkv.request import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    normalize_prompt,
+)
+
+
+@dataclasses.dataclass
+class Request:
+    """One submitted request: its prompt and its n sequences (completions)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[SequenceState]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        """Whether every completion has ended."""
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self, tokenizer: Any = None) -> RequestOutput:
+        """The request's state now, as the API returns it (texts decoded by `tokenizer`)."""
+        completions = []
+        for seq in self.seqs:
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    token_ids=list(seq.output_token_ids),
+                    text=None if tokenizer is None else tokenizer.decode(seq.output_token_ids),
+                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+                    finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
+                )
+            )
+        first = self.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=first.last_token_time,
+            finished_time=first.finished_time,
+            num_preemptions=sum(s.num_preemptions for s in self.seqs),
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=completions,
+            finished=self.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=metrics,
+        )
+
+
+class RequestRegistry:
+    """The unfinished requests of an engine, by id; validates what is submitted.
+
+    Args:
+      scheduler: checks that a request can ever be served (`Scheduler.check_fits`).
+      vocab_size: token ids must lie in `[0, vocab_size)`.
+      max_model_len: the longest prompt + output.
+      tokenizer: optional, with `encode(str) -> list[int]`; string prompts need it.
+      seed: draws the sampling seeds of requests that give none.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        tokenizer: Any = None,
+        seed: int = 0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self._requests: dict[str, Request] = {}
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request `request_id`, or None."""
+        return self._requests.get(request_id)
+
+    def pop(self, request_id: str) -> Request | None:
+        """Forgets request `request_id` and returns it (None if unknown)."""
+        return self._requests.pop(request_id, None)
+
+    def create(
+        self,
+        request_id: str | None,
+        prompt: str | dict,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validates a request and registers it with its sequences; ValueError rejects it."""
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        text, ids = self.validate(request_id, prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        seqs = [
+            SequenceState(
+                seq_id=request_id if params.n == 1 else f"{request_id}/{i}",
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=list(ids),
+                params=params,
+                seed=(base_seed + i) % 2**31,
+                arrival_time=arrival,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+            for i in range(params.n)
+        ]
+        request = Request(request_id, text, ids, seqs, arrival)
+        self._requests[request_id] = request
+        return request
+
+    def validate(
+        self, request_id: str, prompt: str | dict, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Returns `(text, token_ids)` of a servable request, or raises ValueError saying why not."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = normalize_prompt(prompt)
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "a string prompt needs a tokenizer, and this model has none: pass "
+                    "{'prompt_token_ids': [...]} instead"
+                )
+            ids = list(self.tokenizer.encode(text))
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.vocab_size
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(
+                f"request {request_id!r}: token id {t} at position {i} is outside the vocabulary [0, {vocab})"
+            )
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens is longer than max_model_len={self.max_model_len}"
+            )
+        try:
+            self.scheduler.check_fits(len(ids), params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        return text, ids

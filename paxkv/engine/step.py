@@ -1,0 +1,250 @@
+"""The compiled steps: one model step, and N decode steps in one call.
+
+`model_step` writes a batch's K/V, attends and samples one token per sequence.
+`decode_loop` runs N decode iterations of the same in a `lax.fori_loop`: the host
+reserves, before the call, the pages the next N tokens of every sequence will need; the
+device feeds each sampled token to the next iteration and advances the lengths itself.
+A sequence that samples a stop token or reaches its token limit is masked out of the
+remaining iterations (its query length drops to 0, so it neither writes nor reads),
+exactly where the host will later see it finish. Both are jitted at module level with
+the cache donated, so engines serving the same model at the same shapes share
+compilations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from paxkv.engine.sampling import SamplingBatch, sample
+from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.host.batch import HostBatch
+from paxkv.sharding import shardings
+
+PLACEHOLDER_TOKEN = -1  # async scheduling: a sampled token the host has not read yet
+MAX_STOP_IDS = 8  # stop + EOS token ids a sequence may have in the multi-step path
+
+
+@struct.dataclass
+class StepBatch:
+    """Everything one compiled step consumes, padded to its bucket shapes."""
+
+    tokens: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    table: PageTable
+    logits_indices: jax.Array  # i32[S]; the packed row of each sequence's last token
+    sampling: SamplingBatch
+
+    @classmethod
+    def from_host(cls, hb: HostBatch, page_size: int) -> tuple[StepBatch, jax.Array]:
+        """Moves a host batch to the device in one transfer; returns it and its
+        `token_src` (i32[T], see `model_step`)."""
+        names = [f.name for f in dataclasses.fields(hb)]
+        a = dict(zip(names, jax.device_put([getattr(hb, n) for n in names]), strict=True))
+        table = PageTable(
+            block_tables=a["block_tables"],
+            kv_lens=a["kv_lens"],
+            cu_q_lens=a["cu_q_lens"],
+            num_seqs=a["num_seqs"],
+            page_size=page_size,
+        )
+        sampling = SamplingBatch(floats=a["sampling_floats"], ints=a["sampling_ints"])
+        return cls(a["tokens"], a["positions"], table, a["logits_indices"], sampling), a[
+            "token_src"
+        ]
+
+    @classmethod
+    def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int) -> StepBatch:
+        """A batch of the given bucket shape with no live sequence (warm-up compiles it)."""
+        table = PageTable(
+            block_tables=jnp.zeros((num_seqs, pages_per_seq), jnp.int32),
+            kv_lens=jnp.zeros(num_seqs, jnp.int32),
+            cu_q_lens=jnp.zeros(num_seqs + 1, jnp.int32),
+            num_seqs=jnp.zeros(1, jnp.int32),
+            page_size=page_size,
+        )
+        return cls(
+            tokens=jnp.zeros(num_tokens, jnp.int32),
+            positions=jnp.zeros(num_tokens, jnp.int32),
+            table=table,
+            logits_indices=jnp.zeros(num_seqs, jnp.int32),
+            sampling=SamplingBatch.from_host([], num_seqs),
+        )
+
+
+def forward_logits(
+    model: nnx.Module,
+    tokens: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    kv_cache: PagedKVCache,
+    table: PageTable,
+    rows: jax.Array | None,  # i32[S]: the packed rows to take logits of; None: every row
+    *,
+    attention_backend: str,
+) -> tuple[jax.Array, PagedKVCache]:
+    """The model over a packed batch: writes its K/V, attends, and returns the logits
+    (f32[S, V], or [T, V] for every row) with the updated cache."""
+    hidden, kv_cache = model(
+        tokens, positions, kv_cache, table, attention_backend=attention_backend
+    )
+    return model.logits(hidden if rows is None else hidden[rows]), kv_cache
+
+
+def forward_sample(
+    model: nnx.Module,
+    tokens: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    kv_cache: PagedKVCache,
+    table: PageTable,
+    rows: jax.Array,  # i32[S]
+    sampling: SamplingBatch,
+    *,
+    attention_backend: str,
+) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    """`forward_logits`, then one sampled token per row: `(tokens i32[S], logprobs f32[S], cache)`."""
+    logits, kv_cache = forward_logits(
+        model, tokens, positions, kv_cache, table, rows, attention_backend=attention_backend
+    )
+    tokens, logprobs = sample(logits, sampling)
+    return tokens, logprobs, kv_cache
+
+
+def model_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv_cache: PagedKVCache,
+    batch: StepBatch,
+    token_src: jax.Array,  # i32[T]; >= 0: take the token from prev_tokens
+    prev_tokens: jax.Array,  # i32[max_num_seqs]; the previous step's sampled tokens
+    *,
+    attention_backend: str,
+) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    """One model step: write the batch's K/V, attend, sample a token per sequence.
+
+    Returns tokens and logprobs padded to `max_num_seqs` rows (row i: the batch's
+    sequence i), so the next step can read its input tokens from them on the device.
+    """
+    model = nnx.merge(graphdef, params)
+    fed = prev_tokens[jnp.maximum(token_src, 0)]
+    tokens_in = jnp.where(token_src >= 0, fed, batch.tokens)
+    tokens, logprobs, kv_cache = forward_sample(
+        model,
+        tokens_in,
+        batch.positions,
+        kv_cache,
+        batch.table,
+        batch.logits_indices,
+        batch.sampling,
+        attention_backend=attention_backend,
+    )
+    pad = prev_tokens.shape[0] - tokens.shape[0]
+    tokens, logprobs = jnp.pad(tokens, (0, pad)), jnp.pad(logprobs, (0, pad))
+    mesh = getattr(model, "mesh", None)
+    if mesh is not None:  # replicated, like the next step's prev_tokens input
+        tokens = jax.lax.with_sharding_constraint(tokens, shardings.replicated(mesh))
+    return tokens, logprobs, kv_cache
+
+
+MODEL_STEP = jax.jit(
+    model_step, static_argnames=("attention_backend",), donate_argnames=("kv_cache",)
+)
+
+
+@struct.dataclass
+class DecodeLimits:
+    """Per-sequence stop conditions of a multi-step call, padded to S."""
+
+    stop_ids: jax.Array  # i32[S, MAX_STOP_IDS]; -1 pads
+    remaining: jax.Array  # i32[S]; tokens the sequence may still generate (>= 1 if live)
+
+    @classmethod
+    def from_host(
+        cls, stops: list[tuple[int, ...]], remaining: list[int], size: int
+    ) -> DecodeLimits:
+        """Pads each sequence's stop ids (at most `MAX_STOP_IDS`) and token limit to `size` rows."""
+        ids = np.full((size, MAX_STOP_IDS), -1, np.int32)
+        for i, s in enumerate(stops):
+            ids[i, : len(s)] = s
+        rem = np.zeros(size, np.int32)
+        rem[: len(remaining)] = remaining
+        return cls(stop_ids=jnp.asarray(ids), remaining=jnp.asarray(rem))
+
+
+def decode_loop(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv_cache: PagedKVCache,
+    batch: StepBatch,  # of a decode-only plan: row s is sequence s
+    limits: DecodeLimits,
+    *,
+    attention_backend: str,
+    num_steps: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, PagedKVCache]:
+    """Runs `num_steps` decode iterations. Returns `(tokens i32[N, S], logprobs f32[N, S],
+    valid bool[N, S], kv_cache)`; `valid[i, s]` says sequence s produced token i."""
+    model = nnx.merge(graphdef, params)
+    table = batch.table
+    num_rows = batch.tokens.shape[0]
+    num_slots = table.kv_lens.shape[0]
+    live = jnp.arange(num_slots) < table.num_seqs[0]
+    first_tokens = (
+        jnp.zeros(num_slots, jnp.int32)
+        .at[: min(num_slots, num_rows)]
+        .set(batch.tokens[: min(num_slots, num_rows)])
+    )
+
+    def body(i, carry):
+        cache, current, kv_lens, active, out_tokens, out_logprobs, out_valid = carry
+        q_lens = active.astype(jnp.int32)
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)])
+        rows = jnp.where(active, cu[:-1], num_rows)  # inactive sequences have no row
+        tokens = jnp.zeros(num_rows, jnp.int32).at[rows].set(current, mode="drop")
+        positions = jnp.zeros(num_rows, jnp.int32).at[rows].set(kv_lens - 1, mode="drop")
+        step_table = table.replace(kv_lens=kv_lens, cu_q_lens=cu)
+        sampling = batch.sampling.replace(ints=batch.sampling.ints.at[:, 2].add(i))
+        new, logprobs, cache = forward_sample(
+            model,
+            tokens,
+            positions,
+            cache,
+            step_table,
+            jnp.where(active, cu[:-1], 0),
+            sampling,
+            attention_backend=attention_backend,
+        )
+        stop = jnp.any(new[:, None] == limits.stop_ids, axis=1) | (i + 1 >= limits.remaining)
+        out_tokens = out_tokens.at[i].set(jnp.where(active, new, -1))
+        out_logprobs = out_logprobs.at[i].set(jnp.where(active, logprobs, 0.0))
+        out_valid = out_valid.at[i].set(active)
+        still = active & ~stop
+        return (
+            cache,
+            jnp.where(still, new, current),
+            kv_lens + still,
+            still,
+            out_tokens,
+            out_logprobs,
+            out_valid,
+        )
+
+    carry = (
+        kv_cache,
+        first_tokens,
+        table.kv_lens,
+        live,
+        jnp.full((num_steps, num_slots), -1, jnp.int32),
+        jnp.zeros((num_steps, num_slots), jnp.float32),
+        jnp.zeros((num_steps, num_slots), bool),
+    )
+    kv_cache, _, _, _, tokens, logprobs, valid = jax.lax.fori_loop(0, num_steps, body, carry)
+    return tokens, logprobs, valid, kv_cache
+
+
+DECODE_LOOP = jax.jit(
+    decode_loop, static_argnames=("attention_backend", "num_steps"), donate_argnames=("kv_cache",)
+)
+COMPILED_FUNCTIONS = ("model_step", "decode_loop")  # what `CompileCounter` watches

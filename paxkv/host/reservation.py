@@ -1,0 +1,38 @@
+"""How many token slots a sequence holds: the policy behind page allocation. No JAX.
+
+`PagedReservation`, the engine's policy, holds exactly the pages a sequence's computed
+tokens need and grows them a page at a time. Other policies (the load benchmark's
+contiguous baselines, `paxkv.tools.reservations`) subclass it to hold more up front.
+"""
+
+from __future__ import annotations
+
+from paxkv.host.sequence import SequenceState
+
+
+class PagedReservation:
+    """Hold the pages a sequence's tokens need, no more; grow one page at a time."""
+
+    name = "paged"
+    # Whether pages can be shared through the prefix cache. A contiguous reservation
+    # owns its whole region, so it cannot.
+    shares_pages = True
+
+    def tokens_to_hold(self, seq: SequenceState, num_tokens: int, max_model_len: int) -> int:
+        """Token slots `seq` must hold to compute its first `num_tokens` tokens."""
+        del seq, max_model_len
+        return num_tokens
+
+    def can_grow(self, seq: SequenceState, num_tokens: int, page_size: int) -> bool:
+        """Whether `seq` may take more pages to reach `num_tokens`; False preempts it."""
+        del seq, num_tokens, page_size
+        return True
+
+    def on_preempt(self, seq: SequenceState, page_size: int) -> None:
+        """Called when `seq` is preempted, before its pages are freed."""
+        del seq, page_size
+
+    def tokens_at_submit(self, num_tokens: int, max_model_len: int) -> int:
+        """Token slots a request of `num_tokens` (prompt + max_tokens) must be able to hold."""
+        del max_model_len
+        return num_tokens
