@@ -1,16 +1,19 @@
 """Mistral 7B v0.1 on one 80 GiB accelerator (an H100): 13.5 GiB of bf16 weights."""
 
+from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
 from paxkv.models.config import MISTRAL_7B
 
-MODEL = MISTRAL_7B
-RANDOM_WEIGHTS = False
 # 128 KiB of KV per token: 24576 pages of 16 tokens are 48 GiB. The 4096-token sliding
 # window limits attention, not the cache: every token stays resident.
-SERVING = EngineConfig(
-    num_pages=24576,
-    page_size=16,
-    max_num_seqs=256,
-    max_num_batched_tokens=8192,
-    max_model_len=8192,
+SETUP = ServingSetup(
+    name="mistral-7b",
+    model=MISTRAL_7B,
+    engine=EngineConfig(
+        num_pages=24576,
+        page_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=8192,
+    ),
 )

@@ -1,15 +1,18 @@
 """Qwen2.5 7B on one 80 GiB accelerator (an H100): 14.2 GiB of bf16 weights."""
 
+from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
 from paxkv.models.config import QWEN2_5_7B
 
-MODEL = QWEN2_5_7B
-RANDOM_WEIGHTS = False
 # Four KV heads, 28 layers: 56 KiB of KV per token, so 49152 pages of 16 tokens are 42 GiB.
-SERVING = EngineConfig(
-    num_pages=49152,
-    page_size=16,
-    max_num_seqs=256,
-    max_num_batched_tokens=8192,
-    max_model_len=8192,
+SETUP = ServingSetup(
+    name="qwen2.5-7b",
+    model=QWEN2_5_7B,
+    engine=EngineConfig(
+        num_pages=49152,
+        page_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=8192,
+    ),
 )

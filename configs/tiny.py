@@ -1,14 +1,18 @@
 """The byte-level toy model with random weights: runs on the CPU with no downloads."""
 
+from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
 from paxkv.models.config import TINY
 
-MODEL = TINY
-RANDOM_WEIGHTS = True
-SERVING = EngineConfig(
-    num_pages=256,  # 4096 token slots
-    page_size=16,
-    max_num_seqs=8,
-    max_num_batched_tokens=128,
-    max_model_len=512,
+SETUP = ServingSetup(
+    name="tiny",
+    model=TINY,
+    engine=EngineConfig(
+        num_pages=256,  # 4096 token slots
+        page_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        max_model_len=512,
+    ),
+    random_weights=True,
 )

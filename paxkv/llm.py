@@ -23,11 +23,15 @@ class LLM:
       model: a preset name of `paxkv.models` (e.g. "tiny"), or a local Hugging Face
         checkpoint directory (config.json + safetensors). Nothing is downloaded.
       dtype: parameter dtype ("float32", "bfloat16"); None keeps the model's.
-      seed: seed of random initialisation (presets) and of requests without a seed.
+      seed: seed of random initialisation (presets), and with `config=None` of requests
+        without a seed (a given `config` carries its own).
       mesh: a `jax.sharding.Mesh` of one replica to shard the model and cache over
-        (see `paxkv.sharding`); None serves on one device.
-      **engine_kwargs: `EngineConfig` fields: num_pages, page_size, max_num_seqs,
-        max_num_batched_tokens, max_model_len, kv_cache_dtype, attention_backend, ...
+        (see `paxkv.sharding.shardings`); None serves on one device.
+      config: the engine's `EngineConfig`; None: its defaults, with `seed` and
+        max_model_len = min(the model's positions, 2048).
+      **engine_kwargs: `EngineConfig` fields that override `config`'s: num_pages,
+        page_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_dtype,
+        attention_backend, ...
     """
 
     def __init__(
@@ -37,6 +41,7 @@ class LLM:
         dtype: str | None = None,
         seed: int = 0,
         mesh: Any = None,
+        config: EngineConfig | None = None,
         **engine_kwargs: Any,
     ) -> None:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -48,11 +53,12 @@ class LLM:
         # The one place paxkv reaches up to the models package, lazily: it turns a name
         # into a model. `Engine` takes a model object and needs no such import.
         models = importlib.import_module("paxkv.models")
-        config, module, tokenizer = models.load_model(model, dtype=dtype, seed=seed)
-        engine_kwargs.setdefault("max_model_len", min(config.max_position_embeddings, 2048))
-        self.engine = Engine(
-            module, EngineConfig(seed=seed, **engine_kwargs), tokenizer=tokenizer, mesh=mesh
-        )
+        model_config, module, tokenizer = models.load_model(model, dtype=dtype, seed=seed)
+        if config is None:
+            max_len = min(model_config.max_position_embeddings, 2048)
+            config = EngineConfig(seed=seed, max_model_len=max_len)
+        config = dataclasses.replace(config, **engine_kwargs)
+        self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

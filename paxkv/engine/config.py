@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from paxkv.host.batch import Buckets
+from paxkv.kv_layout import KV_CACHE_DTYPES
+from paxkv.pallas_kernels.dispatch import BACKENDS
 from paxkv.pallas_kernels.layout import cdiv
+
+
+def _field(default, help: str, *, choices: tuple[str, ...] | None = None):
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 def _geometric(lo: int, hi: int, growth: int) -> tuple[int, ...]:
@@ -20,24 +26,33 @@ def _geometric(lo: int, hi: int, growth: int) -> tuple[int, ...]:
 class EngineConfig:
     """Serving limits and step shapes (see `buckets`)."""
 
-    num_pages: int = 1024
-    page_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"
+    # Fields with a "help" are launch flags too (`paxkv.launch.flags`), with "choices"
+    # as the flag's allowed values.
+    num_pages: int = _field(1024, "KV pages of all layers (page 0 is reserved).")
+    page_size: int = _field(16, "Tokens per KV page.")
+    max_num_seqs: int = _field(32, "Sequences running at once.")
+    max_num_batched_tokens: int = _field(512, "Tokens computed per step.")
+    max_model_len: int = _field(2048, "Longest sequence, prompt and output.")
+    kv_cache_dtype: str = _field(
+        "auto", "KV page dtype; auto: the model dtype.", choices=KV_CACHE_DTYPES
+    )
+    attention_backend: str = _field("auto", "Attention implementation.", choices=BACKENDS)
     seed: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     log_stats_interval_s: float = 10.0  # a periodic absl log line; 0 turns it off
-    # Decode steps per compiled call when every scheduled sequence is decoding
-    # (`paxkv.engine.step.decode_loop`); 1 runs one step per call. None: 8 on an
-    # accelerator, where it hides the host's time, and 1 on the CPU, where host and
-    # "device" share cores.
-    num_decode_steps: int | None = None
-    # Schedule and dispatch step k+1 before reading step k's tokens (`paxkv.engine.pipeline`).
-    async_scheduling: bool = False
+    # None: 8 on an accelerator, where it hides the host's time, and 1 on the CPU,
+    # where host and "device" share cores (and with async scheduling).
+    num_decode_steps: int | None = _field(
+        None,
+        "Decode steps per compiled call (`paxkv.engine.step.decode_loop`) when every "
+        "scheduled sequence decodes; unset: 8 on accelerators, 1 on CPU.",
+    )
+    async_scheduling: bool = _field(
+        False,
+        "Schedule step k+1 while the device runs step k (`paxkv.engine.pipeline`; needs "
+        "num_decode_steps=1).",
+    )
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None

@@ -20,11 +20,10 @@ from typing import NoReturn
 from absl import flags, logging
 
 from paxkv.configs import NAMES, ServingSetup, get_config
-from paxkv.kv_layout import KV_CACHE_DTYPES
+from paxkv.engine.config import EngineConfig
 from paxkv.llm import LLM
 from paxkv.models import CONFIG_FILE, LlamaConfig
 from paxkv.models.config import DTYPES
-from paxkv.pallas_kernels import BACKENDS
 from paxkv.sharding.mesh_shape import MeshShape
 
 CONFIG = flags.DEFINE_string("config", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
@@ -37,37 +36,30 @@ MODEL_DIR = flags.DEFINE_string(
 DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter dtype; unset: the model's.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
 
-# EngineConfig fields; None keeps the set-up's value.
-NUM_PAGES = flags.DEFINE_integer(
-    "num_pages", None, "KV pages of all layers (page 0 is reserved).", lower_bound=2
-)
-PAGE_SIZE = flags.DEFINE_integer("page_size", None, "Tokens per KV page.", lower_bound=1)
-MAX_NUM_SEQS = flags.DEFINE_integer(
-    "max_num_seqs", None, "Sequences running at once.", lower_bound=1
-)
-MAX_NUM_BATCHED_TOKENS = flags.DEFINE_integer(
-    "max_num_batched_tokens", None, "Tokens computed per step.", lower_bound=1
-)
-MAX_MODEL_LEN = flags.DEFINE_integer(
-    "max_model_len", None, "Longest sequence, prompt and output.", lower_bound=1
-)
-KV_CACHE_DTYPE = flags.DEFINE_enum(
-    "kv_cache_dtype", None, list(KV_CACHE_DTYPES), "KV page dtype; auto: the model dtype."
-)
-ATTENTION_BACKEND = flags.DEFINE_enum(
-    "attention_backend", None, list(BACKENDS), "Attention implementation."
-)
-NUM_DECODE_STEPS = flags.DEFINE_integer(
-    "num_decode_steps",
-    None,
-    "Decode steps per compiled call (unset: 8 on accelerators, 1 on CPU).",
-    lower_bound=1,
-)
-ASYNC_SCHEDULING = flags.DEFINE_bool(
-    "async_scheduling",
-    None,
-    "Schedule step k+1 while the device runs step k (needs num_decode_steps=1).",
-)
+
+
+def _define_engine_flags() -> dict[str, flags.FlagHolder]:
+    """One flag per `EngineConfig` field that declares a help text; unset (None), a
+    flag keeps the set-up's value."""
+    holders = {}
+    for f in dataclasses.fields(EngineConfig):
+        help_text, choices = f.metadata.get("help"), f.metadata.get("choices")
+        if help_text is None:
+            continue
+        kind = type(f.default) if f.default is not None else int
+        if choices:
+            holders[f.name] = flags.DEFINE_enum(f.name, None, list(choices), help_text)
+        elif kind is bool:
+            holders[f.name] = flags.DEFINE_bool(f.name, None, help_text)
+        elif kind is int:
+            holders[f.name] = flags.DEFINE_integer(f.name, None, help_text, lower_bound=1)
+        else:
+            raise TypeError(f"EngineConfig.{f.name}: no flag type for {kind.__name__}")
+    return holders
+
+
+_ENGINE_FLAGS = _define_engine_flags()
+NUM_PAGES = _ENGINE_FLAGS["num_pages"]
 
 # The runtime: devices, hosts, compilation cache.
 MESH = flags.DEFINE_string(
@@ -107,17 +99,6 @@ COMPILATION_CACHE_DIR = flags.DEFINE_string(
     "instead of compiling them.",
 )
 
-_ENGINE_FLAGS = {
-    "num_pages": NUM_PAGES,
-    "page_size": PAGE_SIZE,
-    "max_num_seqs": MAX_NUM_SEQS,
-    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-    "max_model_len": MAX_MODEL_LEN,
-    "kv_cache_dtype": KV_CACHE_DTYPE,
-    "attention_backend": ATTENTION_BACKEND,
-    "num_decode_steps": NUM_DECODE_STEPS,
-    "async_scheduling": ASYNC_SCHEDULING,
-}
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
@@ -221,13 +202,7 @@ def build_model(setup: ServingSetup):
 
 def build_llm(setup: ServingSetup) -> LLM:
     """An `LLM` serving `setup`: `--model_dir`'s weights, or random ones where the set-up allows."""
-    source = _model_source(setup)
-    engine_kwargs = {
-        f.name: getattr(setup.engine, f.name)
-        for f in dataclasses.fields(setup.engine)
-        if f.name != "seed"  # LLM's own argument
-    }
-    return LLM(source, dtype=DTYPE.value, seed=SEED.value, **engine_kwargs)
+    return LLM(_model_source(setup), dtype=DTYPE.value, seed=SEED.value, config=setup.engine)
 
 
 def list_in_help(app_module: str, doc: str | None) -> None:

@@ -1,0 +1,26 @@
+"""What a serving set-up is: a model's shapes and the engine limits it is served with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paxkv.engine import EngineConfig
+from paxkv.models.config import LlamaConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingSetup:
+    """A model's shapes and the engine limits it is served with.
+
+    `random_weights`: the model may run without a checkpoint, randomly initialised
+    (its `name` is then a preset of `paxkv.models`).
+    """
+
+    name: str
+    model: LlamaConfig
+    engine: EngineConfig
+    random_weights: bool = False
+
+    def replace(self, **changes) -> ServingSetup:
+        """A copy with `changes` applied (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **changes)
