@@ -78,6 +78,7 @@ class LlamaConfig:
         return tuple(self.eos_token_id)
 
     def replace(self, **changes) -> LlamaConfig:
+        """A copy with `changes` applied (`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod

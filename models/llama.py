@@ -121,6 +121,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalises the last axis (in f32) and scales it by the learned weight."""
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * x32.astype(x.dtype)
@@ -136,6 +137,7 @@ class MLP(nnx.Module):
         self.down_proj = _linear(config, m, h, bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """SwiGLU: `down(silu(gate(x)) * up(x))`."""
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -167,6 +169,8 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """One transformer block: attention over the paged cache, then the MLP, each pre-normed."""
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype
@@ -209,6 +213,7 @@ class LlamaForCausalLM(nnx.Module):
 
     @property
     def inv_freq(self) -> np.ndarray:  # f64[D // 2]
+        """RoPE inverse frequencies (f64[D // 2]), with llama3 scaling when configured."""
         c = self.config
         return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 

@@ -9,11 +9,17 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer: text to ids and back."""
+
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+        ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`."""
+        ...
 
 
 class ByteTokenizer:
@@ -22,9 +28,11 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text`, one id per byte."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
+        """Text of byte ids; invalid UTF-8 becomes U+FFFD."""
         return bytes(ids).decode("utf-8", errors="replace")
 
 
@@ -40,9 +48,11 @@ class HFTokenizer:
         self.vocab_size = tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added)."""
         return self._tokenizer.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens skipped."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
 

@@ -88,7 +88,9 @@ def load_corpus(split: str, root: str | os.PathLike | None = None) -> np.ndarray
     return np.frombuffer(b"".join(chunks), np.uint8)
 
 
-def random_windows(data: np.ndarray, rng: np.random.Generator, batch_size: int, length: int):
+def random_windows(
+    data: np.ndarray, rng: np.random.Generator, batch_size: int, length: int
+) -> np.ndarray:
     """`i32[batch_size, length + 1]` windows of `data` at uniformly random offsets."""
     if len(data) <= length:
         raise ValueError(f"the corpus ({len(data)} bytes) is shorter than a window of {length + 1}")

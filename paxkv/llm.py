@@ -61,7 +61,8 @@ class LLM:
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._request_ids = itertools.count()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (None when it has none)."""
         return self.engine.tokenizer
 
     def generate(
@@ -121,7 +122,7 @@ class LLM:
         ids = [str(next(self._request_ids)) for _ in prompts]
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
-                self.engine.validate(rid, prompt, p)
+                self.engine.requests.validate(rid, prompt, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         for rid, prompt, p in zip(ids, prompts, params, strict=True):

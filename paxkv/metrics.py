@@ -11,9 +11,14 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from absl import logging
+
+if TYPE_CHECKING:
+    from paxkv.host.scheduler import Scheduler
+    from paxkv.host.sequence import SequenceState
 
 _WINDOW = 20_000  # latency samples kept per summary
 
@@ -27,11 +32,13 @@ class LatencySummary:
         self.total = 0.0
 
     def add(self, seconds: float) -> None:
+        """Records one latency sample, in seconds."""
         self._samples.append(seconds)
         self.count += 1
         self.total += seconds
 
     def summary(self) -> dict[str, float | None]:
+        """p50 / p90 / p99 / mean of the samples (None each when there are none)."""
         if not self._samples:
             return {"p50": None, "p90": None, "p99": None, "mean": None}
         p50, p90, p99 = np.percentile(np.fromiter(self._samples, float), [50, 90, 99])
@@ -66,33 +73,54 @@ class EngineMetrics:
         self.device_time_s = 0.0
         self.num_steps = 0
         self.num_decode_loops = 0  # steps that ran several decode iterations in one call
+        self._last_log = time.monotonic()
 
     def on_arrival(self, now: float) -> None:
+        """Records a request's arrival (the throughput clock starts at the first)."""
         if self.start_time is None:
             self.start_time = now
 
     def on_token(self, itl: float | None) -> None:
+        """Records one generated token and its inter-token latency (None for a first token)."""
         self.generation_tokens += 1
         if itl is not None:
             self.latency["inter_token_latency_seconds"].add(itl)
 
-    def on_finish(
-        self, reason: str, *, queue, ttft, e2e, first_token, last_token, num_tokens: int
-    ) -> None:
-        self.finished[reason] += 1
-        for name, value in (
-            ("request_queue_time_seconds", queue),
-            ("time_to_first_token_seconds", ttft),
-            ("e2e_request_latency_seconds", e2e),
+    def on_finish(self, seq: SequenceState) -> None:
+        """Records a sequence that ended: its finish reason and latencies."""
+        self.finished[seq.finish_reason.value] += 1
+        arrival = seq.arrival_time
+        for name, t in (
+            ("request_queue_time_seconds", seq.first_scheduled_time),
+            ("time_to_first_token_seconds", seq.first_token_time),
+            ("e2e_request_latency_seconds", seq.finished_time),
         ):
-            if value is not None:
-                self.latency[name].add(value)
-        if first_token is not None and num_tokens > 1:
+            if t is not None:
+                self.latency[name].add(t - arrival)
+        num_tokens = len(seq.output_token_ids)
+        if seq.first_token_time is not None and num_tokens > 1:
             self.latency["time_per_output_token_seconds"].add(
-                (last_token - first_token) / (num_tokens - 1)
+                (seq.last_token_time - seq.first_token_time) / (num_tokens - 1)
             )
 
+    def account_step(self, t0: float, t_sched: float, t1: float, t2: float) -> None:
+        """Records one step's times (perf_counter): started, scheduled, dispatched, and
+        done waiting for the device; the host's share is everything but the wait."""
+        self.num_steps += 1
+        self.schedule_time_s += t_sched - t0
+        self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        # Waiting for the device: with async scheduling, for step k while k+1 is queued.
+        self.device_time_s += t2 - t1
+
+    def maybe_log(self, stats: Callable[[], dict[str, Any]], interval_s: float) -> None:
+        """Logs a line of `stats()` (absl, INFO) if `interval_s` > 0 has passed since the last."""
+        now = time.monotonic()
+        if interval_s > 0 and now - self._last_log >= interval_s:
+            self._last_log = now
+            logging.info(format_log_line(stats()))
+
     def throughput(self) -> dict[str, float]:
+        """Requests and tokens per second since the first arrival."""
         elapsed = time.monotonic() - self.start_time if self.start_time is not None else 0.0
         if elapsed <= 0:
             return {"output_tok_per_s": 0.0, "req_per_s": 0.0, "elapsed_s": 0.0}
@@ -102,6 +130,56 @@ class EngineMetrics:
             "req_per_s": done / elapsed,
             "elapsed_s": elapsed,
         }
+
+
+def engine_stats(
+    metrics: EngineMetrics, scheduler: Scheduler, *, num_compilations: int, compile_time_s: float
+) -> dict[str, Any]:
+    """The run's metrics so far, with vLLM-compatible names where one exists.
+
+    Counters (tokens, preemptions, prefix-cache queries and hits in tokens,
+    compilations), gauges (running and waiting requests, KV usage in pages and in token
+    slots), latency summaries (p50/p90/p99/mean of queue time, TTFT, TPOT, inter-token
+    latency, end-to-end latency), throughput, and the host's scheduling and
+    batch-building time against the device step time.
+    """
+    m, sch, kvm = metrics, scheduler, scheduler.kv_cache
+    kv = sch.kv_usage()
+    running = len(sch.running)
+    host, device = m.host_time_s, m.device_time_s
+    return {
+        "num_requests_running": running,
+        "num_requests_waiting": len(sch.waiting),
+        "peak_num_requests_running": sch.peak_running,
+        "kv_cache_usage_perc": kv["page_usage"],
+        "kv_pages_in_use": kv["pages_in_use"],
+        "kv_pages_total": kv["pages_total"],
+        "kv_token_slots_used": kv["token_slots_used"],
+        "kv_token_slots_reserved": kv["token_slots_reserved"],
+        "kv_token_utilization": kv["kv_utilization"],
+        "kv_wasted_slots_per_seq": kv["wasted_slots"] / running if running else 0.0,
+        "prefix_cache_queries": kvm.prefix_queries,
+        "prefix_cache_hits": kvm.prefix_hits,
+        "prefix_cache_hit_rate": kvm.prefix_hits / kvm.prefix_queries
+        if kvm.prefix_queries
+        else 0.0,
+        "prefix_cache_short_prefix_misses": kvm.short_prefix_misses,
+        "num_preemptions": sch.num_preemptions,
+        "num_recomputed_tokens": sch.num_recomputed_tokens,
+        "prompt_tokens": m.prompt_tokens,
+        "generation_tokens": m.generation_tokens,
+        "requests_finished": dict(m.finished),
+        **{name: summary.summary() for name, summary in m.latency.items()},
+        **m.throughput(),
+        "num_steps": m.num_steps,
+        "num_decode_loops": m.num_decode_loops,
+        "num_compilations": num_compilations,
+        "compile_time_s": compile_time_s,
+        "schedule_time_per_step_s": m.schedule_time_s / m.num_steps if m.num_steps else 0.0,
+        "host_time_s": host,
+        "device_time_s": device,
+        "host_overhead_fraction": host / (host + device) if host + device else 0.0,
+    }
 
 
 def format_log_line(stats: dict[str, Any]) -> str:
@@ -151,6 +229,7 @@ class PrometheusCollector:
         self._prefix = prefix
 
     def collect(self) -> Iterable[Any]:
+        """The current stats as Prometheus metric families (prometheus-client's collector API)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         stats = self._stats_fn()

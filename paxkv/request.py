@@ -90,6 +90,7 @@ class RequestMetrics:
 
     @property
     def e2e_latency(self) -> float | None:
+        """Seconds from arrival until finished."""
         if self.finished_time is None:
             return None
         return self.finished_time - self.arrival_time
@@ -107,6 +108,7 @@ class CompletionOutput:
 
     @property
     def finished(self) -> bool:
+        """Whether the completion has ended."""
         return self.finish_reason is not None
 
 

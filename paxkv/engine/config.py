@@ -74,6 +74,13 @@ class EngineConfig:
                 f"not {self.num_decode_steps}"
             )
 
+    def for_backend(self, backend: str) -> EngineConfig:
+        """This config with `num_decode_steps` decided for `backend` ("cpu", "gpu", "tpu")."""
+        if self.num_decode_steps is not None:
+            return self
+        one = backend == "cpu" or self.async_scheduling
+        return dataclasses.replace(self, num_decode_steps=1 if one else 8)
+
     @property
     def pages_per_seq(self) -> int:
         """Block-table entries of the longest sequence."""

@@ -32,7 +32,7 @@ from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SeqStatus
-from paxkv.metrics import EngineMetrics, format_log_line
+from paxkv.metrics import EngineMetrics, engine_stats
 from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
 
@@ -67,25 +67,18 @@ class Engine:
         mesh: Any = None,
         reservation: PagedReservation | None = None,
     ) -> None:
-        config = config or EngineConfig()
-        if config.num_decode_steps is None:
-            cpu = jax.default_backend() == "cpu"
-            config = dataclasses.replace(
-                config, num_decode_steps=1 if cpu or config.async_scheduling else 8
-            )
-        self.config = config
+        self.config = config = (config or EngineConfig()).for_backend(jax.default_backend())
         mc = self.model_config = model.config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self._graphdef, self._params = nnx.split(model)
-        dtype = jnp.dtype(mc.dtype)
         self.kv_cache = PagedKVCache.create(
             num_layers=mc.num_layers,
             num_pages=config.num_pages,
             num_kv_heads=mc.num_kv_heads,
             page_size=config.page_size,
             head_dim=mc.head_dim,
-            dtype=jnp.float32 if dtype == jnp.float32 else dtype,
+            dtype=mc.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
         )
         self.mesh = mesh if mesh is not None else shardings.default_mesh()
@@ -119,7 +112,6 @@ class Engine:
             self._prev_tokens = jax.device_put(self._prev_tokens, shardings.replicated(self.mesh))
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
         self.metrics = EngineMetrics()
-        self._last_log = time.monotonic()
 
     @property
     def num_compilations(self) -> int:
@@ -156,12 +148,6 @@ class Engine:
         for seq in req.seqs:
             self.scheduler.add(seq)
         return req.request_id
-
-    def validate(
-        self, request_id: str, prompt: str | dict, params: SamplingParams
-    ) -> tuple[str | None, list[int]]:
-        """Returns `(text, token_ids)` of a servable request, or raises ValueError saying why not."""
-        return self.requests.validate(request_id, prompt, params)
 
     def abort(self, request_id: str) -> None:
         """Ends a request now (finish reason "abort") and frees every page it holds."""
@@ -212,13 +198,8 @@ class Engine:
             outputs, t1, t2 = self._pipeline.step(plan)
         else:
             outputs, t1, t2 = self._step_sync(plan)
-        m = self.metrics
-        m.num_steps += 1
-        m.schedule_time_s += t_sched - t0
-        m.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
-        # Waiting for the device: with async scheduling, for step k while k+1 is queued.
-        m.device_time_s += t2 - t1
-        self._maybe_log()
+        self.metrics.account_step(t0, t_sched, t1, t2)
+        self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)
         return aborted + outputs
 
     def _step_sync(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
@@ -324,86 +305,25 @@ class Engine:
     ) -> tuple[StepBatch, jax.Array]:
         """The device batch of `plan` and its token feed: `pending` maps `id(seq)` to the
         row of the in-flight step's output that holds the token seq samples there."""
-        hb = build_host_batch(plan, page_size=self.config.page_size, buckets=self._buckets)
-        if pending:
-            row = 0
-            for c in plan.chunks:
-                if c.samples and id(c.seq) in pending:  # its last token is in flight
-                    hb.token_src[row + c.num_tokens - 1] = pending[id(c.seq)]
-                row += c.num_tokens
+        hb = build_host_batch(
+            plan, page_size=self.config.page_size, buckets=self._buckets, pending=pending
+        )
         return StepBatch.from_host(hb, self.config.page_size)
 
     def _on_finished(self, req: Request) -> None:
         for seq in req.seqs:
-            self.metrics.on_finish(
-                seq.finish_reason.value,
-                queue=None
-                if seq.first_scheduled_time is None
-                else seq.first_scheduled_time - seq.arrival_time,
-                ttft=None
-                if seq.first_token_time is None
-                else seq.first_token_time - seq.arrival_time,
-                e2e=seq.finished_time - seq.arrival_time,
-                first_token=seq.first_token_time,
-                last_token=seq.last_token_time,
-                num_tokens=len(seq.output_token_ids),
-            )
-
-    def _maybe_log(self) -> None:
-        interval = self.config.log_stats_interval_s
-        now = time.monotonic()
-        if interval > 0 and now - self._last_log >= interval:
-            self._last_log = now
-            logging.info(format_log_line(self.stats()))
+            self.metrics.on_finish(seq)
 
     # Introspection.
 
     def stats(self) -> dict[str, Any]:
-        """The run's metrics so far, with vLLM-compatible names where one exists.
-
-        Counters (tokens, preemptions, prefix-cache queries and hits in tokens,
-        compilations), gauges (running and waiting requests, KV usage in pages and in
-        token slots), latency summaries (p50/p90/p99/mean of queue time, TTFT, TPOT,
-        inter-token latency, end-to-end latency), throughput, and the host's scheduling
-        and batch-building time against the device step time.
-        """
-        m, sch, kvm = self.metrics, self.scheduler, self.scheduler.kv_cache
-        kv = sch.kv_usage()
-        running = len(sch.running)
-        host, device = m.host_time_s, m.device_time_s
-        return {
-            "num_requests_running": running,
-            "num_requests_waiting": len(sch.waiting),
-            "peak_num_requests_running": sch.peak_running,
-            "kv_cache_usage_perc": kv["page_usage"],
-            "kv_pages_in_use": kv["pages_in_use"],
-            "kv_pages_total": kv["pages_total"],
-            "kv_token_slots_used": kv["token_slots_used"],
-            "kv_token_slots_reserved": kv["token_slots_reserved"],
-            "kv_token_utilization": kv["kv_utilization"],
-            "kv_wasted_slots_per_seq": kv["wasted_slots"] / running if running else 0.0,
-            "prefix_cache_queries": kvm.prefix_queries,
-            "prefix_cache_hits": kvm.prefix_hits,
-            "prefix_cache_hit_rate": kvm.prefix_hits / kvm.prefix_queries
-            if kvm.prefix_queries
-            else 0.0,
-            "prefix_cache_short_prefix_misses": kvm.short_prefix_misses,
-            "num_preemptions": sch.num_preemptions,
-            "num_recomputed_tokens": sch.num_recomputed_tokens,
-            "prompt_tokens": m.prompt_tokens,
-            "generation_tokens": m.generation_tokens,
-            "requests_finished": dict(m.finished),
-            **{name: summary.summary() for name, summary in m.latency.items()},
-            **m.throughput(),
-            "num_steps": m.num_steps,
-            "num_decode_loops": m.num_decode_loops,
-            "num_compilations": self.num_compilations,
-            "compile_time_s": self._compiles.seconds,
-            "schedule_time_per_step_s": m.schedule_time_s / m.num_steps if m.num_steps else 0.0,
-            "host_time_s": host,
-            "device_time_s": device,
-            "host_overhead_fraction": host / (host + device) if host + device else 0.0,
-        }
+        """The run's metrics so far (see `paxkv.metrics.engine_stats`)."""
+        return engine_stats(
+            self.metrics,
+            self.scheduler,
+            num_compilations=self.num_compilations,
+            compile_time_s=self._compiles.seconds,
+        )
 
     def warmup(self) -> None:
         """Compiles every bucket now, so no request waits for a compilation later."""

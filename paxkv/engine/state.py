@@ -42,10 +42,12 @@ class PageTable:
 
     @property
     def max_num_seqs(self) -> int:
+        """S, the padded sequence count."""
         return self.kv_lens.shape[0]
 
     @property
     def pages_per_seq(self) -> int:
+        """Block-table entries per sequence."""
         return self.block_tables.shape[1]
 
     def kernel_args(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -127,18 +129,22 @@ class PagedKVCache:
 
     @property
     def num_layers(self) -> int:
+        """Layers in the cache."""
         return len(self.k)
 
     @property
     def num_pages(self) -> int:
+        """P, pages per layer (page 0 included)."""
         return self.k[0].shape[0]
 
     @property
     def page_size(self) -> int:
+        """Tokens per page."""
         return self.k[0].shape[2]
 
     @property
     def quantized(self) -> bool:
+        """Whether pages are stored quantized, with scales."""
         return self.k_scales is not None
 
     @property

@@ -79,12 +79,14 @@ class Buckets:
 
     @staticmethod
     def pick(n: int, sizes: tuple[int, ...], what: str) -> int:
+        """The smallest of `sizes` that holds `n`; ValueError naming `what` if none does."""
         for b in sizes:
             if n <= b:
                 return b
         raise ValueError(f"{what}={n} exceeds the largest bucket {sizes[-1]}")
 
     def seq_bucket(self, num_seqs: int, token_bucket: int) -> int:
+        """The sequence bucket of a step with `num_seqs` sequences in token bucket `token_bucket`."""
         if not self.seqs:
             return min(token_bucket, self.max_seqs)
         return self.pick(num_seqs, self.seqs, "sequences in the step")
@@ -117,11 +119,19 @@ class HostBatch:
     token_src: np.ndarray
 
 
-def build_host_batch(plan: SchedulerOutput, *, page_size: int, buckets: Buckets) -> HostBatch:
+def build_host_batch(
+    plan: SchedulerOutput,
+    *,
+    page_size: int,
+    buckets: Buckets,
+    pending: dict[int, int] | None = None,
+) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
     Reads only the plan's snapshot: each chunk's tokens, and its pages as the block-table
     row (with `Scheduler.reserve_ahead`, the pages of the decode steps ahead too).
+    `pending` (async scheduling) maps `id(seq)` to the row of the in-flight step's output
+    that holds the token the sequence's last row needs; `token_src` points there.
     """
     chunks = plan.chunks
     ends = [c.end for c in chunks]
@@ -160,6 +170,13 @@ def build_host_batch(plan: SchedulerOutput, *, page_size: int, buckets: Buckets)
         max_num_seqs=s_pad,
         pages_per_seq=p_pad,
     )
+    token_src = np.full(t_pad, -1, np.int32)
+    if pending:
+        row = 0
+        for c in chunks:
+            if c.samples and id(c.seq) in pending:  # its last token is in flight
+                token_src[row + c.num_tokens - 1] = pending[id(c.seq)]
+            row += c.num_tokens
     return HostBatch(
         tokens,
         positions,
@@ -170,5 +187,5 @@ def build_host_batch(plan: SchedulerOutput, *, page_size: int, buckets: Buckets)
         logits_indices,
         floats,
         ints,
-        np.full(t_pad, -1, np.int32),
+        token_src,
     )

@@ -73,7 +73,9 @@ class KVCacheManager:
 
     def pages_at_submit(self, num_tokens: int) -> int:
         """Pages a request of `num_tokens` (prompt + max_tokens) needs at its longest."""
-        return cdiv(self.reservation.tokens_at_submit(num_tokens, self.max_model_len), self.page_size)
+        return cdiv(
+            self.reservation.tokens_at_submit(num_tokens, self.max_model_len), self.page_size
+        )
 
     def fits(self, seq: SequenceState, num_tokens: int) -> bool:
         """Whether `seq`'s pages already hold its first `num_tokens` tokens."""

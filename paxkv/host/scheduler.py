@@ -49,9 +49,7 @@ class ScheduledChunk:
     num_output_tokens: int
 
     @classmethod
-    def of(
-        cls, seq: SequenceState, start: int, num_tokens: int, page_size: int
-    ) -> ScheduledChunk:
+    def of(cls, seq: SequenceState, start: int, num_tokens: int, page_size: int) -> ScheduledChunk:
         """The chunk of `seq`'s tokens `start : start + num_tokens`, as they are now."""
         end = start + num_tokens
         return cls(

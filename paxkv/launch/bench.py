@@ -51,6 +51,7 @@ _PLOT_OUT = flags.DEFINE_string("plot_out", None, "Write a PNG plot here (needs 
 
 
 def main(argv: list[str]) -> None:
+    """The absl main: runs the load benchmark from flags."""
     if len(argv) > 1:
         launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}")
     try:
@@ -157,6 +158,7 @@ def _range(flag) -> tuple[int, int]:
 
 
 def run() -> None:
+    """Console-script entry point (`paxkv-bench`)."""
     for name, value in BENCH_DEFAULTS.items():
         flags.FLAGS.set_default(name, value)
     launch_flags.list_in_help(__name__, __doc__)

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from absl import flags, logging
 
@@ -35,7 +35,6 @@ MODEL_DIR = flags.DEFINE_string(
 )
 DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter dtype; unset: the model's.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
-
 
 
 def _define_engine_flags() -> dict[str, flags.FlagHolder]:
@@ -192,7 +191,7 @@ def _model_source(setup: ServingSetup) -> str:
     return MODEL_DIR.value or setup.name
 
 
-def build_model(setup: ServingSetup):
+def build_model(setup: ServingSetup) -> Any:
     """The model of `setup` (an NNX module): `--model_dir`'s weights, or random ones where allowed."""
     from paxkv.models import load_model
 

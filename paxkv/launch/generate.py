@@ -30,6 +30,7 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens with 
 
 
 def main(argv: list[str]) -> None:
+    """The absl main: generates completions of the flags' prompts."""
     if len(argv) > 1:
         launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}; prompts go in --prompt")
     try:
@@ -84,6 +85,7 @@ def _format_stats(outputs: list[RequestOutput], stats: dict, elapsed: float) -> 
 
 
 def run() -> None:
+    """Console-script entry point (`paxkv-generate`)."""
     launch_flags.list_in_help(__name__, __doc__)
     app.run(main)
 

@@ -61,6 +61,7 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results as JSO
 
 
 def main(argv: list[str]) -> None:
+    """The absl main: perplexity and greedy agreement per KV cache dtype."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     config = quality.QualityConfig(
@@ -95,6 +96,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
+    """Console-script entry point (`paxkv-quality`)."""
     # absl's --help lists the flags of `sys.argv[0]`'s module: for a console script, the
     # installed wrapper.
     for flag in flags.FLAGS.get_flags_for_module(__name__):

@@ -57,6 +57,7 @@ TRAINING_FILE = "training.json"  # what produced the checkpoint, beside it
 
 
 def main(argv: list[str]) -> None:
+    """The absl main: trains the tiny-py model and writes its checkpoint."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     out_dir = os.path.abspath(_OUT_DIR.value)
@@ -112,6 +113,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
+    """Console-script entry point (`paxkv-train`)."""
     # absl's --help lists the flags of `sys.argv[0]`'s module: for a console script, the
     # installed wrapper (see `paxkv.launch.flags.list_in_help`, which adds serving flags).
     for flag in flags.FLAGS.get_flags_for_module(__name__):

@@ -60,6 +60,7 @@ class MeshShape:
 
     @property
     def num_devices(self) -> int:
+        """Devices of the mesh: model x data."""
         return self.model * self.data
 
     def splits(self, size: int) -> bool:

@@ -72,6 +72,7 @@ def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> 
 
 
 def mesh_shape(mesh: Mesh | AbstractMesh) -> MeshShape:
+    """The `MeshShape` of a (possibly abstract) mesh."""
     sizes = dict(mesh.shape)
     unknown = sorted(set(sizes) - set(AXES))
     if unknown or MODEL_AXIS not in sizes:
@@ -130,6 +131,7 @@ def set_default_mesh(mesh: Mesh | None) -> None:
 
 
 def default_mesh() -> Mesh | None:
+    """The mesh every `Engine` serves on when given none (None: one device)."""
     return _DEFAULT_MESH[0]
 
 
@@ -215,7 +217,9 @@ def param_shardings(params: nnx.State, config: Any, mesh: Mesh) -> Any:
     )
 
 
-def shard_engine_state(graphdef: Any, params: nnx.State, kv_cache: Any, mesh: Mesh):
+def shard_engine_state(
+    graphdef: Any, params: nnx.State, kv_cache: Any, mesh: Mesh
+) -> tuple[Any, nnx.State, Any]:
     """`(graphdef, params, kv_cache)` placed on `mesh`, the model told to attend per shard.
 
     The graphdef comes back with the model's static `mesh` set; the caller's module is
