@@ -11,17 +11,22 @@ _LAZY = {
     "BACKENDS": ".dispatch",
     "ragged_paged_attention": ".dispatch",
     "resolve_backend": ".dispatch",
+    "AttentionInputs": ".contract",
     "AttentionShapes": ".contract",
-    "check_attention_inputs": ".contract",
+    "attention_inputs": ".contract",
+    "attention_op": ".contract",
+    "compute_dtype": ".contract",
     "write_kv_pages": ".kv_write",
     "dequantize": ".quantization",
     "quantize": ".quantization",
     "NULL_PAGE": ".layout",
     "ragged_paged_attention_reference": ".reference",
+    "ragged_paged_attention_xla": ".xla",
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
+    """Imports the submodule that defines `name` on first access (PEP 562)."""
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

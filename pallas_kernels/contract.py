@@ -1,5 +1,9 @@
 """Input contract shared by every ragged paged attention backend.
 
+`attention_inputs` validates a call's arguments and bundles them (`AttentionInputs`);
+`attention_op` gives each backend the one public signature built on it, so the
+signature and its validation exist once. `compute_dtype` is the kernels' dot dtype.
+
 Shape vocabulary (used in every shape comment in the project):
   T   packed query tokens of one step (padded)      S   sequence slots (padded)
   P   physical pages in the cache                   ps  tokens per page (page_size)
@@ -16,12 +20,22 @@ tile the matrix unit consumes. Quantized pages carry per-token-per-head scales
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layout import FLOAT_PAGE_DTYPES, MAX_PAGE_SIZE, MIN_PAGE_SIZE, QUANTIZED_PAGE_DTYPES
+from .layout import (
+    FLOAT_PAGE_DTYPES,
+    MAX_PAGE_SIZE,
+    MIN_PAGE_SIZE,
+    QUANTIZED_PAGE_DTYPES,
+    cdiv,
+    is_quantized,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,31 +58,76 @@ class AttentionShapes:
         return self.num_q_heads // self.num_kv_heads
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """One validated ragged paged attention call: its arrays and its static parameters.
+
+    A pytree: the arrays are its leaves, and `sm_scale`, `soft_cap`, `sliding_window` and
+    `shapes` are static, so a backend's jitted body takes the bundle as one argument and
+    recompiles when a static field changes. Made by `attention_inputs`, which validates.
+    """
+
+    q: jax.Array  # [T, Hq, D]
+    k_pages: jax.Array  # [P, Hkv, ps, D]
+    v_pages: jax.Array  # [P, Hkv, ps, D]
+    kv_lens: jax.Array  # i32[S]
+    block_tables: jax.Array  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array  # i32[S + 1]
+    num_seqs: jax.Array  # i32[1]
+    k_scales: jax.Array | None  # f32[P, Hkv, ps], quantized pages only
+    v_scales: jax.Array | None  # f32[P, Hkv, ps], quantized pages only
+    sm_scale: float = dataclasses.field(metadata=dict(static=True))
+    soft_cap: float | None = dataclasses.field(metadata=dict(static=True))
+    sliding_window: int | None = dataclasses.field(metadata=dict(static=True))
+    shapes: AttentionShapes = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def scales(self) -> tuple[jax.Array, ...]:
+        """`(k_scales, v_scales)` for quantized pages, `()` for float pages."""
+        return (self.k_scales, self.v_scales) if self.shapes.quantized else ()
+
+
+def compute_dtype(q_dtype, page_dtype) -> np.dtype:
+    """The operand dtype of the kernels' dots; they always accumulate in float32.
+
+    8-bit K/V values are exact in any float query dtype, so quantized pages meet the
+    query in its own dtype; float pages of the query's dtype too; any other mix (float32
+    pages under a 16-bit query, or two different 16-bit dtypes) goes through float32.
+    """
+    q_dtype, page_dtype = np.dtype(q_dtype), np.dtype(page_dtype)
+    if is_quantized(page_dtype) or page_dtype == q_dtype:
+        return q_dtype
+    return np.dtype(np.float32)
+
+
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_attention_inputs(
-    q,  # [T, Hq, D]
-    k_pages,  # [P, Hkv, ps, D]
-    v_pages,  # [P, Hkv, ps, D]
-    kv_lens,  # i32[S]
-    block_tables,  # i32[S, pages_per_seq]
-    cu_q_lens,  # i32[S + 1]
-    num_seqs,  # i32[1]
+def attention_inputs(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, Hkv, ps, D]
+    v_pages: jax.Array,  # [P, Hkv, ps, D]
+    kv_lens: jax.Array,  # i32[S]
+    block_tables: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
     *,
-    k_scales=None,  # f32[P, Hkv, ps] | None
-    v_scales=None,  # f32[P, Hkv, ps] | None
-    sliding_window: int | None = None,
+    sm_scale: float,
     soft_cap: float | None = None,
-) -> AttentionShapes:
-    """Validates a ragged paged attention call and returns its static sizes.
+    sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+) -> AttentionInputs:
+    """Validates the arguments of a ragged paged attention call and bundles them.
 
-    Shape and dtype problems raise `ValueError` at trace time, naming the argument
-    and showing the values. When the length arrays are concrete (an eager call, not
-    under a user's `jit`), their values are checked too: lengths in range, `cu_q_lens`
-    non-decreasing, every live sequence's `q_len <= kv_len`, and a block table wide
-    enough for every `kv_len`.
+    These are the arguments of every backend (their meaning is the docstring of
+    `ragged_paged_attention_reference`). Shape and dtype problems raise `ValueError` at
+    trace time, naming the argument and showing the values. When the length arrays are
+    concrete (an eager call, not under a user's `jit`), their values are checked too:
+    lengths in range, `cu_q_lens` non-decreasing, every live sequence's
+    `q_len <= kv_len`, and a block table wide enough for every `kv_len`.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got q.shape={q.shape}")
@@ -166,7 +225,57 @@ def check_attention_inputs(
             np.asarray(cu_q_lens),
             int(np.asarray(num_seqs)[0]),
         )
-    return shapes
+    return AttentionInputs(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        k_scales,
+        v_scales,
+        sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=sliding_window,
+        shapes=shapes,
+    )
+
+
+def attention_op(impl: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """Makes a backend that consumes `AttentionInputs` into a ragged paged attention op.
+
+    `impl(inputs, *, <tunables>)` becomes `op(q, k_pages, v_pages, kv_lens, block_tables,
+    cu_q_lens, num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, k_scales=None,
+    v_scales=None, <tunables>)`: the arguments of `attention_inputs`, then impl's own
+    keyword-only tunables. The op validates them with `attention_inputs` and calls impl
+    with the bundle, so the signature and its validation exist once for every backend.
+    `op.impl` is impl itself, for a caller that holds a validated bundle already.
+    """
+    contract = inspect.signature(attention_inputs)
+    own = list(inspect.signature(impl).parameters.values())[1:]
+    names = {p.name for p in own}
+    if any(p.kind is not inspect.Parameter.KEYWORD_ONLY for p in own) or names & set(
+        contract.parameters
+    ):
+        raise TypeError(
+            f"{impl.__name__} must take (inputs, *, <tunables>), with tunables that are not "
+            f"arguments of attention_inputs"
+        )
+    signature = contract.replace(
+        parameters=[*contract.parameters.values(), *own],
+        return_annotation=inspect.signature(impl).return_annotation,
+    )
+
+    @functools.wraps(impl)
+    def op(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments  # TypeError for a bad name
+        tunables = {name: arguments.pop(name) for name in names if name in arguments}
+        return impl(attention_inputs(**arguments), **tunables)
+
+    op.__signature__ = signature
+    op.impl = impl
+    return op
 
 
 def _check_lengths(
@@ -195,7 +304,7 @@ def _check_lengths(
             f"block_tables too narrow: sequence {s} has kv_len={lens[s]} but pages_per_seq="
             f"{shapes.pages_per_seq} x page_size={shapes.page_size} holds only {capacity} tokens"
         )
-    needed = -(-lens // shapes.page_size)
+    needed = cdiv(lens, shapes.page_size)
     for s in range(num_seqs):
         pages = block_tables[s, : needed[s]]
         if np.any((pages < 0) | (pages >= shapes.num_pages)):

@@ -32,7 +32,10 @@ SCALE_DTYPE = np.dtype(np.float32)
 
 
 def cdiv(a: int, b: int) -> int:
-    """`ceil(a / b)` for non-negative integers (host-side: the kernels use `pl.cdiv`)."""
+    """`ceil(a / b)` for non-negative integers, or NumPy arrays of them, on the host.
+
+    Traced and in-kernel code uses `pl.cdiv` instead.
+    """
     return -(-a // b)
 
 

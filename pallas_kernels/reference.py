@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from .contract import check_attention_inputs, token_layout
+from .contract import AttentionInputs, attention_op, token_layout
 from .layout import NULL_PAGE
 from .quantization import dequantize
 
@@ -34,29 +32,17 @@ def visible_kv(
     return mask
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
-def _reference(
-    q,
-    k_pages,
-    v_pages,
-    kv_lens,
-    block_tables,
-    cu_q_lens,
-    num_seqs,
-    k_scales,
-    v_scales,
-    *,
-    sm_scale,
-    soft_cap,
-    sliding_window,
-):
+@jax.jit
+def _reference(inputs: AttentionInputs) -> jax.Array:
+    q, kv_lens, block_tables = inputs.q, inputs.kv_lens, inputs.block_tables
+    sm_scale, soft_cap, sliding_window = inputs.sm_scale, inputs.soft_cap, inputs.sliding_window
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    _, num_kv_heads, page_size, _ = inputs.k_pages.shape
     pages_per_seq = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     max_len = pages_per_seq * page_size
     kv_positions = jnp.arange(max_len, dtype=jnp.int32)
-    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    seq_ids, positions, valid = token_layout(inputs.cu_q_lens, kv_lens, inputs.num_seqs, num_tokens)
 
     def one_row(args):
         q_row, seq, pos, ok = args  # [Hq, D], (), (), ()
@@ -74,8 +60,8 @@ def _reference(
             x = x.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(num_kv_heads, max_len, head_dim)
             return jnp.where(mask[None, :, None], x, 0.0)  # a poisoned entry must not leak
 
-        k = gather(k_pages, k_scales)  # f32[Hkv, L, D]
-        v = gather(v_pages, v_scales)
+        k = gather(inputs.k_pages, inputs.k_scales)  # f32[Hkv, L, D]
+        v = gather(inputs.v_pages, inputs.v_scales)
         qg = q_row.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
         s = jnp.einsum("kgd,kld->kgl", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
         if soft_cap is not None:
@@ -95,22 +81,14 @@ def _reference(
     return out.astype(q.dtype)
 
 
-def ragged_paged_attention_reference(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, Hkv, ps, D]
-    v_pages: jax.Array,  # [P, Hkv, ps, D]
-    kv_lens: jax.Array,  # i32[S]
-    block_tables: jax.Array,  # i32[S, pages_per_seq]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
-    *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-) -> jax.Array:  # [T, Hq, D], q.dtype
+@attention_op
+def ragged_paged_attention_reference(inputs: AttentionInputs) -> jax.Array:  # [T, Hq, D], q.dtype
     """Attention of a ragged batch of new query tokens over a paged KV cache.
+
+    Called as `ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens,
+    block_tables, cu_q_lens, num_seqs, *, sm_scale, soft_cap=None, sliding_window=None,
+    k_scales=None, v_scales=None)` (see `attention_op`), with the shapes of
+    `attention_inputs`; returns `[T, Hq, D]` in `q.dtype`.
 
     Semantics (every backend implements exactly this):
 
@@ -141,30 +119,4 @@ def ragged_paged_attention_reference(
         argument; for an eager call, also for out-of-range lengths or a block table
         too narrow for a `kv_len`.
     """
-    check_attention_inputs(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        k_scales=k_scales,
-        v_scales=v_scales,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-    return _reference(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        k_scales,
-        v_scales,
-        sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=sliding_window,
-    )
+    return _reference(inputs)

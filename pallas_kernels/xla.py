@@ -17,43 +17,31 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .contract import check_attention_inputs, token_layout
-from .layout import NULL_PAGE
+from .contract import AttentionInputs, attention_op, token_layout
+from .layout import NULL_PAGE, cdiv
 from .quantization import dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_pages")
-)
-def _scan_attention(
-    q,
-    k_pages,
-    v_pages,
-    kv_lens,
-    block_tables,
-    cu_q_lens,
-    num_seqs,
-    k_scales,
-    v_scales,
-    *,
-    sm_scale,
-    soft_cap,
-    sliding_window,
-    block_pages,
-):
+@functools.partial(jax.jit, static_argnames=("block_pages",))
+def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
+    q, k_pages, v_pages = inputs.q, inputs.k_pages, inputs.v_pages
+    k_scales, v_scales = inputs.k_scales, inputs.v_scales
+    sm_scale, soft_cap, sliding_window = inputs.sm_scale, inputs.soft_cap, inputs.sliding_window
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
-    pages_per_seq = block_tables.shape[1]
+    pages_per_seq = inputs.block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     block_len = block_pages * page_size
     # Pad the table so a block never reads past its end.
-    padded_pages = -(-pages_per_seq // block_pages) * block_pages
+    padded_pages = cdiv(pages_per_seq, block_pages) * block_pages
     tables = jnp.pad(
-        block_tables, ((0, 0), (0, padded_pages - pages_per_seq)), constant_values=NULL_PAGE
+        inputs.block_tables, ((0, 0), (0, padded_pages - pages_per_seq)), constant_values=NULL_PAGE
     )
-    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    seq_ids, positions, valid = token_layout(
+        inputs.cu_q_lens, inputs.kv_lens, inputs.num_seqs, num_tokens
+    )
 
     def gather(pages_arr, scales, page_ids, keep):  # -> f32[Hkv, block_len, D]
         x = pages_arr[page_ids]  # [block_pages, Hkv, ps, D]
@@ -108,54 +96,14 @@ def _scan_attention(
     return out.astype(q.dtype)
 
 
-def ragged_paged_attention_scan(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, Hkv, ps, D]
-    v_pages: jax.Array,  # [P, Hkv, ps, D]
-    kv_lens: jax.Array,  # i32[S]
-    block_tables: jax.Array,  # i32[S, pages_per_seq]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
-    *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-    block_pages: int = 8,
-) -> jax.Array:  # [T, Hq, D]
+@attention_op
+def ragged_paged_attention_xla(inputs: AttentionInputs, *, block_pages: int = 8) -> jax.Array:
     """Ragged paged attention with the reference's semantics, at the cost of the real work.
 
-    `block_pages` pages are gathered per loop iteration. Rows are processed in turn,
-    which suits the CPU; on accelerators use the Pallas kernels.
+    Called with the reference's arguments (see `attention_op`) and the keyword
+    `block_pages`: pages gathered per loop iteration. Rows are processed in turn, which
+    suits the CPU; on accelerators use the Pallas kernels. Returns `[T, Hq, D]`.
     """
-    check_attention_inputs(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        k_scales=k_scales,
-        v_scales=v_scales,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
     if block_pages < 1:
         raise ValueError(f"block_pages={block_pages} must be at least 1")
-    return _scan_attention(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        k_scales,
-        v_scales,
-        sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=sliding_window,
-        block_pages=block_pages,
-    )
+    return _xla_attention(inputs, block_pages=block_pages)

@@ -50,7 +50,8 @@ class KernelConfig:
     quantized: bool
 
     @property
-    def precision(self):
+    def precision(self) -> lax.Precision | None:
+        """Precision of both dots: IEEE f32 for f32 operands, the default otherwise."""
         # f32 operands: IEEE f32 (Triton's "ieee"), never TF32, so f32 results match the
         # reference to ~1e-6. 16-bit operands use the tensor cores with f32 accumulation.
         if self.compute_dtype == jnp.float32:
@@ -72,11 +73,6 @@ def _i32(x: int) -> jax.Array:
     return jnp.int32(x)
 
 
-def _cdiv(a: jax.Array, b: int) -> jax.Array:
-    """Ceil division of a non-negative i32 scalar by a positive static int."""
-    return lax.div(a + _i32(b - 1), _i32(b))
-
-
 def _dot(a: jax.Array, b: jax.Array, *, contract_b: int, precision) -> jax.Array:
     """`a @ b.T` (contract_b=1) or `a @ b` (contract_b=0), accumulated in f32."""
     return lax.dot_general(
@@ -88,7 +84,9 @@ def _dot(a: jax.Array, b: jax.Array, *, contract_b: int, precision) -> jax.Array
     )
 
 
-def visible_range(first_pos: jax.Array, last_pos: jax.Array, cfg: KernelConfig):
+def visible_range(
+    first_pos: jax.Array, last_pos: jax.Array, cfg: KernelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """KV positions `[lo, hi]` that query rows at positions `first_pos..last_pos` can see
     together, and the position `start` where the KV block loop begins.
 
@@ -102,7 +100,7 @@ def visible_range(first_pos: jax.Array, last_pos: jax.Array, cfg: KernelConfig):
         lo = jnp.maximum(first_pos - _i32(cfg.sliding_window - 1), lo)
     unit = min(cfg.kv_block, cfg.page_size)
     start = lax.div(lo, _i32(unit)) * _i32(unit)
-    num_blocks = _cdiv(jnp.maximum(hi + 1 - start, 0), cfg.kv_block)
+    num_blocks = pl.cdiv(jnp.maximum(hi + 1 - start, 0), cfg.kv_block)
     return lo, hi, start, num_blocks
 
 
@@ -204,7 +202,7 @@ def _unpack(refs, quantized: bool, num_outputs: int):
     return ins, k_scales, v_scales, refs[len(refs) - num_outputs :]
 
 
-def decode_kernel(*refs, cfg: KernelConfig, num_splits: int):
+def decode_kernel(*refs, cfg: KernelConfig, num_splits: int) -> None:
     """Program (s, h, k): split k of decode sequence s (q_len == 1) for KV head h.
 
     Refs: kv_lens i32[S], block_tables, cu_q_lens i32[S + 1], num_seqs i32[1], q [T, Hq, D],
@@ -235,7 +233,7 @@ def decode_kernel(*refs, cfg: KernelConfig, num_splits: int):
 
     lo, hi, start, num_blocks = visible_range(kv_len - 1, kv_len - 1, cfg)
     num_blocks = jnp.where(is_decode, num_blocks, 0)
-    per_split = _cdiv(num_blocks, num_splits)
+    per_split = pl.cdiv(num_blocks, num_splits)
     block_lo = jnp.minimum(split * per_split, num_blocks)
     block_hi = jnp.minimum(block_lo + per_split, num_blocks)
     acc, row_max, denom = _attend_kv_blocks(
@@ -252,7 +250,7 @@ def decode_kernel(*refs, cfg: KernelConfig, num_splits: int):
         _store_rows(denom_ref, (split, seq, heads), denom, row_ok)
 
 
-def prefill_kernel(*refs, cfg: KernelConfig, rows: int):
+def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
     """Program (b, h): query block b (`rows` tokens of one prefill sequence) for KV head h.
 
     Refs: block_seq i32[NB] (the sequence of each query block, -1 past the last one),

@@ -1,7 +1,6 @@
 """Ragged paged attention on NVIDIA GPUs: Pallas kernels with the Triton lowering.
 
-One call serves any mixed batch by composing two kernels (bodies in
-`ragged_paged_attention_kernels.py`):
+One call serves any mixed batch by composing two kernels (bodies in `kernel.py`):
 
 * decode sequences (q_len == 1) go to a split-K decode kernel, grid
   `(S, Hkv, num_splits)`: each program reads a contiguous share of one sequence's pages
@@ -35,7 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ..contract import AttentionShapes, check_attention_inputs, token_layout
+from ..contract import (
+    AttentionInputs,
+    AttentionShapes,
+    attention_op,
+    compute_dtype,
+    token_layout,
+)
+from ..layout import cdiv
 from .jax_compat import plgpu
 from .kernel import KernelConfig, decode_kernel, prefill_kernel
 
@@ -67,7 +73,8 @@ def _floor_power_of_two(x: int) -> int:
 class BlockSizes:
     """Static tunables of `ragged_paged_attention_gpu`; None picks a default for the call.
 
-    A KV block is the number of cached tokens one inner-loop step reads: `kv_block //
+    Hashable and validated on construction; `resolve` fills in the defaults for a call's
+    shapes. A KV block is the number of cached tokens one inner-loop step reads: `kv_block //
     page_size` whole pages when pages are smaller than the block, a slice of one page when
     they are larger. Every block size is a power of two (Triton tensors must be).
 
@@ -94,8 +101,7 @@ class BlockSizes:
     prefill_num_warps: int = 4
     num_stages: int = 2
 
-    def validate(self) -> None:
-        """Raises ValueError, showing the values, for a field out of range."""
+    def __post_init__(self):
         for name in ("decode_kv_block", "prefill_kv_block"):
             value = getattr(self, name)
             if value is not None and (
@@ -122,17 +128,18 @@ class BlockSizes:
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
 
-    def resolve(self, shapes: AttentionShapes, compute_dtype) -> BlockSizes:
+    def resolve(self, shapes: AttentionShapes, q_dtype, page_dtype) -> BlockSizes:
         """These block sizes with every None replaced by its default for `shapes`."""
-        tile_bytes = self.num_stages * 2 * shapes.head_dim * jnp.dtype(compute_dtype).itemsize
+        itemsize = compute_dtype(q_dtype, page_dtype).itemsize
+        tile_bytes = self.num_stages * 2 * shapes.head_dim * itemsize
         fitting = max(MIN_BLOCK, _floor_power_of_two(KV_TILE_BUDGET_BYTES // tile_bytes))
         decode_kv_block = self.decode_kv_block or min(128, fitting)
         num_splits = self.num_splits
         if num_splits is None:
-            max_blocks = -(-shapes.pages_per_seq * shapes.page_size // decode_kv_block)
+            max_blocks = cdiv(shapes.pages_per_seq * shapes.page_size, decode_kv_block)
             programs = max(1, shapes.max_num_seqs * shapes.num_kv_heads)
             num_splits = max(
-                1, min(-(-_TARGET_DECODE_PROGRAMS // programs), max_blocks, MAX_SPLITS)
+                1, min(cdiv(_TARGET_DECODE_PROGRAMS, programs), max_blocks, MAX_SPLITS)
             )
         return dataclasses.replace(
             self,
@@ -142,27 +149,14 @@ class BlockSizes:
         )
 
 
-def _compute_dtype(q_dtype, page_dtype, quantized: bool) -> jnp.dtype:
-    """Operand dtype of the kernels' dots: q's dtype for quantized or same-dtype pages
-    (int8 and both float8 formats convert to bf16/f16 exactly), else float32."""
-    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
-    if q_dtype == jnp.float32 or (not quantized and page_dtype != q_dtype):
-        return jnp.dtype(jnp.float32)
-    return q_dtype
-
-
-def check_gpu_kernel_inputs(shapes: AttentionShapes, block_sizes: BlockSizes) -> None:
+def check_kernel_limits(shapes: AttentionShapes) -> None:
     """Limits of the GPU kernels beyond the shared input contract (which already requires
-    a power-of-two page size in [8, 1024]): head_dim in SUPPORTED_HEAD_DIMS and valid
-    BlockSizes. Pages of 8 tokens are read several per KV block, so every dot keeps
-    dims >= 16."""
+    a power-of-two page size in [8, 1024]): head_dim in SUPPORTED_HEAD_DIMS. Pages of 8
+    tokens are read several per KV block, so every dot keeps dims >= 16."""
     if shapes.head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
             f"head_dim={shapes.head_dim} must be one of {SUPPORTED_HEAD_DIMS} for the GPU kernel"
         )
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes or None")
-    block_sizes.validate()
 
 
 def _decode_only_check(cu_q_lens, num_seqs) -> None:
@@ -175,126 +169,99 @@ def _decode_only_check(cu_q_lens, num_seqs) -> None:
         raise ValueError(f"decode_only=True but sequence {s} has q_len={q_lens[s]} > 1")
 
 
+@attention_op
 def ragged_paged_attention_gpu(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, Hkv, ps, D]
-    v_pages: jax.Array,  # [P, Hkv, ps, D]
-    kv_lens: jax.Array,  # i32[S]
-    block_tables: jax.Array,  # i32[S, pages_per_seq]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    inputs: AttentionInputs,
     *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-    block_sizes: BlockSizes | None = None,
+    block_sizes: BlockSizes = BlockSizes(),
     decode_only: bool = False,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     """Ragged paged attention with the semantics of `ragged_paged_attention_reference`.
 
-    Pages `[P, Hkv, ps, D]` (float, or int8/float8 with per-token-per-head scales
-    `f32[P, Hkv, ps]`, dequantized in the kernel); packed ragged queries delimited by
-    `cu_q_lens`; causal within each chunk, optional sliding window (pages wholly before the
-    window are skipped) and soft-cap; padding rows and rows that see nothing are exact
-    zeros. Dots run in float32 (IEEE, never TF32) when q or the pages are float32 (or q
-    and the pages are different 16-bit dtypes), else in q's 16-bit dtype with float32
-    accumulation; quantized pages convert exactly to q's dtype.
+    Same arguments, result and guarantees as the reference (see `attention_op` for the
+    calling convention), plus the keywords below. Pages `[P, Hkv, ps, D]` (float, or
+    int8/float8 with per-token-per-head scales `f32[P, Hkv, ps]`, dequantized in the
+    kernel); packed ragged queries delimited by `cu_q_lens`; causal within each chunk,
+    optional sliding window (pages wholly before the window are skipped) and soft-cap;
+    padding rows and rows that see nothing are exact zeros. Dots run in float32 (IEEE,
+    never TF32) when q or the pages are float32 (or q and the pages are different 16-bit
+    dtypes), else in q's 16-bit dtype with float32 accumulation; quantized pages convert
+    exactly to q's dtype (`contract.compute_dtype`).
 
     Args:
-      block_sizes: static tunables (None: `BlockSizes()`).
+      block_sizes: static tunables; fields left None are picked for the call
+        (`BlockSizes.resolve`).
       decode_only: static promise that every live sequence has q_len <= 1, which skips
         the prefill kernel. Checked when the lengths are concrete; under `jit` a broken
         promise leaves the rows of longer chunks zero.
       interpret: run the kernels in the Pallas interpreter (any backend, e.g. the CPU).
 
     Raises:
-      ValueError: at trace time, for inputs `check_attention_inputs` rejects, head_dim not
-        in SUPPORTED_HEAD_DIMS, or BlockSizes out of range.
+      ValueError: at trace time, for inputs `attention_inputs` rejects, head_dim not
+        in SUPPORTED_HEAD_DIMS, or a `block_sizes` that is not a BlockSizes.
     """
-    shapes = check_attention_inputs(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-        k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window, soft_cap=soft_cap,
-    )  # fmt: skip
-    block_sizes = BlockSizes() if block_sizes is None else block_sizes
-    check_gpu_kernel_inputs(shapes, block_sizes)
+    check_kernel_limits(inputs.shapes)
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"{block_sizes=} must be a BlockSizes")
     if decode_only:
-        _decode_only_check(cu_q_lens, num_seqs)
+        _decode_only_check(inputs.cu_q_lens, inputs.num_seqs)
+    shapes = inputs.shapes
+    if shapes.num_tokens == 0 or shapes.max_num_seqs == 0 or shapes.pages_per_seq == 0:
+        return jnp.zeros_like(inputs.q)  # no row can see a cached token
     return _ragged_paged_attention_gpu(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales,
-        sm_scale=float(sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=sliding_window,
-        block_sizes=block_sizes,
+        inputs,
+        block_sizes=block_sizes.resolve(shapes, inputs.q.dtype, inputs.k_pages.dtype),
         decode_only=bool(decode_only),
         interpret=interpret,
-    )  # fmt: skip
+    )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "soft_cap",
-        "sliding_window",
-        "block_sizes",
-        "decode_only",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("block_sizes", "decode_only", "interpret"))
 def _ragged_paged_attention_gpu(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, k_scales, v_scales,
-    *, sm_scale, soft_cap, sliding_window, block_sizes, decode_only, interpret,
-):  # fmt: skip
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
-    max_num_seqs, pages_per_seq = block_tables.shape
-    if num_tokens == 0 or max_num_seqs == 0 or pages_per_seq == 0:
-        return jnp.zeros_like(q)  # no row can see a cached token
-    shapes = AttentionShapes(
-        num_tokens, num_q_heads, num_kv_heads, head_dim, k_pages.shape[0], page_size,
-        max_num_seqs, pages_per_seq, k_scales is not None,
-    )  # fmt: skip
-    group = num_q_heads // num_kv_heads
-    compute_dtype = _compute_dtype(q.dtype, k_pages.dtype, shapes.quantized)
-    block_sizes = block_sizes.resolve(shapes, compute_dtype)
+    inputs: AttentionInputs,
+    *,
+    block_sizes: BlockSizes,  # resolved: no None left
+    decode_only: bool,
+    interpret: bool,
+) -> jax.Array:
+    q, shapes = inputs.q, inputs.shapes
+    cu_q_lens = inputs.cu_q_lens
+    group = shapes.group_size
 
     def config(kv_block):
         return KernelConfig(
-            num_q_heads=num_q_heads,
+            num_q_heads=shapes.num_q_heads,
             group_size=group,
             group_padded=_next_power_of_two(group),
-            page_size=page_size,
+            page_size=shapes.page_size,
             kv_block=kv_block,
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
-            sliding_window=sliding_window,
-            compute_dtype=compute_dtype,
+            sm_scale=inputs.sm_scale,
+            soft_cap=inputs.soft_cap,
+            sliding_window=inputs.sliding_window,
+            compute_dtype=compute_dtype(q.dtype, inputs.k_pages.dtype),
             quantized=shapes.quantized,
         )
 
-    kv_inputs = (q, k_pages, v_pages) + ((k_scales, v_scales) if shapes.quantized else ())
-    seq_of_row, _, row_valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    seq_of_row, _, row_valid = token_layout(
+        cu_q_lens, inputs.kv_lens, inputs.num_seqs, shapes.num_tokens
+    )
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     row_q_len = q_lens[seq_of_row]
 
-    per_seq = _decode(kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes,
-                      config(block_sizes.decode_kv_block), block_sizes, interpret)  # fmt: skip
+    per_seq = _decode(inputs, config(block_sizes.decode_kv_block), block_sizes, interpret)
     out = jnp.where((row_valid & (row_q_len == 1))[:, None, None], per_seq[seq_of_row], 0)
     if not decode_only:
-        prefill = _prefill(kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes,
-                           config(block_sizes.prefill_kv_block), block_sizes, interpret)  # fmt: skip
+        prefill = _prefill(inputs, config(block_sizes.prefill_kv_block), block_sizes, interpret)
         out = jnp.where((row_valid & (row_q_len > 1))[:, None, None], prefill, out)
     return out.astype(q.dtype)
 
 
 def _decode(
-    kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes, cfg, block_sizes, interpret
-):
+    inputs: AttentionInputs, cfg: KernelConfig, block_sizes: BlockSizes, interpret: bool
+) -> jax.Array:
     """Decode attention per sequence: `[S, Hq, D]`, valid for decode sequences only."""
-    q = kv_inputs[0]
+    q, shapes = inputs.q, inputs.shapes
     splits = block_sizes.num_splits
     s, hq, d = shapes.max_num_seqs, shapes.num_q_heads, shapes.head_dim
     if splits == 1:
@@ -314,7 +281,7 @@ def _decode(
         ),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(kv_lens, block_tables, cu_q_lens, num_seqs, *kv_inputs)
+    )(inputs.kv_lens, inputs.block_tables, inputs.cu_q_lens, inputs.num_seqs, *_kv_refs(inputs))
     if splits == 1:
         return result
     return combine_splits(*result)
@@ -336,7 +303,9 @@ def combine_splits(acc: jax.Array, row_max: jax.Array, denom: jax.Array) -> jax.
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
-def prefill_blocks(cu_q_lens, num_seqs, rows: int, num_blocks: int):
+def prefill_blocks(
+    cu_q_lens: jax.Array, num_seqs: jax.Array, rows: int, num_blocks: int
+) -> tuple[jax.Array, jax.Array]:
     """Query blocks of the prefill kernel: `(block_seq i32[NB], block_index i32[NB])`.
 
     Each live sequence with q_len > 1 gets `cdiv(q_len, rows)` consecutive blocks; block b
@@ -346,7 +315,7 @@ def prefill_blocks(cu_q_lens, num_seqs, rows: int, num_blocks: int):
     max_num_seqs = cu_q_lens.shape[0] - 1
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     prefill = (jnp.arange(max_num_seqs) < num_seqs[0]) & (q_lens > 1)
-    counts = jnp.where(prefill, (q_lens + rows - 1) // rows, 0)
+    counts = jnp.where(prefill, pl.cdiv(q_lens, rows), 0)
     ends = jnp.cumsum(counts)
     b = jnp.arange(num_blocks, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), max_num_seqs - 1).astype(jnp.int32)
@@ -357,16 +326,16 @@ def prefill_blocks(cu_q_lens, num_seqs, rows: int, num_blocks: int):
 
 
 def _prefill(
-    kv_inputs, kv_lens, block_tables, cu_q_lens, num_seqs, shapes, cfg, block_sizes, interpret
-):
+    inputs: AttentionInputs, cfg: KernelConfig, block_sizes: BlockSizes, interpret: bool
+) -> jax.Array:
     """Prefill attention `[T, Hq, D]`, valid for rows of sequences with q_len > 1 only."""
-    q = kv_inputs[0]
+    q, shapes = inputs.q, inputs.shapes
     rows = max(1, block_sizes.prefill_block_m // cfg.group_padded)
     t = shapes.num_tokens
     # Prefill sequences have q_len >= 2, so there are at most T // 2 of them, and each
     # adds at most one partly filled block.
-    num_blocks = -(-t // rows) + min(shapes.max_num_seqs, t // 2)
-    block_seq, block_index = prefill_blocks(cu_q_lens, num_seqs, rows, num_blocks)
+    num_blocks = cdiv(t, rows) + min(shapes.max_num_seqs, t // 2)
+    block_seq, block_index = prefill_blocks(inputs.cu_q_lens, inputs.num_seqs, rows, num_blocks)
     return pl.pallas_call(
         functools.partial(prefill_kernel, cfg=cfg, rows=rows),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -376,4 +345,16 @@ def _prefill(
         ),
         interpret=interpret,
         name="ragged_paged_attention_prefill",
-    )(block_seq, block_index, kv_lens, block_tables, cu_q_lens, *kv_inputs)
+    )(
+        block_seq,
+        block_index,
+        inputs.kv_lens,
+        inputs.block_tables,
+        inputs.cu_q_lens,
+        *_kv_refs(inputs),
+    )
+
+
+def _kv_refs(inputs: AttentionInputs) -> tuple[jax.Array, ...]:
+    """The operands both kernels take after their scalars: q, the pages, their scales."""
+    return (inputs.q, inputs.k_pages, inputs.v_pages, *inputs.scales)

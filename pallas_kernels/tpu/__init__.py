@@ -1,17 +1,6 @@
 """TPU (Mosaic) kernels."""
 
-from .ragged_paged_attention import (
-    SUPPORTED_HEAD_DIMS,
-    BlockSizes,
-    default_block_sizes,
-    ragged_paged_attention_tpu,
-    ragged_paged_attention_tpu_decode,
-)
+from .block_sizes import BlockSizes
+from .ragged_paged_attention import SUPPORTED_HEAD_DIMS, ragged_paged_attention_tpu
 
-__all__ = [
-    "SUPPORTED_HEAD_DIMS",
-    "BlockSizes",
-    "default_block_sizes",
-    "ragged_paged_attention_tpu",
-    "ragged_paged_attention_tpu_decode",
-]
+__all__ = ["SUPPORTED_HEAD_DIMS", "BlockSizes", "ragged_paged_attention_tpu"]

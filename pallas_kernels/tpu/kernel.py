@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +47,7 @@ class KernelConfig:
     soft_cap: float | None
     sliding_window: int | None
     quantized: bool
-    matmul_dtype: np.dtype
+    compute_dtype: np.dtype  # operand dtype of both dots (`contract.compute_dtype`)
 
     @property
     def block_tokens(self) -> int:
@@ -54,7 +55,9 @@ class KernelConfig:
         return self.pages_per_block * self.page_size
 
 
-def page_copy(src_hbm, dst_vmem, sem, *, page, slot, index, head_start, heads):
+def page_copy(
+    src_hbm, dst_vmem, sem, *, page, slot, index, head_start, heads
+) -> Any:  # pltpu.make_async_copy returns a descriptor JAX does not export
     """DMA of one page's `heads` KV heads from `head_start` into a VMEM buffer slot.
 
     The same copy serves pages (`[P, Hkv, ps, D]` -> `[2, ppb, hb, ps, D]`) and their
@@ -95,7 +98,7 @@ def _attend_block(
     q_ref, kbuf, vbuf, ksbuf, vsbuf = bufs
     m_ref, l_ref, acc_ref = stats
     rows, n = cfg.rows, cfg.block_tokens
-    mm = cfg.matmul_dtype
+    mm = cfg.compute_dtype
     precision = lax.Precision.HIGHEST if mm == np.float32 else lax.Precision.DEFAULT
     dot = functools.partial(
         lax.dot_general, preferred_element_type=jnp.float32, precision=precision
@@ -156,7 +159,13 @@ def ragged_paged_attention_kernel(
     v_hbm,  # [P, Hkv, ps, D] HBM
     *refs,  # ([k_scales_hbm, v_scales_hbm] f32[P, Hkv, ps]), o_ref, scratch...
     cfg: KernelConfig,
-):
+) -> None:
+    """Grid step `(kv head block, work item)`: attention of one item's rows for `hb` heads.
+
+    Writes `o_ref [hb, M, D]`: the item's query tile against the pages of its sequence
+    from the first one its window can see to the one holding its last row, exact zeros
+    for rows that see nothing (padding items and slots).
+    """
     if cfg.quantized:
         ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems, m_ref, l_ref, acc_ref = refs
         streams = ((k_hbm, kbuf), (v_hbm, vbuf), (ks_hbm, ksbuf), (vs_hbm, vsbuf))
@@ -177,8 +186,8 @@ def ragged_paged_attention_kernel(
     lo = 0 if cfg.sliding_window is None else jnp.maximum(first_pos - cfg.sliding_window + 1, 0)
     # Truncating division: the operands of a live item are non-negative.
     first_page = lax.div(lo, ps)
-    end_page = lax.div(hi + ps - 1, ps)
-    num_blocks = jnp.where(live, lax.div(end_page - first_page + ppb - 1, ppb), 0)
+    end_page = pl.cdiv(hi, ps)
+    num_blocks = jnp.where(live, pl.cdiv(end_page - first_page, ppb), 0)
 
     def for_each_page_copy(block, slot, action):
         """Applies `action` to the copy of every stream of every page the block needs."""

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import GRID, TOLERANCES, GridPoint, make_case
+
 from paxkv.pallas_kernels import AttentionShapes
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
 from paxkv.pallas_kernels.gpu import BlockSizes, ragged_paged_attention_gpu
 from paxkv.pallas_kernels.gpu.jax_compat import triton_kernels_in, triton_lowering_target
+from paxkv.pallas_kernels.gpu.kernel import KernelConfig, visible_range
 from paxkv.pallas_kernels.gpu.ragged_paged_attention import combine_splits
-from paxkv.pallas_kernels.gpu.ragged_paged_attention_kernels import KernelConfig, visible_range
 
 # float16 is not in the shared table: 4x its output rounding (2^-11), as bf16's 2e-2 is of
 # bf16's 2^-8 rounding.
@@ -119,7 +120,7 @@ def test_default_block_sizes_fit_the_call():
         )  # fmt: skip
 
     def resolved(*args, dtype=jnp.bfloat16, **kwargs):
-        r = BlockSizes(**kwargs).resolve(shapes(*args), dtype)
+        r = BlockSizes(**kwargs).resolve(shapes(*args), dtype, dtype)
         return r.decode_kv_block, r.prefill_kv_block, r.num_splits
 
     assert resolved(128, 1, 8) == (128, 64, 33)  # one long sequence: split it
@@ -127,7 +128,8 @@ def test_default_block_sizes_fit_the_call():
     assert resolved(256, 4, 2, dtype=jnp.float32) == (32, 32, 33)  # f32 tiles: smaller blocks
     assert resolved(64, 1, 1) == (128, 64, 64)  # at most MAX_SPLITS
     assert resolved(128, 1, 1, decode_kv_block=16, num_splits=3) == (16, 64, 3)
-    assert BlockSizes().resolve(shapes(128, 1, 1, pages_per_seq=4), jnp.bfloat16).num_splits == 1
+    small = shapes(128, 1, 1, pages_per_seq=4)
+    assert BlockSizes().resolve(small, jnp.bfloat16, jnp.bfloat16).num_splits == 1
 
 
 def test_combine_splits_matches_one_softmax():
@@ -277,17 +279,17 @@ def _with_head_dim(args, head_dim):
     [
         (lambda a: _with_head_dim(a, 96), {}, "head_dim=96 must be one of (64, 128, 256)"),
         (lambda a: _with_head_dim(a, 32), {}, "head_dim=32"),
-        (None, {"block_sizes": BlockSizes(decode_kv_block=48)}, "BlockSizes.decode_kv_block=48"),
-        (None, {"block_sizes": BlockSizes(prefill_kv_block=8)}, "BlockSizes.prefill_kv_block=8"),
+        (None, {"block_sizes": dict(decode_kv_block=48)}, "BlockSizes.decode_kv_block=48"),
+        (None, {"block_sizes": dict(prefill_kv_block=8)}, "BlockSizes.prefill_kv_block=8"),
         (
             None,
-            {"block_sizes": BlockSizes(prefill_kv_block=1024)},
+            {"block_sizes": dict(prefill_kv_block=1024)},
             "BlockSizes.prefill_kv_block=1024",
         ),
-        (None, {"block_sizes": BlockSizes(prefill_block_m=8)}, "BlockSizes.prefill_block_m=8"),
-        (None, {"block_sizes": BlockSizes(num_splits=0)}, "BlockSizes.num_splits=0"),
-        (None, {"block_sizes": BlockSizes(decode_num_warps=3)}, "BlockSizes.decode_num_warps=3"),
-        (None, {"block_sizes": BlockSizes(num_stages=0)}, "BlockSizes.num_stages=0"),
+        (None, {"block_sizes": dict(prefill_block_m=8)}, "BlockSizes.prefill_block_m=8"),
+        (None, {"block_sizes": dict(num_splits=0)}, "BlockSizes.num_splits=0"),
+        (None, {"block_sizes": dict(decode_num_warps=3)}, "BlockSizes.decode_num_warps=3"),
+        (None, {"block_sizes": dict(num_stages=0)}, "BlockSizes.num_stages=0"),
         (None, {"block_sizes": (64, 64)}, "block_sizes=(64, 64) must be a BlockSizes"),
         # The shared contract is checked first.
         (lambda a: a.__setitem__(2, a[2][:, :1]), {}, "v_pages.shape"),
@@ -299,6 +301,8 @@ def test_bad_input_names_the_argument(mutate, kwargs, message):
     if mutate is not None:
         mutate(args)
     with pytest.raises(ValueError, match=re.escape(message)):
+        if isinstance(kwargs.get("block_sizes"), dict):  # BlockSizes validate on construction
+            kwargs = {"block_sizes": BlockSizes(**kwargs["block_sizes"])}
         kernel(*args, sm_scale=sm_scale, **kwargs)
 
 
@@ -317,7 +321,9 @@ LOWERING_VARIANTS = [(p, None) for p in GRID + EXTRA] + [
 )
 def test_lowers_to_triton(point, block_sizes):
     case = point.case(0)
-    kwargs = dict(point.attention_kwargs(case), block_sizes=block_sizes)
+    kwargs = point.attention_kwargs(case)
+    if block_sizes is not None:
+        kwargs["block_sizes"] = block_sizes
     scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales") if k in kwargs}
     fn = jax.jit(lambda *a, **s: ragged_paged_attention_gpu(*a, **s, **kwargs))
     args = case.args()  # made outside: no concrete array may be created under the abstract mesh

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import GRID, TOLERANCES, make_case, naive_attention
+
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
 
 

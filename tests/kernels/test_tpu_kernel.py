@@ -24,19 +24,19 @@ from attention_cases import GRID, TOLERANCES, make_case
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # race detector's `races`
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from paxkv.pallas_kernels import AttentionShapes
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
-from paxkv.pallas_kernels.tpu import (
-    BlockSizes,
-    ragged_paged_attention_tpu,
-    ragged_paged_attention_tpu_decode,
-)
+from paxkv.pallas_kernels.tpu import BlockSizes, ragged_paged_attention_tpu
 from paxkv.pallas_kernels.tpu import ragged_paged_attention as rpa_module
+from paxkv.pallas_kernels.tpu.block_sizes import chip_info
 
 INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
 POINTS = {p.name: p for p in GRID}
 # Small blocks: several page blocks per item (double buffering), sequences split
 # into several items, one KV head per step.
 SMALL = BlockSizes(pages_per_block=2, queries_per_block=3, kv_heads_per_block=1)
+DECODE = BlockSizes(decode=True)
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +93,7 @@ def test_decode_path(name):
     # Exact on any batch, prefill rows included; built for q_len == 1.
     point = POINTS[name]
     case = point.case(seed=2)
-    _check(point, case, _run(ragged_paged_attention_tpu_decode, point, case))
+    _check(point, case, _run(ragged_paged_attention_tpu, point, case, block_sizes=DECODE))
 
 
 def test_no_race_on_two_cores():
@@ -252,7 +252,7 @@ def test_float16_is_rejected_for_hardware_but_interpreted():
 
 
 def test_defaults_fit_the_budget_for_a_large_model():
-    shapes = rpa_module.AttentionShapes(
+    shapes = AttentionShapes(
         num_tokens=8192,
         num_q_heads=64,
         num_kv_heads=8,
@@ -263,12 +263,10 @@ def test_defaults_fit_the_budget_for_a_large_model():
         pages_per_seq=512,
         quantized=True,
     )
-    chip = rpa_module.chip_info(interpret=True)
+    chip = chip_info(interpret=True)
     for decode in (False, True):
-        bs = rpa_module.default_block_sizes(
-            shapes, jnp.bfloat16, jnp.int8, decode=decode, chip=chip
-        )
-        rpa_module.check_block_sizes(shapes, bs, jnp.bfloat16, jnp.int8, chip)
+        bs = BlockSizes(decode=decode).resolve(shapes, jnp.bfloat16, jnp.int8, chip=chip)
+        assert bs.resolve(shapes, jnp.bfloat16, jnp.int8, chip=chip) == bs  # within budget
         assert bs.queries_per_block == (1 if decode else 16)
 
 
@@ -312,7 +310,7 @@ def test_sweep_decode_path_and_races(point):
         detect_races=True, num_cores_or_threads=2, random_seed=11, uninitialized_memory="nan"
     )
     out = jax.block_until_ready(
-        _run(ragged_paged_attention_tpu_decode, point, case, interpret=params)
+        _run(ragged_paged_attention_tpu, point, case, block_sizes=DECODE, interpret=params)
     )
     assert not interpret_pallas_call.races.races_found
     _check(point, case, out)
@@ -326,7 +324,9 @@ _DEVICELESS_COMPILE = """
 import sys
 import jax, numpy as np, ml_dtypes
 from jax.experimental import topologies
-from paxkv.pallas_kernels.tpu.ragged_paged_attention import BlockSizes, _ragged_paged_attention
+from paxkv.pallas_kernels import attention_inputs
+from paxkv.pallas_kernels.tpu import BlockSizes
+from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention
 
 CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
     ("float32", "float32", 8, 64, 4, 4, BlockSizes(3, 16, 2), None, None),
@@ -350,8 +350,9 @@ for chip in sys.argv[1:]:
                 spec((1,), "int32")]
         args += [spec((p, hkv, ps), "float32")] * 2 if quantized else [None, None]
         fn = lambda *a: _ragged_paged_attention(
-            *a, sm_scale=0.1, soft_cap=cap, sliding_window=win, block_sizes=bs,
-            vmem_limit_bytes=32 * 2**20, interpret=False)
+            attention_inputs(*a[:7], k_scales=a[7], v_scales=a[8], sm_scale=0.1,
+                             soft_cap=cap, sliding_window=win),
+            block_sizes=bs, vmem_limit_bytes=32 * 2**20, interpret=False)
         with jax.sharding.set_mesh(mesh):
             jax.jit(fn).lower(*args).compile()
         print("compiled", chip, qd, pd, ps, d, bs, flush=True)

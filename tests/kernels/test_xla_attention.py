@@ -4,22 +4,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import GRID, TOLERANCES, make_case
+
 from paxkv.pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
     resolve_backend,
 )
-from paxkv.pallas_kernels.xla import ragged_paged_attention_scan
 
 
 @pytest.mark.parametrize("point", GRID, ids=lambda p: p.name)
-def test_scan_matches_reference(point):
+def test_xla_matches_reference(point):
     case = point.case(seed=1)
     kwargs = point.attention_kwargs(case)
     expected = np.asarray(
         ragged_paged_attention_reference(*case.args(), **kwargs).astype(jnp.float32)
     )
-    got = np.asarray(ragged_paged_attention_scan(*case.args(), **kwargs).astype(jnp.float32))
+    got = np.asarray(ragged_paged_attention_xla(*case.args(), **kwargs).astype(jnp.float32))
     assert np.all(np.isfinite(got)), "poisoned pages or padding leaked into the output"
     tol = TOLERANCES[np.dtype(case.q.dtype)]
     np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
@@ -32,7 +33,7 @@ def test_block_sizes_agree(block_pages):
     case = point.case(seed=2)
     kwargs = point.attention_kwargs(case)
     expected = np.asarray(ragged_paged_attention_reference(*case.args(), **kwargs))
-    got = np.asarray(ragged_paged_attention_scan(*case.args(), **kwargs, block_pages=block_pages))
+    got = np.asarray(ragged_paged_attention_xla(*case.args(), **kwargs, block_pages=block_pages))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
