@@ -123,8 +123,8 @@ class LLM:
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
                 self.engine.requests.validate(rid, prompt, p)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.engine.add_request(rid, prompt, p)
         return ids

@@ -9,7 +9,54 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as an int if it is an integer (Python or NumPy, not bool) in `[lo, hi]`;
+    TypeError or ValueError naming `name` and showing the value otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        lo_s = "-inf" if lo is None else lo
+        hi_s = "inf" if hi is None else hi
+        raise ValueError(f"{name}={value} must be in [{lo_s}, {hi_s}]")
+    return value
+
+
+def check_float(name: str, value: Any) -> float:
+    """`value` as a finite float (an int or a float, not bool); TypeError or ValueError
+    naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be finite")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """`value` if it is a bool (Python or NumPy); TypeError naming `name` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_token_ids(name: str, ids: Any, *, lo: int | None = 0) -> list[int]:
+    """`ids` as a list of ints >= `lo`: a sequence (or 1-D integer array) of integers."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"{name} must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"{name} must be a list of ints, got {ids!r} ({type(ids).__name__})")
+    return [check_int(f"{name}[{i}]", t, lo=lo) for i, t in enumerate(ids)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,21 +85,29 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.n < 1:
-            raise ValueError(f"n={self.n} must be at least 1")
-        if not self.temperature >= 0:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("n", check_int("n", self.n, lo=1))
+        put("temperature", check_float("temperature", self.temperature))
+        if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1, 0 (off) or positive")
+        put("top_k", check_int("top_k", self.top_k, lo=-1))
+        put("top_p", check_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        put("min_p", check_float("min_p", self.min_p))
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
-        if self.seed is not None and not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
+        if self.seed is not None:
+            put("seed", check_int("seed", self.seed, lo=0, hi=2**31 - 1))
+        put("max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
+            raise TypeError(f"stop_token_ids must be a list of ints, got {stop!r}")
+        put("stop_token_ids", tuple(check_token_ids("stop_token_ids", list(stop))))
+        put("ignore_eos", check_bool("ignore_eos", self.ignore_eos))
+        put("logprobs", check_bool("logprobs", self.logprobs))
 
 
 class FinishReason(enum.StrEnum):
@@ -135,12 +190,9 @@ def normalize_prompt(prompt) -> tuple[str | None, list[int] | None]:
         return prompt, None
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-                raise ValueError(
-                    f"prompt_token_ids must be a list of ints, got {type(ids).__name__}"
-                )
-            return None, [int(t) for t in ids]
+            # The range is checked against the model's vocabulary (`Engine.add_request`).
+            ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"], lo=None)
+            return None, ids
         if "prompt" in prompt and isinstance(prompt["prompt"], str):
             return prompt["prompt"], None
     raise ValueError(

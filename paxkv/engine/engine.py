@@ -150,11 +150,15 @@ class Engine:
         return req.request_id
 
     def abort(self, request_id: str) -> None:
-        """Ends a request now (finish reason "abort") and frees every page it holds."""
+        """Ends a request now (finish reason "abort") and frees every page it holds; the
+        next `step` reports it. An unknown or already finished id is a no-op, as in vLLM."""
         req = self.requests.pop(str(request_id))
         if req is None:
-            raise KeyError(f"no unfinished request with request_id={request_id!r}")
+            logging.debug("paxkv: abort(%r): no unfinished request of that id", request_id)
+            return
         self.scheduler.abort(req.seqs)
+        if self._pipeline is not None:
+            self._pipeline.forget(req.seqs)
         self._aborted.append(req.output(self.tokenizer))
         self._on_finished(req)
 

@@ -50,6 +50,15 @@ class AsyncPipeline:
         """Whether a step is in flight."""
         return self.inflight is not None
 
+    def forget(self, seqs: list[SequenceState]) -> None:
+        """Drops the placeholders of sequences that were aborted while a step was in
+        flight: their outputs end at the last real token."""
+        for seq in seqs:
+            while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
+                seq.output_token_ids.pop()
+                seq.logprobs.pop()
+            self._last_token_seen.pop(id(seq), None)
+
     def step(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
         """Dispatches `plan` (if it has work), then resolves the step before it.
 

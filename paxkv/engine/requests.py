@@ -15,6 +15,8 @@ from paxkv.request import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    check_float,
+    check_int,
     normalize_prompt,
 )
 
@@ -116,8 +118,19 @@ class RequestRegistry:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validates a request and registers it with its sequences; ValueError rejects it."""
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        """Validates a request and registers it with its sequences; ValueError or
+        TypeError (naming the argument and showing its value) rejects it."""
+        if request_id is None:
+            request_id = self._new_id()
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        priority = check_int("priority", priority)
+        if arrival_time is not None:
+            arrival_time = check_float("arrival_time", arrival_time)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         text, ids = self.validate(request_id, prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
@@ -138,6 +151,12 @@ class RequestRegistry:
         request = Request(request_id, text, ids, seqs, arrival)
         self._requests[request_id] = request
         return request
+
+    def _new_id(self) -> str:
+        """An id no caller-chosen id takes: the next counter value not in use."""
+        while (rid := str(next(self._ids))) in self._requests:
+            pass
+        return rid
 
     def validate(
         self, request_id: str, prompt: str | dict, params: SamplingParams

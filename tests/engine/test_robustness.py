@@ -1,0 +1,157 @@
+"""Hostile input at the boundary, and aborts at every point of the async pipeline.
+
+Every bad value is rejected with a message that names the field and shows the value,
+while a good request in flight finishes with exactly its solo output and no page leaks.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from test_engine import GREEDY, PLACEHOLDER, _dense_greedy, _engine, tiny  # noqa: F401
+
+from paxkv import LLM, SamplingParams
+from paxkv.models import ByteTokenizer
+
+BAD_SAMPLING = [
+    ({"max_tokens": 1.5}, TypeError, r"max_tokens must be an integer, got 1\.5"),
+    ({"max_tokens": None}, TypeError, r"max_tokens must be an integer, got None"),
+    ({"max_tokens": 0}, ValueError, r"max_tokens=0 must be in \[1, inf\]"),
+    ({"n": True}, TypeError, r"n must be an integer, got True"),
+    ({"top_k": 2.5}, TypeError, r"top_k must be an integer, got 2\.5"),
+    ({"top_k": -2}, ValueError, r"top_k=-2"),
+    ({"seed": 1.5}, TypeError, r"seed must be an integer, got 1\.5"),
+    ({"seed": 2**31}, ValueError, r"seed=2147483648"),
+    ({"temperature": math.inf}, ValueError, r"temperature=inf must be finite"),
+    ({"temperature": "hot"}, TypeError, r"temperature must be a number, got 'hot'"),
+    ({"top_p": 0.0}, ValueError, r"top_p=0\.0 must be in \(0, 1\]"),
+    ({"min_p": math.nan}, ValueError, r"min_p=nan must be finite"),
+    ({"stop_token_ids": [-1]}, ValueError, r"stop_token_ids\[0\]=-1"),
+    ({"stop_token_ids": [2.0]}, TypeError, r"stop_token_ids\[0\] must be an integer"),
+    ({"stop_token_ids": "ab"}, TypeError, r"stop_token_ids must be a list of ints"),
+    ({"ignore_eos": 1}, TypeError, r"ignore_eos must be a bool, got 1"),
+    ({"logprobs": "yes"}, TypeError, r"logprobs must be a bool"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_SAMPLING)
+def test_sampling_params_fields_are_typed(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_integers_are_integers():
+    p = SamplingParams(max_tokens=np.int32(3), top_k=np.int64(2), stop_token_ids=np.array([1, 2]))
+    assert (p.max_tokens, p.top_k, p.stop_token_ids) == (3, 2, (1, 2))
+    assert type(p.max_tokens) is int and all(type(t) is int for t in p.stop_token_ids)
+
+
+BAD_REQUESTS = [
+    (
+        dict(prompt={"prompt_token_ids": [1.7]}),
+        TypeError,
+        r"prompt_token_ids\[0\] must be an integer, got 1\.7",
+    ),
+    (
+        dict(prompt={"prompt_token_ids": None}),
+        TypeError,
+        r"prompt_token_ids must be a list of ints, got None",
+    ),
+    (
+        dict(prompt={"prompt_token_ids": "a"}),
+        TypeError,
+        r"prompt_token_ids must be a list of ints, got 'a'",
+    ),
+    (
+        dict(prompt={"prompt_token_ids": [True]}),
+        TypeError,
+        r"prompt_token_ids\[0\] must be an integer, got True",
+    ),
+    (dict(prompt={"prompt_token_ids": np.array([[1]])}), TypeError, r"1-D integer array"),
+    (dict(cache_salt=["x"]), TypeError, r"cache_salt must be a str or None, got \['x'\]"),
+    (dict(priority="high"), TypeError, r"priority must be an integer, got 'high'"),
+    (dict(priority=None), TypeError, r"priority must be an integer, got None"),
+    (dict(arrival_time="now"), TypeError, r"arrival_time must be a number, got 'now'"),
+    (dict(arrival_time=math.nan), ValueError, r"arrival_time=nan must be finite"),
+    (dict(request_id=["r"]), TypeError, r"request_id must be a str or None, got \['r'\]"),
+    (dict(params={"max_tokens": 3}), TypeError, r"params must be a SamplingParams, got dict"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), BAD_REQUESTS)
+def test_bad_arguments_rejected_while_a_good_request_runs(tiny, overrides, error, message):
+    _, model, _ = tiny
+    engine = _engine(model)
+    good = [3, 1, 4, 1, 5]
+    engine.add_request("good", {"prompt_token_ids": good}, GREEDY)
+    engine.step()  # running when the bad one arrives
+    args = dict(request_id="bad", prompt={"prompt_token_ids": [1, 2]}, params=GREEDY)
+    args |= overrides
+    request_id, prompt, params = args.pop("request_id"), args.pop("prompt"), args.pop("params")
+    with pytest.raises(error, match=message):
+        engine.add_request(request_id, prompt, params, **args)
+    final = engine.run_until_done()
+    assert list(final) == ["good"]
+    assert final["good"].outputs[0].token_ids == _dense_greedy(model, good, GREEDY.max_tokens)[0]
+    assert engine.pool.num_in_use == 0
+    engine.pool.check_invariants()
+
+
+def test_auto_ids_never_collide_with_chosen_ones(tiny):
+    _, model, _ = tiny
+    engine = _engine(model)
+    engine.add_request("0", {"prompt_token_ids": [1]}, GREEDY)
+    engine.add_request("1", {"prompt_token_ids": [1]}, GREEDY)
+    auto = engine.add_request(None, {"prompt_token_ids": [1]}, GREEDY)
+    assert auto not in ("0", "1")
+    assert set(engine.run_until_done()) == {"0", "1", auto}
+
+
+@pytest.mark.parametrize("abort_after", [0, 1, 2, 3, 4, 5])
+def test_async_abort_at_every_point(tiny, abort_after):
+    """Abort after k steps of the async pipeline: reported once, as aborted, with real
+    tokens only (its text decodes), and the other request is untouched."""
+    _, model, _ = tiny
+    engine = _engine(model, tokenizer=ByteTokenizer(), async_scheduling=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [7, 8, 9]}, params)
+    engine.add_request("b", {"prompt_token_ids": [4, 5]}, params)
+    for _ in range(abort_after):
+        engine.step()
+    engine.abort("a")
+    reports, b = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == "a":
+                reports.append(o)
+            elif o.finished:
+                b = o
+    assert [o.finished for o in reports] == [True]
+    assert b.outputs[0].token_ids == _dense_greedy(model, [4, 5], 6)[0]
+    a = reports[0].outputs[0]
+    assert a.finish_reason == "abort" and PLACEHOLDER not in a.token_ids
+    expected = _dense_greedy(model, [7, 8, 9], 6)[0]
+    assert a.token_ids == expected[: len(a.token_ids)]
+    assert a.text == ByteTokenizer().decode(a.token_ids)
+    assert engine.pool.num_in_use == 0
+    engine.pool.check_invariants()
+
+
+def test_generate_stream_closed_early_with_async_scheduling():
+    llm = LLM(
+        model="tiny",
+        dtype="float32",
+        num_pages=64,
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        async_scheduling=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    stream = llm.generate_stream(["def f(x):", "import "], params)
+    first = next(stream)
+    assert PLACEHOLDER not in first.outputs[0].token_ids
+    stream.close()
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_in_use == 0
+    llm.engine.pool.check_invariants()
