@@ -9,7 +9,8 @@ after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_le
 `--workload=sharegpt` (log-normal with those medians and `--sigma`, capped at
 max_model_len). Of the shared flags it reads --config, --model_dir (its config.json),
 --dtype, --page_size, --max_model_len, --seed and --mesh; it plans every KV cache dtype.
-Prints a markdown report; `--json_out` writes it as JSON. The logic is `paxkv.tools.capacity`.
+Prints a markdown report; `--json_out` writes it as JSON. The arithmetic is
+`paxkv.tools.capacity`, the report `paxkv.tools.capacity_report`.
 
 With `--mesh` the budget is per device: `--kv_budget_gib` on each device, or
 `--kv_fraction` of each device's memory left after its shard of the weights. The tables
@@ -24,7 +25,10 @@ import json
 from absl import app, flags
 
 from paxkv.launch import flags as launch_flags
-from paxkv.tools import capacity as plan
+from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
+from paxkv.tools import capacity
+from paxkv.tools.capacity_report import CapacityReport, build_report, format_bytes
+from paxkv.tools.workloads import WORKLOAD_KINDS, Workload
 
 _KV_BUDGET_GIB = flags.DEFINE_float(
     "kv_budget_gib", None, "Bytes for the KV cache, in GiB (instead of --device)."
@@ -32,14 +36,14 @@ _KV_BUDGET_GIB = flags.DEFINE_float(
 _DEVICE = flags.DEFINE_enum(
     "device",
     None,
-    list(plan.DEVICE_HBM_GIB),
+    list(capacity.DEVICE_HBM_GIB),
     "Accelerator whose memory, less the weights, holds the KV cache (instead of --kv_budget_gib).",
     case_sensitive=False,
 )
 _KV_FRACTION = flags.DEFINE_float(
     "kv_fraction", 0.9, "With --device: the share of the memory left after the weights for KV."
 )
-_WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", list(plan.WORKLOADS), "Length distribution.")
+_WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", list(WORKLOAD_KINDS), "Length distribution.")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", 128, "Prompt tokens: fixed, or the log-normal median (sharegpt)."
 )
@@ -52,16 +56,17 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the report as JSON
 
 
 def main(argv: list[str]) -> None:
+    """Plans the flags' model and budget; prints the report, or exits with the error."""
     if len(argv) > 1:
         launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}")
     try:
         setup = launch_flags.serving_setup()
-        mesh = launch_flags.mesh_shape() or plan.ONE_DEVICE
-        report = plan.build_report(
+        mesh = launch_flags.mesh_shape() or ONE_DEVICE
+        report = build_report(
             setup.model,
             name=setup.name,
             budget=_budget(setup.model, mesh),
-            workload=plan.Workload(
+            workload=Workload(
                 _WORKLOAD.value,
                 prompt_len=_PROMPT_LEN.value,
                 output_len=_OUTPUT_LEN.value,
@@ -82,37 +87,38 @@ def main(argv: list[str]) -> None:
     print(report.to_markdown(), end="")
 
 
-def _budget(model, mesh: plan.MeshShape) -> plan.KVBudget:
-    weights = plan.weights_bytes(model, mesh=mesh)  # on each device
+def _budget(model: capacity.ModelShape, mesh: MeshShape) -> capacity.KVBudget:
+    weights = capacity.weights_bytes(model, mesh=mesh)  # on each device
     if (_KV_BUDGET_GIB.value is None) == (_DEVICE.value is None):
         raise ValueError(
-            f"pass exactly one of --kv_budget_gib=<GiB> or --device=<{'|'.join(plan.DEVICE_HBM_GIB)}>"
+            f"pass exactly one of --kv_budget_gib=<GiB> or --device=<{'|'.join(capacity.DEVICE_HBM_GIB)}>"
         )
     if _DEVICE.value is not None:
-        return plan.KVBudget.on_device(
+        return capacity.KVBudget.on_device(
             _DEVICE.value, weights_bytes=weights, kv_fraction=_KV_FRACTION.value
         )
     if not _KV_BUDGET_GIB.value > 0:
         raise ValueError(f"--kv_budget_gib={_KV_BUDGET_GIB.value} must be positive")
-    return plan.KVBudget.given(int(_KV_BUDGET_GIB.value * plan.GIB), weights_bytes=weights)
+    return capacity.KVBudget.given(int(_KV_BUDGET_GIB.value * capacity.GIB), weights_bytes=weights)
 
 
-def _check_fits(report: plan.CapacityReport) -> None:
+def _check_fits(report: CapacityReport) -> None:
     p = report.plans["auto"]
     if p.fits_one_sequence:
         return
     quantized = report.plans["int8"]
     raise ValueError(
-        f"a KV budget of {p.kv_budget_bytes} bytes ({plan.format_bytes(p.kv_budget_bytes)}) is too "
+        f"a KV budget of {p.kv_budget_bytes} bytes ({format_bytes(p.kv_budget_bytes)}) is too "
         f"small for one sequence of max_model_len={p.max_model_len}: at page_size={p.page_size} a "
         f"{p.page_dtype} cache needs at least {p.min_kv_budget_bytes} bytes "
-        f"({plan.format_bytes(p.min_kv_budget_bytes)}: {1 + p.pages_per_seq} pages of "
+        f"({format_bytes(p.min_kv_budget_bytes)}: {1 + p.pages_per_seq} pages of "
         f"{p.page_bytes * p.num_layers} bytes, the null page included), an int8 cache "
         f"{quantized.min_kv_budget_bytes} bytes"
     )
 
 
 def run() -> None:
+    """The `paxkv-plan` console script."""
     launch_flags.list_in_help(__name__, __doc__)
     app.run(main)
 

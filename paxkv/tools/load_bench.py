@@ -23,14 +23,16 @@ from typing import Any
 import numpy as np
 
 from paxkv.engine import Engine, EngineConfig
+from paxkv.metrics import LatencySummary
 from paxkv.request import SamplingParams
+from paxkv.tools.workloads import SHAREGPT_OUTPUT_LENS, SHAREGPT_PROMPT_LENS
 
 SETUPS = ("paged", "contiguous_max", "contiguous_guess")
 WORKLOADS = ("sharegpt", "fixed", "shared_prefix")
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
+class RequestTrace:
     """Requests to replay: prompts, output lengths and arrival offsets in seconds."""
 
     name: str
@@ -39,6 +41,7 @@ class Workload:
     arrivals: list[float]
 
     def describe(self) -> dict[str, Any]:
+        """Its name, size, and the mean and longest prompt and output."""
         p = np.array([len(x) for x in self.prompts])
         o = np.array(self.output_lens)
         return {
@@ -65,11 +68,12 @@ def make_workload(
     fixed_output_len: tuple[int, int] = (32, 256),
     prefix_len: int = 512,
     group_size: int = 8,
-) -> Workload:
-    """Builds a named workload.
+) -> RequestTrace:
+    """Builds the requests of a named workload.
 
-    * "sharegpt": log-normal prompt (median ~170) and output (median ~120) lengths with
-      a long tail, prompt + output capped at max_model_len (4k in the defaults);
+    * "sharegpt": log-normal prompt and output lengths with a long tail
+      (`paxkv.tools.workloads.SHAREGPT_PROMPT_LENS` and `SHAREGPT_OUTPUT_LENS`), the
+      prompt capped at max_model_len / 2 and prompt + output at max_model_len;
     * "fixed": lengths uniform in the given ranges;
     * "shared_prefix": groups of `group_size` requests sharing a `prefix_len` system prompt.
 
@@ -82,10 +86,9 @@ def make_workload(
         raise ValueError(f"request_rate={request_rate} must be > 0 (inf: all at once)")
     rng = np.random.default_rng(seed)
     if name == "sharegpt":
-        prompt_lens = np.clip(rng.lognormal(5.15, 1.0, num_requests), 4, max_model_len // 2).astype(
-            int
-        )
-        output_lens = np.clip(rng.lognormal(4.8, 0.9, num_requests), 2, None).astype(int)
+        capped = dataclasses.replace(SHAREGPT_PROMPT_LENS, hi=max_model_len // 2)
+        prompt_lens = capped.sample(rng, num_requests)
+        output_lens = SHAREGPT_OUTPUT_LENS.sample(rng, num_requests)
         output_lens = np.minimum(output_lens, max_model_len - prompt_lens)
     elif name == "fixed":
         prompt_lens = rng.integers(fixed_prompt_len[0], fixed_prompt_len[1] + 1, num_requests)
@@ -108,20 +111,13 @@ def make_workload(
     else:
         gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num_requests)
         arrivals = np.cumsum(gaps) - gaps[0]
-    return Workload(name, prompts, [int(x) for x in output_lens], arrivals.tolist())
-
-
-def _percentiles(xs: list[float]) -> dict[str, float | None]:
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None}
-    p50, p90, p99 = np.percentile(xs, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    return RequestTrace(name, prompts, [int(x) for x in output_lens], arrivals.tolist())
 
 
 def run_setup(
     setup: str,
-    model,
-    workload: Workload,
+    model: Any,
+    workload: RequestTrace,
     *,
     num_pages: int,
     page_size: int,
@@ -192,12 +188,12 @@ def run_setup(
     elapsed = time.monotonic() - start
     stats = engine.stats()
     outs = list(done.values())
-    ttft = [o.metrics.ttft for o in outs]
-    tpot = [
-        (o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-        for o in outs
-        if len(o.outputs[0].token_ids) > 1
-    ]
+    ttft, tpot = LatencySummary(), LatencySummary()
+    for o in outs:
+        ttft.add(o.metrics.ttft)
+        if len(o.outputs[0].token_ids) > 1:
+            m = o.metrics
+            tpot.add((m.last_token_time - m.first_token_time) / (len(o.outputs[0].token_ids) - 1))
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "setup": setup,
@@ -205,9 +201,9 @@ def run_setup(
         "elapsed_s": elapsed,
         "req_per_s": n / elapsed,
         "output_tok_per_s": out_tokens / elapsed,
-        "ttft_s": _percentiles(ttft),
-        "tpot_s": _percentiles(tpot),
-        "ttft_p50_s": _percentiles(ttft)["p50"],
+        "ttft_s": ttft.summary(),
+        "tpot_s": tpot.summary(),
+        "ttft_p50_s": ttft.summary()["p50"],
         "peak_concurrency": stats["peak_num_requests_running"],
         "kv_utilization": util_used / util_reserved if util_reserved else 0.0,
         "preemptions": stats["num_preemptions"],

@@ -1,18 +1,22 @@
-"""The capacity planner: exact numbers on hand-checkable inputs, the cache's byte layout, trade-offs."""
+"""The capacity planner: exact numbers on hand-checkable inputs, trade-offs, the report.
+
+The bytes of a page are `paxkv.kv_layout`'s, tested in tests/test_kv_layout.py.
+"""
 
 import itertools
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from paxkv.kv_layout import KV_CACHE_DTYPES
 from paxkv.models import init_model
 from paxkv.models.config import PRESETS, TINY
-
-from paxkv.engine import state as cache
 from paxkv.tools import capacity as plan
+from paxkv.tools.capacity_report import build_report
+from paxkv.tools.workloads import Workload
 
 # tiny: 2 layers, 2 KV heads x 64, float32 pages. One page of 16 tokens, one layer:
 # K and V, 2 heads, 16 tokens, 64 dims, 4 bytes = 16384 bytes; both layers 32768.
@@ -28,35 +32,6 @@ def tiny_plan(num_pages, lengths, *, page_size=16, max_model_len=512, **kw):
         lengths=np.asarray(lengths),
         max_model_len=max_model_len,
         **kw,
-    )
-
-
-@pytest.mark.parametrize("page_dtype", ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("page_size", [8, 16, 256])
-@pytest.mark.parametrize("heads_dim", [(1, 64), (8, 128)])
-def test_page_bytes_is_the_cache_layout(page_dtype, page_size, heads_dim):
-    heads, dim = heads_dim
-    kw = dict(num_kv_heads=heads, page_size=page_size, head_dim=dim)
-    assert plan.page_bytes(**kw, page_dtype=page_dtype) == cache.page_bytes(
-        **kw, page_dtype=jnp.dtype(page_dtype)
-    )
-
-
-@pytest.mark.parametrize("kv_cache_dtype", plan.KV_CACHE_DTYPES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kv_page_dtype_is_the_caches(kv_cache_dtype, dtype):
-    assert jnp.dtype(plan.kv_page_dtype(kv_cache_dtype, dtype)) == cache.resolve_kv_cache_dtype(
-        kv_cache_dtype, dtype
-    )
-
-
-def test_page_bytes_by_hand():
-    assert plan.page_bytes(num_kv_heads=2, page_size=16, head_dim=64, page_dtype="float32") == (
-        TINY_PAGE
-    )
-    # int8: one byte per entry, plus a float32 scale per token per head for K and for V.
-    assert plan.page_bytes(num_kv_heads=2, page_size=16, head_dim=64, page_dtype="int8") == (
-        2 * 2 * 16 * 64 + 2 * 2 * 16 * 4
     )
 
 
@@ -83,7 +58,7 @@ def test_num_parameters_of_real_models(name, count):
 
 def test_fixed_lengths_exact():
     # 100 + 28 = 128 tokens: exactly 8 pages of 16, no waste.
-    lengths = plan.Workload("fixed", prompt_len=100, output_len=28).lengths(512)
+    lengths = Workload("fixed", prompt_len=100, output_len=28).lengths(512)
     assert lengths.tolist() == [128]
     p = tiny_plan(100, lengths)
     assert p.num_pages == 100
@@ -133,8 +108,8 @@ def test_min_budget_is_one_max_model_len_sequence_and_the_null_page():
 
 
 def test_quantized_pages():
-    # int8 and fp8: 1 byte per entry and 4 bytes of scale per token per head, K and V.
-    for kind in ("int8", "fp8"):
+    # int8, fp8 and fp8_e5m2: 1 byte per entry and 4 bytes of scale per token per head, K and V.
+    for kind in ("int8", "fp8", "fp8_e5m2"):
         p = tiny_plan(100, [128], kv_cache_dtype=kind)
         assert p.page_bytes == 2 * 2 * 16 * (64 + 4)
         assert p.num_pages == 100 * TINY_PAGE_ALL_LAYERS // (2 * p.page_bytes)
@@ -144,9 +119,7 @@ def test_quantized_pages():
 @pytest.mark.parametrize("name", ["tiny", "llama-3.1-8b", "mistral-7b", "qwen2.5-7b"])
 def test_quantized_cache_holds_at_least_1_9x(name):
     model = PRESETS[name]
-    lengths = plan.Workload("sharegpt", prompt_len=128, output_len=128, num_samples=2000).lengths(
-        4096
-    )
+    lengths = Workload("sharegpt", prompt_len=128, output_len=128, num_samples=2000).lengths(4096)
     kw = dict(kv_budget_bytes=40 * plan.GIB, page_size=16, lengths=lengths, max_model_len=4096)
     base = plan.plan_capacity(model, **kw)
     for kind in ("int8", "fp8"):
@@ -178,9 +151,7 @@ def test_quantized_gain_with_head_dim_64_in_bfloat16():
 
 
 def test_page_size_tradeoff_is_monotonic():
-    lengths = plan.Workload("sharegpt", prompt_len=128, output_len=128, num_samples=5000).lengths(
-        8192
-    )
+    lengths = Workload("sharegpt", prompt_len=128, output_len=128, num_samples=5000).lengths(8192)
     plans = plan.page_size_tradeoff(
         PRESETS["llama-3.1-8b"],
         kv_budget_bytes=60 * plan.GIB,
@@ -199,14 +170,14 @@ def test_page_size_tradeoff_is_monotonic():
 
 
 def test_sharegpt_lengths():
-    w = plan.Workload("sharegpt", prompt_len=128, output_len=64, sigma=1.0, num_samples=10_000)
+    w = Workload("sharegpt", prompt_len=128, output_len=64, sigma=1.0, num_samples=10_000)
     lengths = w.lengths(1024)
     assert lengths.shape == (10_000,) and lengths.dtype == np.int64
     assert lengths.min() >= 2 and lengths.max() == 1024  # a long tail, capped
     assert 150 < np.median(lengths) < 300
     np.testing.assert_array_equal(lengths, w.lengths(1024))  # seeded
-    assert not np.array_equal(lengths, plan.Workload("sharegpt", 128, 64, seed=1).lengths(1024))
-    fixed = plan.Workload("sharegpt", prompt_len=100, output_len=28, sigma=0.0).lengths(512)
+    assert not np.array_equal(lengths, Workload("sharegpt", 128, 64, seed=1).lengths(1024))
+    fixed = Workload("sharegpt", prompt_len=100, output_len=28, sigma=0.0).lengths(512)
     assert set(fixed.tolist()) == {128}
 
 
@@ -257,27 +228,27 @@ def test_bad_input(kwargs, match):
 )
 def test_bad_workload(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        plan.Workload(**(dict(kind="fixed", prompt_len=10, output_len=10) | kwargs))
+        Workload(**(dict(kind="fixed", prompt_len=10, output_len=10) | kwargs))
 
 
 def test_fixed_workload_longer_than_max_model_len():
     with pytest.raises(ValueError, match="= 600 exceeds max_model_len=512"):
-        plan.Workload("fixed", prompt_len=500, output_len=100).lengths(512)
+        Workload("fixed", prompt_len=500, output_len=100).lengths(512)
 
 
 def test_report():
     model = PRESETS["llama-3.1-8b"]
-    report = plan.build_report(
+    report = build_report(
         model,
         name="llama-3.1-8b",
         budget=plan.KVBudget.on_device(
             "H200", weights_bytes=plan.weights_bytes(model), kv_fraction=0.9
         ),
-        workload=plan.Workload("sharegpt", prompt_len=128, output_len=128, num_samples=2000),
+        workload=Workload("sharegpt", prompt_len=128, output_len=128, num_samples=2000),
         page_size=16,
         max_model_len=8192,
     )
-    assert set(report.plans) == set(report.tradeoffs) == set(plan.KV_CACHE_DTYPES)
+    assert set(report.plans) == set(report.tradeoffs) == set(KV_CACHE_DTYPES)
     text = report.to_markdown()
     assert text.startswith("# KV capacity plan: llama-3.1-8b on H200")
     for heading in ("## Maximum concurrency at page_size 16", "## Page size trade-off: int8"):
