@@ -1,12 +1,14 @@
 """The CPU demo: a ragged batch in a paged cache, attention over it, and the memory it saves.
 
-    paxkv-demo [--num_seqs=32] [--max_model_len=4096] [--page_size=16] [--seed=0]
+`run_demo` draws ShareGPT-like prompt lengths, gives each sequence exactly the pages
+its tokens need from the host page pool, writes the prompts' K/V through the
+functional write, runs one decode step of ragged paged attention (the platform's
+kernel; the reference on the CPU), checks it against dense attention over contiguous
+K/V, and measures the KV memory used against contiguous max-length allocation;
+`format_result` says it in words and a table. The app is `paxkv.launch.demo`.
 
-It draws ShareGPT-like prompt lengths, gives each sequence exactly the pages its
-tokens need from the host page pool, writes the prompts' K/V through the functional
-write, runs one decode step of ragged paged attention (the platform's kernel; the
-reference on the CPU), checks it against dense attention over contiguous K/V, and
-prints the KV memory used against contiguous max-length allocation.
+    result = run_demo(num_seqs=32, max_model_len=4096, page_size=16)
+    text = format_result(result, max_model_len=4096, page_size=16)
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 
 from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.host.page_pool import PagePool
 from paxkv.kv_layout import page_bytes
-from paxkv.pallas_kernels import BACKENDS, ragged_paged_attention, resolve_backend
+from paxkv.pallas_kernels import ragged_paged_attention, resolve_backend
+from paxkv.pallas_kernels.layout import cdiv
+from paxkv.tools.workloads import DEMO_PROMPT_LENS
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoResult:
+    """What the demo measured: the batch's lengths, its KV bytes both ways, and the error."""
+
     kv_lens: list[int]
     pages_used: int
     paged_bytes: int
@@ -36,12 +41,8 @@ class DemoResult:
 
     @property
     def saving(self) -> float:
+        """Contiguous over paged KV bytes: how many times less memory paging uses."""
         return self.contiguous_bytes / self.paged_bytes
-
-
-def sharegpt_like_lengths(rng: np.random.Generator, n: int, max_len: int) -> np.ndarray:
-    """Log-normal lengths (median ~200 tokens, a long tail) clipped to [1, max_len]."""
-    return np.clip(rng.lognormal(mean=5.3, sigma=1.0, size=n).astype(np.int64), 1, max_len)
 
 
 def run_demo(
@@ -58,10 +59,11 @@ def run_demo(
     """Builds the paged batch, runs one decode step, and measures memory and error."""
     rng = np.random.default_rng(seed)
     # max_model_len - 1 so that the decode token still fits.
-    prompt_lens = sharegpt_like_lengths(rng, num_seqs, max_model_len - 1)
+    prompt_dist = dataclasses.replace(DEMO_PROMPT_LENS, hi=max_model_len - 1)
+    prompt_lens = prompt_dist.sample(rng, num_seqs)
     kv_lens = prompt_lens + 1
-    pages_per_seq = -(-max_model_len // page_size)
-    needed = -(-kv_lens // page_size)
+    pages_per_seq = cdiv(max_model_len, page_size)
+    needed = cdiv(kv_lens, page_size)
     pool = PagePool(int(needed.sum()) + 1)
     pages = [pool.allocate(int(n)) for n in needed]
     pool.check_invariants()
@@ -135,6 +137,7 @@ def run_demo(
 
 
 def format_result(r: DemoResult, *, max_model_len: int, page_size: int) -> str:
+    """The demo's report: the batch, the error against dense attention, and the memory table."""
     mib = lambda b: b / 2**20
     lens = np.asarray(r.kv_lens)
     return "\n".join(
@@ -156,30 +159,3 @@ def format_result(r: DemoResult, *, max_model_len: int, page_size: int) -> str:
             f"{int(len(lens) * r.saving)}.",
         ]
     )
-
-
-_NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences in the ragged batch.")
-_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 4096, "Longest sequence the model serves.")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the lengths and values.")
-_BACKEND = flags.DEFINE_enum("backend", "auto", list(BACKENDS), "Attention backend.")
-
-
-def main(argv) -> None:
-    del argv
-    result = run_demo(
-        num_seqs=_NUM_SEQS.value,
-        max_model_len=_MAX_MODEL_LEN.value,
-        page_size=_PAGE_SIZE.value,
-        seed=_SEED.value,
-        backend=_BACKEND.value,
-    )
-    print(format_result(result, max_model_len=_MAX_MODEL_LEN.value, page_size=_PAGE_SIZE.value))
-
-
-def run() -> None:
-    app.run(main)
-
-
-if __name__ == "__main__":
-    run()

@@ -1,0 +1,43 @@
+"""paxkv-demo: a ragged batch in a paged cache, attention over it, and the memory it saves.
+
+    paxkv-demo [--num_seqs=32] [--max_model_len=4096] [--page_size=16] [--seed=0]
+
+Runs `paxkv.tools.demo.run_demo` on the platform's attention backend (the reference on
+the CPU) and prints its report. Its flags are its own: it builds no engine, so it
+reads none of the serving flags of `paxkv.launch.flags`.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from paxkv.pallas_kernels import BACKENDS
+from paxkv.tools.demo import format_result, run_demo
+
+_NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences in the ragged batch.")
+_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 4096, "Longest sequence the model serves.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the lengths and values.")
+_BACKEND = flags.DEFINE_enum("backend", "auto", list(BACKENDS), "Attention backend.")
+
+
+def main(argv: list[str]) -> None:
+    """Runs the demo with the flags' sizes and prints its report."""
+    del argv
+    result = run_demo(
+        num_seqs=_NUM_SEQS.value,
+        max_model_len=_MAX_MODEL_LEN.value,
+        page_size=_PAGE_SIZE.value,
+        seed=_SEED.value,
+        backend=_BACKEND.value,
+    )
+    print(format_result(result, max_model_len=_MAX_MODEL_LEN.value, page_size=_PAGE_SIZE.value))
+
+
+def run() -> None:
+    """The `paxkv-demo` console script."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
