@@ -29,7 +29,6 @@ import dataclasses
 import importlib
 import json
 import math
-import time
 import warnings
 from collections.abc import Callable
 
@@ -38,7 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from paxkv.benchmarks.timing import median_seconds
+from paxkv.kv_layout import page_bytes
 from paxkv.pallas_kernels import quantize
+from paxkv.pallas_kernels.layout import cdiv
 
 IMPLS = ("paxkv", "jax-pallas", "xla-dense")
 
@@ -124,7 +126,8 @@ class Inputs:
     num_seqs: jax.Array  # i32[1]
     sm_scale: float
 
-    def args(self):
+    def args(self) -> tuple[jax.Array, ...]:
+        """The kernels' positional arguments: q, K and V pages, lengths and tables."""
         return (
             self.q,
             self.k_pages,
@@ -136,6 +139,7 @@ class Inputs:
         )
 
     def scales(self) -> dict:
+        """The kernels' scale keyword arguments: none for unquantized pages."""
         return (
             {} if self.k_scales is None else {"k_scales": self.k_scales, "v_scales": self.v_scales}
         )
@@ -145,7 +149,7 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
     """`batch` sequences with `context` cached tokens each, the last `q_len` of them new,
     on scattered pages (page 0 is left unused as the null page)."""
     ps = settings.page_size
-    pages_per_seq = -(-context // ps)
+    pages_per_seq = cdiv(context, ps)
     num_pages = 1 + batch * pages_per_seq
     keys = jax.random.split(jax.random.key(seed), 4)
     perm = 1 + jax.random.permutation(keys[0], num_pages - 1).astype(jnp.int32)
@@ -180,27 +184,15 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
 def kv_bytes(inputs: Inputs, batch: int, context: int) -> int:
     """Bytes of K/V (and scales) that attention over `context` tokens per sequence must read."""
     _, num_kv_heads, _, head_dim = inputs.k_pages.shape
-    per_token = 2 * num_kv_heads * head_dim * inputs.k_pages.dtype.itemsize
-    if inputs.k_scales is not None:
-        per_token += 2 * num_kv_heads * 4
+    per_token = page_bytes(
+        num_kv_heads=num_kv_heads, page_size=1, head_dim=head_dim, page_dtype=inputs.k_pages.dtype
+    )
     return batch * context * per_token
 
 
 def causal_prefill_flops(batch: int, length: int, num_q_heads: int, head_dim: int) -> int:
     """Useful FLOPs of fresh causal prefills: query i sees i + 1 keys; QK^T and PV."""
     return 2 * 2 * batch * num_q_heads * head_dim * length * (length + 1) // 2
-
-
-def median_seconds(fn: Callable[[], jax.Array], *, iters: int, warmup: int) -> float:
-    """Median wall time of `fn()` over `iters` calls after `warmup` calls."""
-    for _ in range(max(1, warmup)):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def copy_bandwidth(settings: Settings) -> float:
@@ -323,8 +315,13 @@ def run_config(settings: Settings, kind: str, batch: int, context: int) -> list[
     decode = kind == "decode"
     q_len = 1 if decode else context
     row = dict(kind=kind, batch=batch, context=context, q_tokens=batch * q_len)
-    itemsize = jnp.dtype(settings.page_dtype).itemsize
-    cache_bytes = 2 * batch * context * settings.num_kv_heads * settings.head_dim * itemsize
+    token_bytes = page_bytes(
+        num_kv_heads=settings.num_kv_heads,
+        page_size=1,
+        head_dim=settings.head_dim,
+        page_dtype=settings.page_dtype,
+    )
+    cache_bytes = batch * context * token_bytes
     logits_bytes = 4 * batch * settings.num_q_heads * q_len * context
     if max(cache_bytes, logits_bytes) > settings.max_kv_gib * 2**30:
         return [
@@ -444,6 +441,7 @@ def run(settings: Settings) -> dict:
 
 
 def settings_from_flags() -> Settings:
+    """The run's settings from the flags (`--tiny` overrides the sizes)."""
     if _TINY.value:
         return Settings.tiny(impls=tuple(_IMPLS.value))
     ints = lambda values: tuple(int(v) for v in values)
@@ -467,7 +465,8 @@ def settings_from_flags() -> Settings:
     )
 
 
-def main(argv) -> None:
+def main(argv: list[str]) -> None:
+    """Runs the benchmark with the flags' settings; prints the table, writes the JSON."""
     del argv
     report = run(settings_from_flags())
     print(markdown_table(report))

@@ -9,13 +9,12 @@ must copy the whole cache. The donated time should stay flat while the copy grow
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from paxkv.benchmarks.timing import median_seconds
 from paxkv.engine.state import PagedKVCache, PageTable
 
 _NUM_PAGES = flags.DEFINE_list(
@@ -32,18 +31,6 @@ _DTYPE = flags.DEFINE_string(
     "Page dtype. XLA:CPU has no native bf16 scatter and converts the whole cache to f32 and"
     " back around it, so on the CPU bf16 shows a copy that accelerators do not make.",
 )
-
-
-def _median_seconds(fn, state, iters: int):
-    state = fn(state)  # compile and warm up
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        state = fn(state)
-        jax.block_until_ready(state)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), state
 
 
 def measure(
@@ -77,11 +64,18 @@ def measure(
         head_dim=head_dim,
         dtype=dtype,
     )
+    donating, copying = jax.jit(write, donate_argnums=0), jax.jit(write)
     cache = make()
     nbytes = cache.nbytes
-    donated, cache = _median_seconds(jax.jit(write, donate_argnums=0), cache, iters)
-    del cache
-    copied, _ = _median_seconds(jax.jit(write), make(), iters)
+
+    def donated_write() -> PagedKVCache:
+        nonlocal cache
+        cache = donating(cache)  # the old cache's buffers are the new one's
+        return cache
+
+    donated = median_seconds(donated_write, iters=iters)
+    cache = make()  # a fresh cache for the copying write; the donated one is freed
+    copied = median_seconds(lambda: copying(cache), iters=iters)
     return {
         "num_pages": num_pages,
         "cache_mib": nbytes / 2**20,
@@ -90,7 +84,8 @@ def measure(
     }
 
 
-def main(argv) -> None:
+def main(argv: list[str]) -> None:
+    """Measures every --num_pages cache size and prints the table."""
     del argv
     rows = [
         measure(
@@ -119,6 +114,7 @@ def main(argv) -> None:
 
 
 def run() -> None:
+    """The benchmark as a console script."""
     app.run(main)
 
 

@@ -31,6 +31,7 @@ from flax import nnx
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.models.train import spaced_windows
+from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import SamplingParams
 
 REFERENCE_DTYPE = "auto"
@@ -72,7 +73,7 @@ def paged_nll(
         raise ValueError(f"window length {length} must be a multiple of chunk_len={chunk_len}")
     mc = model.config
     graphdef, state = nnx.split(model)
-    pages_per_seq = -(-length // page_size)
+    pages_per_seq = cdiv(length, page_size)
     s = min(batch_size, num_windows)
     block_tables = jnp.asarray(
         1 + np.arange(s * pages_per_seq).reshape(s, pages_per_seq), jnp.int32
@@ -166,7 +167,7 @@ def greedy_continuations(
     """
     n = len(prompts)
     max_len = max(len(p) for p in prompts) + max_tokens
-    max_model_len = -(-max_len // page_size) * page_size
+    max_model_len = cdiv(max_len, page_size) * page_size
     config = EngineConfig(
         num_pages=1 + n * (max_model_len // page_size),
         page_size=page_size,
@@ -182,12 +183,8 @@ def greedy_continuations(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": list(p)}, params)
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
-    return [final[str(i)] for i in range(n)]
+    final = engine.run_until_done()
+    return [final[str(i)].outputs[0].token_ids for i in range(n)]
 
 
 def agreement(

@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 import pytest
-from paxkv.models import load_model, train
 
+from paxkv.models import load_model, train
 from paxkv.tools import quality
 
 # fp8 is measured on its own (`test_fp8_is_finite_and_close`): an engine compilation
