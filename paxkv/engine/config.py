@@ -7,7 +7,8 @@ import dataclasses
 from paxkv.host.batch import Buckets
 from paxkv.kv_layout import KV_CACHE_DTYPES
 from paxkv.pallas_kernels.dispatch import BACKENDS
-from paxkv.pallas_kernels.layout import cdiv
+from paxkv.pallas_kernels.layout import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv, valid_page_size
+from paxkv.request import check_bool, check_float, check_int
 
 
 def _field(default, help: str, *, choices: tuple[str, ...] | None = None):
@@ -59,6 +60,35 @@ class EngineConfig:
     bucket_growth: int = 4
 
     def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens"):
+            check_int(name, getattr(self, name), lo=1)
+        check_int("max_model_len", self.max_model_len, lo=1)
+        check_int("seed", self.seed)
+        check_int("bucket_growth", self.bucket_growth, lo=2)
+        if not valid_page_size(self.page_size):
+            raise ValueError(
+                f"page_size={self.page_size} must be a power of two in "
+                f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}] (what the kernels accept)"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}"
+            )
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} must be one of {BACKENDS}"
+            )
+        if not 0 <= check_float("watermark", self.watermark) < 1:
+            raise ValueError(f"watermark={self.watermark} must be in [0, 1)")
+        if check_float("log_stats_interval_s", self.log_stats_interval_s) < 0:
+            raise ValueError(f"log_stats_interval_s={self.log_stats_interval_s} must be >= 0")
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("async_scheduling", self.async_scheduling)
+        for name in ("token_buckets", "seq_buckets", "page_buckets"):
+            sizes = getattr(self, name)
+            if sizes is not None:
+                for i, b in enumerate(sizes):
+                    check_int(f"{name}[{i}]", b, lo=1)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -66,8 +96,8 @@ class EngineConfig:
             )
         if self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be at least 2 (page 0 is reserved)")
-        if self.num_decode_steps is not None and self.num_decode_steps < 1:
-            raise ValueError(f"num_decode_steps={self.num_decode_steps} must be at least 1")
+        if self.num_decode_steps is not None:
+            check_int("num_decode_steps", self.num_decode_steps, lo=1)
         if self.async_scheduling and (self.num_decode_steps or 1) > 1:
             raise ValueError(
                 f"async_scheduling runs one decode step per call: set num_decode_steps=1, "

@@ -33,6 +33,7 @@ from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SeqStatus
 from paxkv.metrics import EngineMetrics, engine_stats
+from paxkv.pallas_kernels import resolve_backend
 from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
 
@@ -69,6 +70,19 @@ class Engine:
     ) -> None:
         self.config = config = (config or EngineConfig()).for_backend(jax.default_backend())
         mc = self.model_config = model.config
+        limit = getattr(mc, "max_position_embeddings", None)
+        if limit is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        platform = jax.default_backend()
+        native = resolve_backend("auto", platform)
+        if config.attention_backend in ("tpu", "gpu") and config.attention_backend != native:
+            raise ValueError(
+                f"attention_backend={config.attention_backend!r} needs a "
+                f"{config.attention_backend.upper()}; this platform is {platform!r}"
+            )
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self._graphdef, self._params = nnx.split(model)

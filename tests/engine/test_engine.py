@@ -9,16 +9,9 @@ import pytest
 from paxkv import LLM, SamplingParams
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.step import PLACEHOLDER_TOKEN as PLACEHOLDER
-from paxkv.models import load_model
 
 PS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    config, model, tokenizer = load_model("tiny", dtype="float32", seed=0)
-    return config, model, tokenizer
 
 
 DENSE_LEN = 128

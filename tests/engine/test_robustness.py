@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from test_engine import GREEDY, PLACEHOLDER, _dense_greedy, _engine, tiny  # noqa: F401
+from test_engine import GREEDY, PLACEHOLDER, _dense_greedy, _engine
 
 from paxkv import LLM, SamplingParams
 from paxkv.models import ByteTokenizer
@@ -155,3 +155,35 @@ def test_generate_stream_closed_early_with_async_scheduling():
     stream.close()
     assert not llm.engine.has_unfinished() and llm.engine.pool.num_in_use == 0
     llm.engine.pool.check_invariants()
+
+
+BAD_SETTINGS = [
+    (dict(page_size=3), ValueError, r"page_size=3 must be a power of two in \[8, 1024\]"),
+    (dict(page_size=8.0), TypeError, r"page_size must be an integer, got 8\.0"),
+    (dict(attention_backend="cuda"), ValueError, r"attention_backend='cuda' must be one of"),
+    (dict(max_model_len=0), ValueError, r"max_model_len=0 must be in \[1, inf\]"),
+    (dict(kv_cache_dtype="int4"), ValueError, r"kv_cache_dtype='int4' must be one of"),
+    (dict(watermark=1.5), ValueError, r"watermark=1\.5 must be in \[0, 1\)"),
+    (dict(num_pages=None), TypeError, r"num_pages must be an integer, got None"),
+    (dict(enable_prefix_caching="no"), TypeError, r"enable_prefix_caching must be a bool"),
+    (dict(token_buckets=(16, 0)), ValueError, r"token_buckets\[1\]=0"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_SETTINGS)
+def test_engine_settings_fail_when_given(kwargs, error, message):
+    from paxkv.engine import EngineConfig
+
+    with pytest.raises(error, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_settings_checked_against_the_model_and_platform(tiny):
+    config, model, _ = tiny
+    too_long = config.max_position_embeddings + 1
+    with pytest.raises(ValueError, match=rf"max_model_len={too_long} exceeds the model's"):
+        _engine(model, max_model_len=too_long)
+    with pytest.raises(
+        ValueError, match=r"attention_backend='tpu' needs a TPU; this platform is 'cpu'"
+    ):
+        _engine(model, attention_backend="tpu")
