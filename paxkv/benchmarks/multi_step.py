@@ -45,6 +45,7 @@ def measure(
             max_num_batched_tokens=max(n, 256),
             max_model_len=128,
             num_decode_steps=num_steps,
+            async_scheduling=overlap,
             log_stats_interval_s=0,
         ),
     )

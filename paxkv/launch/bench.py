@@ -10,12 +10,14 @@ reservation, and contiguous guessed-length reservation (see `paxkv.tools.load_be
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from absl import app, flags
 
 from paxkv.kv_layout import kv_page_bytes, resolve_kv_cache_dtype
 from paxkv.launch import flags as launch_flags
+from paxkv.pallas_kernels.layout import cdiv
 from paxkv.tools.load_bench import (
     SETUPS,
     WORKLOADS,
@@ -89,7 +91,7 @@ def _run() -> dict:
         num_pages = engine_cfg.num_pages
     else:
         num_pages = int(_KV_BUDGET_MIB.value * 2**20) // per_page
-    one_seq = -(-engine_cfg.max_model_len // engine_cfg.page_size) + 1
+    one_seq = cdiv(engine_cfg.max_model_len, engine_cfg.page_size) + 1
     if num_pages < one_seq:
         raise ValueError(
             f"a KV budget of {num_pages * per_page / 2**20:.2f} MiB ({num_pages} pages) cannot hold one "
@@ -127,14 +129,8 @@ def _run() -> dict:
             name,
             model,
             workload,
-            num_pages=num_pages,
-            page_size=engine_cfg.page_size,
-            max_model_len=engine_cfg.max_model_len,
-            max_num_seqs=engine_cfg.max_num_seqs,
-            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+            dataclasses.replace(engine_cfg, num_pages=num_pages),
             guess_tokens=_GUESS.value,
-            kv_cache_dtype=engine_cfg.kv_cache_dtype,
-            attention_backend=engine_cfg.attention_backend,
             progress=progress_bar(name),
         )
     return results

@@ -25,6 +25,7 @@ import numpy as np
 from paxkv.engine import Engine, EngineConfig
 from paxkv.metrics import LatencySummary
 from paxkv.request import SamplingParams
+from paxkv.tools.reservations import ContiguousGuess, ContiguousMax
 from paxkv.tools.workloads import SHAREGPT_OUTPUT_LENS, SHAREGPT_PROMPT_LENS
 
 SETUPS = ("paged", "contiguous_max", "contiguous_guess")
@@ -118,40 +119,28 @@ def run_setup(
     setup: str,
     model: Any,
     workload: RequestTrace,
+    config: EngineConfig,
     *,
-    num_pages: int,
-    page_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    guess_tokens: int,
-    kv_cache_dtype: str = "auto",
-    attention_backend: str = "auto",
+    guess_tokens: int = 128,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Replays `workload` through one setup and returns its measurements."""
+    """Replays `workload` through one setup and returns its measurements.
+
+    Every setup serves on `config`'s pool and limits; "paged" holds the pages its tokens
+    need (with prefix caching), the contiguous ones reserve as
+    `paxkv.tools.reservations` describes (`guess_tokens` for "contiguous_guess").
+    """
     if setup not in SETUPS:
         raise ValueError(f"setup={setup!r} must be one of {SETUPS}")
-    paged = setup == "paged"
-    engine = Engine(
-        model,
-        EngineConfig(
-            num_pages=num_pages,
-            page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            kv_cache_dtype=kv_cache_dtype,
-            attention_backend=attention_backend,
-            enable_prefix_caching=paged,
-            reservation={"paged": "paged", "contiguous_max": "max", "contiguous_guess": "guess"}[
-                setup
-            ],
-            guess_tokens=guess_tokens,
-            watermark=0.0,
-            log_stats_interval_s=0,
-        ),
+    reservation = {
+        "paged": None,
+        "contiguous_max": ContiguousMax(),
+        "contiguous_guess": ContiguousGuess(guess_tokens),
+    }[setup]
+    config = dataclasses.replace(
+        config, enable_prefix_caching=setup == "paged", watermark=0.0, log_stats_interval_s=0
     )
+    engine = Engine(model, config, reservation=reservation)
     engine.warmup()
     compiled = engine.num_compilations
     order = np.argsort(workload.arrivals, kind="stable")

@@ -30,6 +30,7 @@ from flax import nnx
 
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.engine.step import forward_logits
 from paxkv.models.train import spaced_windows
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import SamplingParams
@@ -39,10 +40,10 @@ REFERENCE_DTYPE = "auto"
 
 def _chunk_nll(graphdef, state, kv_cache, tokens, positions, targets, table, *, attention_backend):
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(
-        tokens, positions, kv_cache, table, attention_backend=attention_backend
+    logits, kv_cache = forward_logits(
+        model, tokens, positions, kv_cache, table, None, attention_backend=attention_backend
     )
-    logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)  # f32[T, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)  # f32[T, V]
     return -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], kv_cache
 
 

@@ -12,10 +12,10 @@ import sys
 from importlib import metadata
 
 import pytest
-from paxkv.configs import NAMES, ServingSetup, get_config
-from paxkv.models.config import PRESETS
 
+from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.launch import read_prompts
+from paxkv.models.config import PRESETS
 from paxkv.tools import capacity as plan
 
 # Small limits so that the tiny model compiles one step shape, once.

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.models import PRESETS, LlamaConfig, init_model
 from paxkv.models.config import LLAMA_3_2_1B, MISTRAL_7B, QWEN2_5_7B, TINY, Llama3RopeScaling
 from paxkv.models.llama import apply_rope, rope_inv_freq
-
-from paxkv.engine.state import PagedKVCache, PageTable
 
 PAGE = 8
 NUM_PAGES = 10

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
 from paxkv.models import (
     CHECKPOINTS,
     ByteTokenizer,

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+
 from paxkv.models import (
     ByteTokenizer,
     init_model,

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from paxkv.models import load_model
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
+from paxkv.models import load_model
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 from paxkv.tools import capacity as plan

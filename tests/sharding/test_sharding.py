@@ -16,11 +16,13 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
-from paxkv.models import PRESETS, init_model
 
+from paxkv.models import PRESETS, init_model
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 from paxkv.tools import capacity as plan
+from paxkv.tools.capacity_report import build_report
+from paxkv.tools.workloads import Workload
 
 TINY = PRESETS["tiny"]
 
@@ -160,11 +162,11 @@ def test_report_on_a_mesh():
     mesh = MeshShape(model=4, data=2)
     weights = plan.weights_bytes(model, mesh=mesh)
     assert weights < plan.weights_bytes(model) / 3.9
-    report = plan.build_report(
+    report = build_report(
         model,
         name="llama-3.1-8b",
         budget=plan.KVBudget.on_device("v6e", weights_bytes=weights, kv_fraction=0.9),
-        workload=plan.Workload("fixed", prompt_len=512, output_len=512),
+        workload=Workload("fixed", prompt_len=512, output_len=512),
         page_size=16,
         max_model_len=8192,
         mesh=mesh,
