@@ -6,6 +6,6 @@ before JAX starts, so this process leaves them to a child that sets it.
 
 import os
 
-MULTIDEVICE_ENV = "PAXKV_MULTIDEVICE_TESTS"
+from multidevice_env import MULTIDEVICE_ENV
 
 collect_ignore = [] if os.environ.get(MULTIDEVICE_ENV) else ["multidevice"]

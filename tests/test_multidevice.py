@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import sys
 
-from conftest import MULTIDEVICE_ENV
+from multidevice_env import MULTIDEVICE_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
