@@ -327,12 +327,4 @@ def init_cache(
     config: LlamaConfig, *, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
 ) -> PagedKVCache:
     """A zeroed paged cache for every layer; "auto" pages are in `config.dtype`."""
-    return PagedKVCache.create(
-        num_layers=config.num_layers,
-        num_pages=num_pages,
-        num_kv_heads=config.num_kv_heads,
-        page_size=page_size,
-        head_dim=config.head_dim,
-        dtype=config.dtype,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    return PagedKVCache.for_model(config, num_pages, page_size, kv_cache_dtype)

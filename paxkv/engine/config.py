@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from paxkv.host.batch import Buckets
 from paxkv.kv_layout import KV_CACHE_DTYPES
-from paxkv.pallas_kernels.dispatch import BACKENDS
+from paxkv.pallas_kernels.dispatch import BACKENDS, resolve_backend
 from paxkv.pallas_kernels.layout import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv, valid_page_size
 from paxkv.request import check_bool, check_float, check_int
 
@@ -102,6 +103,22 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling runs one decode step per call: set num_decode_steps=1, "
                 f"not {self.num_decode_steps}"
+            )
+
+    def check_serves(self, model_config: Any, platform: str) -> None:
+        """Raises ValueError if these settings cannot serve a model of `model_config`
+        (its `max_position_embeddings`, if it has one) on `platform` ("cpu", "gpu", "tpu")."""
+        limit = getattr(model_config, "max_position_embeddings", None)
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        backend = self.attention_backend
+        if backend in ("tpu", "gpu") and backend != resolve_backend("auto", platform):
+            raise ValueError(
+                f"attention_backend={backend!r} needs a {backend.upper()}; "
+                f"this platform is {platform!r}"
             )
 
     def for_backend(self, backend: str) -> EngineConfig:

@@ -33,7 +33,6 @@ from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SeqStatus
 from paxkv.metrics import EngineMetrics, engine_stats
-from paxkv.pallas_kernels import resolve_backend
 from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
 
@@ -45,7 +44,8 @@ class Engine:
     returns the requests it advanced, `abort` ends a request at any time, and
     `has_unfinished` tells when to stop (`run_until_done` does all of it). Every
     submitted request ends finished or aborted; one that can never be served is
-    rejected by `add_request` with a ValueError, and nothing else is affected.
+    rejected by `add_request` (ValueError or TypeError naming the problem), and nothing
+    else is affected.
 
     Args:
       model: an NNX causal LM with a `config` (num_layers, num_kv_heads, head_dim,
@@ -68,32 +68,15 @@ class Engine:
         mesh: Any = None,
         reservation: PagedReservation | None = None,
     ) -> None:
-        self.config = config = (config or EngineConfig()).for_backend(jax.default_backend())
-        mc = self.model_config = model.config
-        limit = getattr(mc, "max_position_embeddings", None)
-        if limit is not None and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}"
-            )
         platform = jax.default_backend()
-        native = resolve_backend("auto", platform)
-        if config.attention_backend in ("tpu", "gpu") and config.attention_backend != native:
-            raise ValueError(
-                f"attention_backend={config.attention_backend!r} needs a "
-                f"{config.attention_backend.upper()}; this platform is {platform!r}"
-            )
+        self.config = config = (config or EngineConfig()).for_backend(platform)
+        mc = self.model_config = model.config
+        config.check_serves(mc, platform)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self._graphdef, self._params = nnx.split(model)
-        self.kv_cache = PagedKVCache.create(
-            num_layers=mc.num_layers,
-            num_pages=config.num_pages,
-            num_kv_heads=mc.num_kv_heads,
-            page_size=config.page_size,
-            head_dim=mc.head_dim,
-            dtype=mc.dtype,
-            kv_cache_dtype=config.kv_cache_dtype,
+        self.kv_cache = PagedKVCache.for_model(
+            mc, config.num_pages, config.page_size, config.kv_cache_dtype
         )
         self.mesh = mesh if mesh is not None else shardings.default_mesh()
         if self.mesh is not None:  # weights and pages spread over the mesh's devices

@@ -14,6 +14,7 @@ Quantized caches (int8, fp8) hold `f32[P, Hkv, ps]` scales per layer beside the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,23 @@ class PagedKVCache:
             return cls(k=k, v=v)
         ones = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(num_layers))
         return cls(k=k, v=v, k_scales=ones(), v_scales=ones())
+
+    @classmethod
+    def for_model(
+        cls, model_config: Any, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
+    ) -> PagedKVCache:
+        """A zero-filled cache for a model with `model_config`'s num_layers, num_kv_heads,
+        head_dim and dtype."""
+        mc = model_config
+        return cls.create(
+            num_layers=mc.num_layers,
+            num_pages=num_pages,
+            num_kv_heads=mc.num_kv_heads,
+            page_size=page_size,
+            head_dim=mc.head_dim,
+            dtype=mc.dtype,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
     @property
     def num_layers(self) -> int:

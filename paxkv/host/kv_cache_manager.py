@@ -89,7 +89,7 @@ class KVCacheManager:
         need = self.pages_to_hold(seq, num_tokens) - len(seq.pages)
         if need <= 0:
             return True
-        if seq.pages and not self.reservation.can_grow(seq, num_tokens, self.page_size):
+        if not self.can_grow(seq, num_tokens):
             return False
         pages = self.pool.allocate(need)
         if pages is None:

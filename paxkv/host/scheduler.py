@@ -250,10 +250,6 @@ class Scheduler:
         aligned = end - end % self.page_size
         return aligned - seq.num_computed_tokens if aligned > seq.num_computed_tokens else budget
 
-    def remaining_tokens(self, seq: SequenceState) -> int:
-        """Tokens `seq` may still generate before max_tokens or max_model_len ends it."""
-        return seq.remaining_tokens(self.max_model_len)
-
     def reserve_ahead(
         self, output: SchedulerOutput, num_steps: int
     ) -> tuple[SchedulerOutput, list[int]] | None:
@@ -261,7 +257,7 @@ class Scheduler:
         decode-only plan. Returns the plan with each chunk's pages extended to them and
         each chunk's token limit, or None (reserving nothing) when the pool cannot hold
         them all."""
-        limits = [self.remaining_tokens(c.seq) for c in output.chunks]
+        limits = [c.seq.remaining_tokens(self.max_model_len) for c in output.chunks]
         wanted = [
             (c.seq, c.start + min(num_steps, limit))
             for c, limit in zip(output.chunks, limits, strict=True)

@@ -87,15 +87,7 @@ def paged_nll(
         live = len(batch)
         if live < s:  # the last batch: repeat its last window, drop the copies' results
             batch = np.concatenate([batch, np.repeat(batch[-1:], s - live, axis=0)])
-        kv_cache = PagedKVCache.create(
-            num_layers=mc.num_layers,
-            num_pages=1 + s * pages_per_seq,
-            num_kv_heads=mc.num_kv_heads,
-            page_size=page_size,
-            head_dim=mc.head_dim,
-            dtype=mc.dtype,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        kv_cache = PagedKVCache.for_model(mc, 1 + s * pages_per_seq, page_size, kv_cache_dtype)
         nll = []
         for start in range(0, length, chunk_len):
             stop = start + chunk_len

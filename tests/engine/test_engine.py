@@ -40,13 +40,12 @@ def _engine(model, tokenizer=None, **kw):
 
 
 def _run(engine, prompts, params=GREEDY):
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    """Final outputs of `prompts`, in order; `params` is one for all or one per prompt."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+    done = engine.run_until_done()
     return [done[str(i)] for i in range(len(prompts))]
 
 
@@ -156,9 +155,7 @@ def test_bad_requests_are_rejected_and_others_unaffected(tiny):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good", {"prompt_token_ids": good}, GREEDY)
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = engine.run_until_done()
     assert list(done) == ["good"]
     assert done["good"].outputs[0].token_ids == _dense_greedy(model, good, GREEDY.max_tokens)[0]
     assert engine.pool.num_in_use == 0
@@ -221,12 +218,9 @@ def test_prefix_caching_on_and_off_give_identical_outputs(tiny):
     engine = _engine(model)
     # The first request fills the cache; the rest arrive after it.
     first = _run(engine, prompts[:1], params)
-    rest = []
     for i, p in enumerate(prompts[1:]):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    while engine.has_unfinished():
-        rest += [o for o in engine.step() if o.finished]
-    rest.sort(key=lambda o: o.request_id)
+    rest = sorted(engine.run_until_done().values(), key=lambda o: o.request_id)
     on = first + rest
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert all(o.num_cached_tokens == 24 for o in on[1:])  # the 3 full system-prompt pages
@@ -243,8 +237,7 @@ def test_cache_salt_isolates_tenants(tiny):
     outs = {}
     for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
         engine.add_request(rid, prompt, params, cache_salt=salt)
-        while engine.has_unfinished():
-            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        outs.update(engine.run_until_done())
     assert outs["b"].num_cached_tokens == 0 and outs["c"].num_cached_tokens == 24
     assert (
         outs["a"].outputs[0].token_ids
@@ -314,12 +307,7 @@ def test_multi_step_decode_matches_single_steps(tiny, num_steps):
     ]
 
     def run(engine):
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
-        done = {}
-        while engine.has_unfinished():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        return [done[str(i)].outputs[0] for i in range(len(prompts))]
+        return [o.outputs[0] for o in _run(engine, prompts, params)]
 
     one = run(_engine(model))
     # 15 usable pages: preemption happens while the loop reserves pages ahead.
@@ -357,12 +345,7 @@ def test_async_scheduling_matches_sync(tiny):
     ]
 
     def run(engine):
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
-        done = {}
-        while engine.has_unfinished():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        return [done[str(i)].outputs[0] for i in range(len(prompts))]
+        return [o.outputs[0] for o in _run(engine, prompts, params)]
 
     expected = run(_engine(model))
     assert expected[2].finish_reason == "stop" and expected[4].finish_reason == "stop"
@@ -387,9 +370,7 @@ def test_async_abort_in_flight(tiny):
     engine.step()
     engine.step()  # a and b are decoding, one step in flight
     engine.abort("a")
-    outs = {}
-    while engine.has_unfinished():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    outs = engine.run_until_done()
     assert outs["a"].outputs[0].finish_reason == "abort"
     assert outs["b"].outputs[0].token_ids == _dense_greedy(model, [4, 5], GREEDY.max_tokens)[0]
     assert engine.pool.num_in_use == 0

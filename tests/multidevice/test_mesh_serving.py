@@ -61,12 +61,8 @@ def _config(num_pages: int, token_buckets=(16, 64)) -> EngineConfig:
 def _run(engine, prompts, params=GREEDY, prefix="r"):
     for i, p in enumerate(prompts):
         engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+    done = engine.run_until_done()
+    return [done[f"{prefix}{i}"].outputs[0] for i in range(len(prompts))]
 
 
 class Served:
