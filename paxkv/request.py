@@ -68,9 +68,17 @@ class SamplingParams:
     request's samples reproducible whatever it is batched with (None: the engine draws
     one). Generation stops after `max_tokens` tokens, or at a token of `stop_token_ids`
     or the model's EOS (unless `ignore_eos`); a stop token is kept in the output.
-    `logprobs=True` reports the log-probability of each chosen token under the model's
-    distribution (before temperature and truncation). `n > 1` samples several
-    completions of the same prompt.
+    `logprobs=k` reports, for each generated token, the log-probabilities of the k most
+    likely tokens and of the chosen one (so k + 1 entries at most; 0: the chosen one
+    only), under the model's raw distribution `log_softmax(logits)` (before penalties,
+    temperature and truncation, vLLM's "raw_logprobs"), with each token's rank; None
+    reports none. `n > 1` samples several completions of the same prompt.
+
+    Penalties, applied to the logits before temperature, as vLLM and OpenAI define them:
+    `presence_penalty` (in [-2, 2]) subtracts itself from every token generated so far,
+    `frequency_penalty` (in [-2, 2]) subtracts itself times the number of times it was
+    generated, and `repetition_penalty` (> 0; 1: off) divides the positive logits and
+    multiplies the negative ones of every token in the prompt or generated so far.
     """
 
     n: int = 1
@@ -82,7 +90,10 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -107,7 +118,26 @@ class SamplingParams:
             raise TypeError(f"stop_token_ids must be a list of ints, got {stop!r}")
         put("stop_token_ids", tuple(check_token_ids("stop_token_ids", list(stop))))
         put("ignore_eos", check_bool("ignore_eos", self.ignore_eos))
-        put("logprobs", check_bool("logprobs", self.logprobs))
+        if isinstance(self.logprobs, (bool, np.bool_)):
+            raise TypeError(
+                f"logprobs must be an integer k (the top-k log-probabilities to report per "
+                f"token, 0: the chosen token's only) or None, got {self.logprobs!r}"
+            )
+        if self.logprobs is not None:
+            put("logprobs", check_int("logprobs", self.logprobs, lo=0))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name}={value} must be in [-2, 2]")
+            put(name, value)
+        put("repetition_penalty", check_float("repetition_penalty", self.repetition_penalty))
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty is on (the step then needs the sequence's token history)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
 class FinishReason(enum.StrEnum):
@@ -151,20 +181,43 @@ class RequestMetrics:
         return self.finished_time - self.arrival_time
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model, and its rank (1: the most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclasses.dataclass
 class CompletionOutput:
-    """One completion of a request (`RequestOutput.outputs[i]`)."""
+    """One completion of a request (`RequestOutput.outputs[i]`).
+
+    With `SamplingParams.logprobs=k`, `logprobs[i]` maps token ids to their `Logprob` at
+    output position i: the k most likely and the chosen token `token_ids[i]`; and
+    `cumulative_logprob` is the sum of the chosen tokens' log-probabilities. Both are
+    None without it.
+    """
 
     index: int
     token_ids: list[int]
     text: str | None = None
-    logprobs: list[float] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # a FinishReason value once finished
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
         """Whether the completion has ended."""
         return self.finish_reason is not None
+
+    @property
+    def token_logprobs(self) -> list[float] | None:
+        """The chosen tokens' log-probabilities (None without `SamplingParams.logprobs`)."""
+        if self.logprobs is None:
+            return None
+        return [d[t].logprob for d, t in zip(self.logprobs, self.token_ids, strict=True)]
 
 
 @dataclasses.dataclass

@@ -39,6 +39,9 @@ class EngineConfig:
         "auto", "KV page dtype; auto: the model dtype.", choices=KV_CACHE_DTYPES
     )
     attention_backend: str = _field("auto", "Attention implementation.", choices=BACKENDS)
+    max_logprobs: int = _field(
+        20, "Most top logprobs a request may ask for (SamplingParams.logprobs), as in vLLM."
+    )
     seed: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
@@ -65,6 +68,7 @@ class EngineConfig:
             check_int(name, getattr(self, name), lo=1)
         check_int("max_model_len", self.max_model_len, lo=1)
         check_int("seed", self.seed)
+        check_int("max_logprobs", self.max_logprobs, lo=0)
         check_int("bucket_growth", self.bucket_growth, lo=2)
         if not valid_page_size(self.page_size):
             raise ValueError(
@@ -113,6 +117,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={limit}"
+            )
+        vocab = getattr(model_config, "vocab_size", None)
+        if vocab is not None and self.max_logprobs > vocab:
+            raise ValueError(
+                f"max_logprobs={self.max_logprobs} exceeds the model's vocab_size={vocab}"
             )
         backend = self.attention_backend
         if backend in ("tpu", "gpu") and backend != resolve_backend("auto", platform):

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -25,6 +24,7 @@ from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import Request, RequestRegistry
+from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.state import PagedKVCache
 from paxkv.engine.step import MAX_STOP_IDS, DecodeLimits, StepBatch
 from paxkv.host.batch import build_host_batch
@@ -100,6 +100,7 @@ class Engine:
             max_model_len=config.max_model_len,
             tokenizer=tokenizer,
             seed=config.seed,
+            max_logprobs=config.max_logprobs,
         )
         self._buckets = config.buckets()
         self._aborted: list[RequestOutput] = []  # reported by the next step
@@ -212,14 +213,15 @@ class Engine:
         batch, token_src = self.to_device(plan)
         t1 = time.perf_counter()
         if limits is None:
-            tokens, logprobs = self.dispatch(batch, token_src)
-            results = [(np.asarray(tokens), np.asarray(logprobs), None)]
+            results = [(jax.device_get(self.dispatch(batch, token_src)), None)]
         else:
-            tokens, logprobs, valid = self._run_decode_loop(batch, plan, limits)
-            results = [(tokens[i], logprobs[i], valid[i]) for i in range(len(tokens))]
+            sampled, valid = self._run_decode_loop(batch, plan, limits)
+            results = [
+                (jax.tree.map(lambda a, i=i: a[i], sampled), valid[i]) for i in range(len(valid))
+            ]
         t2 = time.perf_counter()
-        for i, (tokens, logprobs, valid) in enumerate(results):
-            self._record(plan if i == 0 else _advanced(plan, i), tokens, logprobs, valid)
+        for i, (sampled, valid) in enumerate(results):
+            self._record(plan if i == 0 else _advanced(plan, i), sampled, valid)
         return self.report({c.seq.request_id for c in plan.chunks if c.samples}), t1, t2
 
     def report(self, request_ids) -> list[RequestOutput]:
@@ -235,10 +237,11 @@ class Engine:
                 self._on_finished(self.requests.pop(rid))
         return outputs
 
-    def _record(self, plan: SchedulerOutput, tokens, logprobs, valid) -> None:
-        """Hands one iteration's sampled tokens to the scheduler; `valid` masks a loop's."""
+    def _record(self, plan: SchedulerOutput, samples: Sampled, valid) -> None:
+        """Hands one iteration's samples (on the host) to the scheduler; `valid` masks a
+        loop's."""
         sampled = [
-            (tokens[i], logprobs[i]) if c.samples and (valid is None or valid[i]) else None
+            sample_result(samples, i, c.seq) if c.samples and (valid is None or valid[i]) else None
             for i, c in enumerate(plan.chunks)
         ]
         previous = [c.seq.last_token_time for c in plan.chunks]
@@ -274,7 +277,7 @@ class Engine:
             [c.seq.stop_token_ids(self.eos_token_ids) for c in plan.chunks], limits, size
         )
         with self._compiles.counting():
-            tokens, logprobs, valid, self.kv_cache = steps.DECODE_LOOP(
+            sampled, valid, self.kv_cache = steps.DECODE_LOOP(
                 self._graphdef,
                 self._params,
                 self.kv_cache,
@@ -282,14 +285,15 @@ class Engine:
                 stops,
                 attention_backend=self.config.attention_backend,
                 num_steps=self.config.num_decode_steps,
+                num_logprobs=self.config.max_logprobs,
             )
         self.metrics.num_decode_loops += bool(plan.chunks)
-        return np.asarray(tokens), np.asarray(logprobs), np.asarray(valid)
+        return jax.device_get((sampled, valid))
 
-    def dispatch(self, batch: StepBatch, token_src: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def dispatch(self, batch: StepBatch, token_src: jax.Array) -> Sampled:
         """Dispatches one step (without waiting for it); remembers its sampled tokens."""
         with self._compiles.counting():
-            tokens, logprobs, self.kv_cache = steps.MODEL_STEP(
+            sampled, self.kv_cache = steps.MODEL_STEP(
                 self._graphdef,
                 self._params,
                 self.kv_cache,
@@ -297,9 +301,10 @@ class Engine:
                 token_src,
                 self._prev_tokens,
                 attention_backend=self.config.attention_backend,
+                num_logprobs=self.config.max_logprobs,
             )
-        self._prev_tokens = tokens
-        return tokens, logprobs
+        self._prev_tokens = sampled.tokens
+        return sampled
 
     def to_device(
         self, plan: SchedulerOutput, pending: dict[int, int] | None = None
@@ -307,7 +312,11 @@ class Engine:
         """The device batch of `plan` and its token feed: `pending` maps `id(seq)` to the
         row of the in-flight step's output that holds the token seq samples there."""
         hb = build_host_batch(
-            plan, page_size=self.config.page_size, buckets=self._buckets, pending=pending
+            plan,
+            page_size=self.config.page_size,
+            buckets=self._buckets,
+            pending=pending,
+            history_slack=self.config.num_decode_steps,
         )
         return StepBatch.from_host(hb, self.config.page_size)
 

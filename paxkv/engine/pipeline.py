@@ -16,8 +16,8 @@ import time
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
+from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import PLACEHOLDER_TOKEN
 from paxkv.host.scheduler import SchedulerOutput
 from paxkv.host.sequence import SequenceState
@@ -32,8 +32,7 @@ class InFlight:
     """A dispatched step whose tokens the host has not read: its outputs on the device,
     and for each placeholder it left, `(seq, row of the output, index in seq's outputs)`."""
 
-    tokens: jax.Array  # i32[max_num_seqs]
-    logprobs: jax.Array  # f32[max_num_seqs]
+    sampled: Sampled  # padded to max_num_seqs rows
     placeholders: tuple[tuple[SequenceState, int, int], ...]
 
 
@@ -54,9 +53,10 @@ class AsyncPipeline:
         """Drops the placeholders of sequences that were aborted while a step was in
         flight: their outputs end at the last real token."""
         for seq in seqs:
-            while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER_TOKEN:
-                seq.output_token_ids.pop()
-                seq.logprobs.pop()
+            real = len(seq.output_token_ids)
+            while real and seq.output_token_ids[real - 1] == PLACEHOLDER_TOKEN:
+                real -= 1
+            seq.truncate_outputs(real)
             self._last_token_seen.pop(id(seq), None)
 
     def step(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
@@ -90,21 +90,22 @@ class AsyncPipeline:
                 for i, c in enumerate(plan.chunks)
                 if c.samples and len(c.seq.output_token_ids) > counts[i]
             )
-            self.inflight = InFlight(*launched, placeholders)
+            self.inflight = InFlight(launched, placeholders)
         return outputs, t1, t2
 
     def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
         """Waits for an in-flight step and puts its sampled tokens in place."""
         engine = self.engine
-        tokens, logprobs = np.asarray(inflight.tokens), np.asarray(inflight.logprobs)
+        sampled = jax.device_get(inflight.sampled)
         now = time.monotonic()
         touched = []
         for seq, row, index in inflight.placeholders:
             if index >= len(seq.output_token_ids):
                 continue  # dropped: the sequence stopped at an earlier token
             before = self._last_token_seen.get(id(seq))
+            token, logprob, *top = sample_result(sampled, row, seq)
             engine.scheduler.resolve(
-                seq, index, int(tokens[row]), float(logprobs[row]), engine.eos_token_ids, now
+                seq, index, token, logprob, engine.eos_token_ids, now, top[0] if top else None
             )
             engine.metrics.on_token(None if before is None else now - before)
             self._last_token_seen[id(seq)] = now

@@ -12,6 +12,7 @@ from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState
 from paxkv.request import (
     CompletionOutput,
+    Logprob,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
@@ -30,6 +31,7 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[SequenceState]
     arrival_time: float
+    _built: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -40,13 +42,15 @@ class Request:
         """The request's state now, as the API returns it (texts decoded by `tokenizer`)."""
         completions = []
         for seq in self.seqs:
+            asked = seq.params.logprobs is not None
             completions.append(
                 CompletionOutput(
                     index=seq.index,
                     token_ids=list(seq.output_token_ids),
                     text=None if tokenizer is None else tokenizer.decode(seq.output_token_ids),
-                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+                    logprobs=self._logprob_dicts(seq, tokenizer) if asked else None,
                     finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
+                    cumulative_logprob=float(sum(seq.logprobs)) if asked else None,
                 )
             )
         first = self.seqs[0]
@@ -68,6 +72,31 @@ class Request:
             metrics=metrics,
         )
 
+    def _logprob_dicts(self, seq: SequenceState, tokenizer: Any) -> list[dict[int, Logprob]]:
+        """Per output token: its top-k and itself, as `{token id: Logprob}`.
+
+        Built once per token and kept (tokens whose top-k the host has not read yet,
+        under async scheduling, are built when it has)."""
+        built = self._built.setdefault(seq.index, [])
+        del built[len(seq.output_token_ids) :]  # outputs dropped after a stop token
+        for j in range(len(built), len(seq.output_token_ids)):
+            top = seq.top_logprobs[j]
+            if top is None:
+                break
+            ids, lps, rank = top
+            entries = {
+                t: Logprob(lp, r, _decode(tokenizer, t))
+                for r, (t, lp) in enumerate(zip(ids, lps, strict=True), 1)
+            }
+            token = seq.output_token_ids[j]
+            entries.setdefault(token, Logprob(seq.logprobs[j], rank, _decode(tokenizer, token)))
+            built.append(entries)
+        return list(built)
+
+
+def _decode(tokenizer: Any, token: int) -> str | None:
+    return None if tokenizer is None else tokenizer.decode([token])
+
 
 class RequestRegistry:
     """The unfinished requests of an engine, by id; validates what is submitted.
@@ -78,6 +107,7 @@ class RequestRegistry:
       max_model_len: the longest prompt + output.
       tokenizer: optional, with `encode(str) -> list[int]`; string prompts need it.
       seed: draws the sampling seeds of requests that give none.
+      max_logprobs: the most `SamplingParams.logprobs` a request may ask for.
     """
 
     def __init__(
@@ -88,11 +118,13 @@ class RequestRegistry:
         max_model_len: int,
         tokenizer: Any = None,
         seed: int = 0,
+        max_logprobs: int = 20,
     ) -> None:
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         self._requests: dict[str, Request] = {}
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -164,6 +196,11 @@ class RequestRegistry:
         """Returns `(text, token_ids)` of a servable request, or raises ValueError saying why not."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(
+                f"request {request_id!r}: logprobs={params.logprobs} exceeds the engine's "
+                f"max_logprobs={self.max_logprobs}"
+            )
         text, ids = normalize_prompt(prompt)
         if ids is None:
             if self.tokenizer is None:

@@ -1,70 +1,163 @@
-"""On-device sampling of the next token of every sequence in a step."""
+"""On-device sampling of the next token of every sequence in a step.
+
+Everything here is per row: what one sequence samples does not depend on what it is
+batched with (its penalties read its own history, its draws use its own key).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
+
+from paxkv.host.batch import SAMPLING_FLOATS, SAMPLING_INTS, sampling_arrays
+from paxkv.host.sequence import SequenceState, TopLogprobs
+from paxkv.request import SamplingParams
+
+_F = {name: i for i, name in enumerate(SAMPLING_FLOATS)}
+_I = {name: i for i, name in enumerate(SAMPLING_INTS)}
 
 
 @struct.dataclass
 class SamplingBatch:
     """Per-sequence sampling parameters of one step, padded to the step's S.
 
-    Two arrays, so the host moves them in two transfers: `floats` holds temperature
-    (0 = greedy), top_p (1 = off) and min_p (0 = off); `ints` holds top_k (<= 0 = off),
-    the seed, and the counter (index of the token being sampled in its completion).
+    `floats` holds temperature (0 = greedy), top_p (1 = off), min_p (0 = off) and the
+    presence, frequency and repetition penalties; `ints` holds top_k (<= 0 = off), the
+    seed, and the counter (index of the token being sampled in its completion).
+    `history` lists, per sequence with penalties, the distinct tokens of its prompt and
+    output: `history[0]` their ids (-1 pads), `history[1]` how often each was
+    generated, `history[2]` whether it is in the prompt; H = 0 when no sequence of the
+    step has penalties, and the penalty code then compiles away.
     """
 
-    floats: jax.Array  # f32[S, 3]
+    floats: jax.Array  # f32[S, 6]
     ints: jax.Array  # i32[S, 3]
+    history: jax.Array  # i32[3, S, H]
 
-    temperature = property(lambda self: self.floats[:, 0])
-    top_p = property(lambda self: self.floats[:, 1])
-    min_p = property(lambda self: self.floats[:, 2])
-    top_k = property(lambda self: self.ints[:, 0])
-    seeds = property(lambda self: self.ints[:, 1])
-    counters = property(lambda self: self.ints[:, 2])
-
-    @staticmethod
-    def host_rows(size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Padding rows (greedy, no truncation) to fill: `(floats f32[size, 3], ints i32[size, 3])`."""
-        floats = np.zeros((size, 3), np.float32)
-        floats[:, 1] = 1.0
-        return floats, np.zeros((size, 3), np.int32)
+    temperature = property(lambda self: self.floats[:, _F["temperature"]])
+    top_p = property(lambda self: self.floats[:, _F["top_p"]])
+    min_p = property(lambda self: self.floats[:, _F["min_p"]])
+    presence_penalty = property(lambda self: self.floats[:, _F["presence_penalty"]])
+    frequency_penalty = property(lambda self: self.floats[:, _F["frequency_penalty"]])
+    repetition_penalty = property(lambda self: self.floats[:, _F["repetition_penalty"]])
+    top_k = property(lambda self: self.ints[:, _I["top_k"]])
+    seeds = property(lambda self: self.ints[:, _I["seed"]])
+    counters = property(lambda self: self.ints[:, _I["counter"]])
 
     @classmethod
-    def from_host(cls, params, size: int) -> SamplingBatch:
-        """Pads `(temperature, top_k, top_p, min_p, seed, counter)` rows to `size` rows."""
-        floats, ints = cls.host_rows(size)
-        for i, (temperature, top_k, top_p, min_p, seed, counter) in enumerate(params):
-            floats[i] = (temperature, top_p, min_p)
-            ints[i] = (top_k, seed, counter)
-        return cls(floats=jnp.asarray(floats), ints=jnp.asarray(ints))
+    def create(
+        cls,
+        params: Sequence[SamplingParams],
+        size: int,
+        *,
+        seeds: Sequence[int] | None = None,
+        counters: Sequence[int] | None = None,
+        histories: Sequence[tuple[list[int], list[int], list[int]] | None] = (),
+        history_slack: int = 1,
+    ) -> SamplingBatch:
+        """The batch of `params` padded to `size` rows (seeds default to the params' or 0,
+        counters to 0; see `paxkv.host.batch.sampling_arrays`)."""
+        n = len(params)
+        seeds = [p.seed or 0 for p in params] if seeds is None else seeds
+        counters = [0] * n if counters is None else counters
+        floats, ints, history = sampling_arrays(
+            params, seeds, counters, size, histories=histories, history_slack=history_slack
+        )
+        return cls(jnp.asarray(floats), jnp.asarray(ints), jnp.asarray(history))
+
+    def advanced(self, steps: jax.Array) -> SamplingBatch:
+        """The batch `steps` tokens later (each row's counter advanced)."""
+        return self.replace(ints=self.ints.at[:, _I["counter"]].add(steps))
+
+
+@struct.dataclass
+class Sampled:
+    """One step's samples: the token of every row and what the API reports about it."""
+
+    tokens: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; of the chosen token, under log_softmax(logits)
+    top_ids: jax.Array  # i32[S, K]; the K most likely tokens (K = 0: none asked)
+    top_logprobs: jax.Array  # f32[S, K]
+    ranks: jax.Array  # i32[S]; the chosen token's rank, 1 = the most likely
+
+    def padded(self, rows: int) -> Sampled:
+        """Padded with zero rows to `rows` rows."""
+        pad = rows - self.tokens.shape[0]
+        return jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), self)
+
+
+def apply_penalties(
+    logits: jax.Array,  # f32[S, V]
+    params: SamplingBatch,
+) -> jax.Array:  # f32[S, V]
+    """The logits with each row's presence, frequency and repetition penalties applied
+    to the tokens of its history (vLLM's and OpenAI's definitions); rows without
+    penalties are unchanged. Costs O(S * H), not O(S * V)."""
+    ids, counts, in_prompt = params.history
+    if ids.shape[1] == 0:
+        return logits
+    vocab = logits.shape[1]
+    present = ids >= 0
+    picked = jnp.take_along_axis(logits, jnp.maximum(ids, 0), axis=1)
+    rep = params.repetition_penalty[:, None]
+    seen = present & ((counts > 0) | (in_prompt > 0))
+    repeated = jnp.where(picked > 0, picked / rep, picked * rep)
+    penalised = jnp.where(seen, repeated, picked)
+    penalised -= params.frequency_penalty[:, None] * counts
+    penalised -= params.presence_penalty[:, None] * (counts > 0)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(present, ids, vocab)].set(penalised, mode="drop")
+
+
+def add_to_history(
+    params: SamplingBatch,
+    tokens: jax.Array,  # i32[S]
+    generated: jax.Array,  # bool[S]; rows whose `tokens` count as generated
+) -> SamplingBatch:
+    """The batch with `tokens` counted as generated in the rows `generated`: a token
+    already in a row's history gains a count, a new one takes the first free slot."""
+    ids, counts, in_prompt = params.history
+    if ids.shape[1] == 0:
+        return params
+    match = (ids == tokens[:, None]) & generated[:, None]
+    free = ids < 0
+    slot = jnp.argmax(free, axis=1)
+    new = generated & ~match.any(axis=1) & free.any(axis=1)
+    rows = jnp.arange(ids.shape[0])
+    ids = ids.at[rows, slot].set(jnp.where(new, tokens, ids[rows, slot]))
+    counts = (counts + match).at[rows, slot].add(new.astype(jnp.int32))
+    return params.replace(history=jnp.stack([ids, counts, in_prompt]))
 
 
 def sample(
     logits: jax.Array,  # f32[S, V]
     params: SamplingBatch,
-) -> tuple[jax.Array, jax.Array]:  # (i32[S] tokens, f32[S] logprobs)
-    """Samples one token per row and returns it with its log-probability.
+    *,
+    num_logprobs: int = 0,
+) -> Sampled:
+    """Samples one token per row and reports it with its log-probability, its rank and
+    the `num_logprobs` most likely tokens.
 
-    Greedy rows (temperature 0) take the argmax. Other rows scale by temperature, keep
-    the `top_k` most likely tokens, then the smallest set whose probability reaches
-    `top_p`, then drop tokens below `min_p` times the most likely one's probability,
-    and draw from what is left with the key `fold_in(PRNGKey(seed), counter)`, so a
-    request's samples do not depend on what it is batched with. The log-probability
-    is under the unmodified distribution `log_softmax(logits)`.
+    Penalties apply first. Greedy rows (temperature 0) take the argmax. Other rows scale
+    by temperature, keep the `top_k` most likely tokens, then the smallest set whose
+    probability reaches `top_p`, then drop tokens below `min_p` times the most likely
+    one's probability, and draw from what is left with the key
+    `fold_in(PRNGKey(seed), counter)`, so a request's samples do not depend on what it is
+    batched with. Log-probabilities and ranks are under the raw distribution
+    `log_softmax(logits)`, before penalties, temperature and truncation.
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    adjusted = apply_penalties(logits, params)
+    greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
 
     temp = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    order = jnp.argsort(-logits, axis=-1)  # descending
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temp
+    order = jnp.argsort(-adjusted, axis=-1)  # descending
+    sorted_logits = jnp.take_along_axis(adjusted, order, axis=-1) / temp
     rank = jnp.arange(vocab)[None, :]
     keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
@@ -81,4 +174,24 @@ def sample(
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     tokens = jnp.where(params.temperature > 0, sampled, greedy)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs, ranks)
+
+
+def sample_result(
+    samples: Sampled, row: int, seq: SequenceState
+) -> tuple[int, float] | tuple[int, float, TopLogprobs]:
+    """Row `row` of host-side samples as `Scheduler.update` takes it: `(token, logprob)`,
+    and the top-k `(ids, logprobs, rank)` when `seq` asks for logprobs."""
+    token, logprob = int(samples.tokens[row]), float(samples.logprobs[row])
+    k = seq.params.logprobs
+    if k is None:
+        return token, logprob
+    top = (
+        tuple(samples.top_ids[row, :k].tolist()),
+        tuple(samples.top_logprobs[row, :k].tolist()),
+        int(samples.ranks[row]),
+    )
+    return token, logprob, top

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from paxkv.engine.sampling import SamplingBatch, sample
+from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample
 from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.host.batch import HostBatch
 from paxkv.sharding import shardings
@@ -52,7 +52,7 @@ class StepBatch:
             num_seqs=a["num_seqs"],
             page_size=page_size,
         )
-        sampling = SamplingBatch(floats=a["sampling_floats"], ints=a["sampling_ints"])
+        sampling = SamplingBatch(a["sampling_floats"], a["sampling_ints"], a["penalty_history"])
         return cls(a["tokens"], a["positions"], table, a["logits_indices"], sampling), a[
             "token_src"
         ]
@@ -72,7 +72,7 @@ class StepBatch:
             positions=jnp.zeros(num_tokens, jnp.int32),
             table=table,
             logits_indices=jnp.zeros(num_seqs, jnp.int32),
-            sampling=SamplingBatch.from_host([], num_seqs),
+            sampling=SamplingBatch.create([], num_seqs),
         )
 
 
@@ -104,13 +104,13 @@ def forward_sample(
     sampling: SamplingBatch,
     *,
     attention_backend: str,
-) -> tuple[jax.Array, jax.Array, PagedKVCache]:
-    """`forward_logits`, then one sampled token per row: `(tokens i32[S], logprobs f32[S], cache)`."""
+    num_logprobs: int = 0,
+) -> tuple[Sampled, PagedKVCache]:
+    """`forward_logits`, then one sampled token per row (`sample`), and the cache."""
     logits, kv_cache = forward_logits(
         model, tokens, positions, kv_cache, table, rows, attention_backend=attention_backend
     )
-    tokens, logprobs = sample(logits, sampling)
-    return tokens, logprobs, kv_cache
+    return sample(logits, sampling, num_logprobs=num_logprobs), kv_cache
 
 
 def model_step(
@@ -122,35 +122,44 @@ def model_step(
     prev_tokens: jax.Array,  # i32[max_num_seqs]; the previous step's sampled tokens
     *,
     attention_backend: str,
-) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    num_logprobs: int = 0,
+) -> tuple[Sampled, PagedKVCache]:
     """One model step: write the batch's K/V, attend, sample a token per sequence.
 
-    Returns tokens and logprobs padded to `max_num_seqs` rows (row i: the batch's
-    sequence i), so the next step can read its input tokens from them on the device.
+    Returns the samples padded to `max_num_seqs` rows (row i: the batch's sequence i),
+    so the next step can read its input tokens from them on the device. A sequence
+    whose last token is fed from `prev_tokens` (async scheduling) has that token, which
+    the host has not seen, counted in its penalty history before it samples.
     """
     model = nnx.merge(graphdef, params)
     fed = prev_tokens[jnp.maximum(token_src, 0)]
     tokens_in = jnp.where(token_src >= 0, fed, batch.tokens)
-    tokens, logprobs, kv_cache = forward_sample(
+    last = batch.logits_indices
+    sampling = add_to_history(batch.sampling, tokens_in[last], token_src[last] >= 0)
+    sampled, kv_cache = forward_sample(
         model,
         tokens_in,
         batch.positions,
         kv_cache,
         batch.table,
-        batch.logits_indices,
-        batch.sampling,
+        last,
+        sampling,
         attention_backend=attention_backend,
+        num_logprobs=num_logprobs,
     )
-    pad = prev_tokens.shape[0] - tokens.shape[0]
-    tokens, logprobs = jnp.pad(tokens, (0, pad)), jnp.pad(logprobs, (0, pad))
+    sampled = sampled.padded(prev_tokens.shape[0])
     mesh = getattr(model, "mesh", None)
     if mesh is not None:  # replicated, like the next step's prev_tokens input
-        tokens = jax.lax.with_sharding_constraint(tokens, shardings.replicated(mesh))
-    return tokens, logprobs, kv_cache
+        sampled = sampled.replace(
+            tokens=jax.lax.with_sharding_constraint(sampled.tokens, shardings.replicated(mesh))
+        )
+    return sampled, kv_cache
 
 
 MODEL_STEP = jax.jit(
-    model_step, static_argnames=("attention_backend",), donate_argnames=("kv_cache",)
+    model_step,
+    static_argnames=("attention_backend", "num_logprobs"),
+    donate_argnames=("kv_cache",),
 )
 
 
@@ -183,9 +192,11 @@ def decode_loop(
     *,
     attention_backend: str,
     num_steps: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, PagedKVCache]:
-    """Runs `num_steps` decode iterations. Returns `(tokens i32[N, S], logprobs f32[N, S],
-    valid bool[N, S], kv_cache)`; `valid[i, s]` says sequence s produced token i."""
+    num_logprobs: int = 0,
+) -> tuple[Sampled, jax.Array, PagedKVCache]:
+    """Runs `num_steps` decode iterations. Returns `(samples with arrays [N, S, ...],
+    valid bool[N, S], kv_cache)`; `valid[i, s]` says sequence s produced token i. Each
+    token a sequence samples joins its penalty history before its next iteration."""
     model = nnx.merge(graphdef, params)
     table = batch.table
     num_rows = batch.tokens.shape[0]
@@ -198,27 +209,28 @@ def decode_loop(
     )
 
     def body(i, carry):
-        cache, current, kv_lens, active, out_tokens, out_logprobs, out_valid = carry
+        cache, current, kv_lens, active, sampling, out, out_valid = carry
         q_lens = active.astype(jnp.int32)
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)])
         rows = jnp.where(active, cu[:-1], num_rows)  # inactive sequences have no row
         tokens = jnp.zeros(num_rows, jnp.int32).at[rows].set(current, mode="drop")
         positions = jnp.zeros(num_rows, jnp.int32).at[rows].set(kv_lens - 1, mode="drop")
         step_table = table.replace(kv_lens=kv_lens, cu_q_lens=cu)
-        sampling = batch.sampling.replace(ints=batch.sampling.ints.at[:, 2].add(i))
-        new, logprobs, cache = forward_sample(
+        sampled, cache = forward_sample(
             model,
             tokens,
             positions,
             cache,
             step_table,
             jnp.where(active, cu[:-1], 0),
-            sampling,
+            sampling.advanced(i),
             attention_backend=attention_backend,
+            num_logprobs=num_logprobs,
         )
+        new = sampled.tokens
         stop = jnp.any(new[:, None] == limits.stop_ids, axis=1) | (i + 1 >= limits.remaining)
-        out_tokens = out_tokens.at[i].set(jnp.where(active, new, -1))
-        out_logprobs = out_logprobs.at[i].set(jnp.where(active, logprobs, 0.0))
+        sampled = sampled.replace(tokens=jnp.where(active, new, -1))
+        out = jax.tree.map(lambda o, x: o.at[i].set(x), out, sampled)
         out_valid = out_valid.at[i].set(active)
         still = active & ~stop
         return (
@@ -226,25 +238,32 @@ def decode_loop(
             jnp.where(still, new, current),
             kv_lens + still,
             still,
-            out_tokens,
-            out_logprobs,
+            add_to_history(sampling, new, still),
+            out,
             out_valid,
         )
 
+    shapes = jax.eval_shape(
+        lambda lg: sample(lg, batch.sampling, num_logprobs=num_logprobs),
+        jax.ShapeDtypeStruct((num_slots, model.config.vocab_size), jnp.float32),
+    )
+    out = jax.tree.map(lambda a: jnp.zeros((num_steps, *a.shape), a.dtype), shapes)
     carry = (
         kv_cache,
         first_tokens,
         table.kv_lens,
         live,
-        jnp.full((num_steps, num_slots), -1, jnp.int32),
-        jnp.zeros((num_steps, num_slots), jnp.float32),
+        batch.sampling,
+        out,
         jnp.zeros((num_steps, num_slots), bool),
     )
-    kv_cache, _, _, _, tokens, logprobs, valid = jax.lax.fori_loop(0, num_steps, body, carry)
-    return tokens, logprobs, valid, kv_cache
+    kv_cache, _, _, _, _, out, valid = jax.lax.fori_loop(0, num_steps, body, carry)
+    return out, valid, kv_cache
 
 
 DECODE_LOOP = jax.jit(
-    decode_loop, static_argnames=("attention_backend", "num_steps"), donate_argnames=("kv_cache",)
+    decode_loop,
+    static_argnames=("attention_backend", "num_steps", "num_logprobs"),
+    donate_argnames=("kv_cache",),
 )
 COMPILED_FUNCTIONS = ("model_step", "decode_loop")  # what `CompileCounter` watches

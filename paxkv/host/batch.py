@@ -17,6 +17,7 @@ from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 
 if TYPE_CHECKING:
     from paxkv.host.scheduler import SchedulerOutput
+    from paxkv.request import SamplingParams
 
 
 def pad_page_table(
@@ -101,6 +102,73 @@ class Buckets:
         return [(t, s, p) for t, s in pairs for p in self.pages]
 
 
+# Columns of the per-sequence sampling arrays (`paxkv.engine.sampling.SamplingBatch`),
+# and the values of padding rows: greedy, no truncation, no penalty.
+SAMPLING_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+SAMPLING_INTS = ("top_k", "seed", "counter")
+_FLOAT_PADDING = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+MIN_HISTORY = 16  # the smallest penalty-history bucket
+
+
+def history_bucket(needed: int) -> int:
+    """The padded length of a step's penalty history: 0 when no sequence has penalties,
+    else a power of two >= max(needed, MIN_HISTORY), so steps compile few shapes."""
+    if needed <= 0:
+        return 0
+    return max(MIN_HISTORY, 1 << (needed - 1).bit_length())
+
+
+def sampling_arrays(
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    counters: Sequence[int],
+    size: int,
+    *,
+    histories: Sequence[tuple[list[int], list[int], list[int]] | None] = (),
+    history_slack: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(floats f32[size, 6], ints i32[size, 3], history i32[3, size, H])` of the given
+    sequences' sampling parameters, padded to `size` rows.
+
+    `histories[i]` is sequence i's `(ids, output counts, in prompt)` when it has penalties
+    (`SequenceState.penalty_history`), else None. `history` holds them as rows padded
+    with id -1, with room for `history_slack` more distinct tokens (the device adds the
+    tokens it samples or feeds that the host has not seen); H = 0 when none has one.
+    """
+    n = len(params)
+    floats = np.tile(np.asarray(_FLOAT_PADDING, np.float32), (size, 1))
+    ints = np.zeros((size, len(SAMPLING_INTS)), np.int32)
+    if n:
+        floats[:n] = [
+            (
+                p.temperature,
+                p.top_p,
+                p.min_p,
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+            )
+            for p in params
+        ]
+        ints[:n, 0] = [p.top_k for p in params]
+        ints[:n, 1] = seeds
+        ints[:n, 2] = counters
+    needed = max((len(h[0]) for h in histories if h is not None), default=-history_slack)
+    history = np.zeros((3, size, history_bucket(needed + history_slack)), np.int32)
+    history[0] = -1
+    for i, h in enumerate(histories):
+        if h is not None:
+            history[:, i, : len(h[0])] = h
+    return floats, ints, history
+
+
 @dataclasses.dataclass(frozen=True)
 class HostBatch:
     """A step's inputs, padded to bucket sizes (T tokens, S sequences, P pages each)."""
@@ -112,8 +180,9 @@ class HostBatch:
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S]; packed row of each sequence's last token
-    sampling_floats: np.ndarray  # f32[S, 3]: temperature, top_p, min_p
-    sampling_ints: np.ndarray  # i32[S, 3]: top_k, seed, counter
+    sampling_floats: np.ndarray  # f32[S, 6]: SAMPLING_FLOATS
+    sampling_ints: np.ndarray  # i32[S, 3]: SAMPLING_INTS
+    penalty_history: np.ndarray  # i32[3, S, H]: see `sampling_arrays`
     # i32[T]: for rows whose token the host does not know yet, the index of the
     # in-flight step's output that holds it (async scheduling); -1 elsewhere.
     token_src: np.ndarray
@@ -125,6 +194,7 @@ def build_host_batch(
     page_size: int,
     buckets: Buckets,
     pending: dict[int, int] | None = None,
+    history_slack: int = 1,
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
@@ -132,6 +202,8 @@ def build_host_batch(
     row (with `Scheduler.reserve_ahead`, the pages of the decode steps ahead too).
     `pending` (async scheduling) maps `id(seq)` to the row of the in-flight step's output
     that holds the token the sequence's last row needs; `token_src` points there.
+    `history_slack`: distinct tokens the device may add to a penalty history (the
+    decode steps of one call).
     """
     chunks = plan.chunks
     ends = [c.end for c in chunks]
@@ -141,13 +213,9 @@ def build_host_batch(
     p_pad = Buckets.pick(max(n_pages), buckets.pages, "pages per sequence")
     token_list: list[int] = []
     position_list: list[int] = []
-    float_rows, int_rows = [], []
     for c in chunks:
         token_list.extend(c.token_ids)
         position_list.extend(range(c.start, c.end))
-        p = c.seq.params
-        float_rows.append((p.temperature, p.top_p, p.min_p))
-        int_rows.append((p.top_k, c.seq.seed, c.num_output_tokens))
     num = len(token_list)
     tokens = np.zeros(t_pad, np.int32)
     tokens[:num] = token_list
@@ -157,11 +225,17 @@ def build_host_batch(
     logits_indices = np.zeros(s_pad, np.int32)
     np.cumsum(q_lens, out=logits_indices[: len(chunks)])
     logits_indices[: len(chunks)] -= 1
-    floats = np.zeros((s_pad, 3), np.float32)
-    floats[:, 1] = 1.0  # padding rows: greedy, no truncation
-    floats[: len(chunks)] = float_rows
-    ints = np.zeros((s_pad, 3), np.int32)
-    ints[: len(chunks)] = int_rows
+    floats, ints, history = sampling_arrays(
+        [c.seq.params for c in chunks],
+        [c.seq.seed for c in chunks],
+        [c.num_output_tokens for c in chunks],
+        s_pad,
+        histories=[
+            c.seq.penalty_history() if c.samples and c.seq.params.has_penalties else None
+            for c in chunks
+        ],
+        history_slack=history_slack,
+    )
     table, kv_lens, cu_q_lens, num_seqs = pad_page_table(
         [c.pages for c in chunks],
         ends,
@@ -187,5 +261,6 @@ def build_host_batch(
         logits_indices,
         floats,
         ints,
+        history,
         token_src,
     )

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
-from paxkv.host.sequence import SeqStatus, SequenceState
+from paxkv.host.sequence import SeqStatus, SequenceState, TopLogprobs
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import FinishReason, SamplingParams
 
@@ -281,8 +281,8 @@ class Scheduler:
     ) -> list[SequenceState]:
         """Records a step's results and returns the sequences it finished.
 
-        `sampled` holds `(token, logprob)` for each chunk in `output.chunks` that samples,
-        and None for the others.
+        `sampled` holds `(token, logprob)` or `(token, logprob, top_logprobs)` for each
+        chunk in `output.chunks` that samples, and None for the others.
         """
         now = time.monotonic()
         finished = []
@@ -296,9 +296,8 @@ class Scheduler:
                 kv.register_full_pages(seq)
             if result is None:
                 continue
-            token, logprob = result
-            seq.output_token_ids.append(int(token))
-            seq.logprobs.append(float(logprob))
+            token, logprob, *top = result
+            seq.append_output(int(token), float(logprob), top[0] if top else None)
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
             reason = self._finish_reason(seq, int(token), eos_token_ids)
@@ -315,6 +314,7 @@ class Scheduler:
         logprob: float,
         eos_token_ids: tuple[int, ...],
         now: float,
+        top: TopLogprobs | None = None,
     ) -> None:
         """Puts the real value of output `index` of `seq`, recorded by `update` as a
         placeholder (async scheduling), and ends the sequence there if it is a stop token:
@@ -322,14 +322,12 @@ class Scheduler:
         finish reason "stop", as it would have without the placeholder."""
         if seq.finish_reason is FinishReason.ABORT:
             return
-        seq.output_token_ids[index] = token
-        seq.logprobs[index] = logprob
+        seq.set_output(index, token, logprob, top)
         if index == 0:
             seq.first_token_time = now
         seq.last_token_time = now
         if seq.is_stop_token(token, eos_token_ids):
-            del seq.output_token_ids[index + 1 :]
-            del seq.logprobs[index + 1 :]
+            seq.truncate_outputs(index + 1)
             if seq.status is SeqStatus.FINISHED:
                 seq.finish_reason = FinishReason.STOP
             else:

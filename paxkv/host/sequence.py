@@ -8,6 +8,9 @@ import enum
 from paxkv.host.prefix_cache import PageKey
 from paxkv.request import FinishReason, SamplingParams
 
+# The top-k of one output token: (token ids, their logprobs, the chosen token's rank).
+TopLogprobs = tuple[tuple[int, ...], tuple[float, ...], int]
+
 
 class SeqStatus(enum.Enum):
     """Where a sequence is: queued, holding pages and running, or ended."""
@@ -35,7 +38,11 @@ class SequenceState:
     priority: int = 0  # lower runs first, as in vLLM
     cache_salt: str | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # of the chosen tokens
+    # With params.logprobs: per output token, (top ids, their logprobs, chosen's rank).
+    top_logprobs: list[TopLogprobs | None] = dataclasses.field(default_factory=list)
+    # With penalties: how often each real token (not a placeholder) was generated.
+    output_counts: dict[int, int] = dataclasses.field(default_factory=dict)
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
@@ -47,6 +54,54 @@ class SequenceState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    _prompt_set: frozenset[int] | None = dataclasses.field(default=None, repr=False)
+
+    # Outputs. Every change to the output tokens goes through these three, so the
+    # logprobs and the penalty counts stay aligned with them. Tokens < 0 are
+    # placeholders (async scheduling) whose value the device knows and the host not yet.
+
+    def append_output(self, token: int, logprob: float, top: TopLogprobs | None = None) -> None:
+        """Appends a sampled token, its logprob and (with params.logprobs) its top-k."""
+        self.output_token_ids.append(token)
+        self.logprobs.append(logprob)
+        if self.params.logprobs is not None:
+            self.top_logprobs.append(top)
+        self._count(token, 1)
+
+    def set_output(
+        self, index: int, token: int, logprob: float, top: TopLogprobs | None = None
+    ) -> None:
+        """Puts the real token at output `index` (in place of a placeholder)."""
+        self._count(self.output_token_ids[index], -1)
+        self.output_token_ids[index] = token
+        self.logprobs[index] = logprob
+        if self.params.logprobs is not None:
+            self.top_logprobs[index] = top
+        self._count(token, 1)
+
+    def truncate_outputs(self, n: int) -> None:
+        """Keeps the first `n` output tokens."""
+        for token in self.output_token_ids[n:]:
+            self._count(token, -1)
+        del self.output_token_ids[n:], self.logprobs[n:], self.top_logprobs[n:]
+
+    def _count(self, token: int, delta: int) -> None:
+        if token < 0 or not self.params.has_penalties:
+            return
+        count = self.output_counts.get(token, 0) + delta
+        if count:
+            self.output_counts[token] = count
+        else:
+            del self.output_counts[token]
+
+    def penalty_history(self) -> tuple[list[int], list[int], list[int]]:
+        """The tokens penalties look at: `(ids, output counts, in prompt 0/1)`, one entry
+        per distinct token of the prompt and the real outputs."""
+        if self._prompt_set is None:
+            self._prompt_set = frozenset(self.prompt_token_ids)
+        prompt, counts = self._prompt_set, self.output_counts
+        ids = [*prompt, *(t for t in counts if t not in prompt)]
+        return ids, [counts.get(t, 0) for t in ids], [int(t in prompt) for t in ids]
 
     @property
     def num_tokens(self) -> int:

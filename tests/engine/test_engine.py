@@ -11,7 +11,7 @@ from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.step import PLACEHOLDER_TOKEN as PLACEHOLDER
 
 PS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 
 
 DENSE_LEN = 128
@@ -77,7 +77,7 @@ def test_greedy_matches_dense_forward_token_for_token(tiny):
         expected, logprobs = _dense_greedy(model, prompt, GREEDY.max_tokens)
         assert out.outputs[0].token_ids == expected
         assert out.outputs[0].finish_reason == "length"
-        np.testing.assert_allclose(out.outputs[0].logprobs, logprobs, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(out.outputs[0].token_logprobs, logprobs, rtol=1e-4, atol=1e-4)
 
 
 def test_preemption_and_pool_size_do_not_change_outputs(tiny):
@@ -337,7 +337,7 @@ def test_async_scheduling_matches_sync(tiny):
         SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=11, stop_token_ids=[stop_at], ignore_eos=True),
-        SamplingParams(temperature=0.9, max_tokens=9, seed=3, ignore_eos=True, logprobs=True),
+        SamplingParams(temperature=0.9, max_tokens=9, seed=3, ignore_eos=True, logprobs=0),
         SamplingParams(
             temperature=0.0, max_tokens=4, stop_token_ids=[sync_ref[4].outputs[0].token_ids[3]]
         ),
@@ -354,7 +354,9 @@ def test_async_scheduling_matches_sync(tiny):
         got = run(engine)
         assert [c.token_ids for c in got] == [c.token_ids for c in expected]
         assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
-        np.testing.assert_allclose(got[3].logprobs, expected[3].logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            got[3].token_logprobs, expected[3].token_logprobs, rtol=1e-5, atol=1e-5
+        )
         assert PLACEHOLDER not in [t for c in got for t in c.token_ids]
         assert engine.pool.num_in_use == 0
         engine.pool.check_invariants()

@@ -30,7 +30,14 @@ BAD_SAMPLING = [
     ({"stop_token_ids": [2.0]}, TypeError, r"stop_token_ids\[0\] must be an integer"),
     ({"stop_token_ids": "ab"}, TypeError, r"stop_token_ids must be a list of ints"),
     ({"ignore_eos": 1}, TypeError, r"ignore_eos must be a bool, got 1"),
-    ({"logprobs": "yes"}, TypeError, r"logprobs must be a bool"),
+    ({"logprobs": "yes"}, TypeError, r"logprobs must be an integer, got 'yes'"),
+    ({"logprobs": True}, TypeError, r"logprobs must be an integer k .* got True"),
+    ({"logprobs": -1}, ValueError, r"logprobs=-1 must be in \[0, inf\]"),
+    ({"presence_penalty": 2.5}, ValueError, r"presence_penalty=2\.5 must be in \[-2, 2\]"),
+    ({"frequency_penalty": "x"}, TypeError, r"frequency_penalty must be a number, got 'x'"),
+    ({"frequency_penalty": math.inf}, ValueError, r"frequency_penalty=inf must be finite"),
+    ({"repetition_penalty": 0.0}, ValueError, r"repetition_penalty=0\.0 must be > 0"),
+    ({"repetition_penalty": None}, TypeError, r"repetition_penalty must be a number, got None"),
 ]
 
 
