@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import itertools
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from tqdm import tqdm
+
+from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
 from paxkv.request import RequestOutput, SamplingParams
+
+Prompts = str | dict | Sequence[str | dict]
+Params = SamplingParams | Sequence[SamplingParams] | None
+# A progress bar switch, as vLLM takes it: True, False, or a tqdm-like class to make it with.
+UseTqdm = bool | Callable[..., Any]
 
 
 class LLM:
@@ -18,6 +28,7 @@ class LLM:
         llm = LLM(model="tiny", num_pages=512, page_size=16, max_num_seqs=32)
         outputs = llm.generate(["def f(x):"], SamplingParams(max_tokens=32))
         outputs[0].outputs[0].text
+        llm.chat([{"role": "user", "content": "Hi"}])  # a checkpoint with a chat template
 
     Args:
       model: a preset name of `paxkv.models` (e.g. "tiny"), or a local Hugging Face
@@ -29,6 +40,9 @@ class LLM:
         (see `paxkv.sharding.shardings`); None serves on one device.
       config: the engine's `EngineConfig`; None: its defaults, with `seed` and
         max_model_len = min(the model's positions, 2048).
+      warmup: compile every step shape now (`Engine.warmup`, with a progress bar on
+        stderr), so that no request waits for a compilation later. False defers each
+        compilation to the first step of its shape (tests, one-shot scripts).
       **engine_kwargs: `EngineConfig` fields that override `config`'s: num_pages,
         page_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_dtype,
         attention_backend, ...
@@ -42,8 +56,11 @@ class LLM:
         seed: int = 0,
         mesh: Any = None,
         config: EngineConfig | None = None,
+        warmup: bool = True,
         **engine_kwargs: Any,
     ) -> None:
+        if not isinstance(warmup, bool):
+            raise TypeError(f"warmup must be a bool, got {warmup!r}")
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
@@ -60,6 +77,23 @@ class LLM:
         config = dataclasses.replace(config, **engine_kwargs)
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._request_ids = itertools.count()
+        # Where `chat` finds the chat template: the checkpoint's directory (none for presets).
+        name = os.fspath(model)
+        self._checkpoint_dir = (
+            None
+            if name in models.PRESETS
+            else models.CHECKPOINTS.get(name, name if os.path.isdir(name) else None)
+        )
+        self._tokenizer_config_file = models.TOKENIZER_CONFIG_FILE
+        if warmup:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        # `Engine.warmup` reports no progress: the bar shows the count, then the time.
+        num_shapes = len(self.engine.config.buckets().shapes())
+        with tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape") as bar:
+            self.engine.warmup()
+            bar.update(num_shapes)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (None when it has none)."""
@@ -67,39 +101,93 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | dict | Sequence[str | dict],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompts,
+        sampling_params: Params = None,
+        *,
+        use_tqdm: UseTqdm = True,
     ) -> list[RequestOutput]:
         """Generates completions of every prompt; returns them in the prompts' order.
 
         A prompt is a string (needs a tokenizer) or `{"prompt_token_ids": [...]}`.
         `sampling_params` is one for all prompts or one per prompt. Every prompt is
         validated before any runs: a bad one raises ValueError naming its index, and
-        nothing is submitted.
+        nothing is submitted. `use_tqdm` shows vLLM's "Processed prompts" bar on stderr
+        (requests finished, with input and output token throughput); a callable is the
+        tqdm-like class to make it with.
         """
-        ids = self._submit(prompts, sampling_params)
-        final = self.engine.run_until_done()
-        return [final[i] for i in ids]
+        return self._generate(prompts, sampling_params, use_tqdm, what="prompt")
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: Params = None,
+        *,
+        use_tqdm: UseTqdm = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates the next message of each conversation; one output per conversation.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts, content a
+        str) or a list of them. Each is rendered with the chat template, as transformers'
+        `apply_chat_template` renders it (`paxkv.chat`), and tokenized with no special
+        tokens added (the template writes them). The template is `chat_template` (Jinja
+        source, or the name of one of the checkpoint's templates), else the checkpoint's:
+        `chat_template` in its `tokenizer_config.json` or its `chat_template.jinja`.
+        `add_generation_prompt` ends the prompt with the header of an assistant turn;
+        `continue_final_message` (with `add_generation_prompt=False`) makes the model
+        continue the final message instead. `chat_template_kwargs` are more variables for
+        the template. Each output's `prompt` is the rendered text. Everything is checked
+        before anything is submitted: ValueError or TypeError naming the conversation,
+        the message and the field; ValueError when there is no template or tokenizer.
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer, and this model has none")
+        conversations = chat_templates.parse_conversations(messages)
+        templates = self._chat_templates
+        texts = chat_templates.render(
+            templates.get(chat_template),
+            conversations,
+            special_tokens=templates.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        prompts = [
+            {"prompt_token_ids": chat_templates.encode_rendered(tokenizer, t)} for t in texts
+        ]
+        outputs = self._generate(prompts, sampling_params, use_tqdm, what="conversation")
+        return [dataclasses.replace(o, prompt=t) for o, t in zip(outputs, texts, strict=True)]
 
     def generate_stream(
         self,
-        prompts: str | dict | Sequence[str | dict],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompts,
+        sampling_params: Params = None,
+        *,
+        use_tqdm: UseTqdm = False,
     ) -> Iterator[RequestOutput]:
         """Like `generate`, but yields each request's output every time it advances.
 
         Each yielded output holds the completion so far; the last one for a request has
         `finished=True`. Closing the iterator early aborts the requests still running.
+        The progress bar is off by default here: the caller sees progress already.
         """
-        ids = self._submit(prompts, sampling_params)
+        bar = _Progress(use_tqdm)
+        ids = self._submit(prompts, sampling_params, what="prompt")
         pending = set(ids)
+        bar.start(len(ids))
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         pending.discard(out.request_id)
+                        bar.finished(out)
                     yield out
         finally:
+            bar.close()
             for rid in pending:
                 self.engine.abort(rid)
             if pending:
@@ -109,7 +197,32 @@ class LLM:
         """The engine's counters (see `Engine.stats`)."""
         return self.engine.stats()
 
-    def _submit(self, prompts, sampling_params) -> list[str]:
+    @functools.cached_property
+    def _chat_templates(self) -> chat_templates.ChatTemplates:
+        """The checkpoint's chat templates, read on first use."""
+        return chat_templates.ChatTemplates.from_checkpoint(
+            self._checkpoint_dir, self._tokenizer_config_file
+        )
+
+    def _generate(
+        self, prompts: Prompts, sampling_params: Params, use_tqdm: UseTqdm, *, what: str
+    ) -> list[RequestOutput]:
+        bar = _Progress(use_tqdm)
+        ids = self._submit(prompts, sampling_params, what=what)
+        final: dict[str, RequestOutput] = {}
+        bar.start(len(ids))
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.finished(out)
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def _submit(self, prompts: Prompts, sampling_params: Params, *, what: str) -> list[str]:
+        """Validates every prompt (errors name `what` and its index), then queues them all."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -118,13 +231,56 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} {what}s")
         ids = [str(next(self._request_ids)) for _ in prompts]
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
                 self.engine.requests.validate(rid, prompt, p)
             except (TypeError, ValueError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
+                raise type(e)(f"{what} {i}: {e}") from None
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.engine.add_request(rid, prompt, p)
         return ids
+
+
+class _Progress:
+    """vLLM's "Processed prompts" bar: requests finished, and the tokens per second read
+    and written so far (of the finished requests, as vLLM counts them)."""
+
+    def __init__(self, use_tqdm: UseTqdm) -> None:
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            raise TypeError(
+                f"use_tqdm must be a bool or a tqdm-like class, got {type(use_tqdm).__name__}"
+            )
+        self._make = (tqdm if use_tqdm is True else use_tqdm) if use_tqdm is not False else None
+        self._bar = None
+        self._input_tokens = self._output_tokens = 0
+
+    def start(self, total: int) -> None:
+        """Shows the bar (when on) for `total` requests."""
+        if self._make is not None:
+            self._bar = self._make(
+                total=total, desc="Processed prompts", dynamic_ncols=True, postfix=self._speed(0.0)
+            )
+
+    def finished(self, out: RequestOutput) -> None:
+        """Counts one finished request."""
+        if self._bar is None:
+            return
+        self._input_tokens += len(out.prompt_token_ids)
+        self._output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        self._bar.set_postfix_str(self._speed(self._bar.format_dict["elapsed"]), refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        """Closes the bar, if shown."""
+        if self._bar is not None:
+            self._bar.close()
+
+    def _speed(self, elapsed: float) -> str:
+        if elapsed <= 0:
+            return "est. speed input: 0.00 toks/s, output: 0.00 toks/s"
+        return (
+            f"est. speed input: {self._input_tokens / elapsed:.2f} toks/s, "
+            f"output: {self._output_tokens / elapsed:.2f} toks/s"
+        )
