@@ -73,8 +73,11 @@ class ChatTemplates:
         templates = _templates_of(config.get("chat_template"), config_path)
         jinja_path = os.path.join(directory, CHAT_TEMPLATE_FILE)
         if os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                templates["default"] = f.read()
+            try:
+                with open(jinja_path, encoding="utf-8") as f:
+                    templates["default"] = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read {jinja_path}: {e}") from None
         special = {}
         for name in SPECIAL_TOKEN_NAMES:
             token = config.get(name)
@@ -104,8 +107,8 @@ class ChatTemplates:
             return self.templates["default"]
         if self.templates:
             raise ValueError(
-                f"{self.source} has several chat templates and none named 'default': pass "
-                f"chat_template= one of {sorted(self.templates)} (or a Jinja template)"
+                f"{self.source} has chat templates {sorted(self.templates)} and none named "
+                "'default': pass chat_template= one of them (or a Jinja template)"
             )
         raise ValueError(
             f"{self.source} has no chat template (no 'chat_template' in its tokenizer "

@@ -235,7 +235,8 @@ def test_missing_templates_say_how_to_pass_one(tmp_path):
     write_tokenizer(tmp_path, named)
     templates = chat.ChatTemplates.from_checkpoint(str(tmp_path), "tokenizer_config.json")
     with pytest.raises(
-        ValueError, match=r"none named 'default': pass chat_template= one of \['a', 'b'\]"
+        ValueError,
+        match=r"has chat templates \['a', 'b'\] and none named 'default': pass chat_template=",
     ):
         templates.get()
     assert templates.get("b") == CHATML
