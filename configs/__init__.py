@@ -3,16 +3,18 @@
 Installed as `paxkv.configs`. `get_config("llama-3.1-8b")` gives the set-up by name.
 The configs of real models are shapes and serving limits only: their weights come
 from a local Hugging Face checkpoint (`--model_dir`). A set-up with
-`random_weights=True` (the tiny toy) also runs with random weights.
+`random_weights=True` (the tiny toy) also runs with random weights, and one with a
+`checkpoint` (tiny-py, the tiny toy trained) with the weights shipped in the package.
 """
 
 from __future__ import annotations
 
-from paxkv.configs import llama_3_1_8b, llama_3_2_1b, mistral_7b, qwen2_5_7b, tiny
+from paxkv.configs import llama_3_1_8b, llama_3_2_1b, mistral_7b, qwen2_5_7b, tiny, tiny_py
 from paxkv.configs.setup import ServingSetup
 
 CONFIGS: dict[str, ServingSetup] = {
-    m.SETUP.name: m.SETUP for m in (tiny, llama_3_2_1b, llama_3_1_8b, mistral_7b, qwen2_5_7b)
+    m.SETUP.name: m.SETUP
+    for m in (tiny, tiny_py, llama_3_2_1b, llama_3_1_8b, mistral_7b, qwen2_5_7b)
 }
 NAMES = tuple(CONFIGS)
 

@@ -13,13 +13,16 @@ class ServingSetup:
     """A model's shapes and the engine limits it is served with.
 
     `random_weights`: the model may run without a checkpoint, randomly initialised
-    (its `name` is then a preset of `paxkv.models`).
+    (its `name` is then a preset of `paxkv.models`). `checkpoint`: the name of the
+    trained checkpoint shipped with the package (`paxkv.models.CHECKPOINTS`) that holds
+    the weights; None when they come from a local Hugging Face checkpoint, or are random.
     """
 
     name: str
     model: LlamaConfig
     engine: EngineConfig
     random_weights: bool = False
+    checkpoint: str | None = None
 
     def replace(self, **changes) -> ServingSetup:
         """A copy with `changes` applied (`dataclasses.replace`)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from .config import PRESETS, Llama3RopeScaling, LlamaConfig
@@ -12,6 +11,8 @@ from .weights import (
     CONFIG_FILE,
     ORBAX_PARAMS_DIR,
     load_hf_checkpoint,
+    read_hf_config,
+    read_json,
     restore_params,
     save_hf_checkpoint,
     save_params,
@@ -26,6 +27,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 __all__ = [
     "CHECKPOINTS",
+    "CONFIG_FILE",
+    "ORBAX_PARAMS_DIR",
     "PRESETS",
     "TOKENIZER_CONFIG_FILE",
     "ByteTokenizer",
@@ -40,6 +43,7 @@ __all__ = [
     "load_hf_checkpoint",
     "load_model",
     "load_tokenizer",
+    "read_hf_config",
     "restore_params",
     "save_hf_checkpoint",
     "save_params",
@@ -57,6 +61,11 @@ def load_model(
     (`config.json` and `params/`); its tokenizer is its `tokenizer.json`, if any, or the
     `ByteTokenizer` its `tokenizer_config.json` declares.
     `dtype` overrides the parameter dtype.
+
+    A damaged checkpoint raises ValueError naming the file and the field or tensor: an
+    invalid or incomplete `config.json`, an unreadable or truncated weights file, an
+    unreadable tokenizer file, parameters holding NaN or inf; OSError for a file that
+    cannot be opened.
     """
     name = os.fspath(name_or_path)
     if name in PRESETS:
@@ -77,8 +86,7 @@ def load_model(
             f"({', '.join(CHECKPOINTS)}) nor an existing directory"
         )
     if os.path.isdir(os.path.join(name, ORBAX_PARAMS_DIR)):
-        with open(os.path.join(name, CONFIG_FILE)) as f:
-            config = LlamaConfig.from_hf(json.load(f))
+        config = read_hf_config(name)
         if dtype is not None:
             config = config.replace(dtype=dtype)
         model = restore_params(config, name)
@@ -94,5 +102,4 @@ def _declares_byte_tokenizer(path: str) -> bool:
     file = os.path.join(path, TOKENIZER_CONFIG_FILE)
     if not os.path.isfile(file):
         return False
-    with open(file) as f:
-        return json.load(f).get("tokenizer_class") == "ByteTokenizer"
+    return read_json(file).get("tokenizer_class") == "ByteTokenizer"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,57 +86,68 @@ class LlamaConfig:
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         """Parses a Hugging Face `config.json` of model_type llama, mistral or qwen2.
 
-        Raises ValueError for other model types, rope scalings other than llama3,
-        activations other than SiLU, and features this decoder does not implement
-        (MLP bias, Llama's o_proj bias, Qwen2's per-layer sliding window).
+        Raises ValueError naming the field for a required field that is missing (or
+        null), a field of the wrong type (integers must be ints, not floats, strings or
+        bools; floats must be finite numbers), a size below 1, and for what this
+        decoder does not implement: other model types, rope scalings other than
+        llama3, activations other than SiLU, MLP bias, Llama's o_proj bias, Qwen2's
+        per-layer sliding window.
         """
-        model_type = hf.get("model_type")
+        model_type = _field(hf, "model_type", str)
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(
                 f"model_type={model_type!r} is not supported; expected one of {HF_MODEL_TYPES}"
             )
-        act = hf.get("hidden_act", "silu")
+        act = _field(hf, "hidden_act", str, default="silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU)")
-        if hf.get("mlp_bias", False):
+        if _field(hf, "mlp_bias", bool, default=False):
             raise ValueError("mlp_bias=True is not supported")
         if model_type == "llama":
-            if hf.get("attention_bias", False):
+            if _field(hf, "attention_bias", bool, default=False):
                 raise ValueError("llama attention_bias=True (o_proj bias) is not supported")
             attention_bias, sliding_window = False, None
         elif model_type == "mistral":
-            attention_bias, sliding_window = False, hf.get("sliding_window")
+            attention_bias, sliding_window = False, _field(hf, "sliding_window", int, default=None)
         else:
-            if hf.get("use_sliding_window", False):
+            if _field(hf, "use_sliding_window", bool, default=False):
                 raise ValueError(
                     "qwen2 use_sliding_window=True (per-layer windows) is not supported"
                 )
             attention_bias, sliding_window = True, None
         # transformers >= 5 folds rope_theta and the scaling into `rope_parameters`.
-        rope = dict(hf.get("rope_parameters") or {})
-        rope.update(hf.get("rope_scaling") or {})
-        num_heads = hf["num_attention_heads"]
-        dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        rope = dict(_field(hf, "rope_parameters", dict, default={}))
+        rope.update(_field(hf, "rope_scaling", dict, default={}))
+        num_heads = _field(hf, "num_attention_heads", int)
+        hidden_size = _field(hf, "hidden_size", int)
+        dtype = (
+            _field(hf, "torch_dtype", str, default=None)
+            or _field(hf, "dtype", str, default=None)
+            or "float32"
+        )
         if dtype not in DTYPES:
             raise ValueError(f"torch_dtype={dtype!r} is not supported; expected one of {DTYPES}")
+        rope_theta = _field(hf, "rope_theta", float, default=None)
+        if rope_theta is None:
+            rope_theta = _field(rope, "rope_theta", float, default=10000.0, parent="rope_scaling")
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=_field(hf, "vocab_size", int),
+            hidden_size=hidden_size,
+            intermediate_size=_field(hf, "intermediate_size", int),
+            num_layers=_field(hf, "num_hidden_layers", int),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            num_kv_heads=_field(hf, "num_key_value_heads", int, default=num_heads),
+            head_dim=_field(hf, "head_dim", int, default=hidden_size // num_heads),
+            rope_theta=rope_theta,
             rope_scaling=_parse_rope_scaling(rope),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rms_norm_eps=_field(hf, "rms_norm_eps", float, default=1e-6),
+            tie_word_embeddings=_field(hf, "tie_word_embeddings", bool, default=False),
             attention_bias=attention_bias,
             sliding_window=sliding_window,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=_field(hf, "max_position_embeddings", int, default=4096),
             dtype=dtype,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
+            bos_token_id=_field(hf, "bos_token_id", int, default=None, minimum=0),
+            eos_token_id=_eos_token_id(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -187,6 +199,63 @@ class LlamaConfig:
         return hf
 
 
+_REQUIRED = object()
+_KIND_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "a bool",
+    str: "a string",
+    dict: "an object",
+}
+
+
+def _field(
+    hf: Mapping[str, Any],
+    key: str,
+    kind: type,
+    *,
+    default: Any = _REQUIRED,
+    minimum: int = 1,
+    parent: str | None = None,
+) -> Any:
+    """`hf[key]` checked to be of `kind`, or `default` when the key is missing or null.
+
+    ValueError naming the field (as `parent.key` under a nested object) and showing the
+    value: a required field missing, a value of another JSON type (a bool is not an
+    int, an int is a float), a float that is not finite, an int below `minimum`.
+    """
+    name = f"{parent}.{key}" if parent else key
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"missing field {name!r}")
+        return default
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ValueError(
+            f"field {name!r} must be {_KIND_NAMES[kind]}, got {value!r} ({type(value).__name__})"
+        )
+    if kind is int and value < minimum:
+        raise ValueError(f"field {name!r} must be >= {minimum}, got {value}")
+    return float(value) if kind is float else value
+
+
+def _eos_token_id(hf: Mapping[str, Any]) -> int | tuple[int, ...] | None:
+    """`eos_token_id`: null, a token id, or a list of token ids (ValueError otherwise)."""
+    value = hf.get("eos_token_id")
+    if isinstance(value, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            raise ValueError(f"field 'eos_token_id' must be token ids (ints >= 0), got {value!r}")
+        return tuple(value)
+    return _field(hf, "eos_token_id", int, default=None, minimum=0)
+
+
 def _parse_rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
@@ -195,11 +264,12 @@ def _parse_rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | None:
         raise ValueError(
             f"rope_type={rope_type!r} is not supported; expected 'default' or 'llama3'"
         )
+    get = lambda key, kind: _field(rope, key, kind, parent="rope_scaling")
     return Llama3RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        factor=get("factor", float),
+        low_freq_factor=get("low_freq_factor", float),
+        high_freq_factor=get("high_freq_factor", float),
+        original_max_position_embeddings=get("original_max_position_embeddings", int),
     )
 
 

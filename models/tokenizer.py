@@ -48,7 +48,7 @@ class HFTokenizer:
         self.vocab_size = tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added)."""
+        """Token ids of `text`, with the special tokens the post-processor adds."""
         return self._tokenizer.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -57,7 +57,11 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
-    """The tokenizer in directory `path`, or None without a `tokenizer.json` or `tokenizers`."""
+    """The tokenizer in directory `path`, or None without a `tokenizer.json` or `tokenizers`.
+
+    ValueError naming the file when `tokenizers` cannot read it (not JSON, not a
+    tokenizer, not UTF-8); OSError when it cannot be opened.
+    """
     file = os.path.join(os.fspath(path), TOKENIZER_FILE)
     if not os.path.exists(file):
         return None
@@ -65,4 +69,11 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
         from tokenizers import Tokenizer as _Tokenizer
     except ImportError:
         return None
-    return HFTokenizer(_Tokenizer.from_file(file))
+    with open(file, "rb"):  # an unopenable file is an OSError, not a parse error
+        pass
+    try:
+        tokenizer = _Tokenizer.from_file(file)
+    # `tokenizers` raises the bare Exception class for every file it cannot parse.
+    except Exception as e:
+        raise ValueError(f"{file}: not a readable tokenizer file ({e})") from e
+    return HFTokenizer(tokenizer)

@@ -8,10 +8,17 @@ Nothing here touches the network.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import struct
+import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -48,20 +55,104 @@ def _hf_params(state) -> Iterator[tuple[str, bool, nnx.Variable]]:
         yield name, transpose, var
 
 
+def read_json(file: str) -> dict[str, Any]:
+    """The JSON object in `file`; ValueError naming the file if it is unreadable or not
+    a JSON object (OSError, naming it, if it cannot be opened)."""
+    try:
+        with open(file, "rb") as f:
+            value = json.loads(f.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
+    """The `LlamaConfig` of checkpoint directory `path`'s `config.json`.
+
+    ValueError naming the file and the field for invalid JSON, a missing field or a
+    field of the wrong type (see `LlamaConfig.from_hf`); OSError without the file.
+    """
+    file = os.path.join(os.fspath(path), CONFIG_FILE)
+    hf = read_json(file)
+    try:
+        return LlamaConfig.from_hf(hf)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
+
+
 def _tensor_files(path: str) -> dict[str, str]:
-    """Maps each tensor name to the safetensors file (under `path`) that holds it."""
+    """Maps each tensor name to the safetensors file (under `path`) that holds it.
+
+    ValueError naming the file for an index that is not valid JSON, has no weight map,
+    or names a shard that does not exist, and for an unreadable single file.
+    """
     index = os.path.join(path, SAFETENSORS_INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(file, str) for file in weight_map.values()
+        ):
+            raise ValueError(f"{index}: expected a 'weight_map' of tensor names to file names")
+        for file in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(path, file)):
+                raise ValueError(f"{index}: names the shard {file}, which is not in {path}")
         return {name: os.path.join(path, file) for name, file in weight_map.items()}
     single = os.path.join(path, SAFETENSORS_FILE)
     if not os.path.exists(single):
         raise ValueError(f"{path} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE}")
-    from safetensors import safe_open
-
-    with safe_open(single, framework="numpy") as f:
+    with _open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def _open_safetensors(file: str):
+    """`safe_open(file)` for numpy; ValueError naming the file (and the tensors cut off,
+    if it was truncated) when it is not a complete safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as e:
+        cut = _tensors_past_end(file)
+        detail = f"; tensors cut off at byte {os.path.getsize(file)}: {cut}" if cut else ""
+        raise ValueError(f"{file}: not a complete safetensors file ({e}){detail}") from e
+
+
+def _tensors_past_end(file: str) -> list[str]:
+    """Names of the tensors whose bytes, by `file`'s own header, lie past its end
+    (a truncated file); empty when the header itself cannot be read."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8 or (n := struct.unpack("<Q", head)[0]) > size - 8:
+            return []
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return []
+    ends = {
+        name: entry["data_offsets"][1]
+        for name, entry in header.items()
+        if isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+    }
+    return sorted((name for name, end in ends.items() if 8 + n + end > size), key=ends.get)
+
+
+def _read_tensor(f, file: str, name: str) -> np.ndarray:
+    """Tensor `name` of the open safetensors `f`; ValueError naming it and `file`."""
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, TypeError, ValueError) as e:
+        raise ValueError(f"{file}: cannot read tensor {name} ({e})") from e
+
+
+def _nonfinite_error(bad: dict[str, list[str]]) -> ValueError:
+    """The error for parameters holding NaN or inf: `bad` maps each file to their names."""
+    where = "; ".join(f"{file}: {names}" for file, names in bad.items())
+    return ValueError(f"non-finite values (NaN or inf) in {where}")
 
 
 def load_hf_checkpoint(
@@ -70,14 +161,13 @@ def load_hf_checkpoint(
     """Loads a local Hugging Face checkpoint directory (single-file or sharded safetensors).
 
     The parameters are cast to `dtype` (default: the config's `torch_dtype`). Raises
-    ValueError naming the tensor for a missing tensor, an unexpected one, or a shape
-    that does not match the config.
+    ValueError naming the file, and the field or tensor, for a `config.json` that is
+    invalid or lacks a field (`read_hf_config`), an index or safetensors file that is
+    unreadable or truncated, a missing tensor, an unexpected one, a shape that does not
+    match the config, and tensors holding NaN or inf (checked as each is read).
     """
-    from safetensors import safe_open
-
     path = os.fspath(path)
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        config = LlamaConfig.from_hf(json.load(f))
+    config = read_hf_config(path)
     if dtype is not None:
         config = config.replace(dtype=dtype)
     files = _tensor_files(path)
@@ -93,20 +183,26 @@ def load_hf_checkpoint(
     by_file: dict[str, list] = {}
     for param in params:
         by_file.setdefault(files[param[0]], []).append(param)
+    nonfinite: dict[str, list[str]] = {}
     for file, file_params in by_file.items():
-        with safe_open(file, framework="numpy") as f:
+        with _open_safetensors(file) as f:
             stored = set(f.keys())
             for name, transpose, var in file_params:
                 if name not in stored:
                     raise ValueError(f"tensor {name} is indexed in {file} but not stored there")
-                array = f.get_tensor(name)
+                array = _read_tensor(f, file, name)
                 want = var.get_value().shape
                 want_hf = want[::-1] if transpose else want
                 if array.shape != want_hf:
                     raise ValueError(
-                        f"tensor {name} has shape {array.shape}, expected {want_hf} from the config"
+                        f"{file}: tensor {name} has shape {array.shape}, expected {want_hf} "
+                        "from the config"
                     )
+                if not np.isfinite(array).all():  # on the host, before the cast
+                    nonfinite.setdefault(file, []).append(name)
                 var.set_value(jnp.asarray(array.T if transpose else array, config.dtype))
+    if nonfinite:
+        raise _nonfinite_error(nonfinite)
     return config, nnx.merge(graphdef, state)
 
 
@@ -164,16 +260,89 @@ def save_params(model: LlamaForCausalLM, path: str | os.PathLike) -> None:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(model.config.to_hf(), f, indent=2)
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _quiet_info_logs(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.join(path, ORBAX_PARAMS_DIR), nnx.state(model, nnx.Param))
 
 
 def restore_params(config: LlamaConfig, path: str | os.PathLike) -> LlamaForCausalLM:
-    """The model whose parameters `save_params` wrote under `path`, in `config.dtype`."""
+    """The model whose parameters `save_params` wrote under `path`, in `config.dtype`.
+
+    Raises ValueError naming `path/params` when orbax cannot restore it (a missing,
+    truncated or corrupt file, or shapes that do not match `config`), and naming the
+    parameters that hold NaN or inf.
+    """
     import orbax.checkpoint as ocp
 
-    path = os.path.abspath(os.fspath(path))
+    params_dir = os.path.join(os.path.abspath(os.fspath(path)), ORBAX_PARAMS_DIR)
     graphdef, abstract = _abstract_model(config)
-    with ocp.StandardCheckpointer() as checkpointer:
-        state = checkpointer.restore(os.path.join(path, ORBAX_PARAMS_DIR), abstract)
-    return nnx.merge(graphdef, state)
+    # Restored to the host (NumPy targets), checked there, then put on the device.
+    on_host = jax.tree.map(lambda leaf: np.empty(leaf.shape, leaf.dtype), abstract)
+    try:
+        with _quiet_info_logs(), ocp.StandardCheckpointer() as checkpointer:
+            state = checkpointer.restore(params_dir, on_host)
+    # Orbax and tensorstore raise many types for a damaged checkpoint: all mean this one.
+    except Exception as e:
+        _ignore_closed_loop_callbacks()
+        raise ValueError(
+            f"{params_dir}: cannot restore the parameters ({type(e).__name__}: {_brief(e)})"
+        ) from e
+    bad = [
+        ".".join(map(str, p))
+        for p, var in nnx.to_flat_state(state)
+        if not np.isfinite(var.get_value()).all()
+    ]
+    if bad:
+        raise _nonfinite_error({params_dir: bad})
+    return nnx.merge(graphdef, jax.device_put(state))
+
+
+def _ignore_closed_loop_callbacks() -> None:
+    """Silences the stray tracebacks of a failed orbax restore, once per process.
+
+    When one read fails, orbax closes its event loop while tensorstore's threads still
+    have reads in flight; each then reports "RuntimeError: Event loop is closed" through
+    `sys.unraisablehook`. This hook drops exactly those (raised off the main thread) and
+    passes everything else to the hook it replaces.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_callbacks", False):
+        return
+
+    def hook(unraisable) -> None:
+        if (
+            unraisable.exc_type is RuntimeError
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and threading.current_thread() is not threading.main_thread()
+        ):
+            return
+        previous(unraisable)
+
+    hook.drops_closed_loop_callbacks = True
+    sys.unraisablehook = hook
+
+
+def _brief(error: Exception, limit: int = 300) -> str:
+    """The first line of `error`'s message, cut at `limit` characters (tensorstore's
+    run to kilobytes of spec)."""
+    lines = str(error).strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_info_logs() -> Iterator[None]:
+    """Hides absl's INFO lines (orbax's many) in the block, unless DEBUG was asked for.
+
+    Raises the level of absl's logger from INFO to WARNING and restores it after, so
+    warnings and errors still show and `--verbosity=1` still shows everything.
+    """
+    from absl import logging as absl_logging
+
+    logger = absl_logging.get_absl_logger()
+    level = logger.level
+    if logger.getEffectiveLevel() == logging.INFO:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -1,14 +1,24 @@
 """Launch apps over the library: `paxkv-generate` and `paxkv-plan`.
 
 `flags.py` holds the flags the apps share and builds library objects from them; each
-app's `main()` parses its flags, builds, and runs. `read_prompts` (here, so that it
-imports without defining any flag) reads the prompt files of `paxkv-generate`.
+app's `main()` parses its flags, builds, and runs. Here, so that they import without
+defining any flag: `exit_with_error`, how every app ends on bad input, and
+`read_prompts`, which reads the prompt files of `paxkv-generate`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from typing import NoReturn
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """Ends an app on bad input: the message as one line on stderr, exit status 2, no traceback."""
+    line = " ".join(message.split())  # a multi-line message still prints as one line
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(2)
 
 
 def read_prompts(path: str | os.PathLike) -> list[str | dict]:

@@ -16,6 +16,7 @@ import json
 from absl import app, flags
 
 from paxkv.kv_layout import kv_page_bytes, resolve_kv_cache_dtype
+from paxkv.launch import exit_with_error
 from paxkv.launch import flags as launch_flags
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.tools.load_bench import (
@@ -55,7 +56,7 @@ _PLOT_OUT = flags.DEFINE_string("plot_out", None, "Write a PNG plot here (needs 
 def main(argv: list[str]) -> None:
     """The absl main: runs the load benchmark from flags."""
     if len(argv) > 1:
-        launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}")
+        exit_with_error(f"unexpected arguments {argv[1:]}")
     try:
         launch_flags.init_runtime()
         results = _run()
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> None:
 
             plot(results, _PLOT_OUT.value)
     except (ValueError, OSError) as e:
-        launch_flags.exit_with_error(str(e))
+        exit_with_error(str(e))
 
 
 def _run() -> dict:

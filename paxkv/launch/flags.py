@@ -12,17 +12,16 @@ calls first.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from absl import flags, logging
 
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.engine.config import EngineConfig
 from paxkv.llm import LLM
-from paxkv.models import CONFIG_FILE, LlamaConfig
+from paxkv.models import CONFIG_FILE, LlamaConfig, read_hf_config
 from paxkv.models.config import DTYPES
 from paxkv.sharding.mesh_shape import MeshShape
 
@@ -31,7 +30,8 @@ MODEL_DIR = flags.DEFINE_string(
     "model_dir",
     None,
     "Local Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) of "
-    "--config's model. Required except for configs with random weights (tiny).",
+    "--config's model. Required except for configs with weights in the package (tiny-py) "
+    "or random ones (tiny).",
 )
 DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter dtype; unset: the model's.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
@@ -154,8 +154,9 @@ def init_runtime() -> MeshShape | None:
 def serving_setup() -> ServingSetup:
     """The set-up of `--config`, with `--model_dir`'s shapes, `--dtype` and the engine flags.
 
-    Raises ValueError (or OSError) for an unknown config, a missing checkpoint, or
-    engine limits that contradict each other or the model.
+    Raises ValueError (or OSError) for an unknown config, a missing checkpoint, an
+    invalid `config.json` (naming the file and the field), or engine limits that
+    contradict each other or the model.
     """
     setup = get_config(CONFIG.value)
     model = setup.model
@@ -183,16 +184,22 @@ def serving_setup() -> ServingSetup:
 
 
 def _model_source(setup: ServingSetup) -> str:
-    if MODEL_DIR.value is None and not setup.random_weights:
+    """What `load_model` loads: `--model_dir`, the set-up's shipped checkpoint, or its preset."""
+    if MODEL_DIR.value is not None:
+        return MODEL_DIR.value
+    if setup.checkpoint is not None:
+        return setup.checkpoint
+    if not setup.random_weights:
         raise ValueError(
             f"--config={setup.name} holds the model's shapes only: pass "
             "--model_dir=<local Hugging Face checkpoint directory> for its weights"
         )
-    return MODEL_DIR.value or setup.name
+    return setup.name
 
 
 def build_model(setup: ServingSetup) -> Any:
-    """The model of `setup` (an NNX module): `--model_dir`'s weights, or random ones where allowed."""
+    """The model of `setup` (an NNX module): `--model_dir`'s weights, the set-up's shipped
+    checkpoint, or random ones where allowed."""
     from paxkv.models import load_model
 
     _, model, _ = load_model(_model_source(setup), dtype=DTYPE.value, seed=SEED.value)
@@ -200,7 +207,8 @@ def build_model(setup: ServingSetup) -> Any:
 
 
 def build_llm(setup: ServingSetup) -> LLM:
-    """An `LLM` serving `setup`: `--model_dir`'s weights, or random ones where the set-up allows."""
+    """An `LLM` serving `setup`: `--model_dir`'s weights, the set-up's shipped checkpoint,
+    or random ones where the set-up allows."""
     return LLM(_model_source(setup), dtype=DTYPE.value, seed=SEED.value, config=setup.engine)
 
 
@@ -218,15 +226,7 @@ def list_in_help(app_module: str, doc: str | None) -> None:
         main.__doc__ = doc
 
 
-def exit_with_error(message: str) -> NoReturn:
-    """Ends an app on bad input: the message on stderr, exit status 2, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def _checkpoint_config(model_dir: str) -> LlamaConfig:
-    path = os.path.join(model_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(model_dir, CONFIG_FILE)):
         raise ValueError(f"--model_dir={model_dir!r} holds no {CONFIG_FILE}")
-    with open(path) as f:
-        return LlamaConfig.from_hf(json.load(f))
+    return read_hf_config(model_dir)

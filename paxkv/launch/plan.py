@@ -24,6 +24,7 @@ import json
 
 from absl import app, flags
 
+from paxkv.launch import exit_with_error
 from paxkv.launch import flags as launch_flags
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 from paxkv.tools import capacity
@@ -58,7 +59,7 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the report as JSON
 def main(argv: list[str]) -> None:
     """Plans the flags' model and budget; prints the report, or exits with the error."""
     if len(argv) > 1:
-        launch_flags.exit_with_error(f"unexpected arguments {argv[1:]}")
+        exit_with_error(f"unexpected arguments {argv[1:]}")
     try:
         setup = launch_flags.serving_setup()
         mesh = launch_flags.mesh_shape() or ONE_DEVICE
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> None:
             with open(_JSON_OUT.value, "w") as f:
                 json.dump(report.to_dict(), f, indent=2)
     except (ValueError, OSError) as e:
-        launch_flags.exit_with_error(str(e))
+        exit_with_error(str(e))
     print(report.to_markdown(), end="")
 
 

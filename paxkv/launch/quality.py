@@ -16,6 +16,7 @@ import sys
 from absl import app, flags
 
 from paxkv.kv_layout import KV_CACHE_DTYPES
+from paxkv.launch import exit_with_error
 from paxkv.models import load_model
 from paxkv.models.train import load_corpus, stdlib_root
 from paxkv.tools import quality
@@ -63,7 +64,7 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results as JSO
 def main(argv: list[str]) -> None:
     """The absl main: perplexity and greedy agreement per KV cache dtype."""
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        exit_with_error(f"unexpected arguments {argv[1:]}")
     config = quality.QualityConfig(
         kv_cache_dtypes=tuple(_KV_CACHE_DTYPES.value),
         num_windows=_NUM_WINDOWS.value,
@@ -80,7 +81,7 @@ def main(argv: list[str]) -> None:
         _, model, _ = load_model(_MODEL.value)
         result = quality.evaluate(model, load_corpus("eval"), config)
     except (ValueError, OSError) as e:
-        raise app.UsageError(str(e)) from None
+        exit_with_error(str(e))
     result |= {"model": _MODEL.value, "python": sys.version.split()[0], "stdlib": stdlib_root()}
     dense = result["dense"]
     print(

@@ -19,6 +19,7 @@ import sys
 
 from absl import app, flags, logging
 
+from paxkv.launch import exit_with_error
 from paxkv.models import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -59,23 +60,24 @@ TRAINING_FILE = "training.json"  # what produced the checkpoint, beside it
 def main(argv: list[str]) -> None:
     """The absl main: trains the tiny-py model and writes its checkpoint."""
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+        exit_with_error(f"unexpected arguments {argv[1:]}")
     out_dir = os.path.abspath(_OUT_DIR.value)
     params_dir = os.path.join(out_dir, ORBAX_PARAMS_DIR)
     if os.path.exists(params_dir) and not _OVERWRITE.value:
-        raise app.UsageError(
-            f"{out_dir} already holds a checkpoint: pass --overwrite to replace it"
+        exit_with_error(f"{out_dir} already holds a checkpoint: pass --overwrite to replace it")
+    try:
+        config = training.TrainConfig(
+            steps=_STEPS.value,
+            batch_size=_BATCH_SIZE.value,
+            seq_len=_SEQ_LEN.value,
+            learning_rate=_LEARNING_RATE.value,
+            warmup_steps=_WARMUP_STEPS.value,
+            seed=_SEED.value,
+            log_every=_LOG_EVERY.value,
         )
-    config = training.TrainConfig(
-        steps=_STEPS.value,
-        batch_size=_BATCH_SIZE.value,
-        seq_len=_SEQ_LEN.value,
-        learning_rate=_LEARNING_RATE.value,
-        warmup_steps=_WARMUP_STEPS.value,
-        seed=_SEED.value,
-        log_every=_LOG_EVERY.value,
-    )
-    train_data, eval_data = training.load_corpus("train"), training.load_corpus("eval")
+        train_data, eval_data = training.load_corpus("train"), training.load_corpus("eval")
+    except (ValueError, OSError) as e:
+        exit_with_error(str(e))
     logging.info(
         "corpus %s: %d train bytes, %d held-out bytes",
         training.stdlib_root(),

@@ -15,7 +15,8 @@ import pytest
 
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.launch import read_prompts
-from paxkv.models.config import PRESETS
+from paxkv.models import CHECKPOINTS, init_model, save_hf_checkpoint
+from paxkv.models.config import PRESETS, TINY
 from paxkv.tools import capacity as plan
 
 # Small limits so that the tiny model compiles one step shape, once.
@@ -42,7 +43,48 @@ BENCH_FLAGS = [
 ]
 
 
+def _damage_config(path):
+    hf = json.loads((path / "config.json").read_text())
+    del hf["hidden_size"]
+    (path / "config.json").write_text(json.dumps(hf))
+
+
+def _truncate_weights(path):
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _garbage_tokenizer(path):
+    (path / "tokenizer.json").write_text("garbage")
+
+
+def _nan_weight(path):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+# Damaged tiny checkpoints, by name: how each is damaged, and what its one error line names.
+DAMAGED = {
+    "missing_field": (_damage_config, "config.json: missing field 'hidden_size'"),
+    "truncated": (_truncate_weights, "model.safetensors: not a complete safetensors file"),
+    "bad_tokenizer": (_garbage_tokenizer, "tokenizer.json: not a readable tokenizer file"),
+    "nan_weight": (_nan_weight, "model.safetensors: ['model.norm.weight']"),
+}
+
+
+def _damaged_checkpoints(tmp):
+    """Writes each of `DAMAGED` as a tiny Hugging Face checkpoint under `tmp`."""
+    model = init_model(TINY, 0)
+    for name, (damage, _) in DAMAGED.items():
+        save_hf_checkpoint(model, tmp / name)
+        damage(tmp / name)
+
+
 def _commands(tmp):
+    _damaged_checkpoints(tmp)
     jsonl = tmp / "prompts.jsonl"
     jsonl.write_text('{"prompt": "from the file"}\n\n{"prompt_token_ids": [72, 105]}\n')
     bad = tmp / "bad.jsonl"
@@ -58,7 +100,19 @@ def _commands(tmp):
             "--prompt=second",
             f"--prompts_file={jsonl}",
         ],
+        "generate_default": [*generate, "--max_tokens=4"],
         "generate_bad_file": [*generate, f"--prompts_file={bad}"],
+        **{
+            f"generate_{name}": [*generate, f"--model_dir={tmp / name}", "--prompt=x"]
+            for name in DAMAGED
+        },
+        "quality_truncated": [
+            sys.executable,
+            "-m",
+            "paxkv.launch.quality",
+            f"--model={tmp / 'truncated'}",
+        ],
+        "bench_nan_weight": [*bench, *BENCH_FLAGS, f"--model_dir={tmp / 'nan_weight'}"],
         "generate_unknown_config": [*generate, "--config=llama-9", "--prompt=x"],
         "generate_needs_weights": [*generate, "--config=llama-3.1-8b", "--prompt=x"],
         "plan_tiny": [*plan_app, "--config=tiny", "--kv_budget_gib=0.01", "--workload=fixed"],
@@ -106,6 +160,28 @@ def _error(result):
     return result.stderr
 
 
+def _one_line_error(result):
+    """The app's error: one line on stderr, nothing else there, a non-zero exit."""
+    err = _error(result)
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("name", DAMAGED)
+def test_generate_damaged_checkpoint_is_one_line(runs, name):
+    results, tmp = runs
+    err = _one_line_error(results[f"generate_{name}"])
+    assert f"{tmp / name}/{DAMAGED[name][1]}" in err
+
+
+def test_quality_and_bench_damaged_checkpoint_is_one_line(runs):
+    results, tmp = runs
+    err = _one_line_error(results["quality_truncated"])
+    assert f"{tmp / 'truncated'}/model.safetensors: not a complete" in err
+    err = _one_line_error(results["bench_nan_weight"])
+    assert f"{tmp / 'nan_weight'}/model.safetensors: ['model.norm.weight']" in err
+
+
 def test_generate_prompts_from_flags_and_a_jsonl_file(runs):
     results, _ = runs
     out = _ok(results["generate"])
@@ -120,12 +196,23 @@ def test_generate_prompts_from_flags_and_a_jsonl_file(runs):
     assert "tokens/s" in out
 
 
+def test_generate_default_run_shows_tiny_py_text(runs):
+    results, _ = runs
+    result = results["generate_default"]
+    out = _ok(result)
+    # The default prompts, completed by the trained model that ships with the package.
+    assert out.startswith("[0] prompt: 'import os'\n[0] completion: ")
+    assert "[1] prompt: 'class Stack:'" in out and out.count("(4 tokens, length)") == 2
+    assert "requests: 2, prompt tokens: 21, generated tokens: 8" in out
+    assert "orbax" not in result.stderr and "Restoring" not in result.stderr, result.stderr
+
+
 def test_generate_bad_input(runs):
     results, tmp = runs
     err = _error(results["generate_bad_file"])
     assert f"error: {tmp / 'bad.jsonl'}:2: expected" in err
     err = _error(results["generate_unknown_config"])
-    assert "unknown config 'llama-9'; known configs: tiny, llama-3.2-1b" in err
+    assert "unknown config 'llama-9'; known configs: tiny, tiny-py, llama-3.2-1b" in err
     err = _error(results["generate_needs_weights"])
     assert "--model_dir=" in err
 
@@ -178,7 +265,8 @@ def test_console_scripts():
 def test_configs(name):
     setup = get_config(name)
     assert isinstance(setup, ServingSetup) and setup.name == name
-    assert setup.model is PRESETS[name]  # the preset value, not a copy
+    preset = "tiny" if setup.checkpoint == "tiny-py" else name
+    assert setup.model is PRESETS[preset]  # the preset value, not a copy
     assert setup.engine.page_size == 16
     assert setup.engine.max_model_len <= setup.model.max_position_embeddings
     assert setup.engine.max_num_batched_tokens >= setup.engine.max_num_seqs
@@ -186,6 +274,8 @@ def test_configs(name):
 
 def test_only_tiny_runs_without_a_checkpoint():
     assert [n for n in NAMES if get_config(n).random_weights] == ["tiny"]
+    shipped = {n: get_config(n).checkpoint for n in NAMES if get_config(n).checkpoint}
+    assert shipped == {"tiny-py": "tiny-py"} and set(shipped.values()) <= set(CHECKPOINTS)
 
 
 @pytest.mark.parametrize(
@@ -213,7 +303,9 @@ def test_real_configs_fit_their_device(name, device):
 
 
 def test_unknown_config():
-    with pytest.raises(ValueError, match=r"known configs: tiny, llama-3\.2-1b, llama-3\.1-8b"):
+    with pytest.raises(
+        ValueError, match=r"known configs: tiny, tiny-py, llama-3\.2-1b, llama-3\.1-8b"
+    ):
         get_config("llama-9")
 
 
