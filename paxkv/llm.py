@@ -89,11 +89,9 @@ class LLM:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        # `Engine.warmup` reports no progress: the bar shows the count, then the time.
         num_shapes = len(self.engine.config.buckets().shapes())
         with tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape") as bar:
-            self.engine.warmup()
-            bar.update(num_shapes)
+            self.engine.warmup(progress=lambda done, total: bar.update(done - bar.n))
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (None when it has none)."""

@@ -231,6 +231,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Why the engine ended the request itself (finish reason "abort"): something tied to
+    # it failed in a step's host work. None otherwise.
+    error: str | None = None
 
 
 def normalize_prompt(prompt) -> tuple[str | None, list[int] | None]:

@@ -11,7 +11,9 @@ that it stays flat after warm-up.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -150,15 +152,36 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Ends a request now (finish reason "abort") and frees every page it holds; the
         next `step` reports it. An unknown or already finished id is a no-op, as in vLLM."""
-        req = self.requests.pop(str(request_id))
-        if req is None:
+        if self._end_request(str(request_id)) is None:
             logging.debug("paxkv: abort(%r): no unfinished request of that id", request_id)
-            return
+
+    def _end_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Aborts a request (with `error`: because something tied to it failed); the next
+        `step` reports it. None if it is not unfinished."""
+        req = self.requests.pop(request_id)
+        if req is None:
+            return None
         self.scheduler.abort(req.seqs)
         if self._pipeline is not None:
             self._pipeline.forget(req.seqs)
-        self._aborted.append(req.output(self.tokenizer))
+        try:
+            out = req.output(self.tokenizer)
+        except Exception:  # what failed may be the output itself: report the bare tokens
+            out = req.bare_output()
+        out.error = error
+        self._aborted.append(out)
         self._on_finished(req)
+        return out
+
+    def end_failed(self) -> None:
+        """Ends the requests of sequences whose host work failed (`Scheduler.fail`):
+        finish reason "abort" and the error in their output; the others go on."""
+        for seq, error in self.scheduler.take_failed():
+            out = self._end_request(seq.request_id, error)
+            if out is not None:
+                logging.warning(
+                    "paxkv: request %r failed and was aborted: %s", seq.request_id, error
+                )
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, or ended but not yet reported by `step`."""
@@ -189,19 +212,23 @@ class Engine:
         "abort".
         """
         t0 = time.perf_counter()
-        aborted, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
+        self.end_failed()
+        plan = plan.running()
         t_sched = time.perf_counter()
         if not plan.chunks and (self._pipeline is None or not self._pipeline.busy):
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not self._aborted:
                 raise RuntimeError("the scheduler made no progress with requests pending")
+            aborted, self._aborted = self._aborted, []
             return aborted
         if self._pipeline is not None:
             outputs, t1, t2 = self._pipeline.step(plan)
         else:
             outputs, t1, t2 = self._step_sync(plan)
+        self.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
         self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)
+        aborted, self._aborted = self._aborted, []
         return aborted + outputs
 
     def _step_sync(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
@@ -210,8 +237,14 @@ class Engine:
         reserved = self._reserve_ahead(plan)
         if reserved is not None:
             plan, limits = reserved
-        batch, token_src = self.to_device(plan)
+        planned = plan
+        plan, batch, token_src = self.to_device(plan)
         t1 = time.perf_counter()
+        if not plan.chunks:  # every chunk's request failed
+            return [], t1, t1
+        if limits is not None and plan is not planned:
+            kept = {id(c.seq) for c in plan.chunks}
+            limits = [n for c, n in zip(planned.chunks, limits, strict=True) if id(c.seq) in kept]
         if limits is None:
             results = [(jax.device_get(self.dispatch(batch, token_src)), None)]
         else:
@@ -225,13 +258,19 @@ class Engine:
         return self.report({c.seq.request_id for c in plan.chunks if c.samples}), t1, t2
 
     def report(self, request_ids) -> list[RequestOutput]:
-        """The outputs of the requests `request_ids` now; finished ones are forgotten."""
+        """The outputs of the requests `request_ids` now; finished ones are forgotten.
+        Requests whose host work failed are ended first (`end_failed`)."""
+        self.end_failed()
         outputs = []
         for rid in dict.fromkeys(request_ids):
             req = self.requests.get(rid)
             if req is None:
                 continue
-            out = req.output(self.tokenizer)
+            try:
+                out = req.output(self.tokenizer)
+            except Exception as e:  # isolated: only this request fails
+                self.scheduler.fail(req.seqs[0], e)
+                continue
             outputs.append(out)
             if out.finished:
                 self._on_finished(self.requests.pop(rid))
@@ -240,10 +279,15 @@ class Engine:
     def _record(self, plan: SchedulerOutput, samples: Sampled, valid) -> None:
         """Hands one iteration's samples (on the host) to the scheduler; `valid` masks a
         loop's."""
-        sampled = [
-            sample_result(samples, i, c.seq) if c.samples and (valid is None or valid[i]) else None
-            for i, c in enumerate(plan.chunks)
-        ]
+        sampled = []
+        for i, c in enumerate(plan.chunks):
+            result = None
+            if c.samples and (valid is None or valid[i]):
+                try:
+                    result = sample_result(samples, i, c.seq)
+                except Exception as e:  # isolated: only this sequence fails
+                    self.scheduler.fail(c.seq, e)
+            sampled.append(result)
         previous = [c.seq.last_token_time for c in plan.chunks]
         running = [c.seq.status is SeqStatus.RUNNING for c in plan.chunks]
         self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
@@ -308,17 +352,38 @@ class Engine:
 
     def to_device(
         self, plan: SchedulerOutput, pending: dict[int, int] | None = None
-    ) -> tuple[StepBatch, jax.Array]:
+    ) -> tuple[SchedulerOutput, StepBatch | None, jax.Array | None]:
         """The device batch of `plan` and its token feed: `pending` maps `id(seq)` to the
-        row of the in-flight step's output that holds the token seq samples there."""
-        hb = build_host_batch(
-            plan,
+        row of the in-flight step's output that holds the token seq samples there.
+
+        A chunk whose layout fails fails its sequence (`Scheduler.fail`) and leaves the
+        step: returns the plan without it, and None for the batch if no chunk is left.
+        """
+        build = functools.partial(
+            build_host_batch,
             page_size=self.config.page_size,
             buckets=self._buckets,
             pending=pending,
             history_slack=self.config.num_decode_steps,
         )
-        return StepBatch.from_host(hb, self.config.page_size)
+        try:
+            hb = build(plan)
+        except Exception:
+            # Find the chunks that fail on their own; if none does, the fault is the step's.
+            bad = []
+            for c in plan.chunks:
+                try:
+                    build(SchedulerOutput((c,), ()))
+                except Exception as e:
+                    bad.append(c)
+                    self.scheduler.fail(c.seq, e)
+            if not bad:
+                raise
+            plan = plan.running()
+            if not plan.chunks:
+                return plan, None, None
+            hb = build(plan)
+        return (plan, *StepBatch.from_host(hb, self.config.page_size))
 
     def _on_finished(self, req: Request) -> None:
         for seq in req.seqs:
@@ -335,15 +400,21 @@ class Engine:
             compile_time_s=self._compiles.seconds,
         )
 
-    def warmup(self) -> None:
-        """Compiles every bucket now, so no request waits for a compilation later."""
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Compiles every bucket now, so no request waits for a compilation later.
+
+        `progress(done, total)` is called after each shape (for a progress bar).
+        Steps with penalties compile their history bucket when they first run.
+        """
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))
-        for t, s, p in shapes:
+        for i, (t, s, p) in enumerate(shapes):
             batch = StepBatch.empty(t, s, p, self.config.page_size)
-            self.dispatch(batch, jnp.full(t, -1, jnp.int32))
+            jax.block_until_ready(self.dispatch(batch, jnp.full(t, -1, jnp.int32)))
             if self.config.num_decode_steps > 1:
                 self._run_decode_loop(batch, SchedulerOutput((), ()), [])
+            if progress is not None:
+                progress(i + 1, len(shapes))
 
 
 def _advanced(plan: SchedulerOutput, i: int) -> SchedulerOutput:

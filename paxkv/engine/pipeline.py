@@ -73,8 +73,9 @@ class AsyncPipeline:
                 if self.inflight
                 else None
             )
-            batch, token_src = engine.to_device(plan, pending)
-            launched = engine.dispatch(batch, token_src)
+            plan, batch, token_src = engine.to_device(plan, pending)
+            if plan.chunks:
+                launched = engine.dispatch(batch, token_src)
         t1 = time.perf_counter()
         outputs = self._resolve(self.inflight) if self.inflight else []
         t2 = time.perf_counter()
@@ -103,10 +104,14 @@ class AsyncPipeline:
             if index >= len(seq.output_token_ids):
                 continue  # dropped: the sequence stopped at an earlier token
             before = self._last_token_seen.get(id(seq))
-            token, logprob, *top = sample_result(sampled, row, seq)
-            engine.scheduler.resolve(
-                seq, index, token, logprob, engine.eos_token_ids, now, top[0] if top else None
-            )
+            try:
+                token, logprob, *top = sample_result(sampled, row, seq)
+                engine.scheduler.resolve(
+                    seq, index, token, logprob, engine.eos_token_ids, now, top[0] if top else None
+                )
+            except Exception as e:  # isolated: only this sequence fails
+                engine.scheduler.fail(seq, e)
+                continue
             engine.metrics.on_token(None if before is None else now - before)
             self._last_token_seen[id(seq)] = now
             touched.append(seq)

@@ -72,6 +72,21 @@ class Request:
             metrics=metrics,
         )
 
+    def bare_output(self) -> RequestOutput:
+        """The request's tokens and finish reasons only (no text, logprobs or metrics):
+        what is reported when building the full output is what failed."""
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                token_ids=[t for t in seq.output_token_ids if t >= 0],
+                finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
+            )
+            for seq in self.seqs
+        ]
+        return RequestOutput(
+            self.request_id, self.prompt, list(self.prompt_token_ids), completions, self.finished
+        )
+
     def _logprob_dicts(self, seq: SequenceState, tokenizer: Any) -> list[dict[int, Logprob]]:
         """Per output token: its top-k and itself, as `{token id: Logprob}`.
 

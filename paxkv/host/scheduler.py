@@ -80,6 +80,14 @@ class SchedulerOutput:
         """Tokens the step computes, over all chunks."""
         return sum(c.num_tokens for c in self.chunks)
 
+    def running(self) -> SchedulerOutput:
+        """The plan without the chunks of sequences that ended since it was made
+        (aborted, or failed); itself when there are none."""
+        if all(c.seq.status is SeqStatus.RUNNING for c in self.chunks):
+            return self
+        kept = tuple(c for c in self.chunks if c.seq.status is SeqStatus.RUNNING)
+        return SchedulerOutput(kept, self.preempted)
+
 
 class Scheduler:
     """Continuous batching with chunked prefill and preemption by recompute.
@@ -129,6 +137,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.peak_running = 0
+        self._failed: list[tuple[SequenceState, str]] = []
 
     # Admission.
 
@@ -167,7 +176,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plans the next step and reserves its pages. Call `update` with its results."""
-        kv, ps = self.kv_cache, self.page_size
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[SequenceState] = []
@@ -181,55 +189,85 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget == 0 or seq.status is not SeqStatus.RUNNING:
                 continue
-            n = self._chunk(seq, budget)
-            end = seq.num_computed_tokens + n
-            while not kv.fits(seq, end) and not kv.allocate(seq, end):
-                # A sequence the policy will not grow gives way itself.
-                victims = (
-                    [s for s in self.running if id(s) not in scheduled and s is not seq]
-                    if kv.can_grow(seq, end)
-                    else []
-                )
-                victim = max(victims, key=SequenceState.precedence) if victims else seq
-                if victim.precedence() < seq.precedence():
-                    victim = seq
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
+            try:
+                chunk = self._schedule_running(seq, budget, scheduled, preempted)
+            except Exception as e:  # isolated: only seq fails
+                self.fail(seq, e)
                 continue
-            chunks.append(ScheduledChunk.of(seq, seq.num_computed_tokens, n, ps))
-            scheduled.add(id(seq))
-            budget -= n
+            if chunk is not None:
+                chunks.append(chunk)
+                scheduled.add(id(seq))
+                budget -= chunk.num_tokens
         # Admit waiting sequences first-come-first-served while they fit.
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if self._sibling_prefilling(seq):
-                break  # it will share the sibling's prompt pages once they are cached
-            hits = kv.lookup(seq)
-            whole = max(0, kv.pages_to_hold(seq, seq.num_tokens) - len(hits))
-            if self.pool.num_free - kv.evictable(hits) - whole < self.watermark_pages and (
-                self.running
-            ):
+            try:
+                chunk = self._admit(seq, budget, now)
+            except Exception as e:  # isolated: only seq fails
+                self.fail(seq, e)
+                continue
+            if chunk is None:
                 break
-            kv.take_hits(seq, hits)
-            n = self._chunk(seq, budget)
-            if not kv.allocate(seq, seq.num_computed_tokens + n):
-                kv.free(seq)
-                seq.num_computed_tokens = 0
-                break
-            kv.count_lookup(seq, len(hits))
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-            self.running.append(seq)
-            chunks.append(ScheduledChunk.of(seq, seq.num_computed_tokens, n, ps))
+            chunks.append(chunk)
             scheduled.add(id(seq))
-            budget -= n
+            budget -= chunk.num_tokens
         self.peak_running = max(self.peak_running, len(self.running))
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _schedule_running(
+        self,
+        seq: SequenceState,
+        budget: int,
+        scheduled: set[int],
+        preempted: list[SequenceState],
+    ) -> ScheduledChunk | None:
+        """The chunk of running `seq` this step, making room by preemption; None if seq
+        itself gave way."""
+        kv = self.kv_cache
+        n = self._chunk(seq, budget)
+        end = seq.num_computed_tokens + n
+        while not kv.fits(seq, end) and not kv.allocate(seq, end):
+            # A sequence the policy will not grow gives way itself.
+            victims = (
+                [s for s in self.running if id(s) not in scheduled and s is not seq]
+                if kv.can_grow(seq, end)
+                else []
+            )
+            victim = max(victims, key=SequenceState.precedence) if victims else seq
+            if victim.precedence() < seq.precedence():
+                victim = seq
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                break
+        if seq.status is not SeqStatus.RUNNING:
+            return None
+        return ScheduledChunk.of(seq, seq.num_computed_tokens, n, self.page_size)
+
+    def _admit(self, seq: SequenceState, budget: int, now: float) -> ScheduledChunk | None:
+        """Admits the first waiting sequence with its first chunk, or None if it must wait."""
+        kv = self.kv_cache
+        if self._sibling_prefilling(seq):
+            return None  # it will share the sibling's prompt pages once they are cached
+        hits = kv.lookup(seq)
+        whole = max(0, kv.pages_to_hold(seq, seq.num_tokens) - len(hits))
+        if self.pool.num_free - kv.evictable(hits) - whole < self.watermark_pages and (
+            self.running
+        ):
+            return None
+        kv.take_hits(seq, hits)
+        n = self._chunk(seq, budget)
+        if not kv.allocate(seq, seq.num_computed_tokens + n):
+            kv.free(seq)
+            seq.num_computed_tokens = 0
+            return None
+        kv.count_lookup(seq, len(hits))
+        self.waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        self.running.append(seq)
+        return ScheduledChunk.of(seq, seq.num_computed_tokens, n, self.page_size)
 
     def _sibling_prefilling(self, seq: SequenceState) -> bool:
         """Whether another completion of seq's request is still computing the cacheable
@@ -286,25 +324,39 @@ class Scheduler:
         """
         now = time.monotonic()
         finished = []
-        kv, ps = self.kv_cache, self.page_size
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = chunk.end
-            if seq.num_computed_tokens // ps > len(seq.keys):
-                kv.register_full_pages(seq)
-            if result is None:
+            try:
+                reason = self._record(seq, chunk, result, eos_token_ids, now)
+            except Exception as e:  # isolated: only seq fails
+                self.fail(seq, e)
                 continue
-            token, logprob, *top = result
-            seq.append_output(int(token), float(logprob), top[0] if top else None)
-            seq.first_token_time = seq.first_token_time or now
-            seq.last_token_time = now
-            reason = self._finish_reason(seq, int(token), eos_token_ids)
             if reason is not None:
                 self._finish(seq, reason, now)
                 finished.append(seq)
         return finished
+
+    def _record(
+        self,
+        seq: SequenceState,
+        chunk: ScheduledChunk,
+        result: tuple | None,
+        eos_token_ids: tuple[int, ...],
+        now: float,
+    ) -> FinishReason | None:
+        """Records one chunk's result; returns why seq ends now, if it does."""
+        seq.num_computed_tokens = chunk.end
+        if seq.num_computed_tokens // self.page_size > len(seq.keys):
+            self.kv_cache.register_full_pages(seq)
+        if result is None:
+            return None
+        token, logprob, *top = result
+        seq.append_output(int(token), float(logprob), top[0] if top else None)
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        return self._finish_reason(seq, int(token), eos_token_ids)
 
     def resolve(
         self,
@@ -353,6 +405,29 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+
+    def fail(self, seq: SequenceState, error: BaseException | str) -> None:
+        """Ends `seq` (finish reason "abort") because something tied to it failed, frees
+        what it holds, and records why for `take_failed`. Safe on a sequence caught
+        half-way through scheduling: whatever pages it took go back."""
+        if seq.status is SeqStatus.FINISHED:  # ended, but its output failed: not a success
+            seq.finish_reason = FinishReason.ABORT
+        else:
+            self.kv_cache.free(seq)
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+            seq.finished_time = time.monotonic()
+            if seq in self.running:
+                self.running.remove(seq)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self._failed.append((seq, message))
+
+    def take_failed(self) -> list[tuple[SequenceState, str]]:
+        """The sequences `fail` ended since the last call, with why; forgets them."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def abort(self, seqs: Iterable[SequenceState]) -> None:
         """Ends these sequences now and frees everything they hold."""

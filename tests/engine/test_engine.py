@@ -183,6 +183,7 @@ def test_abort_frees_pages_and_reports(tiny):
 def test_llm_api_generate_and_stream(tiny):
     llm = LLM(
         model="tiny",
+        warmup=False,
         dtype="float32",
         num_pages=64,
         page_size=PS,

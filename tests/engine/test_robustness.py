@@ -147,6 +147,7 @@ def test_async_abort_at_every_point(tiny, abort_after):
 def test_generate_stream_closed_early_with_async_scheduling():
     llm = LLM(
         model="tiny",
+        warmup=False,
         dtype="float32",
         num_pages=64,
         page_size=8,
