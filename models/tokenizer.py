@@ -13,8 +13,8 @@ class Tokenizer(Protocol):
 
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, those the tokenizer adds (BOS)."""
         ...
 
     def decode(self, ids: list[int]) -> str:
@@ -27,8 +27,8 @@ class ByteTokenizer:
 
     vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of `text`, one id per byte."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The UTF-8 bytes of `text`, one id per byte (it has no special tokens)."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -47,9 +47,10 @@ class HFTokenizer:
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the special tokens the post-processor adds."""
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens the post-processor adds unless
+        `add_special_tokens=False` (text that already holds them, e.g. a chat template's)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens skipped."""

@@ -298,14 +298,9 @@ def encode_rendered(tokenizer: Any, text: str) -> list[int]:
 
     The template wrote the special tokens (e.g. BOS) as text already; adding them again
     would double them, so this encodes as transformers' `apply_chat_template` does
-    (`add_special_tokens=False`). `tokenizer` is one `paxkv.models.load_model` returns:
-    `HFTokenizer`, whose `encode` adds the post-processor's tokens, so its wrapped
-    `tokenizers.Tokenizer` is used here; or `ByteTokenizer`, which adds none.
+    (`add_special_tokens=False`; see `paxkv.models.tokenizer.Tokenizer`).
     """
-    wrapped = getattr(tokenizer, "_tokenizer", None)
-    if wrapped is not None:
-        return list(wrapped.encode(text, add_special_tokens=False).ids)
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _jinja2():
