@@ -35,7 +35,7 @@ from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SeqStatus
 from paxkv.metrics import EngineMetrics, engine_stats
-from paxkv.request import RequestOutput, SamplingParams
+from paxkv.request import FinishReason, RequestOutput, SamplingParams
 from paxkv.sharding import shardings
 
 
@@ -261,19 +261,9 @@ class Engine:
         """The outputs of the requests `request_ids` now; finished ones are forgotten.
         Requests whose host work failed are ended first (`end_failed`)."""
         self.end_failed()
-        outputs = []
-        for rid in dict.fromkeys(request_ids):
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            try:
-                out = req.output(self.tokenizer)
-            except Exception as e:  # isolated: only this request fails
-                self.scheduler.fail(req.seqs[0], e)
-                continue
-            outputs.append(out)
-            if out.finished:
-                self._on_finished(self.requests.pop(rid))
+        outputs, finished = self.requests.report(request_ids)
+        for req in finished:
+            self._on_finished(req)
         return outputs
 
     def _record(self, plan: SchedulerOutput, samples: Sampled, valid) -> None:
@@ -282,7 +272,7 @@ class Engine:
         sampled = []
         for i, c in enumerate(plan.chunks):
             result = None
-            if c.samples and (valid is None or valid[i]):
+            if c.samples and (valid is None or valid[i]) and c.seq.status is SeqStatus.RUNNING:
                 try:
                     result = sample_result(samples, i, c.seq)
                 except Exception as e:  # isolated: only this sequence fails
@@ -294,7 +284,8 @@ class Engine:
         for chunk, before, was_running, got in zip(
             plan.chunks, previous, running, sampled, strict=True
         ):
-            if valid is not None and was_running != (got is not None):
+            aborted = chunk.seq.finish_reason is FinishReason.ABORT  # failed or aborted
+            if valid is not None and not aborted and was_running != (got is not None):
                 raise RuntimeError(
                     f"multi-step decode disagrees with the host about {chunk.seq.seq_id}: "
                     f"running={was_running}, token produced={got is not None}"

@@ -199,6 +199,25 @@ class RequestRegistry:
         self._requests[request_id] = request
         return request
 
+    def report(self, request_ids) -> tuple[list[RequestOutput], list[Request]]:
+        """The outputs of the requests `request_ids` now (unknown ids skipped), and the
+        requests that finished, which are forgotten. A request whose output cannot be
+        built fails (`Scheduler.fail`) instead of being reported."""
+        outputs, finished = [], []
+        for rid in dict.fromkeys(request_ids):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            try:
+                out = req.output(self.tokenizer)
+            except Exception as e:  # isolated: only this request fails
+                self.scheduler.fail(req.seqs[0], e)
+                continue
+            outputs.append(out)
+            if out.finished:
+                finished.append(self._requests.pop(rid))
+        return outputs, finished
+
     def _new_id(self) -> str:
         """An id no caller-chosen id takes: the next counter value not in use."""
         while (rid := str(next(self._ids))) in self._requests:

@@ -406,6 +406,19 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
 
+    def stop(self, seq: SequenceState, num_output_tokens: int) -> None:
+        """Ends `seq` with finish reason "stop" after its first `num_output_tokens`
+        outputs (a stop string matched on the text): later tokens, placeholders of a step
+        in flight included, are dropped. A sequence already ended keeps its pages freed
+        and takes reason "stop" unless it was aborted."""
+        if seq.finish_reason is FinishReason.ABORT:
+            return
+        seq.truncate_outputs(num_output_tokens)
+        if seq.status is SeqStatus.FINISHED:
+            seq.finish_reason = FinishReason.STOP
+        else:
+            self._finish(seq, FinishReason.STOP, time.monotonic())
+
     def fail(self, seq: SequenceState, error: BaseException | str) -> None:
         """Ends `seq` (finish reason "abort") because something tied to it failed, frees
         what it holds, and records why for `take_failed`. Safe on a sequence caught
