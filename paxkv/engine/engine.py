@@ -17,19 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from paxkv.engine import step as steps
-from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import Request, RequestRegistry
+from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.sampling import Sampled, sample_result
-from paxkv.engine.state import PagedKVCache
-from paxkv.engine.step import MAX_STOP_IDS, DecodeLimits, StepBatch
-from paxkv.host.batch import build_host_batch
+from paxkv.engine.step import MAX_STOP_IDS
+from paxkv.host.batch import HostBatch, build_host_batch
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
@@ -59,32 +56,33 @@ class Engine:
         serve on; None: `shardings.default_mesh()`, which is None (one device) unless set.
       reservation: how many token slots a sequence holds; None: the pages it needs
         (`paxkv.host.reservation`). The load benchmark's contiguous baselines pass theirs.
+      runner: makes the step runner from the engine's config (`paxkv.engine.runner`);
+        None: a `ModelRunner` of `model` (on `mesh`). With a runner, `model` may be None,
+        e.g. `runner=lambda config: FakeRunner(32000, config)` runs the whole host path
+        without a model or a device.
     """
 
     def __init__(
         self,
-        model: nnx.Module,
+        model: nnx.Module | None,
         config: EngineConfig | None = None,
         *,
         tokenizer: Any = None,
         mesh: Any = None,
         reservation: PagedReservation | None = None,
+        runner: Callable[[EngineConfig], StepRunner] | None = None,
     ) -> None:
         platform = jax.default_backend()
         self.config = config = (config or EngineConfig()).for_backend(platform)
-        mc = self.model_config = model.config
+        if runner is not None:
+            self.runner = runner(config)
+        else:
+            mesh = mesh if mesh is not None else shardings.default_mesh()
+            self.runner = ModelRunner(model, config, mesh)
+        mc = self.model_config = self.runner.model_config
         config.check_serves(mc, platform)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
-        self._graphdef, self._params = nnx.split(model)
-        self.kv_cache = PagedKVCache.for_model(
-            mc, config.num_pages, config.page_size, config.kv_cache_dtype
-        )
-        self.mesh = mesh if mesh is not None else shardings.default_mesh()
-        if self.mesh is not None:  # weights and pages spread over the mesh's devices
-            self._graphdef, self._params, self.kv_cache = shardings.shard_engine_state(
-                self._graphdef, self._params, self.kv_cache, self.mesh
-            )
         self.pool = PagePool(config.num_pages)
         self.scheduler = Scheduler(
             self.pool,
@@ -107,16 +105,16 @@ class Engine:
         self._buckets = config.buckets()
         self._aborted: list[RequestOutput] = []  # reported by the next step
         self._pipeline = AsyncPipeline(self) if config.async_scheduling else None
-        self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
-        if self.mesh is not None:  # as the step returns it, so warm-up compiles the real signature
-            self._prev_tokens = jax.device_put(self._prev_tokens, shardings.replicated(self.mesh))
-        self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
         self.metrics = EngineMetrics()
 
     @property
     def num_compilations(self) -> int:
         """Compilations of the step functions that this engine's calls triggered."""
-        return self._compiles.count
+        return self.runner.num_compilations
+
+    # The model runner's state, for introspection (None with another runner).
+    kv_cache = property(lambda self: getattr(self.runner, "kv_cache", None))
+    mesh = property(lambda self: getattr(self.runner, "mesh", None))
 
     # Requests.
 
@@ -238,17 +236,22 @@ class Engine:
         if reserved is not None:
             plan, limits = reserved
         planned = plan
-        plan, batch, token_src = self.to_device(plan)
-        t1 = time.perf_counter()
+        plan, hb = self.layout(plan)
         if not plan.chunks:  # every chunk's request failed
+            t1 = time.perf_counter()
             return [], t1, t1
         if limits is not None and plan is not planned:
             kept = {id(c.seq) for c in plan.chunks}
             limits = [n for c, n in zip(planned.chunks, limits, strict=True) if id(c.seq) in kept]
         if limits is None:
-            results = [(jax.device_get(self.dispatch(batch, token_src)), None)]
+            handle = self.runner.dispatch(hb)
+            t1 = time.perf_counter()
+            results = [(self.runner.fetch(handle), None)]
         else:
-            sampled, valid = self._run_decode_loop(batch, plan, limits)
+            t1 = time.perf_counter()
+            stops = [c.seq.stop_token_ids(self.eos_token_ids) for c in plan.chunks]
+            sampled, valid = self.runner.decode_loop(hb, stops, limits)
+            self.metrics.num_decode_loops += 1
             results = [
                 (jax.tree.map(lambda a, i=i: a[i], sampled), valid[i]) for i in range(len(valid))
             ]
@@ -306,46 +309,11 @@ class Engine:
             return None
         return self.scheduler.reserve_ahead(plan, n)
 
-    def _run_decode_loop(self, batch: StepBatch, plan: SchedulerOutput, limits: list[int]):
-        size = batch.logits_indices.shape[0]
-        stops = DecodeLimits.from_host(
-            [c.seq.stop_token_ids(self.eos_token_ids) for c in plan.chunks], limits, size
-        )
-        with self._compiles.counting():
-            sampled, valid, self.kv_cache = steps.DECODE_LOOP(
-                self._graphdef,
-                self._params,
-                self.kv_cache,
-                batch,
-                stops,
-                attention_backend=self.config.attention_backend,
-                num_steps=self.config.num_decode_steps,
-                num_logprobs=self.config.max_logprobs,
-            )
-        self.metrics.num_decode_loops += bool(plan.chunks)
-        return jax.device_get((sampled, valid))
-
-    def dispatch(self, batch: StepBatch, token_src: jax.Array) -> Sampled:
-        """Dispatches one step (without waiting for it); remembers its sampled tokens."""
-        with self._compiles.counting():
-            sampled, self.kv_cache = steps.MODEL_STEP(
-                self._graphdef,
-                self._params,
-                self.kv_cache,
-                batch,
-                token_src,
-                self._prev_tokens,
-                attention_backend=self.config.attention_backend,
-                num_logprobs=self.config.max_logprobs,
-            )
-        self._prev_tokens = sampled.tokens
-        return sampled
-
-    def to_device(
+    def layout(
         self, plan: SchedulerOutput, pending: dict[int, int] | None = None
-    ) -> tuple[SchedulerOutput, StepBatch | None, jax.Array | None]:
-        """The device batch of `plan` and its token feed: `pending` maps `id(seq)` to the
-        row of the in-flight step's output that holds the token seq samples there.
+    ) -> tuple[SchedulerOutput, HostBatch | None]:
+        """The host batch of `plan`: `pending` maps `id(seq)` to the row of the in-flight
+        step's output that holds the token seq samples there (async scheduling).
 
         A chunk whose layout fails fails its sequence (`Scheduler.fail`) and leaves the
         step: returns the plan without it, and None for the batch if no chunk is left.
@@ -358,7 +326,7 @@ class Engine:
             history_slack=self.config.num_decode_steps,
         )
         try:
-            hb = build(plan)
+            return plan, build(plan)
         except Exception:
             # Find the chunks that fail on their own; if none does, the fault is the step's.
             bad = []
@@ -371,10 +339,7 @@ class Engine:
             if not bad:
                 raise
             plan = plan.running()
-            if not plan.chunks:
-                return plan, None, None
-            hb = build(plan)
-        return (plan, *StepBatch.from_host(hb, self.config.page_size))
+            return plan, build(plan) if plan.chunks else None
 
     def _on_finished(self, req: Request) -> None:
         for seq in req.seqs:
@@ -388,7 +353,7 @@ class Engine:
             self.metrics,
             self.scheduler,
             num_compilations=self.num_compilations,
-            compile_time_s=self._compiles.seconds,
+            compile_time_s=self.runner.compile_seconds,
         )
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -399,13 +364,7 @@ class Engine:
         """
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))
-        for i, (t, s, p) in enumerate(shapes):
-            batch = StepBatch.empty(t, s, p, self.config.page_size)
-            jax.block_until_ready(self.dispatch(batch, jnp.full(t, -1, jnp.int32)))
-            if self.config.num_decode_steps > 1:
-                self._run_decode_loop(batch, SchedulerOutput((), ()), [])
-            if progress is not None:
-                progress(i + 1, len(shapes))
+        self.runner.warmup(shapes, progress)
 
 
 def _advanced(plan: SchedulerOutput, i: int) -> SchedulerOutput:

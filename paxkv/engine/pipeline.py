@@ -15,8 +15,6 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-import jax
-
 from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import PLACEHOLDER_TOKEN
 from paxkv.host.scheduler import SchedulerOutput
@@ -73,9 +71,9 @@ class AsyncPipeline:
                 if self.inflight
                 else None
             )
-            plan, batch, token_src = engine.to_device(plan, pending)
+            plan, hb = engine.layout(plan, pending)
             if plan.chunks:
-                launched = engine.dispatch(batch, token_src)
+                launched = engine.runner.dispatch(hb)
         t1 = time.perf_counter()
         outputs = self._resolve(self.inflight) if self.inflight else []
         t2 = time.perf_counter()
@@ -97,7 +95,7 @@ class AsyncPipeline:
     def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
         """Waits for an in-flight step and puts its sampled tokens in place."""
         engine = self.engine
-        sampled = jax.device_get(inflight.sampled)
+        sampled = engine.runner.fetch(inflight.sampled)
         now = time.monotonic()
         touched = []
         for seq, row, index in inflight.placeholders:

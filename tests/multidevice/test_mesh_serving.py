@@ -114,7 +114,7 @@ def test_nothing_recompiles_after_warmup(served, shape):
 def _specs(engine) -> dict[str, P]:
     return {
         ".".join(str(getattr(k, "key", k)) for k in path[:-1]): x.sharding.spec
-        for path, x in jax.tree_util.tree_leaves_with_path(engine._params)
+        for path, x in jax.tree_util.tree_leaves_with_path(engine.runner.params)
     }
 
 
@@ -160,7 +160,7 @@ def test_weights_per_device_are_the_plans(served, tiny, shape):
     device = s.mesh.devices.flat[0]
     held = sum(
         shard.data.nbytes
-        for x in jax.tree_util.tree_leaves(s.engine._params)
+        for x in jax.tree_util.tree_leaves(s.engine.runner.params)
         for shard in x.addressable_shards
         if shard.device == device
     )

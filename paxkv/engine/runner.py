@@ -1,0 +1,255 @@
+"""The seam between the engine's host path and the compiled step.
+
+The engine lays out each step as a `HostBatch` (NumPy) and hands it to a step runner.
+`ModelRunner` runs the jitted model (`paxkv.engine.step`) on the device: it owns the
+weights, the KV cache and the previous step's sampled tokens. `FakeRunner` returns
+deterministic tokens computed on the host without touching a device, so everything
+else of the engine (scheduling, batch layout, outputs, metrics) can be tested and
+benchmarked on its own (`paxkv.benchmarks.host_step`).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paxkv.engine import step as steps
+from paxkv.engine.compilations import CompileCounter
+from paxkv.engine.config import EngineConfig
+from paxkv.engine.sampling import Sampled
+from paxkv.engine.state import PagedKVCache
+from paxkv.engine.step import DecodeLimits, StepBatch
+from paxkv.host.batch import HostBatch
+from paxkv.sharding import shardings
+
+
+class StepRunner:
+    """What the engine needs of a compiled step. Subclasses implement all of it.
+
+    `model_config` has `vocab_size`, `eos_token_ids` and optionally
+    `max_position_embeddings`. `dispatch` starts a step and returns a handle without
+    waiting (the async pipeline schedules the next step meanwhile); `fetch` waits and
+    returns its samples on the host. A step's sequence s samples into row s, and a
+    later step's `token_src` rows index the previous dispatched step's rows.
+    """
+
+    model_config: Any
+    num_compilations: int = 0
+    compile_seconds: float = 0.0
+
+    def dispatch(self, hb: HostBatch) -> Any:
+        """Starts one step of `hb`; returns a handle for `fetch`."""
+        raise NotImplementedError
+
+    def fetch(self, handle: Any) -> Sampled:
+        """The samples of a dispatched step, as NumPy arrays (rows: max_num_seqs)."""
+        raise NotImplementedError
+
+    def decode_loop(
+        self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
+    ) -> tuple[Sampled, np.ndarray]:
+        """Runs `num_decode_steps` decode iterations of a decode-only batch (see
+        `paxkv.engine.step.decode_loop`): samples with arrays [N, S, ...] and
+        `valid` bool[N, S], on the host."""
+        raise NotImplementedError
+
+    def warmup(
+        self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
+    ) -> None:
+        """Compiles the step for every `(T, S, pages per sequence)` shape."""
+
+
+class ModelRunner(StepRunner):
+    """Runs the jitted model step on the device (or a mesh of devices).
+
+    Args:
+      model: the NNX causal LM (see `paxkv.engine.Engine`).
+      config: the engine's settings, `num_decode_steps` decided.
+      mesh: a `jax.sharding.Mesh` of one replica, or None for one device.
+    """
+
+    def __init__(self, model: nnx.Module, config: EngineConfig, mesh: Any = None) -> None:
+        self.model_config = mc = model.config
+        self.config = config
+        self.graphdef, self.params = nnx.split(model)
+        self.kv_cache = PagedKVCache.for_model(
+            mc, config.num_pages, config.page_size, config.kv_cache_dtype
+        )
+        self.mesh = mesh
+        if mesh is not None:  # weights and pages spread over the mesh's devices
+            self.graphdef, self.params, self.kv_cache = shardings.shard_engine_state(
+                self.graphdef, self.params, self.kv_cache, mesh
+            )
+        self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
+        if mesh is not None:  # as the step returns it, so warm-up compiles the real signature
+            self._prev_tokens = jax.device_put(self._prev_tokens, shardings.replicated(mesh))
+        self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
+
+    @property
+    def num_compilations(self) -> int:
+        """Compilations of the step functions that this runner's calls triggered."""
+        return self._compiles.count
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds those compilations took."""
+        return self._compiles.seconds
+
+    def _run_step(self, batch: StepBatch, token_src: jax.Array) -> Sampled:
+        with self._compiles.counting():
+            sampled, self.kv_cache = steps.MODEL_STEP(
+                self.graphdef,
+                self.params,
+                self.kv_cache,
+                batch,
+                token_src,
+                self._prev_tokens,
+                attention_backend=self.config.attention_backend,
+                num_logprobs=self.config.max_logprobs,
+            )
+        self._prev_tokens = sampled.tokens
+        return sampled
+
+    def _run_loop(self, batch: StepBatch, limits: DecodeLimits) -> tuple[Sampled, jax.Array]:
+        with self._compiles.counting():
+            sampled, valid, self.kv_cache = steps.DECODE_LOOP(
+                self.graphdef,
+                self.params,
+                self.kv_cache,
+                batch,
+                limits,
+                attention_backend=self.config.attention_backend,
+                num_steps=self.config.num_decode_steps,
+                num_logprobs=self.config.max_logprobs,
+            )
+        return sampled, valid
+
+    def dispatch(self, hb: HostBatch) -> Sampled:
+        """Moves `hb` to the device in one transfer and dispatches the step."""
+        return self._run_step(*StepBatch.from_host(hb, self.config.page_size))
+
+    def fetch(self, handle: Sampled) -> Sampled:
+        """Waits for the step and copies its samples to the host."""
+        return jax.device_get(handle)
+
+    def decode_loop(
+        self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
+    ) -> tuple[Sampled, np.ndarray]:
+        """The N-step decode loop on the device (`paxkv.engine.step.DECODE_LOOP`)."""
+        batch, _ = StepBatch.from_host(hb, self.config.page_size)
+        stops = DecodeLimits.from_host(list(stop_ids), list(limits), hb.logits_indices.shape[0])
+        return jax.device_get(self._run_loop(batch, stops))
+
+    def warmup(
+        self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
+    ) -> None:
+        """Compiles the one-step function (and the N-step loop) for every shape."""
+        for i, (t, s, p) in enumerate(shapes):
+            batch = StepBatch.empty(t, s, p, self.config.page_size)
+            jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
+            if self.config.num_decode_steps > 1:
+                self._run_loop(batch, DecodeLimits.from_host([], [], s))
+            if progress is not None:
+                progress(i + 1, len(shapes))
+
+
+def fake_token(tokens: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The fake runner's next token after `tokens` at `positions`: a fixed mix of both,
+    modulo the vocabulary (i64 arithmetic, so it never overflows)."""
+    t = tokens.astype(np.int64) * 1_000_003 + positions.astype(np.int64) * 7_919 + 12_345
+    return ((t ^ (t >> 13)) % vocab_size).astype(np.int32)
+
+
+class FakeRunner(StepRunner):
+    """A step runner with no model and no device: each sequence's next token is
+    `fake_token(its last input token, that token's position)`, its logprob -1, and its
+    top logprobs the next `max_logprobs` ids after it. Deterministic and
+    batch-independent, like the real greedy step, so the engine's host path runs
+    unchanged over it.
+
+    Args:
+      vocab_size: the fake model's vocabulary.
+      config: the engine's settings (max_num_seqs, max_logprobs, num_decode_steps).
+      eos_token_ids: the fake model's EOS tokens.
+      max_position_embeddings: the fake model's position limit (None: none).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        config: EngineConfig,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        max_position_embeddings: int | None = None,
+    ) -> None:
+        self.model_config = types.SimpleNamespace(
+            vocab_size=vocab_size,
+            eos_token_ids=eos_token_ids,
+            max_position_embeddings=max_position_embeddings,
+        )
+        self.config = config
+        self._prev = np.zeros(config.max_num_seqs, np.int32)
+
+    def _samples(self, tokens: np.ndarray, rows: int) -> Sampled:
+        k = self.config.max_logprobs
+        vocab = self.model_config.vocab_size
+        padded = np.zeros(rows, np.int32)
+        padded[: len(tokens)] = tokens
+        top = (padded[:, None] + np.arange(k, dtype=np.int32)[None, :]) % vocab
+        return Sampled(
+            tokens=padded,
+            logprobs=np.full(rows, -1.0, np.float32),
+            top_ids=top,
+            top_logprobs=np.full((rows, k), -1.0, np.float32),
+            ranks=np.ones(rows, np.int32),
+        )
+
+    def dispatch(self, hb: HostBatch) -> Sampled:
+        """Computes the step's tokens on the host."""
+        n = int(hb.num_seqs[0])
+        last = hb.logits_indices[:n]
+        src = hb.token_src[last]
+        inputs = np.where(src >= 0, self._prev[np.maximum(src, 0)], hb.tokens[last])
+        out = fake_token(inputs, hb.positions[last], self.model_config.vocab_size)
+        sampled = self._samples(out, self.config.max_num_seqs)
+        self._prev = sampled.tokens
+        return sampled
+
+    def fetch(self, handle: Sampled) -> Sampled:
+        """The samples themselves (they are on the host already)."""
+        return handle
+
+    def decode_loop(
+        self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
+    ) -> tuple[Sampled, np.ndarray]:
+        """The N-step loop's semantics on the host: each live sequence feeds its token to
+        the next iteration until it samples a stop id or reaches its limit."""
+        n = int(hb.num_seqs[0])
+        size = hb.logits_indices.shape[0]
+        steps_n = self.config.num_decode_steps
+        current = hb.tokens[hb.logits_indices[:n]].astype(np.int32)
+        positions = hb.kv_lens[:n].astype(np.int64) - 1
+        active = np.ones(n, bool)
+        tokens = np.full((steps_n, size), -1, np.int32)
+        valid = np.zeros((steps_n, size), bool)
+        for i in range(steps_n):
+            new = fake_token(current, positions, self.model_config.vocab_size)
+            tokens[i, :n] = np.where(active, new, -1)
+            valid[i, :n] = active
+            stop = np.array([int(t) in s for t, s in zip(new, stop_ids, strict=True)], bool) | (
+                i + 1 >= np.asarray(limits, np.int64)
+            )
+            still = active & ~stop
+            current = np.where(still, new, current)
+            positions = positions + still
+            active = still
+        per_step = [self._samples(tokens[i, :n], size) for i in range(steps_n)]
+        stacked = jax.tree.map(lambda *a: np.stack(a), *per_step)
+        stacked = stacked.replace(tokens=tokens)
+        return stacked, valid
