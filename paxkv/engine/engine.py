@@ -212,7 +212,7 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.end_failed()
-        plan = plan.running()
+        plan = self.scheduler.prune(plan)
         t_sched = time.perf_counter()
         if not plan.chunks and (self._pipeline is None or not self._pipeline.busy):
             if self.scheduler.has_unfinished() and not self._aborted:
@@ -322,6 +322,7 @@ class Engine:
             build_host_batch,
             page_size=self.config.page_size,
             buckets=self._buckets,
+            rows=self.scheduler.kv_cache.rows,
             pending=pending,
             history_slack=self.config.num_decode_steps,
         )
@@ -338,7 +339,7 @@ class Engine:
                     self.scheduler.fail(c.seq, e)
             if not bad:
                 raise
-            plan = plan.running()
+            plan = self.scheduler.prune(plan)
             return plan, build(plan) if plan.chunks else None
 
     def _on_finished(self, req: Request) -> None:

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from paxkv.host.batch import SAMPLING_FLOATS, SAMPLING_INTS, sampling_arrays
+from paxkv.host.batch import sampling_arrays
+from paxkv.host.batch_rows import SAMPLING_FLOATS, SAMPLING_INTS
 from paxkv.host.sequence import SequenceState, TopLogprobs
 from paxkv.request import SamplingParams
 

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from paxkv.host.batch_rows import FLOAT_PADDING, SAMPLING_FLOATS, SAMPLING_INTS, BatchRows
 from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
+
+__all__ = ["SAMPLING_FLOATS", "SAMPLING_INTS", "Buckets", "HostBatch", "build_host_batch"]
 
 if TYPE_CHECKING:
     from paxkv.host.scheduler import SchedulerOutput
@@ -102,18 +105,6 @@ class Buckets:
         return [(t, s, p) for t, s in pairs for p in self.pages]
 
 
-# Columns of the per-sequence sampling arrays (`paxkv.engine.sampling.SamplingBatch`),
-# and the values of padding rows: greedy, no truncation, no penalty.
-SAMPLING_FLOATS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-SAMPLING_INTS = ("top_k", "seed", "counter")
-_FLOAT_PADDING = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
 MIN_HISTORY = 16  # the smallest penalty-history bucket
 
 
@@ -143,7 +134,7 @@ def sampling_arrays(
     tokens it samples or feeds that the host has not seen); H = 0 when none has one.
     """
     n = len(params)
-    floats = np.tile(np.asarray(_FLOAT_PADDING, np.float32), (size, 1))
+    floats = np.tile(np.asarray(FLOAT_PADDING, np.float32), (size, 1))
     ints = np.zeros((size, len(SAMPLING_INTS)), np.int32)
     if n:
         floats[:n] = [
@@ -160,13 +151,24 @@ def sampling_arrays(
         ints[:n, 0] = [p.top_k for p in params]
         ints[:n, 1] = seeds
         ints[:n, 2] = counters
+    return floats, ints, penalty_histories(histories, size, history_slack=history_slack)
+
+
+def penalty_histories(
+    histories: Sequence[tuple[list[int], list[int], list[int]] | None],
+    size: int,
+    *,
+    history_slack: int = 1,
+) -> np.ndarray:
+    """i32[3, size, H]: the sequences' penalty histories as rows padded with id -1 (see
+    `sampling_arrays`); H = 0 when none has one."""
     needed = max((len(h[0]) for h in histories if h is not None), default=-history_slack)
     history = np.zeros((3, size, history_bucket(needed + history_slack)), np.int32)
     history[0] = -1
     for i, h in enumerate(histories):
         if h is not None:
             history[:, i, : len(h[0])] = h
-    return floats, ints, history
+    return history
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,71 +195,83 @@ def build_host_batch(
     *,
     page_size: int,
     buckets: Buckets,
+    rows: BatchRows,
     pending: dict[int, int] | None = None,
     history_slack: int = 1,
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
-    Reads only the plan's snapshot: each chunk's tokens, and its pages as the block-table
-    row (with `Scheduler.reserve_ahead`, the pages of the decode steps ahead too).
-    `pending` (async scheduling) maps `id(seq)` to the row of the in-flight step's output
-    that holds the token the sequence's last row needs; `token_src` points there.
-    `history_slack`: distinct tokens the device may add to a penalty history (the
-    decode steps of one call).
+    The block table and the sampling parameters are one gather of the chunks' rows of
+    the persistent batch `rows` (each row cut to the chunk's `num_pages`; with
+    `Scheduler.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
+    the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
+    in-flight step's output that holds the token the sequence's last row needs;
+    `token_src` points there. `history_slack`: distinct tokens the device may add to a
+    penalty history (the decode steps of one call).
     """
     chunks = plan.chunks
-    ends = [c.end for c in chunks]
-    n_pages = [len(c.pages) for c in chunks]
-    t_pad = Buckets.pick(plan.num_tokens, buckets.tokens, "tokens in the step")
-    s_pad = buckets.seq_bucket(len(chunks), t_pad)
-    p_pad = Buckets.pick(max(n_pages), buckets.pages, "pages per sequence")
-    token_list: list[int] = []
-    position_list: list[int] = []
-    for c in chunks:
-        token_list.extend(c.token_ids)
-        position_list.extend(range(c.start, c.end))
-    num = len(token_list)
+    n = len(chunks)
+    q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, count=n)
+    starts = np.fromiter((c.start for c in chunks), np.int64, count=n)
+    num_pages = np.fromiter((c.num_pages for c in chunks), np.int64, count=n)
+    row_ids = np.fromiter((c.row for c in chunks), np.int64, count=n)
+    counters = np.fromiter((c.num_output_tokens for c in chunks), np.int32, count=n)
+    num = int(q_lens.sum())
+    t_pad = Buckets.pick(num, buckets.tokens, "tokens in the step")
+    s_pad = buckets.seq_bucket(n, t_pad)
+    p_pad = Buckets.pick(int(num_pages.max()), buckets.pages, "pages per sequence")
+    if n > s_pad:
+        raise ValueError(f"{n} sequences exceed the sequence bucket {s_pad}")
+    ends = starts + q_lens
+    short = cdiv(ends, page_size) > num_pages
+    if short.any():
+        s = int(np.argmax(short))
+        raise ValueError(f"sequence {s}: kv_len={ends[s]} needs more than its {num_pages[s]} pages")
+
     tokens = np.zeros(t_pad, np.int32)
-    tokens[:num] = token_list
+    tokens[:num] = np.fromiter(
+        itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, count=num
+    )
+    cu = np.zeros(s_pad + 1, np.int32)
+    np.cumsum(q_lens, out=cu[1 : n + 1])
+    cu[n + 1 :] = cu[n]
     positions = np.zeros(t_pad, np.int32)
-    positions[:num] = position_list
-    q_lens = [c.num_tokens for c in chunks]
+    positions[:num] = np.arange(num) + np.repeat(starts - cu[:n], q_lens)
     logits_indices = np.zeros(s_pad, np.int32)
-    np.cumsum(q_lens, out=logits_indices[: len(chunks)])
-    logits_indices[: len(chunks)] -= 1
-    floats, ints, history = sampling_arrays(
-        [c.seq.params for c in chunks],
-        [c.seq.seed for c in chunks],
-        [c.num_output_tokens for c in chunks],
-        s_pad,
-        histories=[
-            c.seq.penalty_history() if c.samples and c.seq.params.has_penalties else None
-            for c in chunks
-        ],
-        history_slack=history_slack,
-    )
-    table, kv_lens, cu_q_lens, num_seqs = pad_page_table(
-        [c.pages for c in chunks],
-        ends,
-        q_lens,
-        page_size=page_size,
-        max_num_seqs=s_pad,
-        pages_per_seq=p_pad,
-    )
+    logits_indices[:n] = cu[1 : n + 1] - 1
+
+    table = np.full((s_pad, p_pad), NULL_PAGE, np.int32)
+    gathered = rows.block_tables[row_ids, :p_pad]
+    table[:n] = np.where(np.arange(p_pad)[None, :] < num_pages[:, None], gathered, NULL_PAGE)
+    kv_lens = np.zeros(s_pad, np.int32)
+    kv_lens[:n] = ends
+
+    floats = np.tile(np.asarray(FLOAT_PADDING, np.float32), (s_pad, 1))
+    floats[:n] = rows.floats[row_ids]
+    ints = np.zeros((s_pad, len(SAMPLING_INTS)), np.int32)
+    ints[:n, :2] = rows.ints[row_ids]
+    ints[:n, 2] = counters
+    penalised = np.flatnonzero(
+        (floats[:n, 3] != 0) | (floats[:n, 4] != 0) | (floats[:n, 5] != 1)
+    )  # presence, frequency, repetition: only these chunks' histories are built
+    histories: list = [None] * n
+    for i in penalised.tolist():
+        if chunks[i].samples:
+            histories[i] = chunks[i].seq.penalty_history()
+    history = penalty_histories(histories, s_pad, history_slack=history_slack)
+
     token_src = np.full(t_pad, -1, np.int32)
     if pending:
-        row = 0
-        for c in chunks:
+        for i, c in enumerate(chunks):
             if c.samples and id(c.seq) in pending:  # its last token is in flight
-                token_src[row + c.num_tokens - 1] = pending[id(c.seq)]
-            row += c.num_tokens
+                token_src[cu[i + 1] - 1] = pending[id(c.seq)]
     return HostBatch(
         tokens,
         positions,
         table,
         kv_lens,
-        cu_q_lens,
-        num_seqs,
+        cu,
+        np.array([n], np.int32),
         logits_indices,
         floats,
         ints,

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from absl import logging
 
+from paxkv.host.batch_rows import BatchRows
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import page_keys
 from paxkv.host.reservation import PagedReservation
@@ -56,6 +57,9 @@ class KVCacheManager:
                 "turn prefix caching off"
             )
         self.enable_prefix_caching = enable_prefix_caching
+        # Every change to a sequence's pages goes through this object, which mirrors it
+        # in the sequence's row of the persistent batch.
+        self.rows = BatchRows(cdiv(max_model_len, page_size))
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
         # Requests sharing their first 4+ tokens, but less than a page, with a cached prefix.
@@ -95,6 +99,7 @@ class KVCacheManager:
         if pages is None:
             return False
         seq.pages.extend(pages)
+        self.rows.append(seq, pages)
         return True
 
     def can_grow(self, seq: SequenceState, num_tokens: int) -> bool:
@@ -115,14 +120,17 @@ class KVCacheManager:
                 for s, n in added:
                     self.pool.free(reversed(s.pages[n:]))
                     del s.pages[n:]
+                    self.rows.truncate(s, n)
                 return False
             added.append((seq, before))
         return True
 
     def free(self, seq: SequenceState) -> None:
         """Returns every page `seq` holds to the pool, last page first (see `PagePool`)."""
+        self.forget_uncomputed(seq)
         self.pool.free(reversed(seq.pages))
         seq.pages = []
+        self.rows.release(seq)
 
     def preempt(self, seq: SequenceState) -> None:
         """Frees `seq`'s pages and forgets what it computed; it will recompute."""
@@ -161,7 +169,10 @@ class KVCacheManager:
     def take_hits(self, seq: SequenceState, hits: list[int]) -> None:
         """Gives `seq` the cached pages `hits` (from `lookup`) as its computed prefix."""
         self.pool.touch(hits)
+        self.rows.release(seq)
         seq.pages = list(hits)
+        if hits:
+            self.rows.append(seq, seq.pages)
         seq.num_computed_tokens = len(hits) * self.page_size
 
     def count_lookup(self, seq: SequenceState, num_hit_pages: int) -> None:
@@ -184,27 +195,42 @@ class KVCacheManager:
                 self.page_size,
             )
 
+    def forget_uncomputed(self, seq: SequenceState) -> None:
+        """Uncaches the pages `seq` registered ahead of computing them (its planned chunk
+        did not run: it failed, or was aborted before its step), so no one finds them."""
+        computed = min(seq.num_computed_tokens // self.page_size, len(seq.keys))
+        for i in range(computed, min(len(seq.keys), len(seq.pages))):
+            self.pool.uncache(seq.pages[i], seq.keys[i])
+        del seq.keys[computed:]
+
     def _lead(self, tokens: list[int], salt) -> tuple:
         return (salt, tuple(tokens[: min(4, self.page_size)]))
 
-    def register_full_pages(self, seq: SequenceState) -> None:
-        """Caches the full pages `seq` has computed since the last call."""
+    def register_full_pages(self, seq: SequenceState, num_tokens: int | None = None) -> None:
+        """Caches the full pages of `seq`'s first `num_tokens` tokens (default: those it
+        has computed) not cached yet. The scheduler calls it when it plans a chunk, with
+        the chunk's end: the step writes each layer's K/V before any attention reads
+        them, so sequences planned later in the same step can share these pages.
+        Pages registered so, whose chunk then does not run, are forgotten by
+        `forget_uncomputed`."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.page_size, len(seq.pages))
-        if len(seq.keys) >= full:
+        end = seq.num_computed_tokens if num_tokens is None else num_tokens
+        ps = self.page_size
+        full = min(end // ps, len(seq.pages))
+        first = len(seq.keys)
+        if first >= full:
             return
-        tokens = seq.prompt_token_ids + seq.output_token_ids
-        parent = seq.keys[-1] if seq.keys else None
+        # Only the new pages' tokens are read: the work does not grow with the sequence.
+        tokens = seq.token_ids(first * ps, full * ps)
+        # page_keys salts the first page it is given: only when it is the sequence's first.
         new = page_keys(
             tokens,
-            self.page_size,
-            num_pages=full - len(seq.keys),
-            start=len(seq.keys),
-            parent=parent,
-            salt=seq.cache_salt,
+            ps,
+            parent=seq.keys[-1] if seq.keys else None,
+            salt=seq.cache_salt if first == 0 else None,
         )
-        for i, key in enumerate(new, start=len(seq.keys)):
+        for i, key in enumerate(new, start=first):
             self.pool.mark_cached(seq.pages[i], key)
             if i == 0:
                 lead = self._lead(tokens, seq.cache_salt)

@@ -202,6 +202,14 @@ class PagePool:
         self._page_to_key[page] = key
         return True
 
+    def uncache(self, page: int, key: Hashable) -> None:
+        """Drops `key` from `page` if the page holds it (its contents were never written);
+        nothing otherwise."""
+        page = self._check_page(page)
+        if self._page_to_key.get(page) == key:
+            del self._page_to_key[page]
+            del self._key_to_page[key]
+
     def lookup(self, key: Hashable) -> int | None:
         """Returns the page holding ``key``, or None if no page does."""
         return self._key_to_page.get(key)

@@ -33,11 +33,13 @@ from paxkv.request import FinishReason, SamplingParams
 class ScheduledChunk:
     """`num_tokens` tokens of `seq`, from position `start`, run this step.
 
-    `token_ids` are those tokens and `pages` the pages the step reads and writes for the
-    sequence (its first `len(pages)` pages), both copied when the chunk was planned;
-    `num_output_tokens` is how many tokens it had generated then (the sampling counter).
-    `samples` is whether the step samples a token for it: the chunk reaches the end of
-    its known tokens. `seq` names the sequence for `Scheduler.update`.
+    `token_ids` are those tokens, copied when the chunk was planned. The step reads and
+    writes the sequence's first `num_pages` pages, which its row of the persistent batch
+    (`row`, `paxkv.host.batch_rows`) holds; the step's block table is copied from the
+    rows when the step is laid out, right after planning. `num_output_tokens` is how
+    many tokens it had generated then (the sampling counter). `samples` is whether the
+    step samples a token for it: the chunk reaches the end of its known tokens. `seq`
+    names the sequence for `Scheduler.update`.
     """
 
     seq: SequenceState
@@ -45,21 +47,29 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
     token_ids: tuple[int, ...]
-    pages: tuple[int, ...]
+    row: int
+    num_pages: int
     num_output_tokens: int
 
     @classmethod
     def of(cls, seq: SequenceState, start: int, num_tokens: int, page_size: int) -> ScheduledChunk:
         """The chunk of `seq`'s tokens `start : start + num_tokens`, as they are now."""
         end = start + num_tokens
+        outputs = seq.output_token_ids
+        total = len(seq.prompt_token_ids) + len(outputs)
+        if num_tokens == 1 and end == total and outputs:  # a decode: its last token
+            tokens = (outputs[-1],)
+        else:
+            tokens = tuple(seq.token_ids(start, end))
         return cls(
             seq,
             start,
             num_tokens,
-            end == seq.num_tokens,
-            tuple(seq.token_ids(start, end)),
-            tuple(seq.pages[: cdiv(end, page_size)]),
-            len(seq.output_token_ids),
+            end == total,
+            tokens,
+            seq.row,
+            (end + page_size - 1) // page_size,
+            len(outputs),
         )
 
     @property
@@ -138,6 +148,9 @@ class Scheduler:
         self.num_recomputed_tokens = 0
         self.peak_running = 0
         self._failed: list[tuple[SequenceState, str]] = []
+        # Pages the plan being made will write, registered in the prefix cache already:
+        # page -> the sequence writing it (see `_register`).
+        self._writers: dict[int, SequenceState] = {}
 
     # Admission.
 
@@ -177,6 +190,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plans the next step and reserves its pages. Call `update` with its results."""
         budget = self.max_num_batched_tokens
+        self._writers = {}
         chunks: list[ScheduledChunk] = []
         preempted: list[SequenceState] = []
         scheduled: set[int] = set()
@@ -198,6 +212,7 @@ class Scheduler:
                 chunks.append(chunk)
                 scheduled.add(id(seq))
                 budget -= chunk.num_tokens
+                self._register(seq, chunk.end)
         # Admit waiting sequences first-come-first-served while they fit.
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
@@ -211,6 +226,7 @@ class Scheduler:
             chunks.append(chunk)
             scheduled.add(id(seq))
             budget -= chunk.num_tokens
+            self._register(seq, chunk.end)
         self.peak_running = max(self.peak_running, len(self.running))
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
@@ -243,6 +259,44 @@ class Scheduler:
         if seq.status is not SeqStatus.RUNNING:
             return None
         return ScheduledChunk.of(seq, seq.num_computed_tokens, n, self.page_size)
+
+    def _register(self, seq: SequenceState, end: int) -> None:
+        """Caches the full pages of seq's planned chunk now, so sequences admitted later
+        in this step share them (the step writes each layer's K/V before attention reads
+        them), and remembers who writes them (`depends_on`)."""
+        kv = self.kv_cache
+        if not kv.enable_prefix_caching or end // self.page_size <= len(seq.keys):
+            return
+        before = len(seq.keys)
+        kv.register_full_pages(seq, end)
+        for page in seq.pages[before : len(seq.keys)]:
+            self._writers[page] = seq
+
+    def prune(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """`plan` without the chunks of sequences that ended since it was made (failed
+        or aborted), and without those that read pages such a chunk was to write (they
+        fail too: the prefix they share was never computed)."""
+        pruned = plan.running()
+        while pruned is not plan:
+            plan = pruned
+            gone = {id(c.seq) for c in plan.chunks}
+            ended = {id(s) for s in self._writers.values() if id(s) not in gone}
+            if not ended:
+                break
+            for c in plan.chunks:
+                if any(id(w) in ended for w in self.depends_on(c.seq)):
+                    self.fail(c.seq, "the shared prefix it read was being computed by a request that failed")
+            pruned = plan.running()
+        return pruned
+
+    def depends_on(self, seq: SequenceState) -> set[SequenceState]:
+        """The sequences whose chunks in the current plan write pages `seq`'s prefix hits
+        read (same-step prefix sharing): if one of those chunks does not run, seq's
+        must not either."""
+        writers = self._writers
+        if not writers:
+            return set()
+        return {w for p in seq.pages if (w := writers.get(p)) is not None and w is not seq}
 
     def _admit(self, seq: SequenceState, budget: int, now: float) -> ScheduledChunk | None:
         """Admits the first waiting sequence with its first chunk, or None if it must wait."""
@@ -303,7 +357,7 @@ class Scheduler:
         if not self.kv_cache.reserve_ahead(wanted):
             return None
         chunks = tuple(
-            dataclasses.replace(c, pages=tuple(c.seq.pages[: cdiv(end, self.page_size)]))
+            dataclasses.replace(c, num_pages=cdiv(end, self.page_size))
             for c, (_, end) in zip(output.chunks, wanted, strict=True)
         )
         return SchedulerOutput(chunks, output.preempted), limits

@@ -44,6 +44,7 @@ class SequenceState:
     # With penalties: how often each real token (not a placeholder) was generated.
     output_counts: dict[int, int] = dataclasses.field(default_factory=dict)
     pages: list[int] = dataclasses.field(default_factory=list)
+    row: int | None = None  # its row of the persistent batch while it holds pages
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -62,17 +62,12 @@ def _install(monkeypatch, faults):
     wrap(KVCacheManager, "lookup", "admit", lambda kv, seq: seq.request_id)
     wrap(Scheduler, "_chunk", "schedule", lambda s, seq, budget: seq.request_id)
     wrap(SequenceState, "append_output", "record", lambda seq, *a: seq.request_id)
-    wrap(Request, "output", "output", lambda req, *a: req.request_id)
+    wrap(Request, "output", "output", lambda req, *a, **kw: req.request_id)
     for module in (engine_module, pipeline_module):
         wrap(module, "sample_result", "sample", lambda samples, row, seq: seq.request_id)
-    # The batch layout: fails when a victim's sampling parameters are laid out.
-    owners = {}
-
-    def layout_rid(params, *args, **kwargs):
-        return next((owners[id(p)] for p in params if id(p) in owners), None)
-
-    wrap(batch_module, "sampling_arrays", "layout", layout_rid)
-    return fired, owners
+    # The batch layout: a penalised request's token history (every other one has one).
+    wrap(SequenceState, "penalty_history", "layout", lambda seq: seq.request_id)
+    return fired
 
 
 HOOKS = ["admit", "schedule", "layout", "sample", "record", "output"]
@@ -85,7 +80,14 @@ def scenarios(draw):
     prompts = [rng.integers(0, 256, size=int(rng.integers(1, 30))).tolist() for _ in range(n)]
     max_tokens = [draw(st.integers(1, 8)) for _ in range(n)]
     victims = draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n - 1))
-    faults = {str(i): (draw(st.sampled_from(HOOKS)), draw(st.integers(0, 3))) for i in victims}
+    # "layout" fires only for penalised (odd) requests, which lay out a token history.
+    faults = {
+        str(i): (
+            draw(st.sampled_from(HOOKS if i % 2 else HOOKS[:2] + HOOKS[3:])),
+            draw(st.integers(0, 3)),
+        )
+        for i in victims
+    }
     num_pages = draw(st.sampled_from([64, 14]))  # 14: preemption
     return prompts, max_tokens, faults, num_pages
 
@@ -101,12 +103,10 @@ def _params(max_tokens, penalised):
     )
 
 
-def _serve(model, mode, prompts, max_tokens, num_pages, owners=None):
+def _serve(model, mode, prompts, max_tokens, num_pages):
     engine = _engine(model, num_pages=num_pages, **MODES[mode])
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         params = _params(m, i % 2)
-        if owners is not None:
-            owners[id(params)] = str(i)
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     return engine, engine.run_until_done()
 
@@ -121,8 +121,8 @@ def test_a_failing_request_never_takes_others_down(tiny, monkeypatch, mode, case
     prompts, max_tokens, faults, num_pages = case
     _, reference = _serve(model, mode, prompts, max_tokens, num_pages)
     with monkeypatch.context() as m:
-        fired, owners = _install(m, faults)
-        engine, final = _serve(model, mode, prompts, max_tokens, num_pages, owners)
+        fired = _install(m, faults)
+        engine, final = _serve(model, mode, prompts, max_tokens, num_pages)
     assert set(final) == {str(i) for i in range(len(prompts))}  # every request ended
     for rid, out in final.items():
         if rid in fired:
@@ -149,14 +149,14 @@ def test_a_fault_of_the_whole_step_is_not_blamed_on_a_request(tiny, monkeypatch)
     engine = _engine(model)
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, _params(4, False))
     engine.add_request("b", {"prompt_token_ids": [4, 5]}, _params(4, False))
-    original = batch_module.sampling_arrays
+    original = batch_module.penalty_histories
 
-    def only_together(params, *args, **kwargs):
-        if len(params) > 1:
+    def only_together(histories, *args, **kwargs):
+        if len(histories) > 1:
             raise Injected("the step")
-        return original(params, *args, **kwargs)
+        return original(histories, *args, **kwargs)
 
-    monkeypatch.setattr(batch_module, "sampling_arrays", only_together)
+    monkeypatch.setattr(batch_module, "penalty_histories", only_together)
     with pytest.raises(Injected, match="the step"):
         engine.step()
 

@@ -5,9 +5,12 @@ hypothesis-driven run of the scheduler with a fake model. No JAX."""
 import collections
 import dataclasses
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paxkv.host.batch import Buckets, build_host_batch, pad_page_table
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import page_keys
 from paxkv.host.scheduler import Scheduler
@@ -233,6 +236,42 @@ _arrivals = st.lists(
 )
 
 
+def _check_batch_against_scratch(s, out):
+    """The step's arrays from the persistent rows equal a build from scratch out of each
+    sequence's page list and tokens."""
+    buckets = Buckets(tokens=(64,), seqs=(4,), pages=(11,), max_seqs=4)
+    hb = build_host_batch(out, page_size=PS, buckets=buckets, rows=s.kv_cache.rows)
+    chunks = out.chunks
+    table, kv_lens, cu, num = pad_page_table(
+        [c.seq.pages[: c.num_pages] for c in chunks],
+        [c.end for c in chunks],
+        [c.num_tokens for c in chunks],
+        page_size=PS,
+        max_num_seqs=4,
+        pages_per_seq=11,
+    )
+    for got, want in ((hb.block_tables, table), (hb.kv_lens, kv_lens), (hb.cu_q_lens, cu)):
+        np.testing.assert_array_equal(got, want)
+    assert hb.num_seqs.tolist() == num.tolist()
+    tokens = [t for c in chunks for t in c.seq.token_ids(c.start, c.end)]
+    positions = [p for c in chunks for p in range(c.start, c.end)]
+    assert hb.tokens[: len(tokens)].tolist() == tokens
+    assert hb.positions[: len(positions)].tolist() == positions
+    for i, c in enumerate(chunks):
+        p = c.seq.params
+        assert hb.sampling_floats[i].tolist() == pytest.approx(
+            [
+                p.temperature,
+                p.top_p,
+                p.min_p,
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+            ]
+        )
+        assert hb.sampling_ints[i].tolist() == [p.top_k, c.seq.seed, c.num_output_tokens]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     arrivals=_arrivals,
@@ -264,8 +303,11 @@ def test_random_workloads_end_cleanly(arrivals, num_pages, budget, caching):
             if a.abort_at == step and q.status is not SeqStatus.FINISHED:
                 s.abort([q])
         out = s.schedule()
+        if out.chunks:
+            _check_batch_against_scratch(s, out)
         s.update(out, [((step * 7 + c.start) % 4, 0.0) if c.samples else None for c in out.chunks])
         s.pool.check_invariants()
+        s.kv_cache.rows.check([q for q, _ in seqs])
         # Every page in use is held by a live sequence, once per holder: no leak.
         holders = collections.Counter(
             p for q, _ in seqs if q.status is not SeqStatus.FINISHED for p in q.pages

@@ -19,7 +19,8 @@ def _seq(name, prompt_len, *, max_tokens=4, arrival=0.0, priority=0):
         seq_id=name,
         request_id=name,
         index=0,
-        prompt_token_ids=list(range(1, prompt_len + 1)),
+        # Distinct tokens per name: these tests are not about prefix sharing.
+        prompt_token_ids=[sum(map(ord, name)) * 1000 + i for i in range(prompt_len)],
         params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
         seed=0,
         arrival_time=arrival,

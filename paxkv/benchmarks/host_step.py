@@ -1,0 +1,263 @@
+"""Benchmark: the engine's whole host path per step, over the fake step runner.
+
+    python -m paxkv.benchmarks.host_step [--trace=FILE] [--json_out=FILE]
+    python -m paxkv.benchmarks.host_step --make_trace=FILE [--num_requests=2000 --seed=0]
+
+Runs `Engine.step()` with `FakeRunner` (no model, no device: deterministic tokens on
+the host), so what is timed is everything the host does around a compiled step:
+scheduling, the batch layout, recording the samples and assembling the outputs.
+
+The trace is JSON, `{"requests": [{"id", "arrival_step", "prompt": [ids],
+"max_tokens"}, ...]}`: each request is submitted before step `arrival_step`, its
+output is forced to `max_tokens` tokens (`ignore_eos`), and the vocabulary is 32000.
+Without `--trace`, one is generated: log-normal prompt and output lengths (means 300
+and 150, sigma 1, clipped to 2048 and 1024), Poisson arrivals of `--arrival_rate`
+requests per step, and optionally a shared prompt prefix.
+
+Each step is timed on the thread's CPU clock (`time.thread_time_ns`: this machine is
+shared) and on the wall clock: schedule, layout (the batch build), record (the
+samples into the scheduler), outputs (the requests' outputs) and the host total,
+which is the whole `step()` less the fake runner's own time. Reported in microseconds
+(p50 / mean / p99) over all steps and over the steps with `max_num_seqs` running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from absl import app, flags
+
+from paxkv.engine import Engine, EngineConfig
+from paxkv.engine.runner import FakeRunner
+from paxkv.request import SamplingParams
+from paxkv.tools.workloads import LengthDistribution
+
+VOCAB = 32000
+
+_TRACE = flags.DEFINE_string("trace", None, "Trace JSON to replay; unset: generate one.")
+_MAKE_TRACE = flags.DEFINE_string("make_trace", None, "Write a generated trace here and exit.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 2000, "Requests of a generated trace.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of a generated trace.")
+_RATE = flags.DEFINE_float("arrival_rate", 2.0, "Generated trace: mean arrivals per step.")
+_OUTPUT_LEN = flags.DEFINE_integer(
+    "output_len", None, "Generated trace: every output this long (unset: log-normal)."
+)
+_SHARED_PREFIX = flags.DEFINE_integer(
+    "shared_prefix", 0, "Generated trace: prompt tokens every request shares."
+)
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 16384, "KV pages.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at once.")
+_MAX_TOKENS = flags.DEFINE_integer("max_num_batched_tokens", 8192, "Tokens per step.")
+_CACHING = flags.DEFINE_bool("enable_prefix_caching", True, "Prefix caching.")
+_ASYNC = flags.DEFINE_bool("async_scheduling", False, "The async pipeline's host path.")
+
+PARTS = ("schedule", "layout", "record", "outputs")
+
+
+def _lognormal_mean(mean: float, hi: int) -> LengthDistribution:
+    return LengthDistribution(mean / math.exp(0.5), 1.0, lo=1, hi=hi)
+
+
+def make_trace(
+    num_requests: int,
+    seed: int,
+    *,
+    arrival_rate: float = 2.0,
+    output_len: int | None = None,
+    shared_prefix: int = 0,
+) -> dict[str, Any]:
+    """A trace as the module docstring describes it."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = _lognormal_mean(300, 2048).sample(rng, num_requests)
+    if output_len is None:
+        output_lens = _lognormal_mean(150, 1024).sample(rng, num_requests)
+    else:
+        output_lens = np.full(num_requests, output_len)
+    arrivals = np.cumsum(rng.exponential(1 / arrival_rate, num_requests)).astype(np.int64)
+    prefix = rng.integers(0, VOCAB, shared_prefix).tolist()
+    return {
+        "requests": [
+            {
+                "id": f"req-{i}",
+                "arrival_step": int(arrivals[i]),
+                "prompt": prefix + rng.integers(0, VOCAB, int(prompt_lens[i])).tolist(),
+                "max_tokens": int(output_lens[i]),
+            }
+            for i in range(num_requests)
+        ]
+    }
+
+
+class _Clock:
+    """Accumulates the CPU and wall nanoseconds spent in wrapped calls during a step."""
+
+    def __init__(self) -> None:
+        self.cpu = dict.fromkeys((*PARTS, "runner"), 0)
+        self.wall = dict.fromkeys((*PARTS, "runner"), 0)
+
+    def wrap(self, part: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            c, w = time.thread_time_ns(), time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu[part] += time.thread_time_ns() - c
+                self.wall[part] += time.perf_counter_ns() - w
+
+        return timed
+
+    def reset(self) -> None:
+        for d in (self.cpu, self.wall):
+            for k in d:
+                d[k] = 0
+
+
+def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
+    """Replays `trace` through an engine over the fake runner; returns the results."""
+    engine = Engine(None, config, runner=lambda c: FakeRunner(VOCAB, c))
+    clock = _Clock()
+    # Instrument the parts of a step on this engine's objects only.
+    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
+    engine.layout = clock.wrap("layout", engine.layout)
+    engine.scheduler.update = clock.wrap("record", engine.scheduler.update)
+    engine.requests.report = clock.wrap("outputs", engine.requests.report)
+    for name in ("dispatch", "fetch", "decode_loop"):
+        setattr(engine.runner, name, clock.wrap("runner", getattr(engine.runner, name)))
+
+    requests = sorted(trace["requests"], key=lambda r: r["arrival_step"])
+    forced = {r["id"]: r["max_tokens"] for r in requests}
+    produced: dict[str, int] = {}
+    rows: list[dict[str, float]] = []
+    step, nxt = 0, 0
+    while nxt < len(requests) or engine.has_unfinished():
+        while nxt < len(requests) and requests[nxt]["arrival_step"] <= step:
+            r = requests[nxt]
+            params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+            engine.add_request(r["id"], {"prompt_token_ids": r["prompt"]}, params)
+            nxt += 1
+        step += 1
+        if not engine.has_unfinished():
+            continue
+        clock.reset()
+        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        outputs = engine.step()
+        cpu, wall = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+        for out in outputs:
+            if out.finished:
+                produced[out.request_id] = len(out.outputs[0].token_ids)
+        row = {"running": len(engine.scheduler.running)}
+        for name, total, parts in (("cpu", cpu, clock.cpu), ("wall", wall, clock.wall)):
+            row[f"{name}_total"] = (total - parts["runner"]) / 1e3
+            for part in PARTS:
+                row[f"{name}_{part}"] = parts[part] / 1e3
+        rows.append(row)
+    stats = engine.stats()
+    return {
+        "steps": len(rows),
+        "preemptions": stats["num_preemptions"],
+        "peak_running": engine.scheduler.peak_running,
+        "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
+        "all_finished": produced == forced,
+        "pages_in_use_at_end": engine.pool.num_in_use,
+        "per_step_us": {
+            clock_name: {
+                "all": _summary(rows, clock_name, lambda r: True),
+                "at_max_num_seqs": _summary(
+                    rows, clock_name, lambda r: r["running"] == config.max_num_seqs
+                ),
+            }
+            for clock_name in ("cpu", "wall")
+        },
+    }
+
+
+def _summary(rows, clock: str, keep) -> dict[str, Any]:
+    kept = [r for r in rows if keep(r)]
+    out: dict[str, Any] = {"steps": len(kept)}
+    for part in ("total", *PARTS):
+        x = np.array([r[f"{clock}_{part}"] for r in kept]) if kept else np.zeros(1)
+        stats = {
+            "p50": float(np.median(x)),
+            "mean": float(x.mean()),
+            "p99": float(np.percentile(x, 99)),
+        }
+        if part == "total":
+            out.update(stats)
+        else:
+            out[part] = stats
+    return out
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [
+        "| clock | steps | part | p50 (us) | mean (us) | p99 (us) |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for clock in ("cpu", "wall"):
+        for which in ("all", "at_max_num_seqs"):
+            s = result["per_step_us"][clock][which]
+            label = f"{clock}, {'all steps' if which == 'all' else 'at max_num_seqs'}"
+            lines.append(
+                f"| {label} | {s['steps']} | host total | {s['p50']:.0f} | {s['mean']:.0f} | "
+                f"{s['p99']:.0f} |"
+            )
+            for part in PARTS:
+                p = s[part]
+                lines.append(
+                    f"| | | {part} | {p['p50']:.0f} | {p['mean']:.0f} | {p['p99']:.0f} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """Generates or replays a trace and prints (and optionally writes) the results."""
+    del argv
+    if _TRACE.value is not None:
+        with open(_TRACE.value) as f:
+            trace = json.load(f)
+    else:
+        trace = make_trace(
+            _NUM_REQUESTS.value,
+            _SEED.value,
+            arrival_rate=_RATE.value,
+            output_len=_OUTPUT_LEN.value,
+            shared_prefix=_SHARED_PREFIX.value,
+        )
+    if _MAKE_TRACE.value is not None:
+        with open(_MAKE_TRACE.value, "w") as f:
+            json.dump(trace, f)
+        return
+    longest = max(len(r["prompt"]) + r["max_tokens"] for r in trace["requests"])
+    config = EngineConfig(
+        num_pages=_NUM_PAGES.value,
+        page_size=_PAGE_SIZE.value,
+        max_num_seqs=_MAX_NUM_SEQS.value,
+        max_num_batched_tokens=_MAX_TOKENS.value,
+        max_model_len=max(longest, _PAGE_SIZE.value),
+        enable_prefix_caching=_CACHING.value,
+        async_scheduling=_ASYNC.value,
+        num_decode_steps=1,
+        log_stats_interval_s=0.0,
+    )
+    result = run(trace, config)
+    print(
+        f"steps {result['steps']}, preemptions {result['preemptions']}, peak running "
+        f"{result['peak_running']}, prefix hit rate {result['prefix_hit_rate']:.1%}, "
+        f"all finished {result['all_finished']}, pages in use at end "
+        f"{result['pages_in_use_at_end']}"
+    )
+    print(_table(result))
+    if _JSON_OUT.value is not None:
+        with open(_JSON_OUT.value, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
