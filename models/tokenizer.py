@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, Protocol
+
+from absl import logging
+
+from paxkv.detokenizer import TokenStream, Utf8Stream, WindowStream, window_text
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 class Tokenizer(Protocol):
-    """What the engine needs of a tokenizer: text to ids and back."""
+    """What the engine needs of a tokenizer: text to ids and back.
+
+    A tokenizer may also have `decode_stream() -> paxkv.detokenizer.TokenStream`, a
+    streaming decoder of its own; without it, outputs are decoded over a window of
+    recent tokens (`paxkv.detokenizer.WindowStream`).
+    """
 
     vocab_size: int
 
@@ -35,6 +44,10 @@ class ByteTokenizer:
         """Text of byte ids; invalid UTF-8 becomes U+FFFD."""
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def decode_stream(self) -> Utf8Stream:
+        """A streaming decoder: its text is `decode`'s, one byte at a time."""
+        return Utf8Stream()
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` read from a `tokenizer.json`.
@@ -55,6 +68,59 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens skipped."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def decode_stream(self) -> TokenStream:
+        """A streaming decoder whose text is `decode`'s: the `tokenizers` library's
+        `DecodeStream` (0.21 and later; a `WindowStream` before)."""
+        try:
+            from tokenizers.decoders import DecodeStream  # noqa: F401
+        except ImportError:
+            return WindowStream(self.decode)
+        return _HFDecodeStream(self._tokenizer, self.decode)
+
+
+# What `DecodeStream.step` raises when a token changes text it already returned.
+_INVALID_PREFIX = "Invalid prefix encountered"
+
+
+class _HFDecodeStream:
+    """`tokenizers.decoders.DecodeStream` (special tokens skipped), and the text of the
+    tokens it holds back (an incomplete character) when the sequence ends."""
+
+    def __init__(self, tokenizer: Any, decode: Any) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._new_stream = lambda: DecodeStream(skip_special_tokens=True)
+        self._stream = self._new_stream()
+        self._tokenizer = tokenizer
+        self._decode = decode
+        self._context: list[int] = []  # the tokens of the last text returned
+        self._pending: list[int] = []  # tokens since, held back by the stream
+
+    def step(self, token: int) -> str:
+        """The text `token` completes."""
+        try:
+            text = self._stream.step(self._tokenizer, token)
+        except Exception as e:
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            # A token rewrote text already returned (as vLLM does: start a new stream).
+            logging.warning("paxkv: %s; restarting the decode stream", e)
+            self._stream, self._context, self._pending = self._new_stream(), [], []
+            text = self._stream.step(self._tokenizer, token)
+        self._pending.append(token)
+        if text is None:
+            return ""
+        self._context, self._pending = self._pending, []
+        return text
+
+    def flush(self) -> str:
+        """The held-back tokens' text as `decode` renders it after the text before."""
+        if not self._pending:
+            return ""
+        text = window_text(self._decode, self._context, self._pending)
+        self._stream, self._context, self._pending = self._new_stream(), [], []
+        return text
 
 
 def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:

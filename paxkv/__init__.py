@@ -17,6 +17,7 @@ _LAZY = {
     "EngineConfig": "paxkv.engine.config",
     "SamplingParams": "paxkv.request",
     "RequestOutput": "paxkv.request",
+    "RequestOutputKind": "paxkv.request",
 }
 
 

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
-from paxkv.request import RequestOutput, SamplingParams
+from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
 
 Prompts = str | dict | Sequence[str | dict]
 Params = SamplingParams | Sequence[SamplingParams] | None
@@ -112,6 +112,10 @@ class LLM:
         nothing is submitted. `use_tqdm` shows vLLM's "Processed prompts" bar on stderr
         (requests finished, with input and output token throughput); a callable is the
         tqdm-like class to make it with.
+
+        Each output is the request's whole final output, whatever the params'
+        `output_kind`: as vLLM does, the requests run with `FINAL_ONLY` (on copies of
+        the params), so no output is built before a request ends.
         """
         return self._generate(prompts, sampling_params, use_tqdm, what="prompt")
 
@@ -167,22 +171,31 @@ class LLM:
         *,
         use_tqdm: UseTqdm = False,
     ) -> Iterator[RequestOutput]:
-        """Like `generate`, but yields each request's output every time it advances.
+        """Like `generate`, but yields each request's outputs as it advances.
 
-        Each yielded output holds the completion so far; the last one for a request has
-        `finished=True`. Closing the iterator early aborts the requests still running.
-        The progress bar is off by default here: the caller sees progress already.
+        What each output holds is its params' `output_kind` (`RequestOutputKind`), as in
+        vLLM: CUMULATIVE (the default) the completions so far, every time they advance;
+        DELTA only the new tokens and text since the request's previous output (with
+        n > 1, only the completions that advanced); FINAL_ONLY one output when the
+        request ends. The last output of a request has `finished=True`. Closing the
+        iterator early aborts the requests still running. The progress bar is off by
+        default here: the caller sees progress already.
         """
         bar = _Progress(use_tqdm)
-        ids = self._submit(prompts, sampling_params, what="prompt")
+        ids, params = self._submit(prompts, sampling_params, what="prompt")
+        deltas = {
+            rid
+            for rid, p in zip(ids, params, strict=True)
+            if p.output_kind is RequestOutputKind.DELTA
+        }
         pending = set(ids)
         bar.start(len(ids))
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
+                    bar.advanced(out, delta=out.request_id in deltas)
                     if out.finished:
                         pending.discard(out.request_id)
-                        bar.finished(out)
                     yield out
         finally:
             bar.close()
@@ -206,7 +219,9 @@ class LLM:
         self, prompts: Prompts, sampling_params: Params, use_tqdm: UseTqdm, *, what: str
     ) -> list[RequestOutput]:
         bar = _Progress(use_tqdm)
-        ids = self._submit(prompts, sampling_params, what=what)
+        ids, _ = self._submit(
+            prompts, sampling_params, what=what, output_kind=RequestOutputKind.FINAL_ONLY
+        )
         final: dict[str, RequestOutput] = {}
         bar.start(len(ids))
         try:
@@ -214,13 +229,22 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
-                        bar.finished(out)
+                        bar.advanced(out, delta=False)
         finally:
             bar.close()
         return [final[i] for i in ids]
 
-    def _submit(self, prompts: Prompts, sampling_params: Params, *, what: str) -> list[str]:
-        """Validates every prompt (errors name `what` and its index), then queues them all."""
+    def _submit(
+        self,
+        prompts: Prompts,
+        sampling_params: Params,
+        *,
+        what: str,
+        output_kind: RequestOutputKind | None = None,
+    ) -> tuple[list[str], list[SamplingParams]]:
+        """Validates every prompt (errors name `what` and its index), then queues them
+        all; returns their ids and params. `output_kind` replaces the params' own (on
+        copies: the caller's are not changed)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -236,14 +260,22 @@ class LLM:
                 self.engine.requests.validate(rid, prompt, p)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{what} {i}: {e}") from None
+        if output_kind is not None:
+            copies = {
+                id(p): dataclasses.replace(p, output_kind=output_kind)
+                for p in params
+                if p.output_kind is not output_kind
+            }
+            params = [copies.get(id(p), p) for p in params]
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.engine.add_request(rid, prompt, p)
-        return ids
+        return ids, params
 
 
 class _Progress:
     """vLLM's "Processed prompts" bar: requests finished, and the tokens per second read
-    and written so far (of the finished requests, as vLLM counts them)."""
+    and written so far (of the finished requests, as vLLM counts them; delta outputs'
+    tokens as they come)."""
 
     def __init__(self, use_tqdm: UseTqdm) -> None:
         if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
@@ -261,12 +293,16 @@ class _Progress:
                 total=total, desc="Processed prompts", dynamic_ncols=True, postfix=self._speed(0.0)
             )
 
-    def finished(self, out: RequestOutput) -> None:
-        """Counts one finished request."""
+    def advanced(self, out: RequestOutput, *, delta: bool) -> None:
+        """Counts an output: its tokens if it is a `delta` one, and the request if it
+        finished (with its tokens, if they are all in `out`)."""
         if self._bar is None:
             return
+        if delta or out.finished:
+            self._output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if not out.finished:
+            return
         self._input_tokens += len(out.prompt_token_ids)
-        self._output_tokens += sum(len(c.token_ids) for c in out.outputs)
         self._bar.set_postfix_str(self._speed(self._bar.format_dict["elapsed"]), refresh=False)
         self._bar.update(1)
 

@@ -48,6 +48,22 @@ def check_bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_stop_strings(stop: Any) -> tuple[str, ...]:
+    """`SamplingParams.stop` as a tuple: a str, a sequence of non-empty strs, or None (none)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    elif isinstance(stop, bytes) or not isinstance(stop, Sequence):
+        raise TypeError(f"stop must be a str, a list of str or None, got {stop!r}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}] must be a str, got {s!r} ({type(s).__name__})")
+        if not s:
+            raise ValueError(f"stop[{i}] is an empty string, which would end every completion")
+    return tuple(stop)
+
+
 def check_token_ids(name: str, ids: Any, *, lo: int | None = 0) -> list[int]:
     """`ids` as a list of ints >= `lo`: a sequence (or 1-D integer array) of integers."""
     if isinstance(ids, np.ndarray):
@@ -57,6 +73,21 @@ def check_token_ids(name: str, ids: Any, *, lo: int | None = 0) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise TypeError(f"{name} must be a list of ints, got {ids!r} ({type(ids).__name__})")
     return [check_int(f"{name}[{i}]", t, lo=lo) for i, t in enumerate(ids)]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request holds (vLLM's names and values).
+
+    CUMULATIVE: everything so far (tokens, text, logprobs), every time it advances.
+    DELTA: only what is new since the request's previous output: new tokens, text and
+      logprobs, and with n > 1 only the completions that advanced or ended; concatenated
+      they give the cumulative output. The last one has `finished=True`.
+    FINAL_ONLY: nothing until the request has ended, then the cumulative output once.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +104,15 @@ class SamplingParams:
     only), under the model's raw distribution `log_softmax(logits)` (before penalties,
     temperature and truncation, vLLM's "raw_logprobs"), with each token's rank; None
     reports none. `n > 1` samples several completions of the same prompt.
+
+    `stop` strings (a str or a list; they need a tokenizer) are matched on the output
+    text as it is decoded: the first token whose text completes one ends the completion
+    with finish reason "stop" and `stop_reason` the string; its tokens are kept up to
+    and including that token, and its text is cut before the string (after it with
+    `include_stop_str_in_output`), as vLLM cuts it. Among strings that the same token
+    completes, the one that starts first wins. The text of a stop token (EOS or one of
+    `stop_token_ids`) is left out of the text unless `include_stop_str_in_output`.
+    `output_kind` says what each output of the request holds (`RequestOutputKind`).
 
     Penalties, applied to the logits before temperature, as vLLM and OpenAI define them:
     `presence_penalty` (in [-2, 2]) subtracts itself from every token generated so far,
@@ -94,6 +134,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()  # a str or a list of str are taken too, and None (none)
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -133,6 +176,16 @@ class SamplingParams:
         put("repetition_penalty", check_float("repetition_penalty", self.repetition_penalty))
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        put("stop", check_stop_strings(self.stop))
+        put(
+            "include_stop_str_in_output",
+            check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
+        )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r} "
+                f"({type(self.output_kind).__name__})"
+            )
 
     @property
     def has_penalties(self) -> bool:
@@ -143,7 +196,7 @@ class SamplingParams:
 class FinishReason(enum.StrEnum):
     """Why a request ended. `str` values match vLLM's ("stop", "length", "abort")."""
 
-    STOP = "stop"  # a stop token or EOS
+    STOP = "stop"  # a stop token, EOS or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # aborted by the caller
 
@@ -196,8 +249,13 @@ class CompletionOutput:
 
     With `SamplingParams.logprobs=k`, `logprobs[i]` maps token ids to their `Logprob` at
     output position i: the k most likely and the chosen token `token_ids[i]`; and
-    `cumulative_logprob` is the sum of the chosen tokens' log-probabilities. Both are
-    None without it.
+    `cumulative_logprob` is the sum of the chosen tokens' log-probabilities (of all the
+    tokens so far, in delta outputs too). Both are None without it.
+
+    In a delta output (`RequestOutputKind.DELTA`) `token_ids`, `text` and `logprobs`
+    hold only what is new since the previous output. `stop_reason` says which stop
+    ended a completion with finish reason "stop": the stop string, or the token of
+    `stop_token_ids`; None at EOS, as in vLLM.
     """
 
     index: int
@@ -206,6 +264,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # a FinishReason value once finished
     cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
@@ -222,7 +281,13 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """The state of one request: its prompt, its completions so far, and its metrics."""
+    """The state of one request: its prompt, its completions so far, and its metrics.
+
+    What the completions hold depends on `SamplingParams.output_kind`: everything so
+    far, or only what is new (with n > 1, only the completions that advanced). The
+    request has ended when `finished`. `prompt_token_ids` is the request's own list,
+    not a copy (as in vLLM): do not change it.
+    """
 
     request_id: str
     prompt: str | None

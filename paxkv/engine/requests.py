@@ -6,15 +6,19 @@ import dataclasses
 import itertools
 import random
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from paxkv.detokenizer import IncrementalDetokenizer, decode_stream
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState
 from paxkv.request import (
     CompletionOutput,
+    FinishReason,
     Logprob,
     RequestMetrics,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
     check_float,
     check_int,
@@ -22,7 +26,24 @@ from paxkv.request import (
 )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
+class _Progress:
+    """What one completion has taken of its sequence's tokens, and reported of them.
+
+    Tokens are taken once they are final (the real ones before a step's placeholders)
+    into the text, the logprob dicts and the logprob sum; each is taken once, so the
+    work per output is proportional to the new tokens."""
+
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer
+    num_taken: int = 0  # output tokens taken
+    num_sent: int = 0  # output tokens in outputs so far
+    cumulative_logprob: float = 0.0  # of the tokens taken
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # per token taken
+    stop_reason: int | str | None = None
+    sent_finished: bool = False  # an output said it finished
+
+
+@dataclasses.dataclass(eq=False)
 class Request:
     """One submitted request: its prompt and its n sequences (completions)."""
 
@@ -31,30 +52,83 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[SequenceState]
     arrival_time: float
-    _built: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
+    _progress: list[_Progress] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
         """Whether every completion has ended."""
         return all(s.finish_reason is not None for s in self.seqs)
 
-    def output(self, tokenizer: Any = None) -> RequestOutput:
-        """The request's state now, as the API returns it (texts decoded by `tokenizer`)."""
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        """What its outputs hold (`SamplingParams.output_kind`)."""
+        return self.seqs[0].params.output_kind
+
+    def output(self, tokenizer: Any = None, stop: StopFn | None = None) -> RequestOutput | None:
+        """The request's output now, as its `SamplingParams.output_kind` says: all of it
+        so far (CUMULATIVE); what is new since the previous call (DELTA; None when
+        nothing is); or None until it has ended, then all of it (FINAL_ONLY).
+
+        First takes each completion's new final tokens (not a step's placeholders):
+        decodes only them with `tokenizer` (fixed by the first call) and matches the
+        stop strings on their text. When a token completes a stop string, `stop(seq, n)`
+        ends its sequence after its n outputs (`Scheduler.stop`), and the completion's
+        outputs end there whatever its sequence holds (e.g. aborted: no `stop` needed).
+        """
+        if self._progress is None:
+            self._progress = [_new_progress(seq, tokenizer) for seq in self.seqs]
+        finished = True
+        for seq, progress in zip(self.seqs, self._progress, strict=True):
+            _take(seq, progress, tokenizer, stop)
+            finished = finished and seq.finish_reason is not None
+        kind = self.output_kind
+        if kind is _FINAL_ONLY and not finished:
+            return None
+        delta = kind is _DELTA
         completions = []
-        for seq in self.seqs:
-            asked = seq.params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    token_ids=list(seq.output_token_ids),
-                    text=None if tokenizer is None else tokenizer.decode(seq.output_token_ids),
-                    logprobs=self._logprob_dicts(seq, tokenizer) if asked else None,
-                    finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
-                    cumulative_logprob=float(sum(seq.logprobs)) if asked else None,
-                )
+        for seq, progress in zip(self.seqs, self._progress, strict=True):
+            if (
+                not delta
+                or progress.num_taken > progress.num_sent
+                or (seq.finish_reason is not None and not progress.sent_finished)
+            ):
+                completions.append(_completion(seq, progress, delta))
+        if not completions:
+            return None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
+            metrics=self._metrics(),
+        )
+
+    def bare_output(self) -> RequestOutput:
+        """The request's tokens and finish reasons only (no text, logprobs or metrics):
+        what is reported when building the full output is what failed. Delta outputs
+        hold the tokens after those already sent."""
+        delta = self.output_kind is _DELTA and self._progress is not None
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                token_ids=[
+                    t
+                    for t in seq.output_token_ids[self._progress[i].num_sent if delta else 0 :]
+                    if t >= 0
+                ],
+                finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
             )
+            for i, seq in enumerate(self.seqs)
+        ]
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished
+        )
+
+    def _metrics(self) -> RequestMetrics:
         first = self.seqs[0]
-        metrics = RequestMetrics(
+        return RequestMetrics(
             arrival_time=self.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
@@ -62,51 +136,104 @@ class Request:
             finished_time=first.finished_time,
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
         )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=completions,
-            finished=self.finished,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=metrics,
+
+
+# Ends a sequence after its first n outputs: `Scheduler.stop`.
+StopFn = Callable[[SequenceState, int], None]
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+def _new_progress(seq: SequenceState, tokenizer: Any) -> _Progress:
+    if tokenizer is None:
+        return _Progress(None)
+    p = seq.params
+    delta = p.output_kind is _DELTA
+    detokenizer = IncrementalDetokenizer(
+        decode_stream(tokenizer),
+        stop=p.stop,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        keep_text=not delta,
+        deltas=delta,
+    )
+    return _Progress(detokenizer)
+
+
+def _take(seq: SequenceState, progress: _Progress, tokenizer: Any, stop: StopFn | None) -> None:
+    """Takes seq's new final tokens into `progress` (see `Request.output`)."""
+    detokenizer = progress.detokenizer
+    if isinstance(progress.stop_reason, str):
+        return  # a stop string ended it
+    out = seq.output_token_ids
+    if len(out) < progress.num_taken:
+        raise RuntimeError(
+            f"{seq.seq_id}: its outputs were cut to {len(out)} tokens after "
+            f"{progress.num_taken} were taken as final"
         )
+    params = seq.params
+    # A stop token ends the outputs of a sequence with finish reason "stop" (a stop
+    # string's `stop` has set progress.stop_reason); as in vLLM its text is left out.
+    ended_by_token = seq.finish_reason is FinishReason.STOP
+    skip_text_at = len(out) - 1 if ended_by_token and not params.include_stop_str_in_output else -1
+    asked = params.logprobs is not None
+    i = progress.num_taken
+    while i < len(out) and out[i] >= 0:  # placeholders (< 0) end the final tokens
+        token = out[i]
+        if asked:
+            progress.logprobs.append(_logprob_dict(seq, i, tokenizer))
+            progress.cumulative_logprob += seq.logprobs[i]
+        i += 1
+        if detokenizer is not None and i - 1 != skip_text_at and detokenizer.add(token):
+            progress.stop_reason = detokenizer.stop_reason
+            progress.num_taken = i
+            if stop is not None:
+                stop(seq, i)
+            detokenizer.finish()
+            return
+    progress.num_taken = i
+    if seq.finish_reason is not None:
+        if ended_by_token and out and out[-1] in params.stop_token_ids:
+            progress.stop_reason = out[-1]
+        if detokenizer is not None:
+            detokenizer.finish()
 
-    def bare_output(self) -> RequestOutput:
-        """The request's tokens and finish reasons only (no text, logprobs or metrics):
-        what is reported when building the full output is what failed."""
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                token_ids=[t for t in seq.output_token_ids if t >= 0],
-                finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
-            )
-            for seq in self.seqs
-        ]
-        return RequestOutput(
-            self.request_id, self.prompt, list(self.prompt_token_ids), completions, self.finished
-        )
 
-    def _logprob_dicts(self, seq: SequenceState, tokenizer: Any) -> list[dict[int, Logprob]]:
-        """Per output token: its top-k and itself, as `{token id: Logprob}`.
+def _completion(seq: SequenceState, progress: _Progress, delta: bool) -> CompletionOutput:
+    """seq's completion as taken so far: all of it, or (delta) what is new since the last."""
+    start, end = (progress.num_sent, progress.num_taken) if delta else (0, progress.num_taken)
+    detokenizer = progress.detokenizer
+    if detokenizer is None:
+        text = None
+    else:
+        text = detokenizer.take_delta() if delta else detokenizer.text()
+    asked = seq.params.logprobs is not None
+    reason = seq.finish_reason
+    progress.num_sent = end
+    progress.sent_finished = reason is not None
+    return CompletionOutput(
+        index=seq.index,
+        token_ids=seq.output_token_ids[start:end],
+        text=text,
+        logprobs=progress.logprobs[start:end] if asked else None,
+        finish_reason=None if reason is None else reason.value,
+        cumulative_logprob=progress.cumulative_logprob if asked else None,
+        stop_reason=progress.stop_reason if reason is FinishReason.STOP else None,
+    )
 
-        Built once per token and kept (tokens whose top-k the host has not read yet,
-        under async scheduling, are built when it has)."""
-        built = self._built.setdefault(seq.index, [])
-        del built[len(seq.output_token_ids) :]  # outputs dropped after a stop token
-        for j in range(len(built), len(seq.output_token_ids)):
-            top = seq.top_logprobs[j]
-            if top is None:
-                break
-            ids, lps, rank = top
-            entries = {
-                t: Logprob(lp, r, _decode(tokenizer, t))
-                for r, (t, lp) in enumerate(zip(ids, lps, strict=True), 1)
-            }
-            token = seq.output_token_ids[j]
-            entries.setdefault(token, Logprob(seq.logprobs[j], rank, _decode(tokenizer, token)))
-            built.append(entries)
-        return list(built)
+
+def _logprob_dict(seq: SequenceState, i: int, tokenizer: Any) -> dict[int, Logprob]:
+    """Output i's top-k and itself, as `{token id: Logprob}`."""
+    token = seq.output_token_ids[i]
+    top = seq.top_logprobs[i]
+    entries = {}
+    rank = None
+    if top is not None:
+        ids, lps, rank = top
+        entries = {
+            t: Logprob(lp, r, _decode(tokenizer, t))
+            for r, (t, lp) in enumerate(zip(ids, lps, strict=True), 1)
+        }
+    entries.setdefault(token, Logprob(seq.logprobs[i], rank, _decode(tokenizer, token)))
+    return entries
 
 
 def _decode(tokenizer: Any, token: int) -> str | None:
@@ -199,22 +326,28 @@ class RequestRegistry:
         self._requests[request_id] = request
         return request
 
-    def report(self, request_ids) -> tuple[list[RequestOutput], list[Request]]:
-        """The outputs of the requests `request_ids` now (unknown ids skipped), and the
-        requests that finished, which are forgotten. A request whose output cannot be
-        built fails (`Scheduler.fail`) instead of being reported."""
+    def report(self, request_ids: Iterable[str]) -> tuple[list[RequestOutput], list[Request]]:
+        """The outputs of the requests `request_ids` now, as each one's output kind says
+        (`Request.output`: none for one with nothing to say), and the requests that
+        finished, which are forgotten. Unknown ids are skipped. A completion whose text
+        completes a stop string ends here (`Scheduler.stop`). A request whose output
+        cannot be built fails (`Scheduler.fail`) instead of being reported.
+
+        Call it only when the requests' tokens before any placeholder are final: tokens
+        taken into an output are never taken back."""
         outputs, finished = [], []
         for rid in dict.fromkeys(request_ids):
             req = self._requests.get(rid)
             if req is None:
                 continue
             try:
-                out = req.output(self.tokenizer)
+                out = req.output(self.tokenizer, self.scheduler.stop)
             except Exception as e:  # isolated: only this request fails
                 self.scheduler.fail(req.seqs[0], e)
                 continue
-            outputs.append(out)
-            if out.finished:
+            if out is not None:
+                outputs.append(out)
+            if req.finished:
                 finished.append(self._requests.pop(rid))
         return outputs, finished
 
@@ -230,6 +363,11 @@ class RequestRegistry:
         """Returns `(text, token_ids)` of a servable request, or raises ValueError saying why not."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: stop strings (SamplingParams.stop={list(params.stop)!r}) "
+                "are matched on the text and need a tokenizer, and this model has none"
+            )
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(
                 f"request {request_id!r}: logprobs={params.logprobs} exceeds the engine's "
