@@ -37,6 +37,13 @@ class LatencySummary:
         self.count += 1
         self.total += seconds
 
+    def extend(self, samples: Iterable[float]) -> None:
+        """Records several latency samples, in seconds."""
+        samples = list(samples)
+        self._samples.extend(samples)
+        self.count += len(samples)
+        self.total += sum(samples)
+
     def summary(self) -> dict[str, float | None]:
         """p50 / p90 / p99 / mean of the samples (None each when there are none)."""
         if not self._samples:
@@ -85,6 +92,11 @@ class EngineMetrics:
         self.generation_tokens += 1
         if itl is not None:
             self.latency["inter_token_latency_seconds"].add(itl)
+
+    def on_tokens(self, itls: list[float | None]) -> None:
+        """`on_token` for each of one step's tokens."""
+        self.generation_tokens += len(itls)
+        self.latency["inter_token_latency_seconds"].extend(t for t in itls if t is not None)
 
     def on_finish(self, seq: SequenceState) -> None:
         """Records a sequence that ended: its finish reason and latencies."""

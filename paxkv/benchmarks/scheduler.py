@@ -20,7 +20,8 @@ from absl import app, flags
 
 from paxkv.host.batch import Buckets, build_host_batch
 from paxkv.host.page_pool import PagePool
-from paxkv.host.scheduler import Scheduler, Sequence
+from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import SequenceState as Sequence
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import SamplingParams
 

@@ -10,7 +10,6 @@ that it stays flat after warm-up.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -272,31 +271,39 @@ class Engine:
     def _record(self, plan: SchedulerOutput, samples: Sampled, valid) -> None:
         """Hands one iteration's samples (on the host) to the scheduler; `valid` masks a
         loop's."""
-        sampled = []
+        tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
+        running = SeqStatus.RUNNING
+        sampled, previous = [], []
         for i, c in enumerate(plan.chunks):
+            seq = c.seq
+            previous.append(seq.last_token_time)
             result = None
-            if c.samples and (valid is None or valid[i]) and c.seq.status is SeqStatus.RUNNING:
-                try:
-                    result = sample_result(samples, i, c.seq)
-                except Exception as e:  # isolated: only this sequence fails
-                    self.scheduler.fail(c.seq, e)
+            if c.samples and (valid is None or valid[i]) and seq.status is running:
+                if seq.track_top:  # the top-k too
+                    try:
+                        result = sample_result(samples, i, seq)
+                    except Exception as e:  # isolated: only this sequence fails
+                        self.scheduler.fail(seq, e)
+                else:
+                    result = (tokens[i], logprobs[i])
             sampled.append(result)
-        previous = [c.seq.last_token_time for c in plan.chunks]
-        running = [c.seq.status is SeqStatus.RUNNING for c in plan.chunks]
+        was_running = [c.seq.status is running for c in plan.chunks] if valid is not None else None
         self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
-        for chunk, before, was_running, got in zip(
-            plan.chunks, previous, running, sampled, strict=True
-        ):
-            aborted = chunk.seq.finish_reason is FinishReason.ABORT  # failed or aborted
-            if valid is not None and not aborted and was_running != (got is not None):
-                raise RuntimeError(
-                    f"multi-step decode disagrees with the host about {chunk.seq.seq_id}: "
-                    f"running={was_running}, token produced={got is not None}"
-                )
-            if got is not None:
-                self.metrics.on_token(
-                    None if before is None else chunk.seq.last_token_time - before
-                )
+        if was_running is not None:  # the loop and the host must agree on who ran
+            for c, ran, got in zip(plan.chunks, was_running, sampled, strict=True):
+                aborted = c.seq.finish_reason is FinishReason.ABORT  # failed or aborted
+                if not aborted and ran != (got is not None):
+                    raise RuntimeError(
+                        f"multi-step decode disagrees with the host about {c.seq.seq_id}: "
+                        f"running={ran}, token produced={got is not None}"
+                    )
+        self.metrics.on_tokens(
+            [
+                None if before is None else c.seq.last_token_time - before
+                for c, before, got in zip(plan.chunks, previous, sampled, strict=True)
+                if got is not None
+            ]
+        )
 
     def _reserve_ahead(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
         """A decode-only plan with pages for N steps reserved, and its token limits; None
@@ -371,6 +378,6 @@ class Engine:
 def _advanced(plan: SchedulerOutput, i: int) -> SchedulerOutput:
     """Iteration i of a decode-only plan run N steps at once: each chunk one token later."""
     chunks = tuple(
-        dataclasses.replace(c, start=c.start + i, num_tokens=1, samples=True) for c in plan.chunks
+        c._replace(start=c.start + i, num_tokens=1, samples=True) for c in plan.chunks
     )
     return SchedulerOutput(chunks, ())

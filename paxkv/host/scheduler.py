@@ -16,10 +16,12 @@ not depend on what happens to the sequences afterwards.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.page_pool import PagePool
@@ -29,8 +31,7 @@ from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import FinishReason, SamplingParams
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """`num_tokens` tokens of `seq`, from position `start`, run this step.
 
     `token_ids` are those tokens, copied when the chunk was planned. The step reads and
@@ -50,6 +51,9 @@ class ScheduledChunk:
     row: int
     num_pages: int
     num_output_tokens: int
+
+    # A NamedTuple, not a frozen dataclass: the scheduler makes one per running
+    # sequence per step, and a tuple is several times cheaper to make.
 
     @classmethod
     def of(cls, seq: SequenceState, start: int, num_tokens: int, page_size: int) -> ScheduledChunk:
@@ -195,16 +199,45 @@ class Scheduler:
         preempted: list[SequenceState] = []
         scheduled: set[int] = set()
         now = time.monotonic()
-        running = sorted(self.running, key=SequenceState.precedence)
-        # Decodes (one token left to compute) first, then prefill chunks.
-        decodes, prefills = [], []
-        for s in running:
-            (decodes if s.num_tokens - s.num_computed_tokens == 1 else prefills).append(s)
-        for seq in decodes + prefills:
+        ps = self.page_size
+        caching = self.kv_cache.enable_prefix_caching
+        # Decodes (one token left to compute) first, then prefill chunks; each in order of
+        # precedence, which `self.running` keeps.
+        prefills = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted to make room for a sequence before it
+            outputs = seq.output_token_ids
+            end = seq.num_computed_tokens + 1
+            if end != seq.num_prompt + len(outputs):
+                prefills.append(seq)
+                continue
+            if budget == 0:
+                continue
+            try:
+                if outputs and end <= len(seq.pages) * ps:  # the common decode: no new page
+                    chunk = ScheduledChunk(
+                        seq, end - 1, 1, True, (outputs[-1],), seq.row, -(-end // ps), len(outputs)
+                    )
+                else:
+                    chunk = self._schedule_running(seq, budget, scheduled, preempted)
+                if chunk is None:
+                    continue
+                if caching and end // ps > len(seq.keys):
+                    self._register(seq, end)
+            except Exception as e:  # isolated: only seq fails
+                self.fail(seq, e)
+                continue
+            chunks.append(chunk)
+            scheduled.add(id(seq))
+            budget -= 1
+        for seq in prefills:
             if budget == 0 or seq.status is not SeqStatus.RUNNING:
                 continue
             try:
                 chunk = self._schedule_running(seq, budget, scheduled, preempted)
+                if chunk is not None:
+                    self._register(seq, chunk.end)
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
                 continue
@@ -212,7 +245,6 @@ class Scheduler:
                 chunks.append(chunk)
                 scheduled.add(id(seq))
                 budget -= chunk.num_tokens
-                self._register(seq, chunk.end)
         # Admit waiting sequences first-come-first-served while they fit.
         while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
@@ -226,7 +258,10 @@ class Scheduler:
             chunks.append(chunk)
             scheduled.add(id(seq))
             budget -= chunk.num_tokens
-            self._register(seq, chunk.end)
+            try:
+                self._register(seq, chunk.end)
+            except Exception as e:  # isolated: only seq fails
+                self.fail(seq, e)
         self.peak_running = max(self.peak_running, len(self.running))
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
@@ -285,7 +320,10 @@ class Scheduler:
                 break
             for c in plan.chunks:
                 if any(id(w) in ended for w in self.depends_on(c.seq)):
-                    self.fail(c.seq, "the shared prefix it read was being computed by a request that failed")
+                    self.fail(
+                        c.seq,
+                        "the shared prefix it read was being computed by a request that failed",
+                    )
             pruned = plan.running()
         return pruned
 
@@ -320,7 +358,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
-        self.running.append(seq)
+        bisect.insort(self.running, seq, key=SequenceState.precedence)
         return ScheduledChunk.of(seq, seq.num_computed_tokens, n, self.page_size)
 
     def _sibling_prefilling(self, seq: SequenceState) -> bool:
@@ -357,7 +395,7 @@ class Scheduler:
         if not self.kv_cache.reserve_ahead(wanted):
             return None
         chunks = tuple(
-            dataclasses.replace(c, num_pages=cdiv(end, self.page_size))
+            c._replace(num_pages=cdiv(end, self.page_size))
             for c, (_, end) in zip(output.chunks, wanted, strict=True)
         )
         return SchedulerOutput(chunks, output.preempted), limits
@@ -378,39 +416,36 @@ class Scheduler:
         """
         now = time.monotonic()
         finished = []
+        ps, max_len = self.page_size, self.max_model_len
+        caching = self.kv_cache.enable_prefix_caching
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
-                reason = self._record(seq, chunk, result, eos_token_ids, now)
+                seq.num_computed_tokens = end = chunk.start + chunk.num_tokens
+                if caching and end // ps > len(seq.keys):
+                    self.kv_cache.register_full_pages(seq)
+                if result is None:
+                    continue
+                token = result[0]
+                seq.append_output(token, result[1], result[2] if len(result) > 2 else None)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.last_token_time = now
+                outputs = len(seq.output_token_ids)
+                if token in seq.stop_set(eos_token_ids):
+                    reason = FinishReason.STOP
+                elif outputs >= seq.params.max_tokens or seq.num_prompt + outputs >= max_len:
+                    reason = FinishReason.LENGTH
+                else:
+                    continue
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
                 continue
-            if reason is not None:
-                self._finish(seq, reason, now)
-                finished.append(seq)
+            self._finish(seq, reason, now)
+            finished.append(seq)
         return finished
-
-    def _record(
-        self,
-        seq: SequenceState,
-        chunk: ScheduledChunk,
-        result: tuple | None,
-        eos_token_ids: tuple[int, ...],
-        now: float,
-    ) -> FinishReason | None:
-        """Records one chunk's result; returns why seq ends now, if it does."""
-        seq.num_computed_tokens = chunk.end
-        if seq.num_computed_tokens // self.page_size > len(seq.keys):
-            self.kv_cache.register_full_pages(seq)
-        if result is None:
-            return None
-        token, logprob, *top = result
-        seq.append_output(int(token), float(logprob), top[0] if top else None)
-        seq.first_token_time = seq.first_token_time or now
-        seq.last_token_time = now
-        return self._finish_reason(seq, int(token), eos_token_ids)
 
     def resolve(
         self,
@@ -438,17 +473,6 @@ class Scheduler:
                 seq.finish_reason = FinishReason.STOP
             else:
                 self._finish(seq, FinishReason.STOP, now)
-
-    def _finish_reason(
-        self, seq: SequenceState, token: int, eos_token_ids: tuple[int, ...]
-    ) -> FinishReason | None:
-        if seq.is_stop_token(token, eos_token_ids):
-            return FinishReason.STOP
-        if len(seq.output_token_ids) >= seq.params.max_tokens or (
-            seq.num_tokens >= self.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, seq: SequenceState, reason: FinishReason, now: float) -> None:
         self.kv_cache.free(seq)

@@ -57,6 +57,13 @@ class SequenceState:
     finished_time: float | None = None
     _prompt_set: frozenset[int] | None = dataclasses.field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        # Facts the per-step host path reads for every sequence, computed once.
+        self.num_prompt = len(self.prompt_token_ids)
+        self.track_top = self.params.logprobs is not None  # keeps top logprobs
+        self.penalised = self.params.has_penalties  # keeps output counts
+        self._stops: tuple[tuple[int, ...] | None, frozenset[int]] = (None, frozenset())
+
     # Outputs. Every change to the output tokens goes through these three, so the
     # logprobs and the penalty counts stay aligned with them. Tokens < 0 are
     # placeholders (async scheduling) whose value the device knows and the host not yet.
@@ -65,9 +72,10 @@ class SequenceState:
         """Appends a sampled token, its logprob and (with params.logprobs) its top-k."""
         self.output_token_ids.append(token)
         self.logprobs.append(logprob)
-        if self.params.logprobs is not None:
+        if self.track_top:
             self.top_logprobs.append(top)
-        self._count(token, 1)
+        if self.penalised:
+            self._count(token, 1)
 
     def set_output(
         self, index: int, token: int, logprob: float, top: TopLogprobs | None = None
@@ -125,6 +133,14 @@ class SequenceState:
     def precedence(self) -> tuple[int, float]:
         """Sort key: who keeps running when pages run out (smallest first)."""
         return (self.priority, self.arrival_time)
+
+    def stop_set(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The tokens that end this sequence, as a set (kept for the last `eos_token_ids`)."""
+        eos, stops = self._stops
+        if eos is not eos_token_ids:
+            stops = frozenset(self.stop_token_ids(eos_token_ids))
+            self._stops = (eos_token_ids, stops)
+        return stops
 
     def stop_token_ids(self, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
         """The tokens that end this sequence: its stop ids, and the model's EOS unless ignored."""
