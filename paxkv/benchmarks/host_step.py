@@ -5,7 +5,8 @@
 
 Runs `Engine.step()` with `FakeRunner` (no model, no device: deterministic tokens on
 the host), so what is timed is everything the host does around a compiled step:
-scheduling, the batch layout, recording the samples and assembling the outputs.
+scheduling, the batch layout, recording the samples and assembling the outputs
+(delta outputs, as a server streams them).
 
 The trace is JSON, `{"requests": [{"id", "arrival_step", "prompt": [ids],
 "max_tokens"}, ...]}`: each request is submitted before step `arrival_step`, its
@@ -34,7 +35,7 @@ from absl import app, flags
 
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.runner import FakeRunner
-from paxkv.request import SamplingParams
+from paxkv.request import RequestOutputKind, SamplingParams
 from paxkv.tools.workloads import LengthDistribution
 
 VOCAB = 32000
@@ -139,7 +140,12 @@ def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
     while nxt < len(requests) or engine.has_unfinished():
         while nxt < len(requests) and requests[nxt]["arrival_step"] <= step:
             r = requests[nxt]
-            params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=r["max_tokens"],
+                ignore_eos=True,
+                output_kind=RequestOutputKind.DELTA,  # what a server streams
+            )
             engine.add_request(r["id"], {"prompt_token_ids": r["prompt"]}, params)
             nxt += 1
         step += 1
@@ -150,8 +156,9 @@ def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
         outputs = engine.step()
         cpu, wall = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
         for out in outputs:
-            if out.finished:
-                produced[out.request_id] = len(out.outputs[0].token_ids)
+            produced[out.request_id] = produced.get(out.request_id, 0) + sum(
+                len(c.token_ids) for c in out.outputs
+            )
         row = {"running": len(engine.scheduler.running)}
         for name, total, parts in (("cpu", cpu, clock.cpu), ("wall", wall, clock.wall)):
             row[f"{name}_total"] = (total - parts["runner"]) / 1e3
@@ -210,9 +217,7 @@ def _table(result: dict[str, Any]) -> str:
             )
             for part in PARTS:
                 p = s[part]
-                lines.append(
-                    f"| | | {part} | {p['p50']:.0f} | {p['mean']:.0f} | {p['p99']:.0f} |"
-                )
+                lines.append(f"| | | {part} | {p['p50']:.0f} | {p['mean']:.0f} | {p['p99']:.0f} |")
     return "\n".join(lines)
 
 

@@ -189,7 +189,9 @@ class Engine:
         )
 
     def run_until_done(self) -> dict[str, RequestOutput]:
-        """Steps until every request has ended; returns each one's final output by id.
+        """Steps until every request has ended; returns each one's last output by id:
+        the whole completion for CUMULATIVE and FINAL_ONLY requests, the last delta for
+        DELTA ones (see `SamplingParams.output_kind`).
 
         The dict is in the order the requests ended (aborted ones included).
         """
@@ -203,7 +205,9 @@ class Engine:
     # Stepping.
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of the requests it advanced or finished.
+        """Runs one step; returns the outputs of the requests it advanced or finished, as
+        each request's `output_kind` asks (the whole completion so far, the new part
+        only, or nothing until it finishes).
 
         Requests aborted since the last step are reported here too, finished with reason
         "abort".
@@ -377,7 +381,5 @@ class Engine:
 
 def _advanced(plan: SchedulerOutput, i: int) -> SchedulerOutput:
     """Iteration i of a decode-only plan run N steps at once: each chunk one token later."""
-    chunks = tuple(
-        c._replace(start=c.start + i, num_tokens=1, samples=True) for c in plan.chunks
-    )
+    chunks = tuple(c._replace(start=c.start + i, num_tokens=1, samples=True) for c in plan.chunks)
     return SchedulerOutput(chunks, ())

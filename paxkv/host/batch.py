@@ -211,11 +211,15 @@ def build_host_batch(
     """
     chunks = plan.chunks
     n = len(chunks)
-    q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, count=n)
-    starts = np.fromiter((c.start for c in chunks), np.int64, count=n)
-    num_pages = np.fromiter((c.num_pages for c in chunks), np.int64, count=n)
-    row_ids = np.fromiter((c.row for c in chunks), np.int64, count=n)
-    counters = np.fromiter((c.num_output_tokens for c in chunks), np.int32, count=n)
+    # One transposition of the chunk tuples, then a NumPy array per field.
+    (_, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col) = (
+        zip(*chunks, strict=True) if n else ((),) * 8
+    )
+    q_lens = np.array(q_col, np.int64)
+    starts = np.array(start_col, np.int64)
+    num_pages = np.array(pages_col, np.int64)
+    row_ids = np.array(row_col, np.int64)
+    counters = np.array(out_col, np.int32)
     num = int(q_lens.sum())
     t_pad = Buckets.pick(num, buckets.tokens, "tokens in the step")
     s_pad = buckets.seq_bucket(n, t_pad)
@@ -229,9 +233,7 @@ def build_host_batch(
         raise ValueError(f"sequence {s}: kv_len={ends[s]} needs more than its {num_pages[s]} pages")
 
     tokens = np.zeros(t_pad, np.int32)
-    tokens[:num] = np.fromiter(
-        itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, count=num
-    )
+    tokens[:num] = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=num)
     cu = np.zeros(s_pad + 1, np.int32)
     np.cumsum(q_lens, out=cu[1 : n + 1])
     cu[n + 1 :] = cu[n]
@@ -263,7 +265,7 @@ def build_host_batch(
     token_src = np.full(t_pad, -1, np.int32)
     if pending:
         for i, c in enumerate(chunks):
-            if c.samples and id(c.seq) in pending:  # its last token is in flight
+            if samples_col[i] and id(c.seq) in pending:  # its last token is in flight
                 token_src[cu[i + 1] - 1] = pending[id(c.seq)]
     return HostBatch(
         tokens,
