@@ -286,7 +286,8 @@ class RequestOutput:
     What the completions hold depends on `SamplingParams.output_kind`: everything so
     far, or only what is new (with n > 1, only the completions that advanced). The
     request has ended when `finished`. `prompt_token_ids` is the request's own list,
-    not a copy (as in vLLM): do not change it.
+    not a copy (as in vLLM): do not change it. `metrics` is set on every output, except
+    on a DELTA request's outputs before its last.
     """
 
     request_id: str

@@ -102,7 +102,9 @@ class Request:
             outputs=completions,
             finished=finished,
             num_cached_tokens=self.seqs[0].num_cached_tokens,
-            metrics=self._metrics(),
+            # A delta carries the request's metrics once, when it finishes: per step they
+            # would cost more than the delta itself.
+            metrics=self._metrics() if finished or not delta else None,
         )
 
     def bare_output(self) -> RequestOutput:
