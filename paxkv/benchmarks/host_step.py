@@ -15,11 +15,16 @@ Without `--trace`, one is generated: log-normal prompt and output lengths (means
 and 150, sigma 1, clipped to 2048 and 1024), Poisson arrivals of `--arrival_rate`
 requests per step, and optionally a shared prompt prefix.
 
+With `--num_requests=256 --arrival_rate=1e9 --prompt_len=32 --output_len=L` every
+request arrives at once and the decode-only steps at 256 running show the host's cost
+per step against the sequences' length L.
+
 Each step is timed on the thread's CPU clock (`time.thread_time_ns`: this machine is
 shared) and on the wall clock: schedule, layout (the batch build), record (the
 samples into the scheduler), outputs (the requests' outputs) and the host total,
 which is the whole `step()` less the fake runner's own time. Reported in microseconds
-(p50 / mean / p99) over all steps and over the steps with `max_num_seqs` running.
+(p50 / mean / p99) over all steps, over the steps with `max_num_seqs` running, and
+over those of them in which every sequence decodes.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ _RATE = flags.DEFINE_float("arrival_rate", 2.0, "Generated trace: mean arrivals 
 _OUTPUT_LEN = flags.DEFINE_integer(
     "output_len", None, "Generated trace: every output this long (unset: log-normal)."
 )
+_PROMPT_LEN = flags.DEFINE_integer(
+    "prompt_len", None, "Generated trace: every prompt this long (unset: log-normal)."
+)
 _SHARED_PREFIX = flags.DEFINE_integer(
     "shared_prefix", 0, "Generated trace: prompt tokens every request shares."
 )
@@ -72,11 +80,15 @@ def make_trace(
     *,
     arrival_rate: float = 2.0,
     output_len: int | None = None,
+    prompt_len: int | None = None,
     shared_prefix: int = 0,
 ) -> dict[str, Any]:
-    """A trace as the module docstring describes it."""
+    """A trace as the module docstring describes it (`output_len` / `prompt_len`: fixed
+    lengths instead of log-normal ones)."""
     rng = np.random.default_rng(seed)
     prompt_lens = _lognormal_mean(300, 2048).sample(rng, num_requests)
+    if prompt_len is not None:
+        prompt_lens = np.full(num_requests, prompt_len)
     if output_len is None:
         output_lens = _lognormal_mean(150, 1024).sample(rng, num_requests)
     else:
@@ -126,7 +138,14 @@ def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
     clock = _Clock()
     # Instrument the parts of a step on this engine's objects only.
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
-    engine.layout = clock.wrap("layout", engine.layout)
+    decode_only = []  # per step: every chunk decodes one token
+
+    def layout(plan, *args, **kwargs):
+        decode_only.append(plan.num_tokens == len(plan.chunks))
+        return engine_layout(plan, *args, **kwargs)
+
+    engine_layout = engine.layout
+    engine.layout = clock.wrap("layout", layout)
     engine.scheduler.update = clock.wrap("record", engine.scheduler.update)
     engine.requests.report = clock.wrap("outputs", engine.requests.report)
     for name in ("dispatch", "fetch", "decode_loop"):
@@ -159,7 +178,11 @@ def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
             produced[out.request_id] = produced.get(out.request_id, 0) + sum(
                 len(c.token_ids) for c in out.outputs
             )
-        row = {"running": len(engine.scheduler.running)}
+        row = {
+            "running": len(engine.scheduler.running),
+            "decode_only": bool(decode_only) and decode_only[-1],
+        }
+        decode_only.clear()
         for name, total, parts in (("cpu", cpu, clock.cpu), ("wall", wall, clock.wall)):
             row[f"{name}_total"] = (total - parts["runner"]) / 1e3
             for part in PARTS:
@@ -178,6 +201,11 @@ def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
                 "all": _summary(rows, clock_name, lambda r: True),
                 "at_max_num_seqs": _summary(
                     rows, clock_name, lambda r: r["running"] == config.max_num_seqs
+                ),
+                "decode_only_at_max_num_seqs": _summary(
+                    rows,
+                    clock_name,
+                    lambda r: r["running"] == config.max_num_seqs and r["decode_only"],
                 ),
             }
             for clock_name in ("cpu", "wall")
@@ -208,9 +236,9 @@ def _table(result: dict[str, Any]) -> str:
         "|---|---:|---|---:|---:|---:|",
     ]
     for clock in ("cpu", "wall"):
-        for which in ("all", "at_max_num_seqs"):
+        for which in ("all", "at_max_num_seqs", "decode_only_at_max_num_seqs"):
             s = result["per_step_us"][clock][which]
-            label = f"{clock}, {'all steps' if which == 'all' else 'at max_num_seqs'}"
+            label = f"{clock}, {which.replace('_', ' ')}"
             lines.append(
                 f"| {label} | {s['steps']} | host total | {s['p50']:.0f} | {s['mean']:.0f} | "
                 f"{s['p99']:.0f} |"
@@ -233,6 +261,7 @@ def main(argv: list[str]) -> None:
             _SEED.value,
             arrival_rate=_RATE.value,
             output_len=_OUTPUT_LEN.value,
+            prompt_len=_PROMPT_LEN.value,
             shared_prefix=_SHARED_PREFIX.value,
         )
     if _MAKE_TRACE.value is not None:
