@@ -116,8 +116,9 @@ class EngineMetrics:
             )
 
     def account_step(self, t0: float, t_sched: float, t1: float, t2: float) -> None:
-        """Records one step's times (perf_counter): started, scheduled, dispatched, and
-        done waiting for the device; the host's share is everything but the wait."""
+        """Records one step's times (perf_counter): started, scheduled, laid out (ready
+        to dispatch), and done waiting for the device; the host's share is everything but
+        the dispatch and the wait (on the CPU, dispatching may run the step itself)."""
         self.num_steps += 1
         self.schedule_time_s += t_sched - t0
         self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
