@@ -1,0 +1,124 @@
+"""Serves a model over HTTP with an OpenAI-compatible API (`paxkv.serve`).
+
+    paxkv-serve                                   # tiny-py on 127.0.0.1:8000
+    paxkv-serve --config=llama-3.1-8b --model_dir=/ckpt/Llama-3.1-8B-Instruct --port=8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "def f(x):", "max_tokens": 16, "temperature": 0}'
+
+The engine compiles every step shape before the server listens, so `/health` answers
+200 once requests can be served without compiling. SIGTERM (or Ctrl-C) stops accepting
+connections, lets the requests in flight finish for up to `--shutdown_grace_s` seconds,
+aborts the rest, and exits 0. Chat needs a chat template: the checkpoint's, or
+`--chat_template` (Jinja source, or a file of it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from absl import app, flags, logging
+
+from paxkv import chat
+from paxkv.launch import exit_with_error
+from paxkv.launch import flags as launch_flags
+
+DEFAULT_CONFIG = "tiny-py"
+
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
+_MAX_QUEUED = flags.DEFINE_integer(
+    "max_queued_requests",
+    256,
+    "Requests held beyond --max_num_seqs (waiting for a slot); more are answered 429.",
+    lower_bound=0,
+)
+_SERVED_MODEL_NAME = flags.DEFINE_string(
+    "served_model_name", None, "The model's name in the API; unset: --model_dir, else --config."
+)
+_CHAT_TEMPLATE = flags.DEFINE_string(
+    "chat_template",
+    None,
+    "Chat template for /v1/chat/completions: Jinja source, or a file holding it; unset: "
+    "the checkpoint's.",
+)
+_SHUTDOWN_GRACE_S = flags.DEFINE_float(
+    "shutdown_grace_s", 30.0, "Seconds requests in flight may run on after SIGTERM.", lower_bound=0
+)
+
+
+def main(argv: list[str]) -> None:
+    """The absl main: builds and warms up the engine, then serves until SIGTERM."""
+    if len(argv) > 1:
+        exit_with_error(f"unexpected arguments {argv[1:]}")
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully:
+    # that (and one during the warm-up) ends the process with status 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        import uvicorn
+
+        from paxkv.serve.app import ServerState, build_app
+        from paxkv.serve.frontend import AsyncEngine
+    except ImportError as e:
+        exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install 'paxkv[serve]'")
+    try:
+        launch_flags.init_runtime()
+        setup = launch_flags.serving_setup()
+        templates = _chat_templates()
+        llm = launch_flags.build_llm(setup)
+    except (ValueError, OSError) as e:
+        exit_with_error(str(e))
+    engine = llm.engine
+    shapes = len(engine.config.buckets().shapes())
+    logging.info("paxkv-serve: compiling %d step shapes before serving", shapes)
+    engine.warmup()
+    name = _SERVED_MODEL_NAME.value or launch_flags.MODEL_DIR.value or setup.name
+    state = ServerState(
+        front=AsyncEngine(engine, max_unfinished=engine.config.max_num_seqs + _MAX_QUEUED.value),
+        model_name=name,
+        tokenizer=engine.tokenizer,
+        chat_templates=templates,
+        max_model_len=engine.config.max_model_len,
+    )
+    config = uvicorn.Config(
+        build_app(state),
+        host=_HOST.value,
+        port=_PORT.value,
+        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S.value,
+        log_level="info",
+        access_log=False,
+    )
+    uvicorn.Server(config).run()
+
+
+def _chat_templates() -> chat.ChatTemplates:
+    """The checkpoint's chat templates (none for a config without one), with
+    `--chat_template` as the default when given."""
+    from paxkv.models import TOKENIZER_CONFIG_FILE
+
+    templates = chat.ChatTemplates.from_checkpoint(
+        launch_flags.MODEL_DIR.value, TOKENIZER_CONFIG_FILE
+    )
+    source = _CHAT_TEMPLATE.value
+    if source is None:
+        return templates
+    if os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            source = f.read()
+    return chat.ChatTemplates(
+        {**templates.templates, "default": source},
+        templates.special_tokens,
+        f"--chat_template over {templates.source}",
+    )
+
+
+def run() -> None:
+    """Console-script entry point (`paxkv-serve`)."""
+    flags.FLAGS.set_default("config", DEFAULT_CONFIG)
+    launch_flags.list_in_help(__name__, __doc__)
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

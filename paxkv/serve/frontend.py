@@ -1,0 +1,256 @@
+"""The async front end of one `Engine`: a stepping thread that owns it, for asyncio callers.
+
+Everything that touches the engine (adding, aborting, stepping, reading its stats) runs
+on one thread, the stepping thread, in the order asyncio code asked for it: callers send
+it commands through a queue, and it sends each request's delta outputs back to the
+event loop, into the queue of the HTTP request that submitted it. While requests are
+unfinished the thread steps without waiting; when none are, it sleeps on the command
+queue.
+
+The engine isolates what one request can break (its host work failing ends it with
+finish reason "abort" and `RequestOutput.error`). A step that raises anyway is a bug in
+the engine: the front end then fails every request in flight, answers no more, and
+reports itself dead (`AsyncEngine.dead`), as vLLM's engine client does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from absl import logging
+
+from paxkv.engine import Engine
+from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
+
+
+class QueueFull(Exception):
+    """The front end holds as many unfinished requests as it may: retry later (HTTP 429)."""
+
+
+class EngineDead(Exception):
+    """The engine failed or is shutting down, and takes no more requests (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """One engine request of a group: its id, prompt (`Engine.add_request`'s) and params."""
+
+    request_id: str
+    prompt: str | dict
+    params: SamplingParams
+
+
+class RequestGroup:
+    """The requests of one HTTP request (one per prompt), whose delta outputs come in
+    one queue as the engine produces them.
+
+    Iterate it (`async for out in group`) for the outputs, in engine order, until every
+    request has finished; each output is a `RequestOutputKind.DELTA` output, the last
+    one of a request `finished`. `abort()` ends the unfinished ones (their final outputs
+    still come, with finish reason "abort").
+    """
+
+    def __init__(self, front: AsyncEngine, request_ids: Sequence[str]) -> None:
+        self._front = front
+        self.request_ids = tuple(request_ids)
+        self.unfinished = set(request_ids)
+        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while self.unfinished:
+            out = await self.outputs.get()
+            if isinstance(out, BaseException):
+                raise out
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+            yield out
+
+    def abort(self) -> None:
+        """Aborts the group's unfinished requests (a no-op once all have finished)."""
+        for rid in self.unfinished:
+            self._front.abort(rid)
+
+
+class AsyncEngine:
+    """Serves one `Engine` to asyncio code; start it with `start()` inside the event loop.
+
+    Args:
+      engine: the engine, warmed up; from now on only the stepping thread touches it.
+      max_unfinished: the most requests submitted and not finished at once; a group
+        that would exceed it is refused with `QueueFull`.
+    """
+
+    def __init__(self, engine: Engine, *, max_unfinished: int) -> None:
+        if max_unfinished < 1:
+            raise ValueError(f"max_unfinished={max_unfinished} must be >= 1")
+        self.engine = engine
+        self.max_unfinished = max_unfinished
+        self.num_unfinished = 0  # read and written on the event loop only
+        self.dead = False
+        # What the stepping thread runs next, in order: a function, and the future of its
+        # result (None: nobody waits for it).
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future | None]] = (
+            queue.SimpleQueue()
+        )
+        self._groups: dict[str, RequestGroup] = {}  # the stepping thread's, by request id
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Starts the stepping thread; call it from the event loop that will submit."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="paxkv-engine", daemon=True)
+        self._thread.start()
+
+    async def submit(self, submissions: Sequence[Submission]) -> RequestGroup:
+        """Validates and queues the requests of one HTTP request, all or none.
+
+        Raises QueueFull if they would take the unfinished requests past
+        `max_unfinished`, EngineDead when the engine takes no more, and the engine's
+        ValueError or TypeError (naming the field) for a request it rejects; then
+        nothing is queued.
+        """
+        if self.dead or self._stopping:
+            raise EngineDead("the engine is shutting down or has failed")
+        if self.num_unfinished + len(submissions) > self.max_unfinished:
+            raise QueueFull(
+                f"the server holds {self.num_unfinished} unfinished requests, and takes at "
+                f"most {self.max_unfinished}: retry later"
+            )
+        group = RequestGroup(self, [s.request_id for s in submissions])
+        self.num_unfinished += len(submissions)
+        try:
+            await self._call(lambda: self._add(group, submissions))
+        except BaseException:
+            self.num_unfinished -= len(submissions)
+            raise
+        return group
+
+    def abort(self, request_id: str) -> None:
+        """Ends request `request_id` (its last output comes with finish reason "abort");
+        an unknown or finished id is a no-op. Safe from any thread."""
+        self._commands.put((lambda: self.engine.abort(request_id), None))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's stats (`Engine.stats`), read on the stepping thread."""
+        return await self._call(self.engine.stats)
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Aborts what is unfinished, reports it, and stops the stepping thread."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._stopping = True
+        self._commands.put((self._stop, None))
+        await asyncio.to_thread(self._thread.join, timeout_s)
+
+    # The stepping thread.
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Runs `fn` on the stepping thread; its result or exception."""
+        if self.dead:
+            raise EngineDead("the engine has failed")
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _add(self, group: RequestGroup, submissions: Sequence[Submission]) -> None:
+        requests = self.engine.requests
+        for s in submissions:  # every one is checked before any is queued
+            requests.validate(s.request_id, s.prompt, s.params)
+        for s in submissions:
+            params = dataclasses.replace(s.params, output_kind=RequestOutputKind.DELTA)
+            self.engine.add_request(s.request_id, s.prompt, params)
+            self._groups[s.request_id] = group
+
+    def _stop(self) -> None:
+        for rid in list(self._groups):
+            self.engine.abort(rid)
+        raise _Stop
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                busy = engine.has_unfinished()
+                try:
+                    command = self._commands.get(block=not busy)
+                    while True:
+                        _run_command(*command)
+                        command = self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                except _Stop:
+                    self._step_until_done()
+                    return
+                if engine.has_unfinished():
+                    self._deliver(engine.step())
+        except Exception as e:
+            logging.exception("paxkv-serve: the engine failed; failing every request in flight")
+            self._fail_all(e)
+            while True:  # callers still waiting on a command learn that it never ran
+                fn, future = self._commands.get()
+                if fn == self._stop:
+                    return
+                if future is not None and future.set_running_or_notify_cancel():
+                    future.set_exception(EngineDead(f"the engine failed: {e}"))
+
+    def _step_until_done(self) -> None:
+        while self.engine.has_unfinished():
+            self._deliver(self.engine.step())
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        routed = []
+        for out in outputs:
+            group = self._groups.get(out.request_id)
+            if group is None:
+                continue
+            if out.finished:
+                del self._groups[out.request_id]
+            routed.append((group, out))
+        self._loop.call_soon_threadsafe(self._hand_over, routed)
+
+    def _hand_over(self, routed: list[tuple[RequestGroup, RequestOutput]]) -> None:
+        """On the event loop: puts each output in its group's queue."""
+        for group, out in routed:
+            if out.finished:
+                self.num_unfinished -= 1
+            group.outputs.put_nowait(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        self.dead = True
+        groups = dict.fromkeys(self._groups.values())
+        failed = len(self._groups)
+        self._groups.clear()
+
+        def fail() -> None:
+            self.num_unfinished -= failed
+            for group in groups:
+                group.outputs.put_nowait(EngineDead(f"the engine failed: {error}"))
+
+        self._loop.call_soon_threadsafe(fail)
+
+
+def _run_command(fn: Callable[[], Any], future: Future | None) -> None:
+    """Runs a command: into its future, if it has one (else its exceptions propagate)."""
+    if future is None:
+        fn()
+        return
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except Exception as e:
+        future.set_exception(e)
+
+
+class _Stop(Exception):
+    """Raised by the stop command to end the stepping loop."""

@@ -1,0 +1,467 @@
+"""The OpenAI wire format: request bodies checked and turned into prompts and
+`SamplingParams`, and engine outputs turned into response bodies and stream chunks.
+
+Field names, defaults and shapes are OpenAI's (`/v1/completions`,
+`/v1/chat/completions`), with vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+`return_tokens_as_token_ids`, and for chat `chat_template`, `chat_template_kwargs`,
+`add_generation_prompt`, `continue_final_message`). Where OpenAI is silent this does
+what `vllm serve` does: unknown fields are ignored, a finish reason may be "abort", and
+chat's `max_tokens` defaults to what is left of `max_model_len` after the prompt.
+
+Plain Python: no HTTP here. Every check raises `ApiError` with the status, the message
+and the field (`param`) an OpenAI client shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from paxkv import chat
+from paxkv.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+
+# Sampling fields taken as they are, by their SamplingParams name (all of them OpenAI's or vLLM's).
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+)
+# Fields that would change the output in ways this server does not implement: refused
+# with 400 unless absent or at their no-op value (vLLM implements some; OpenAI all).
+_UNSUPPORTED = {
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "min_tokens": (None, 0),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP `status` and OpenAI's error object."""
+
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        500: "internal_server_error",
+        503: "service_unavailable_error",
+    }
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """`{"error": {"message", "type", "param", "code"}}`, as OpenAI answers errors."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
+
+
+def bad_request(error: Exception, *, fields: Sequence[str] = ()) -> ApiError:
+    """A 400 for a ValueError or TypeError of the engine or `SamplingParams`, whose
+    message names the field: `param` is the first of `fields` it mentions (with the
+    engine's "request '<id>': " prefix cut)."""
+    message = re.sub(r"^request '[^']*': ", "", str(error))
+    found = [(m.start(), f) for f in fields if (m := re.search(rf"\b{f}\b", message))]
+    return ApiError(400, message, param=min(found)[1] if found else None)
+
+
+def check_model(body: Mapping[str, Any], served_model_name: str) -> None:
+    """404 unless `model` is absent or the served model's name, as vLLM answers."""
+    model = body.get("model")
+    if model is None or model == served_model_name:
+        return
+    if not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {model!r:.80}", param="model")
+    raise ApiError(
+        404,
+        f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """`(stream, include_usage)` of a request: whether to stream server-sent events,
+    and whether the stream ends with a chunk of usage."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be a boolean, got {stream!r:.80}", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    if not stream:
+        raise ApiError(
+            400, "stream_options is only allowed with stream=true", param="stream_options"
+        )
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise ApiError(
+            400, "stream_options.include_usage must be a boolean", param="stream_options"
+        )
+    return stream, usage
+
+
+def _check_supported(body: Mapping[str, Any]) -> None:
+    for name, noops in _UNSUPPORTED.items():
+        if name in body and body[name] not in noops:
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    n, best_of = body.get("n"), body.get("best_of")
+    if best_of is not None and best_of != (1 if n is None else n):
+        raise ApiError(
+            400, f"best_of={best_of!r} is not supported (only best_of == n)", param="best_of"
+        )
+
+
+def sampling_params(
+    body: Mapping[str, Any], *, chat_request: bool, prompt_len: int, max_model_len: int
+) -> SamplingParams:
+    """The `SamplingParams` of a request body; 400 naming the field for a bad value.
+
+    `max_tokens` (chat: `max_completion_tokens`, else `max_tokens`) defaults to 16 for
+    completions and, for chat, to what is left of `max_model_len` after the prompt's
+    `prompt_len` tokens. `logprobs` is an int k for completions; for chat, a boolean
+    with `top_logprobs` (default 0) as k.
+    """
+    _check_supported(body)
+    kwargs = {f: body[f] for f in _SAMPLING_FIELDS if body.get(f) is not None}
+    if "stop_token_ids" in kwargs and not isinstance(kwargs["stop_token_ids"], list):
+        raise ApiError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    max_name = "max_tokens"
+    if chat_request:
+        if body.get("max_completion_tokens") is not None:
+            max_name = "max_completion_tokens"
+        default = max(1, max_model_len - prompt_len)
+    else:
+        default = COMPLETION_DEFAULT_MAX_TOKENS
+    max_tokens = body.get(max_name)
+    kwargs["max_tokens"] = default if max_tokens is None else max_tokens
+    if chat_request:
+        wanted, top = body.get("logprobs"), body.get("top_logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ApiError(400, f"logprobs must be a boolean, got {wanted!r:.80}", param="logprobs")
+        if top is not None and not wanted:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if wanted:
+            kwargs["logprobs"] = 0 if top is None else top
+    elif body.get("logprobs") is not None:
+        kwargs["logprobs"] = body["logprobs"]
+    try:
+        params = SamplingParams(**kwargs)
+    except (TypeError, ValueError) as e:
+        error = bad_request(e, fields=(*_SAMPLING_FIELDS, "max_tokens", "logprobs"))
+        if chat_request and error.param == "logprobs":
+            error.param = "top_logprobs"
+        if error.param == "max_tokens" and max_name != "max_tokens":
+            error.param = max_name
+        raise error from None
+    return params
+
+
+def completion_prompts(body: Mapping[str, Any], tokenizer: Any) -> list[list[int]]:
+    """The token ids of each prompt of a completions body: `prompt` is a string, a list
+    of token ids, or a non-empty list of either."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_int(prompt[0])):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise ApiError(
+            400,
+            "prompt must be a string, a list of token ids, or a non-empty list of either, "
+            f"got {prompt!r:.80}",
+            param="prompt",
+        )
+    return [_prompt_ids(i, p, tokenizer, len(prompts) > 1) for i, p in enumerate(prompts)]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompt_ids(i: int, prompt: Any, tokenizer: Any, many: bool) -> list[int]:
+    where = f"prompt[{i}]" if many else "prompt"
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ApiError(
+                400, "this model has no tokenizer: send prompts as token ids", param="prompt"
+            )
+        ids = list(tokenizer.encode(prompt))
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        ids = prompt
+    else:
+        raise ApiError(
+            400,
+            f"{where} must be a string or a list of token ids, got {prompt!r:.80}",
+            param="prompt",
+        )
+    if not ids:
+        raise ApiError(400, f"{where} is empty", param="prompt")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation rendered with the chat template, and its token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+def chat_prompt(
+    body: Mapping[str, Any], templates: chat.ChatTemplates, tokenizer: Any
+) -> ChatPrompt:
+    """The prompt of a chat body: `messages` rendered with the chat template (the body's
+    `chat_template`, else the server's) and tokenized with no special tokens added, as
+    `LLM.chat` renders it. Text content parts (`[{"type": "text", "text": ...}]`) are
+    joined with newlines, as vLLM joins them."""
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer, which chat needs", param="messages")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
+    messages = [_flatten_content(j, m) for j, m in enumerate(messages)]
+    flags = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(name, default)
+        if not isinstance(value, bool):
+            raise ApiError(400, f"{name} must be a boolean, got {value!r:.80}", param=name)
+        flags[name] = value
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    try:
+        (conversation,) = chat.parse_conversations([messages])
+        template = templates.get(body.get("chat_template"))
+        (text,) = chat.render(
+            template,
+            [conversation],
+            special_tokens=templates.special_tokens,
+            chat_template_kwargs=kwargs,
+            **flags,
+        )
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("conversation 0, ", "")
+        param = "chat_template" if "template" in message else "messages"
+        raise ApiError(400, message, param=param) from None
+    return ChatPrompt(text, chat.encode_rendered(tokenizer, text))
+
+
+def _flatten_content(j: int, message: Any) -> Any:
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise ApiError(
+                400,
+                f"message {j}: only text content parts are supported, got {part!r:.80}",
+                param="messages",
+            )
+        texts.append(part.get("text", ""))
+    return {**message, "content": "\n".join(texts)}
+
+
+class Choices:
+    """The completions of one HTTP request as they come, as OpenAI choices.
+
+    Each engine request (one per prompt) has `n` completions; choice `i * n + j` is
+    completion j of prompt i. `add` takes a delta output and returns the stream chunk's
+    choices for it; `response` gives the whole response once every request is done.
+
+    Args:
+      request_ids: the engine request of each prompt, in prompt order.
+      n: completions per prompt.
+      chat_response: chat choices (a message, a delta) instead of completion ones (text).
+      top_logprobs: k of `SamplingParams.logprobs`: chat's `top_logprobs` lists these.
+      token_ids: write tokens as "token_id:<id>" in logprobs (vLLM's
+        `return_tokens_as_token_ids`).
+    """
+
+    def __init__(
+        self,
+        request_ids: Sequence[str],
+        n: int,
+        *,
+        chat_response: bool,
+        top_logprobs: int = 0,
+        token_ids: bool = False,
+    ) -> None:
+        self._k = top_logprobs
+        self._prompt_index = {rid: i for i, rid in enumerate(request_ids)}
+        self._n = n
+        self._chat = chat_response
+        self._token_ids = token_ids
+        num = len(request_ids) * n
+        self._text = [[] for _ in range(num)]
+        self._logprobs = [[] for _ in range(num)]
+        self._finish: list[tuple[str | None, Any]] = [(None, None)] * num
+        self._offsets = [0] * num
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.errors: list[str] = []
+
+    def add(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """Records a delta output; the chunk choices it makes."""
+        base = self._prompt_index[out.request_id] * self._n
+        if out.finished:
+            self.prompt_tokens += len(out.prompt_token_ids)
+            if out.error is not None:
+                self.errors.append(out.error)
+        chunks = []
+        for c in out.outputs:
+            i = base + c.index
+            self.completion_tokens += len(c.token_ids)
+            text = c.text or ""
+            self._text[i].append(text)
+            logprobs = self._logprob_entries(i, c)
+            self._logprobs[i].extend(logprobs)
+            if c.finish_reason is not None:
+                self._finish[i] = (c.finish_reason, c.stop_reason)
+            if self._chat:
+                delta = {"content": text} if text or c.finish_reason is None else {}
+                lp = None if c.logprobs is None else {"content": logprobs}
+                chunks.append(
+                    {"index": i, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
+            else:
+                chunks.append(
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": None if c.logprobs is None else _merge(logprobs),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return chunks
+
+    def role_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant's role, as OpenAI's do."""
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(self._text))
+        ]
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI's `usage`: prompt tokens (once per prompt), completion tokens, total."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def response_choices(self) -> list[dict[str, Any]]:
+        """The choices of the whole (non-streamed) response."""
+        choices = []
+        for i, parts in enumerate(self._text):
+            reason, stop_reason = self._finish[i]
+            asked = bool(self._logprobs[i]) or None
+            if self._chat:
+                choice = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "logprobs": {"content": self._logprobs[i]} if asked else None,
+                }
+            else:
+                choice = {
+                    "index": i,
+                    "text": "".join(parts),
+                    "logprobs": _merge(self._logprobs[i]) if asked else None,
+                }
+            choice["finish_reason"] = reason
+            choice["stop_reason"] = stop_reason
+            choices.append(choice)
+        return choices
+
+    def _token(self, token: int, lp: Logprob) -> str:
+        if self._token_ids or lp.decoded_token is None:
+            return f"token_id:{token}"
+        return lp.decoded_token
+
+    def _logprob_entries(self, i: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        if c.logprobs is None:
+            return []
+        entries = []
+        for token, top in zip(c.token_ids, c.logprobs, strict=True):
+            chosen = top[token]
+            text = self._token(token, chosen)
+            # The k most likely: ranks 1..k (the chosen token may be one, or come extra).
+            ranked = sorted(top.items(), key=lambda e: e[1].rank or len(top) + 1)[: self._k]
+            if self._chat:
+                entries.append(
+                    {
+                        "token": text,
+                        "logprob": chosen.logprob,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (s := self._token(t, lp)),
+                                "logprob": lp.logprob,
+                                "bytes": list(s.encode()),
+                            }
+                            for t, lp in ranked
+                        ],
+                    }
+                )
+            else:
+                entries.append(
+                    {
+                        "token": text,
+                        "logprob": chosen.logprob,
+                        "top": {self._token(t, lp): lp.logprob for t, lp in top.items()},
+                        "offset": self._offsets[i],
+                    }
+                )
+            self._offsets[i] += len(text)
+        return entries
+
+
+def _merge(entries: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Completions' logprobs object: per-token lists (`tokens`, `token_logprobs`,
+    `top_logprobs`, `text_offset`)."""
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [e["top"] for e in entries],
+        "text_offset": [e["offset"] for e in entries],
+    }
