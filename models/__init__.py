@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from .config import PRESETS, Llama3RopeScaling, LlamaConfig
 from .llama import LlamaForCausalLM, dense_causal_attention, init_cache, init_model
@@ -51,7 +52,11 @@ __all__ = [
 
 
 def load_model(
-    name_or_path: str | os.PathLike, *, dtype: str | None = None, seed: int = 0
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    seed: int = 0,
+    mesh: Any = None,
 ) -> tuple[LlamaConfig, LlamaForCausalLM, Tokenizer | None]:
     """`(config, model, tokenizer or None)` from a preset name or a local directory.
 
@@ -60,7 +65,8 @@ def load_model(
     A directory is a Hugging Face checkpoint, or an orbax checkpoint from `save_params`
     (`config.json` and `params/`); its tokenizer is its `tokenizer.json`, if any, or the
     `ByteTokenizer` its `tokenizer_config.json` declares.
-    `dtype` overrides the parameter dtype.
+    `dtype` overrides the parameter dtype. With a `mesh` (`paxkv.sharding`) the weights
+    are created in their shardings from the start (no device holds more than its shard).
 
     A damaged checkpoint raises ValueError naming the file and the field or tensor: an
     invalid or incomplete `config.json`, an unreadable or truncated weights file, an
@@ -71,7 +77,7 @@ def load_model(
     if name in PRESETS:
         config = PRESETS[name] if dtype is None else PRESETS[name].replace(dtype=dtype)
         tokenizer = ByteTokenizer() if name == "tiny" else None
-        return config, init_model(config, seed), tokenizer
+        return config, init_model(config, seed, mesh=mesh), tokenizer
     if name in CHECKPOINTS:
         path = CHECKPOINTS[name]
         if not os.path.isdir(os.path.join(path, ORBAX_PARAMS_DIR)):
@@ -79,7 +85,7 @@ def load_model(
                 f"the {name} checkpoint is missing from {path}: train it with `paxkv-train` "
                 "(a few minutes on a CPU)"
             )
-        return load_model(path, dtype=dtype)
+        return load_model(path, dtype=dtype, mesh=mesh)
     if not os.path.isdir(name):
         raise ValueError(
             f"{name!r} is neither a preset ({', '.join(PRESETS)}), a trained checkpoint "
@@ -89,9 +95,9 @@ def load_model(
         config = read_hf_config(name)
         if dtype is not None:
             config = config.replace(dtype=dtype)
-        model = restore_params(config, name)
+        model = restore_params(config, name, mesh=mesh)
     else:
-        config, model = load_hf_checkpoint(name, dtype=dtype)
+        config, model = load_hf_checkpoint(name, dtype=dtype, mesh=mesh)
     tokenizer = load_tokenizer(name)
     if tokenizer is None and _declares_byte_tokenizer(name):
         tokenizer = ByteTokenizer()

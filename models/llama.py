@@ -8,6 +8,7 @@ Linear kernels are stored `[in, out]` (NNX's layout), the transpose of Hugging F
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -318,9 +319,23 @@ class LlamaForCausalLM(nnx.Module):
         return self.logits(self.norm(x))
 
 
-def init_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
-    """A randomly initialised model (normal(0.02) weights, unit norms, zero biases)."""
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+def init_model(config: LlamaConfig, seed: int = 0, *, mesh: Any = None) -> LlamaForCausalLM:
+    """A randomly initialised model (normal(0.02) weights, unit norms, zero biases).
+
+    With a `mesh` (`paxkv.sharding`), the weights are initialised under `jit` directly
+    in their shardings, so no device ever holds more than its shard; the values are the
+    same as without one.
+    """
+    if mesh is None:
+        return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))
+    )
+    out = shardings.param_shardings(abstract, config, mesh)
+    state = jax.jit(
+        lambda: nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))[1], out_shardings=out
+    )()
+    return nnx.merge(graphdef, state)
 
 
 def init_cache(

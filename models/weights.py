@@ -156,11 +156,21 @@ def _nonfinite_error(bad: dict[str, list[str]]) -> ValueError:
 
 
 def load_hf_checkpoint(
-    path: str | os.PathLike, *, dtype: str | None = None
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    mesh: Any = None,
+    stats: dict[str, int] | None = None,
 ) -> tuple[LlamaConfig, LlamaForCausalLM]:
     """Loads a local Hugging Face checkpoint directory (single-file or sharded safetensors).
 
-    The parameters are cast to `dtype` (default: the config's `torch_dtype`). Raises
+    The parameters are cast to `dtype` (default: the config's `torch_dtype`). With a
+    `mesh` (`paxkv.sharding`), every parameter is created in its sharding from the
+    start: each device's slice is read from the file on its own (safetensors'
+    `get_slice`), checked and cast, so no device holds more than its shard, the host
+    about one tensor's slices at a time, and a process of a multi-host job reads only
+    the slices of its own devices. `stats`, if given, counts the tensor bytes read: in all
+    (`"bytes_read"`) and per tensor (by its name). Raises
     ValueError naming the file, and the field or tensor, for a `config.json` that is
     invalid or lacks a field (`read_hf_config`), an index or safetensors file that is
     unreadable or truncated, a missing tensor, an unexpected one, a shape that does not
@@ -184,26 +194,67 @@ def load_hf_checkpoint(
     for param in params:
         by_file.setdefault(files[param[0]], []).append(param)
     nonfinite: dict[str, list[str]] = {}
+    stats = {} if stats is None else stats
+    paths = {hf_name(p)[0]: p for p, _ in nnx.to_flat_state(state)}
+    stats.setdefault("bytes_read", 0)
     for file, file_params in by_file.items():
         with _open_safetensors(file) as f:
             stored = set(f.keys())
             for name, transpose, var in file_params:
                 if name not in stored:
                     raise ValueError(f"tensor {name} is indexed in {file} but not stored there")
-                array = _read_tensor(f, file, name)
                 want = var.get_value().shape
                 want_hf = want[::-1] if transpose else want
-                if array.shape != want_hf:
+                shape = tuple(_read_slice(f, file, name).get_shape())
+                if shape != want_hf:
                     raise ValueError(
-                        f"{file}: tensor {name} has shape {array.shape}, expected {want_hf} "
+                        f"{file}: tensor {name} has shape {shape}, expected {want_hf} "
                         "from the config"
                     )
-                if not np.isfinite(array).all():  # on the host, before the cast
-                    nonfinite.setdefault(file, []).append(name)
-                var.set_value(jnp.asarray(array.T if transpose else array, config.dtype))
+                if mesh is None:
+                    array = _read_tensor(f, file, name)
+                    stats["bytes_read"] += array.nbytes
+                    stats[name] = stats.get(name, 0) + array.nbytes
+                    if not np.isfinite(array).all():  # on the host, before the cast
+                        nonfinite.setdefault(file, []).append(name)
+                    var.set_value(jnp.asarray(array.T if transpose else array, config.dtype))
+                    continue
+                sharding = _sharding_of(var, paths[name], config, mesh)
+
+                def read(index, f=f, file=file, name=name, transpose=transpose):
+                    # Device slice `index` of the model's layout; the file is transposed.
+                    part = _read_slice(f, file, name)[index[::-1] if transpose else index]
+                    part = np.asarray(part)
+                    stats["bytes_read"] += part.nbytes
+                    stats[name] = stats.get(name, 0) + part.nbytes
+                    if not np.isfinite(part).all():
+                        nonfinite.setdefault(file, []).append(name)
+                    return (part.T if transpose else part).astype(config.dtype)
+
+                var.set_value(jax.make_array_from_callback(want, sharding, read))
     if nonfinite:
-        raise _nonfinite_error(nonfinite)
+        raise _nonfinite_error({f: sorted(set(n)) for f, n in nonfinite.items()})
     return config, nnx.merge(graphdef, state)
+
+
+def _read_slice(f, file: str, name: str):
+    """The lazy slice handle of tensor `name` of the open safetensors `f`."""
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_slice(name)
+    except (SafetensorError, TypeError, ValueError) as e:
+        raise ValueError(f"{file}: cannot read tensor {name} ({e})") from e
+
+
+def _sharding_of(var: nnx.Variable, path: tuple, config: LlamaConfig, mesh: Any):
+    """The NamedSharding of the parameter `var` at NNX `path` on `mesh`."""
+    from jax.sharding import NamedSharding
+
+    from paxkv.sharding import shardings
+
+    names = tuple(str(p) for p in path if p != "value")
+    return NamedSharding(mesh, shardings.param_spec(names, var.get_value().shape, config, mesh))
 
 
 def save_hf_checkpoint(
@@ -264,8 +315,13 @@ def save_params(model: LlamaForCausalLM, path: str | os.PathLike) -> None:
         checkpointer.save(os.path.join(path, ORBAX_PARAMS_DIR), nnx.state(model, nnx.Param))
 
 
-def restore_params(config: LlamaConfig, path: str | os.PathLike) -> LlamaForCausalLM:
+def restore_params(
+    config: LlamaConfig, path: str | os.PathLike, *, mesh: Any = None
+) -> LlamaForCausalLM:
     """The model whose parameters `save_params` wrote under `path`, in `config.dtype`.
+
+    With a `mesh`, each parameter goes from the host straight to its sharding (each
+    device receives only its shard); the host holds the restored arrays meanwhile.
 
     Raises ValueError naming `path/params` when orbax cannot restore it (a missing,
     truncated or corrupt file, or shapes that do not match `config`), and naming the
@@ -293,7 +349,13 @@ def restore_params(config: LlamaConfig, path: str | os.PathLike) -> LlamaForCaus
     ]
     if bad:
         raise _nonfinite_error({params_dir: bad})
-    return nnx.merge(graphdef, jax.device_put(state))
+    if mesh is None:
+        return nnx.merge(graphdef, jax.device_put(state))
+    from paxkv.sharding import shardings
+
+    return nnx.merge(
+        graphdef, jax.device_put(state, shardings.param_shardings(state, config, mesh))
+    )
 
 
 def _ignore_closed_loop_callbacks() -> None:

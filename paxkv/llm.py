@@ -15,6 +15,7 @@ from tqdm import tqdm
 from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
 from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
+from paxkv.sharding import shardings
 
 Prompts = str | dict | Sequence[str | dict]
 Params = SamplingParams | Sequence[SamplingParams] | None
@@ -70,7 +71,11 @@ class LLM:
         # The one place paxkv reaches up to the models package, lazily: it turns a name
         # into a model. `Engine` takes a model object and needs no such import.
         models = importlib.import_module("paxkv.models")
-        model_config, module, tokenizer = models.load_model(model, dtype=dtype, seed=seed)
+        # On a mesh the weights are loaded straight into their shardings.
+        mesh = mesh if mesh is not None else shardings.default_mesh()
+        model_config, module, tokenizer = models.load_model(
+            model, dtype=dtype, seed=seed, mesh=mesh
+        )
         if config is None:
             max_len = min(model_config.max_position_embeddings, 2048)
             config = EngineConfig(seed=seed, max_model_len=max_len)

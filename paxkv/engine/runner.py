@@ -78,11 +78,17 @@ class ModelRunner(StepRunner):
         self.model_config = mc = model.config
         self.config = config
         self.graphdef, self.params = nnx.split(model)
-        self.kv_cache = PagedKVCache.for_model(
-            mc, config.num_pages, config.page_size, config.kv_cache_dtype
-        )
         self.mesh = mesh
-        if mesh is not None:  # weights and pages spread over the mesh's devices
+        # On a mesh the cache is born sharded: no device ever holds all of it.
+        self.kv_cache = shardings.sharded_cache(
+            lambda: PagedKVCache.for_model(
+                mc, config.num_pages, config.page_size, config.kv_cache_dtype
+            ),
+            mc.num_kv_heads,
+            mesh,
+        )
+        if mesh is not None:  # weights spread over the mesh's devices (a no-op for
+            # weights loaded into their shardings already, `paxkv.models.load_model`)
             self.graphdef, self.params, self.kv_cache = shardings.shard_engine_state(
                 self.graphdef, self.params, self.kv_cache, mesh
             )

@@ -164,6 +164,16 @@ def cache_shardings(cache: Any, num_kv_heads: int, mesh: Mesh) -> Any:
     return jax.tree.map(lambda _: sharding, cache)
 
 
+def sharded_cache(create: Callable[[], Any], num_kv_heads: int, mesh: Mesh | None) -> Any:
+    """The cache `create()` makes, created directly in its shardings on `mesh` (zeros
+    computed under `jit` with `out_shardings`), so no device holds more than its share;
+    on one device (mesh None) just `create()`."""
+    if mesh is None:
+        return create()
+    abstract = jax.eval_shape(create)
+    return jax.jit(create, out_shardings=cache_shardings(abstract, num_kv_heads, mesh))()
+
+
 # Kernels are `[in, out]`: column-parallel ones split their outputs, row-parallel their inputs.
 _COLUMN, _ROW = P(None, MODEL_AXIS), P(MODEL_AXIS, None)
 
