@@ -90,16 +90,13 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
         except EngineDead as e:
             return _error(ApiError(503, str(e)))
         except (TypeError, ValueError) as e:  # the engine rejected a request
-            return _error(protocol.bad_request(e, fields=_FIELDS))
+            chat_request = request.url.path.endswith("/chat/completions")
+            return _error(protocol.engine_rejection(e, chat_request=chat_request))
         except Exception as e:
             logging.exception("paxkv-serve: %s %s failed", request.method, request.url.path)
             return _error(ApiError(500, f"{type(e).__name__}: {e}"))
 
     return endpoint
-
-
-# Fields an engine's rejection may name, in the order they are looked for.
-_FIELDS = ("prompt", "max_tokens", "logprobs", "stop", "n")
 
 
 def _error(e: ApiError) -> JSONResponse:

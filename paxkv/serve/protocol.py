@@ -84,13 +84,29 @@ class ApiError(Exception):
         }
 
 
-def bad_request(error: Exception, *, fields: Sequence[str] = ()) -> ApiError:
-    """A 400 for a ValueError or TypeError of the engine or `SamplingParams`, whose
-    message names the field: `param` is the first of `fields` it mentions (with the
-    engine's "request '<id>': " prefix cut)."""
-    message = re.sub(r"^request '[^']*': ", "", str(error))
-    found = [(m.start(), f) for f in fields if (m := re.search(rf"\b{f}\b", message))]
-    return ApiError(400, message, param=min(found)[1] if found else None)
+def bad_request(error: Exception, *, param: str | None = None) -> ApiError:
+    """A 400 for a ValueError or TypeError of the engine or `SamplingParams`, with the
+    engine's "request '<id>': " prefix cut (the client never saw that id)."""
+    return ApiError(400, re.sub(r"^request '[^']*': ", "", str(error)), param=param)
+
+
+# What each rejection of `Engine.add_request` is about, by the words of its message:
+# the first pattern found names the field.
+_ENGINE_REJECTIONS = (
+    ("max_tokens", "max_tokens"),
+    ("max_logprobs", "logprobs"),
+    ("stop strings", "stop"),
+    ("prompt|vocabulary", "prompt"),
+)
+
+
+def engine_rejection(error: Exception, *, chat_request: bool) -> ApiError:
+    """The 400 for a request `Engine.add_request` rejects, naming the field."""
+    message = str(error)
+    param = next((p for words, p in _ENGINE_REJECTIONS if re.search(words, message)), None)
+    if chat_request and param == "prompt":
+        param = "messages"
+    return bad_request(error, param=param)
 
 
 def check_model(body: Mapping[str, Any], served_model_name: str) -> None:
@@ -180,12 +196,14 @@ def sampling_params(
     try:
         params = SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
-        error = bad_request(e, fields=(*_SAMPLING_FIELDS, "max_tokens", "logprobs"))
-        if chat_request and error.param == "logprobs":
-            error.param = "top_logprobs"
-        if error.param == "max_tokens" and max_name != "max_tokens":
-            error.param = max_name
-        raise error from None
+        # Its messages start with the field's name: "top_p=0.0 must be in (0, 1]".
+        field = re.match(r"\w+", str(e))
+        param = field[0] if field and field[0] in kwargs else None
+        if chat_request and param == "logprobs":
+            param = "top_logprobs"
+        if param == "max_tokens":
+            param = max_name
+        raise bad_request(e, param=param) from None
     return params
 
 

@@ -1,0 +1,111 @@
+"""A real `paxkv-serve` process on 127.0.0.1, and the in-process `LLM` it must agree with.
+
+Both serve tiny-py (weights in the package) with the same small engine: two step
+shapes, so the server's warm-up and the oracle's compilations take seconds.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+# The engine both sides run: a short max_model_len keeps the step shapes few.
+ENGINE = {"num_pages": 256, "page_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+MAX_MODEL_LEN = 128
+MAX_QUEUED = 24  # with max_num_seqs=8: 32 requests at once, more answered 429
+# A chat template for tiny-py, which ships none.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+
+
+class Server:
+    """A `paxkv-serve` subprocess; `url` is its API root (…/v1)."""
+
+    def __init__(self, *flags: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base}/v1"
+        argv = [
+            sys.executable,
+            "-m",
+            "paxkv.launch.serve",
+            "--config=tiny-py",
+            f"--port={self.port}",
+            f"--max_model_len={MAX_MODEL_LEN}",
+            f"--max_queued_requests={MAX_QUEUED}",
+            f"--chat_template={CHAT_TEMPLATE}",
+            *(f"--{k}={v}" for k, v in ENGINE.items()),
+            *flags,
+        ]
+        env = os.environ | {"JAX_PLATFORMS": "cpu"}
+        # A file, not a pipe: nobody reads the log while the server runs.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True
+        )
+        self._wait_ready(timeout_s=180)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"paxkv-serve exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("paxkv-serve was not ready in time")
+
+    def output(self) -> str:
+        """What the server has logged so far."""
+        self.log.seek(0)
+        return self.log.read()
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {sample name with labels: value}."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The oracle: the same model and engine limits, in process."""
+    from paxkv import LLM
+
+    return LLM("tiny-py", warmup=False, max_model_len=MAX_MODEL_LEN, **ENGINE)
