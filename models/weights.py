@@ -229,7 +229,7 @@ def load_hf_checkpoint(
                     stats[name] = stats.get(name, 0) + part.nbytes
                     if not np.isfinite(part).all():
                         nonfinite.setdefault(file, []).append(name)
-                    return (part.T if transpose else part).astype(config.dtype)
+                    return (part.T if transpose else part).astype(config.dtype, copy=False)
 
                 var.set_value(jax.make_array_from_callback(want, sharding, read))
     if nonfinite:
