@@ -2,6 +2,7 @@
 on one device, on model:2 (KV heads split) and on model:8 (KV heads replicated), and as
 two model:4 replicas; outputs, shardings, capacity and compilations."""
 
+import dataclasses
 import functools
 import os
 import socket
@@ -284,3 +285,22 @@ def test_two_processes_serve_one_model_parallel_replica():
         completions.append([line for line in out.splitlines() if "completion:" in line])
     assert len(completions[0]) == 1
     assert completions[1] == completions[2] == completions[0]
+
+
+@pytest.mark.parametrize("mode", [{"num_decode_steps": 4}, {"async_scheduling": True}])
+def test_multi_step_and_async_on_a_mesh_match_one_device(served, tiny, mode):
+    """N decode steps per call and async scheduling on model:2 give the one-device
+    greedy outputs, with no compilation after warm-up."""
+    _, model = tiny
+    one = served(None)
+    mesh = shardings.make_mesh(MeshShape.parse("model:2"))
+    config = dataclasses.replace(_config(one.num_pages), **mode)
+    engine = Engine(model, config, mesh=mesh)
+    engine.warmup()
+    warm = engine.num_compilations
+    got = _run(engine, PROMPTS)
+    assert [c.token_ids for c in got] == [c.token_ids for c in one.outputs]
+    assert engine.num_compilations == warm
+    if "num_decode_steps" in mode:
+        assert engine.stats()["num_decode_loops"] > 0
+    assert engine.pool.num_in_use == 0
