@@ -272,3 +272,27 @@ def test_past_the_queue_bound_requests_get_429(server):
     ok = [r.json() for r in responses if r.status_code == 200]
     assert all(o["usage"]["completion_tokens"] == 120 for o in ok)
     assert wait_idle(server)["paxkv:kv_pages_in_use"] == 0
+
+
+def test_bench_client_measures_a_poisson_trace(server):
+    import asyncio
+
+    from paxkv.serve import bench_client
+    from paxkv.tools.load_bench import make_workload
+
+    trace = make_workload(
+        "fixed",
+        num_requests=6,
+        vocab_size=256,
+        max_model_len=64,
+        request_rate=50.0,
+        fixed_prompt_len=(4, 16),
+        fixed_output_len=(4, 12),
+    )
+    results, duration = asyncio.run(bench_client.run_trace(server.url, trace, model=MODEL))
+    assert [r.output_tokens for r in results] == trace.output_lens
+    summary = bench_client.summarize(results, duration)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == sum(trace.output_lens)
+    assert 0 < summary["ttft"]["p50_ms"] <= summary["e2e_latency"]["p99_ms"]
+    assert "TTFT" in bench_client.format_summary(summary)

@@ -8,7 +8,7 @@ import time
 import httpx
 from conftest import Server
 
-GRACE_S = 0.5
+GRACE_S = 1.0
 
 
 def test_sigterm_during_streams_exits_0_within_the_grace_period():
@@ -39,8 +39,9 @@ def test_sigterm_during_streams_exits_0_within_the_grace_period():
             results = [s.result() for s in streams]
         assert status == 0, server.output()
         assert took < GRACE_S + 10, took
-        # Some streams ended normally, in the grace period or before it; none hung.
+        # No stream hung: each ended with [DONE], or was cut once the grace period was over.
         done = sum("data: [DONE]" in lines for lines in results)
-        assert 0 < done < len(results), server.output()
+        if done < len(results):
+            assert took >= GRACE_S, (done, took)
     finally:
         server.stop()
