@@ -212,6 +212,36 @@ class LlamaForCausalLM(nnx.Module):
         # `paxkv.sharding.shardings.shard_engine_state`, with the weights and pages placed to match.
         self.mesh = None
 
+    def duplicate_kv_heads(self, factor: int) -> None:
+        """Repeats every KV head `factor` times, in place: K/V projection j becomes heads
+        `j * factor .. (j + 1) * factor - 1`, so query head i still reads its own KV head
+        (i // (Hq / Hkv)) and the outputs do not change. `config.num_kv_heads` becomes
+        `num_kv_heads * factor`, which the KV cache is then sized by. For a model axis
+        that outnumbers (or does not divide) the KV heads: each device then holds only
+        the heads its query heads read (`paxkv.sharding.shardings.kv_head_factor`).
+        """
+        c = self.config
+        if factor == 1:
+            return
+        if c.num_heads % (c.num_kv_heads * factor):
+            raise ValueError(
+                f"cannot duplicate {c.num_kv_heads} KV heads {factor}x for {c.num_heads} "
+                "query heads: the query heads must divide evenly among the KV heads"
+            )
+        d = c.head_dim
+        for layer in self.layers:
+            attn = layer.self_attn
+            for proj in (attn.k_proj, attn.v_proj):
+                kernel = proj.kernel.get_value()  # [h, Hkv * D]
+                h = kernel.shape[0]
+                heads = kernel.reshape(h, c.num_kv_heads, d)
+                proj.kernel.set_value(jnp.repeat(heads, factor, axis=1).reshape(h, -1))
+                if proj.bias is not None:
+                    bias = proj.bias.get_value().reshape(c.num_kv_heads, d)
+                    proj.bias.set_value(jnp.repeat(bias, factor, axis=0).reshape(-1))
+            attn.num_kv_heads = c.num_kv_heads * factor
+        self.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
+
     @property
     def inv_freq(self) -> np.ndarray:  # f64[D // 2]
         """RoPE inverse frequencies (f64[D // 2]), with llama3 scaling when configured."""

@@ -75,7 +75,17 @@ class ModelRunner(StepRunner):
     """
 
     def __init__(self, model: nnx.Module, config: EngineConfig, mesh: Any = None) -> None:
-        self.model_config = mc = model.config
+        mc = model.config
+        if mesh is not None and hasattr(model, "duplicate_kv_heads"):
+            # A model axis the KV heads do not split: repeat them until it does, so each
+            # device holds the pages of only the heads its query heads read.
+            factor = shardings.kv_head_factor(mc.num_kv_heads, mc.num_heads, mesh)
+            if factor > 1:
+                graphdef, state = nnx.split(model)
+                model = nnx.merge(graphdef, state)  # a copy: the caller's model is unchanged
+                model.duplicate_kv_heads(factor)
+                mc = model.config
+        self.model_config = mc
         self.config = config
         self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh

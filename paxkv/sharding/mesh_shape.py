@@ -15,6 +15,7 @@ every KV head.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MODEL_AXIS = "model"
 DATA_AXIS = "data"
@@ -67,8 +68,21 @@ class MeshShape:
         """Whether a dimension of `size` is split over the model axis (else replicated)."""
         return size % self.model == 0
 
-    def kv_heads_per_device(self, num_kv_heads: int) -> int:
-        """KV heads each device stores: its shard, or all of them when they do not split."""
+    def kv_head_factor(self, num_kv_heads: int, num_heads: int) -> int:
+        """How many times each KV head is repeated so the model axis splits them: 1 when
+        it already does, or when no repetition can (the query heads must still divide
+        evenly among the repeated KV heads: then the KV heads are replicated)."""
+        if self.splits(num_kv_heads):
+            return 1
+        factor = self.model // math.gcd(num_kv_heads, self.model)
+        return factor if num_heads % (num_kv_heads * factor) == 0 else 1
+
+    def kv_heads_per_device(self, num_kv_heads: int, num_heads: int | None = None) -> int:
+        """KV heads each device stores: its shard; with `num_heads` given, its shard of
+        the repeated heads (`kv_head_factor`) where repeating makes them split; else all
+        of them (replicated)."""
+        if num_heads is not None:
+            num_kv_heads *= self.kv_head_factor(num_kv_heads, num_heads)
         return num_kv_heads // self.model if self.splits(num_kv_heads) else num_kv_heads
 
 

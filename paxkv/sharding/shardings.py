@@ -158,6 +158,13 @@ def kv_head_spec(num_kv_heads: int, mesh: Mesh | AbstractMesh) -> P:
     return P(None, MODEL_AXIS) if serving_mesh(mesh).splits(num_kv_heads) else P()
 
 
+def kv_head_factor(num_kv_heads: int, num_heads: int, mesh: Mesh | AbstractMesh) -> int:
+    """How many times to repeat each KV head so that the model axis splits them: 1 when
+    it already does, or when no repetition can (the query heads must still divide
+    evenly among the repeated KV heads); then the KV heads are replicated instead."""
+    return serving_mesh(mesh).kv_head_factor(num_kv_heads, num_heads)
+
+
 def cache_shardings(cache: Any, num_kv_heads: int, mesh: Mesh) -> Any:
     """NamedShardings for every leaf of a `PagedKVCache`: split over KV heads, or replicated."""
     sharding = NamedSharding(mesh, kv_head_spec(num_kv_heads, mesh))

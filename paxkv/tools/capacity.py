@@ -181,7 +181,7 @@ def num_pages_for_budget(
     """
     one_page = kv_page_bytes(
         num_layers=model.num_layers,
-        num_kv_heads=mesh.kv_heads_per_device(model.num_kv_heads),
+        num_kv_heads=mesh.kv_heads_per_device(model.num_kv_heads, model.num_heads),
         page_size=page_size,
         head_dim=model.head_dim,
         page_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dtype or model.dtype),
@@ -338,7 +338,7 @@ def plan_capacity(
             f"lengths must lie in [1, max_model_len={max_model_len}], got [{lengths.min()}, {lengths.max()}]"
         )
     page_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype or model.dtype).name
-    kv_heads = mesh.kv_heads_per_device(model.num_kv_heads)
+    kv_heads = mesh.kv_heads_per_device(model.num_kv_heads, model.num_heads)
     one_page = page_bytes(
         num_kv_heads=kv_heads,
         page_size=page_size,

@@ -65,12 +65,20 @@ class CapacityReport:
         mesh, m = self.mesh, self.model
         if mesh.num_devices == 1:
             return []
-        per_device = mesh.kv_heads_per_device(m.num_kv_heads)
-        heads = (
-            f"{m.num_kv_heads} KV heads split {per_device} per device"
-            if per_device < m.num_kv_heads
-            else f"{m.num_kv_heads} KV heads on every device (fewer than model={mesh.model}: replicated)"
-        )
+        per_device = mesh.kv_heads_per_device(m.num_kv_heads, m.num_heads)
+        factor = mesh.kv_head_factor(m.num_kv_heads, m.num_heads)
+        if factor > 1:
+            heads = (
+                f"{m.num_kv_heads} KV heads repeated {factor}x (model={mesh.model} outnumbers "
+                f"them), {per_device} per device: the heads its query heads read"
+            )
+        elif per_device < m.num_kv_heads:
+            heads = f"{m.num_kv_heads} KV heads split {per_device} per device"
+        else:
+            heads = (
+                f"{m.num_kv_heads} KV heads on every device (model={mesh.model} does not "
+                "split them and the query heads cannot be regrouped: replicated)"
+            )
         p = self.plans.get("auto") or next(iter(self.plans.values()))
         return [
             f"- mesh: {mesh} = {mesh.num_devices} devices, {mesh.data} "

@@ -304,3 +304,25 @@ def test_multi_step_and_async_on_a_mesh_match_one_device(served, tiny, mode):
     if "num_decode_steps" in mode:
         assert engine.stats()["num_decode_loops"] > 0
     assert engine.pool.num_in_use == 0
+
+
+def test_kv_heads_repeated_when_the_model_axis_outnumbers_them(served, tiny):
+    """The tiny model's 2 KV heads on model:4: each is repeated twice, every device holds
+    the pages of one KV head (not both), the pool per device matches the planner, and the
+    greedy outputs equal the one-device run."""
+    config, model = tiny
+    one = served(None)
+    shape = MeshShape.parse("model:4")
+    assert shape.kv_head_factor(config.num_kv_heads, config.num_heads) == 2
+    assert shape.kv_heads_per_device(config.num_kv_heads, config.num_heads) == 1
+    num_pages = plan.num_pages_for_budget(config, kv_budget_bytes=BUDGET, page_size=PS, mesh=shape)
+    assert num_pages == 2 * one.num_pages  # half the heads per device: twice the pages
+    engine = Engine(model, _config(num_pages), mesh=shardings.make_mesh(shape))
+    assert engine.model_config.num_kv_heads == 4 and model.config.num_kv_heads == 2
+    for layer in engine.kv_cache.k:
+        assert layer.shape[1] == 4
+        for shard in layer.addressable_shards:
+            assert shard.data.shape[1] == 1
+    got = _run(engine, PROMPTS)
+    assert [c.token_ids for c in got] == [c.token_ids for c in one.outputs]
+    assert engine.pool.num_in_use == 0
