@@ -81,8 +81,7 @@ class ModelRunner(StepRunner):
             # device holds the pages of only the heads its query heads read.
             factor = shardings.kv_head_factor(mc.num_kv_heads, mc.num_heads, mesh)
             if factor > 1:
-                graphdef, state = nnx.split(model)
-                model = nnx.merge(graphdef, state)  # a copy: the caller's model is unchanged
+                model = nnx.clone(model)  # new variables: the caller's model is unchanged
                 model.duplicate_kv_heads(factor)
                 mc = model.config
         self.model_config = mc
