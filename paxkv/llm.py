@@ -213,6 +213,12 @@ class LLM:
         """The engine's counters (see `Engine.stats`)."""
         return self.engine.stats()
 
+    @property
+    def chat_templates(self) -> chat_templates.ChatTemplates:
+        """The checkpoint's chat templates (`tokenizer_config.json`, `chat_template.jinja`;
+        none for a preset), read on first use."""
+        return self._chat_templates
+
     @functools.cached_property
     def _chat_templates(self) -> chat_templates.ChatTemplates:
         """The checkpoint's chat templates, read on first use."""

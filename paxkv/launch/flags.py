@@ -206,17 +206,17 @@ def build_model(setup: ServingSetup) -> Any:
     return model
 
 
-def build_llm(setup: ServingSetup) -> LLM:
+def build_llm(setup: ServingSetup, *, warmup: bool = False) -> LLM:
     """An `LLM` serving `setup`: `--model_dir`'s weights, the set-up's shipped checkpoint,
-    or random ones where the set-up allows."""
-    # No warm-up: a one-shot run compiles only the shapes it uses, and its timing says
-    # "compilation included".
+    or random ones where the set-up allows. `warmup`: compile every step shape first
+    (a server); off by default, since a one-shot run compiles only the shapes it uses
+    and its timing says "compilation included"."""
     return LLM(
         _model_source(setup),
         dtype=DTYPE.value,
         seed=SEED.value,
         config=setup.engine,
-        warmup=False,
+        warmup=warmup,
     )
 
 

@@ -65,14 +65,12 @@ def main(argv: list[str]) -> None:
     try:
         launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
-        templates = _chat_templates()
-        llm = launch_flags.build_llm(setup)
+        logging.info("paxkv-serve: loading the model and compiling its step shapes")
+        llm = launch_flags.build_llm(setup, warmup=True)  # before /health answers 200
+        templates = _chat_templates(llm.chat_templates)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
     engine = llm.engine
-    shapes = len(engine.config.buckets().shapes())
-    logging.info("paxkv-serve: compiling %d step shapes before serving", shapes)
-    engine.warmup()
     name = _SERVED_MODEL_NAME.value or launch_flags.MODEL_DIR.value or setup.name
     state = ServerState(
         front=AsyncEngine(engine, max_unfinished=engine.config.max_num_seqs + _MAX_QUEUED.value),
@@ -92,14 +90,9 @@ def main(argv: list[str]) -> None:
     uvicorn.Server(config).run()
 
 
-def _chat_templates() -> chat.ChatTemplates:
-    """The checkpoint's chat templates (none for a config without one), with
+def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
+    """The checkpoint's chat `templates` (none for a config without one), with
     `--chat_template` as the default when given."""
-    from paxkv.models import TOKENIZER_CONFIG_FILE
-
-    templates = chat.ChatTemplates.from_checkpoint(
-        launch_flags.MODEL_DIR.value, TOKENIZER_CONFIG_FILE
-    )
     source = _CHAT_TEMPLATE.value
     if source is None:
         return templates
