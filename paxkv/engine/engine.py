@@ -259,7 +259,7 @@ class Engine:
         t2 = time.perf_counter()
         for i, (sampled, valid) in enumerate(results):
             self._record(plan if i == 0 else _advanced(plan, i), sampled, valid)
-        return self.report({c.seq.request_id for c in plan.chunks if c.samples}), t1, t2
+        return self.report([c.seq.request_id for c in plan.chunks if c.samples]), t1, t2
 
     def report(self, request_ids) -> list[RequestOutput]:
         """The outputs of the requests `request_ids` now; finished ones are forgotten.

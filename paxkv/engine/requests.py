@@ -349,7 +349,9 @@ class RequestRegistry:
                 continue
             if out is not None:
                 outputs.append(out)
-            if req.finished:
+                if out.finished:
+                    finished.append(self._requests.pop(rid))
+            elif req.finished:
                 finished.append(self._requests.pop(rid))
         return outputs, finished
 
