@@ -37,6 +37,11 @@ _MAX_QUEUED = flags.DEFINE_integer(
 _SERVED_MODEL_NAME = flags.DEFINE_string(
     "served_model_name", None, "The model's name in the API; unset: --model_dir, else --config."
 )
+_METRICS_PREFIX = flags.DEFINE_string(
+    "metrics_prefix",
+    "paxkv",
+    "Prefix of /metrics names (vLLM's names after it); 'vllm' for vLLM dashboards.",
+)
 _CHAT_TEMPLATE = flags.DEFINE_string(
     "chat_template",
     None,
@@ -78,6 +83,7 @@ def main(argv: list[str]) -> None:
         tokenizer=engine.tokenizer,
         chat_templates=templates,
         max_model_len=engine.config.max_model_len,
+        metrics_prefix=_METRICS_PREFIX.value,
     )
     config = uvicorn.Config(
         build_app(state),

@@ -49,6 +49,7 @@ class ServerState:
     tokenizer: Any
     chat_templates: chat.ChatTemplates
     max_model_len: int
+    metrics_prefix: str = "paxkv"  # "vllm" makes /metrics read as vLLM's for its dashboards
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -315,5 +316,5 @@ async def _metrics(state: ServerState, request: Request) -> Response:
 
     stats = await state.front.stats()
     registry = CollectorRegistry()
-    registry.register(PrometheusCollector(lambda: stats))
+    registry.register(PrometheusCollector(lambda: stats, prefix=state.metrics_prefix))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
