@@ -19,7 +19,7 @@ from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 __all__ = ["SAMPLING_FLOATS", "SAMPLING_INTS", "Buckets", "HostBatch", "build_host_batch"]
 
 if TYPE_CHECKING:
-    from paxkv.host.scheduler import SchedulerOutput
+    from paxkv.host.plan import SchedulerOutput
     from paxkv.request import SamplingParams
 
 

@@ -9,98 +9,25 @@ priority, then latest arrival) frees its pages and goes back to the front of the
 waiting queue, and later re-prefills its prompt plus the tokens it had generated, so
 its output continues exactly.
 
-`schedule` returns a `SchedulerOutput`, a snapshot: each chunk carries the tokens and
-pages the step consumes, copied when it was planned, so building the step's batch does
-not depend on what happens to the sequences afterwards.
+`schedule` returns a `SchedulerOutput` (`paxkv.host.plan`), a snapshot of the step.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.page_pool import PagePool
+from paxkv.host.plan import ScheduledChunk, SchedulerOutput
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState, TopLogprobs
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import FinishReason, SamplingParams
 
-
-class ScheduledChunk(NamedTuple):
-    """`num_tokens` tokens of `seq`, from position `start`, run this step.
-
-    `token_ids` are those tokens, copied when the chunk was planned. The step reads and
-    writes the sequence's first `num_pages` pages, which its row of the persistent batch
-    (`row`, `paxkv.host.batch_rows`) holds; the step's block table is copied from the
-    rows when the step is laid out, right after planning. `num_output_tokens` is how
-    many tokens it had generated then (the sampling counter). `samples` is whether the
-    step samples a token for it: the chunk reaches the end of its known tokens. `seq`
-    names the sequence for `Scheduler.update`.
-    """
-
-    seq: SequenceState
-    start: int
-    num_tokens: int
-    samples: bool
-    token_ids: tuple[int, ...]
-    row: int
-    num_pages: int
-    num_output_tokens: int
-
-    # A NamedTuple, not a frozen dataclass: the scheduler makes one per running
-    # sequence per step, and a tuple is several times cheaper to make.
-
-    @classmethod
-    def of(cls, seq: SequenceState, start: int, num_tokens: int, page_size: int) -> ScheduledChunk:
-        """The chunk of `seq`'s tokens `start : start + num_tokens`, as they are now."""
-        end = start + num_tokens
-        outputs = seq.output_token_ids
-        total = len(seq.prompt_token_ids) + len(outputs)
-        if num_tokens == 1 and end == total and outputs:  # a decode: its last token
-            tokens = (outputs[-1],)
-        else:
-            tokens = tuple(seq.token_ids(start, end))
-        return cls(
-            seq,
-            start,
-            num_tokens,
-            end == total,
-            tokens,
-            seq.row,
-            (end + page_size - 1) // page_size,
-            len(outputs),
-        )
-
-    @property
-    def end(self) -> int:
-        """Tokens in the sequence's cache once the step has run."""
-        return self.start + self.num_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    """The plan of one step: chunks in batch order, and who was preempted to make room."""
-
-    chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[SequenceState, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the step computes, over all chunks."""
-        return sum(c.num_tokens for c in self.chunks)
-
-    def running(self) -> SchedulerOutput:
-        """The plan without the chunks of sequences that ended since it was made
-        (aborted, or failed); itself when there are none."""
-        if all(c.seq.status is SeqStatus.RUNNING for c in self.chunks):
-            return self
-        kept = tuple(c for c in self.chunks if c.seq.status is SeqStatus.RUNNING)
-        return SchedulerOutput(kept, self.preempted)
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
