@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["plgpu", "triton_kernels_in", "triton_lowering_target"]
+__all__ = ["TritonKernel", "plgpu", "triton_kernels", "triton_kernels_in", "triton_lowering_target"]
 
 
 @contextlib.contextmanager
@@ -32,17 +33,27 @@ def triton_lowering_target(device_kind: str = "NVIDIA H200") -> Iterator[None]:
         yield
 
 
-def triton_kernels_in(lowered: jax.stages.Lowered) -> list[str]:
-    """The Triton modules (as MLIR text) of the Pallas kernels in a `cuda` lowering, each
-    parsed and verified with the Triton dialect's op verifiers; raises ValueError for a
-    module that does not verify. Covers jaxlib 0.10.2+, whose Pallas lowering embeds the
-    Triton IR in a `__gpu$xla.gpu.triton` custom call for XLA to compile.
+class TritonKernel(NamedTuple):
+    """One Pallas kernel of a `cuda` lowering, as XLA would hand it to Triton."""
+
+    name: str  # the pallas_call's name
+    ir: str  # the Triton module (tt dialect) as MLIR text, verified
+    num_warps: int
+    num_stages: int
+
+
+def triton_kernels(lowered: jax.stages.Lowered) -> list[TritonKernel]:
+    """The Pallas kernels of a `cuda` lowering in program order, each with its Triton
+    module (as MLIR text, parsed and verified with the Triton dialect's op verifiers) and
+    the launch parameters XLA compiles it with; raises ValueError for a module that does
+    not verify. Covers jaxlib 0.10.2+, whose Pallas lowering embeds the Triton IR in a
+    `__gpu$xla.gpu.triton` custom call for XLA to compile.
     """
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
     from jaxlib.triton import dialect as tt_dialect
 
-    blobs = []
+    configs = []
 
     def walk(op):
         for region in op.regions:
@@ -53,8 +64,7 @@ def triton_kernels_in(lowered: jax.stages.Lowered) -> list[str]:
                         child.operation.name == "stablehlo.custom_call"
                         and ir.StringAttr(attrs["call_target_name"]).value == "__gpu$xla.gpu.triton"
                     ):
-                        config = ir.DictAttr(attrs["mhlo.backend_config"])
-                        blobs.append(ir.StringAttr(config["ir"]).value_bytes)
+                        configs.append(ir.DictAttr(attrs["mhlo.backend_config"]))
                     walk(child.operation)
 
     walk(lowered.compiler_ir("stablehlo").operation)
@@ -62,11 +72,24 @@ def triton_kernels_in(lowered: jax.stages.Lowered) -> list[str]:
     context.append_dialect_registry(mlir.upstream_dialects)
     tt_dialect.register_dialect(context)
     context.load_all_available_dialects()
-    modules = []
+    kernels = []
     with context:
-        for blob in blobs:
-            module = ir.Module.parse(blob)
+        for config in configs:
+            module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
             if not module.operation.verify():
                 raise ValueError(f"Triton module does not verify:\n{module}")
-            modules.append(str(module))
-    return modules
+            kernels.append(
+                TritonKernel(
+                    name=ir.StringAttr(config["name"]).value,
+                    ir=str(module),
+                    num_warps=ir.IntegerAttr(config["num_warps"]).value,
+                    num_stages=ir.IntegerAttr(config["num_stages"]).value,
+                )
+            )
+    return kernels
+
+
+def triton_kernels_in(lowered: jax.stages.Lowered) -> list[str]:
+    """The Triton modules (as verified MLIR text) of the Pallas kernels in a `cuda`
+    lowering: `triton_kernels` without the launch parameters."""
+    return [kernel.ir for kernel in triton_kernels(lowered)]

@@ -14,8 +14,9 @@ KV head, and share the inner loop `_attend_kv_blocks`:
 Every ref is a whole array in HBM (no BlockSpecs): the kernels gather K/V rows through the
 block table themselves. Pages the table does not name for a visible position are never
 dereferenced: their table entry is replaced by `NULL_PAGE` before the load (the null page is
-then read and masked, like the reference does). Masked logits, values and scales are
-removed with `jnp.where`, so NaN anywhere outside the visible positions cannot leak.
+then read and masked, like the reference does). Masked logits and scales are removed
+with `jnp.where` and V rows outside the visible positions are not loaded (a masked load
+gives zeros), so NaN anywhere outside the visible positions cannot leak.
 Stores are masked per row, and masked rows point past the end of the output, so a program
 never writes a row it does not own.
 """
@@ -67,6 +68,11 @@ class KvRefs(NamedTuple):
     v_pages: object  # [P, Hkv, ps, D]
     k_scales: object | None  # f32[P, Hkv, ps]
     v_scales: object | None  # f32[P, Hkv, ps]
+
+
+def decode_tile_rows(group_padded: int) -> int:
+    """M of the decode tile: the padded group, at least 16 rows (a tensor-core dot's M)."""
+    return max(16, group_padded)
 
 
 def _i32(x: int) -> jax.Array:
@@ -137,7 +143,6 @@ def _attend_kv_blocks(
         page = jnp.where(page_ok, jnp.clip(entry, 0, num_pages - 1), NULL_PAGE)
         offset = lax.rem(j, _i32(ps))
         k = kv.k_pages[page, kv_head, offset, :].astype(cfg.compute_dtype)  # [bk, D]
-        v = kv.v_pages[page, kv_head, offset, :].astype(cfg.compute_dtype)
 
         s = _dot(q, k, contract_b=1, precision=cfg.precision) * cfg.sm_scale  # f32[M, bk]
         if cfg.quantized:  # per-token K scales scale the logit columns
@@ -154,7 +159,10 @@ def _attend_kv_blocks(
         alpha = jnp.exp(row_max - max_safe)
         p = jnp.where(visible, jnp.exp(s - max_safe[:, None]), 0.0)
         denom = alpha * denom + jnp.sum(p, axis=1)
-        v = jnp.where(kv_ok[:, None], v, 0)
+        # A masked load rather than a `where` after it: Triton then feeds the loaded tile
+        # straight to the dot (pipelined in shared memory in the dot's layout) instead of
+        # copying it through registers.
+        v = _load_rows(kv.v_pages, (page, kv_head, offset), kv_ok).astype(cfg.compute_dtype)
         if cfg.quantized:  # per-token V scales weight the rows of V: fold them into p
             p = p * jnp.where(kv_ok, kv.v_scales[page, kv_head, offset], 0.0)[None, :]
         pv = _dot(p.astype(cfg.compute_dtype), v, contract_b=0, precision=cfg.precision)
@@ -166,6 +174,19 @@ def _attend_kv_blocks(
         jnp.zeros((num_rows,), jnp.float32),
     )
     return lax.fori_loop(block_lo, block_hi, body, init)
+
+
+def _load_rows(ref, index, row_ok) -> jax.Array:
+    """`ref[index[0][n], index[1][n], ..., :]` for each n: [N, last dim of ref], with rows
+    where `row_ok` is False zero and not read (a masked load).
+
+    `index` holds one entry per leading dim of `ref`: a scalar, or i32[N] per row; as in
+    `_store_rows`, every index is an array, the form the interpreter and Triton share.
+    """
+    rows = [i[:, None] if jnp.ndim(i) else i for i in index]
+    cols = lax.iota(jnp.int32, ref.shape[-1])[None, :]
+    mask = jnp.broadcast_to(row_ok[:, None], (row_ok.shape[0], ref.shape[-1]))
+    return plgpu.load(ref.at[(*rows, cols)], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
 def _normalize(acc, denom):
@@ -219,7 +240,7 @@ def decode_kernel(*refs, cfg: KernelConfig, num_splits: int) -> None:
     ) = _unpack(refs, cfg.quantized, num_outputs)
     kv = KvRefs(block_tables, k_pages, v_pages, k_scales, v_scales)
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_rows = max(16, cfg.group_padded)
+    num_rows = decode_tile_rows(cfg.group_padded)
 
     q_start = cu_q_lens[seq]
     is_decode = (seq < num_seqs[0]) & (cu_q_lens[seq + 1] - q_start == 1)

@@ -39,11 +39,12 @@ from ..contract import (
     AttentionShapes,
     attention_op,
     compute_dtype,
+    is_quantized,
     token_layout,
 )
 from ..layout import cdiv
 from .jax_compat import plgpu
-from .kernel import KernelConfig, decode_kernel, prefill_kernel
+from .kernel import KernelConfig, decode_kernel, decode_tile_rows, prefill_kernel
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK = 16  # smallest M, N and K of a Triton tensor-core dot
@@ -55,6 +56,8 @@ _TARGET_DECODE_PROGRAMS = 2 * 132
 # Shared memory the default KV blocks may fill with their pipelined K and V tiles: about
 # half of an H100/H200's 228 KiB, leaving room for the Q tile and the dots' staging.
 KV_TILE_BUDGET_BYTES = 128 * 1024
+# Dynamic shared memory one CUDA block may use on an H100/H200 (sm_90: 227 KiB opt-in).
+SHARED_MEMORY_LIMIT_BYTES = 227 * 1024
 
 
 def _is_power_of_two(x) -> bool:
@@ -91,6 +94,10 @@ class BlockSizes:
         as decode_kv_block, at most 64.
       decode_num_warps, prefill_num_warps: Triton warps per program (1 to 16, powers of two).
       num_stages: Triton software-pipelining stages of both kernels' KV loops (>= 1).
+      check_shared_memory: reject, in `resolve` (not when interpreting), block sizes whose
+        kernels' estimated shared memory (`shared_memory_bytes`) exceeds
+        SHARED_MEMORY_LIMIT_BYTES. False only for compiling such configurations anyway
+        (`paxkv.tools.kernel_compile`): they compile, but a GPU refuses to launch them.
     """
 
     decode_kv_block: int | None = None
@@ -100,6 +107,7 @@ class BlockSizes:
     decode_num_warps: int = 4
     prefill_num_warps: int = 4
     num_stages: int = 2
+    check_shared_memory: bool = True
 
     def __post_init__(self):
         for name in ("decode_kv_block", "prefill_kv_block"):
@@ -127,9 +135,20 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name}={value!r} must be a power of two in [1, 16]")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
+        if not isinstance(self.check_shared_memory, bool):
+            raise ValueError(
+                f"BlockSizes.check_shared_memory={self.check_shared_memory!r} must be a bool"
+            )
 
-    def resolve(self, shapes: AttentionShapes, q_dtype, page_dtype) -> BlockSizes:
-        """These block sizes with every None replaced by its default for `shapes`."""
+    def resolve(
+        self, shapes: AttentionShapes, q_dtype, page_dtype, *, interpret: bool = False
+    ) -> BlockSizes:
+        """These block sizes with every None replaced by its default for `shapes`.
+
+        Raises ValueError, before anything is compiled, if a kernel's estimated shared
+        memory exceeds SHARED_MEMORY_LIMIT_BYTES, unless `check_shared_memory` is False or
+        the kernels run in the interpreter (`interpret`), which has no shared memory.
+        """
         itemsize = compute_dtype(q_dtype, page_dtype).itemsize
         tile_bytes = self.num_stages * 2 * shapes.head_dim * itemsize
         fitting = max(MIN_BLOCK, _floor_power_of_two(KV_TILE_BUDGET_BYTES // tile_bytes))
@@ -141,12 +160,96 @@ class BlockSizes:
             num_splits = max(
                 1, min(cdiv(_TARGET_DECODE_PROGRAMS, programs), max_blocks, MAX_SPLITS)
             )
-        return dataclasses.replace(
+        resolved = dataclasses.replace(
             self,
             decode_kv_block=decode_kv_block,
             num_splits=num_splits,
             prefill_kv_block=self.prefill_kv_block or min(64, fitting),
         )
+        if self.check_shared_memory and not interpret:
+            _check_shared_memory(shapes, resolved, q_dtype, page_dtype)
+        return resolved
+
+
+def kernel_tiles(shapes: AttentionShapes, bs: BlockSizes) -> dict[str, tuple[int, int, int]]:
+    """`(kv_block, rows, num_warps)` of the decode and the prefill kernel's tiles for
+    resolved block sizes `bs`: rows is M, the query rows of one program's tile."""
+    gp = _next_power_of_two(shapes.group_size)
+    return {
+        "decode": (bs.decode_kv_block, decode_tile_rows(gp), bs.decode_num_warps),
+        "prefill": (bs.prefill_kv_block, prefill_tile_tokens(bs, gp) * gp, bs.prefill_num_warps),
+    }
+
+
+def prefill_tile_tokens(bs: BlockSizes, group_padded: int) -> int:
+    """Query tokens of one prefill tile: `prefill_block_m` rows of `group_padded` heads."""
+    return max(1, bs.prefill_block_m // group_padded)
+
+
+def shared_memory_bytes(
+    kernel: str,
+    *,
+    kv_block: int,
+    rows: int,
+    head_dim: int,
+    q_dtype,
+    page_dtype,
+    num_stages: int,
+    num_warps: int,
+) -> int:
+    """Estimated dynamic shared memory of one program of `kernel` ("decode" or "prefill"),
+    in bytes, as Triton allocates it for sm_90.
+
+    A tile of `rows` query rows meets KV blocks of `kv_block` tokens; q_dtype and
+    page_dtype give the dots' operand dtype (`contract.compute_dtype`). The terms are the
+    buffers the compiled kernels hold in shared memory, read off the compiled figures of
+    `paxkv.tools.kernel_compile` (committed in `paxkv/tools/gpu_kernel_resources.json`,
+    against which the estimate is tested: never under them, at most 25% over):
+
+    * one K and one V tile as stored (`kv`); the prefill kernel's 16-bit dots
+      double-buffer them from num_stages 2 on (Triton pipelines those loads to the
+      tensor-core dots, at most two deep here), the decode kernel's do not;
+    * the Q tile and the probabilities, in the operand dtype, staged for the second
+      dot and the tensor-core layouts (not with num_stages 1, where the K and V tiles are
+      all that is live at once);
+    * quantized pages: their scales, and one dequantized float32 tile when the dots run
+      in float32 (a 16-bit dequantized tile is converted in registers);
+    * 1 KiB of reduction scratch with more than 4 warps.
+    """
+    compute = compute_dtype(q_dtype, page_dtype)
+    quantized = is_quantized(page_dtype)
+    page_bytes, compute_bytes = np.dtype(page_dtype).itemsize, compute.itemsize
+    kv = 2 * kv_block * head_dim * page_bytes
+    f32_tile = kv_block * head_dim * 4
+    if num_stages == 1:
+        if not quantized:
+            return kv
+        if compute_bytes == 4:
+            return kv + 2 * f32_tile + 1024
+        return kv + (min(kv, 4096) if kernel == "decode" else kv // 2)
+    q_tile, p_tile = rows * head_dim * compute_bytes, rows * kv_block * compute_bytes
+    scales = 2 * kv_block * 4 if quantized else 0
+    dequantized = f32_tile if quantized and compute_bytes == 4 else 0
+    scratch = 1024 if num_warps > 4 else 0
+    if kernel == "decode" or compute_bytes == 4:
+        return kv + q_tile + p_tile + scales + dequantized + scratch
+    return 2 * kv + q_tile + scales + 2 * scratch
+
+
+def _check_shared_memory(shapes: AttentionShapes, bs: BlockSizes, q_dtype, page_dtype) -> None:
+    for kernel, (kv_block, rows, num_warps) in kernel_tiles(shapes, bs).items():
+        estimate = shared_memory_bytes(
+            kernel, kv_block=kv_block, rows=rows, head_dim=shapes.head_dim, q_dtype=q_dtype,
+            page_dtype=page_dtype, num_stages=bs.num_stages, num_warps=num_warps,
+        )  # fmt: skip
+        if estimate > SHARED_MEMORY_LIMIT_BYTES:
+            raise ValueError(
+                f"{bs} needs about {estimate / 1024:.0f} KiB of shared memory in the {kernel} "
+                f"kernel (kv_block={kv_block}, {rows} rows, head_dim={shapes.head_dim}, "
+                f"{np.dtype(page_dtype).name} pages, num_stages={bs.num_stages}) but a GPU block "
+                f"may use {SHARED_MEMORY_LIMIT_BYTES // 1024} KiB; lower the kv block, num_stages "
+                f"or prefill_block_m"
+            )
 
 
 def check_kernel_limits(shapes: AttentionShapes) -> None:
@@ -199,7 +302,8 @@ def ragged_paged_attention_gpu(
 
     Raises:
       ValueError: at trace time, for inputs `attention_inputs` rejects, head_dim not
-        in SUPPORTED_HEAD_DIMS, or a `block_sizes` that is not a BlockSizes.
+        in SUPPORTED_HEAD_DIMS, a `block_sizes` that is not a BlockSizes, or (not
+        interpreting) block sizes whose kernels would exceed a GPU block's shared memory.
     """
     check_kernel_limits(inputs.shapes)
     if not isinstance(block_sizes, BlockSizes):
@@ -211,7 +315,9 @@ def ragged_paged_attention_gpu(
         return jnp.zeros_like(inputs.q)  # no row can see a cached token
     return _ragged_paged_attention_gpu(
         inputs,
-        block_sizes=block_sizes.resolve(shapes, inputs.q.dtype, inputs.k_pages.dtype),
+        block_sizes=block_sizes.resolve(
+            shapes, inputs.q.dtype, inputs.k_pages.dtype, interpret=interpret
+        ),
         decode_only=bool(decode_only),
         interpret=interpret,
     )
@@ -330,7 +436,7 @@ def _prefill(
 ) -> jax.Array:
     """Prefill attention `[T, Hq, D]`, valid for rows of sequences with q_len > 1 only."""
     q, shapes = inputs.q, inputs.shapes
-    rows = max(1, block_sizes.prefill_block_m // cfg.group_padded)
+    rows = prefill_tile_tokens(block_sizes, cfg.group_padded)
     t = shapes.num_tokens
     # Prefill sequences have q_len >= 2, so there are at most T // 2 of them, and each
     # adds at most one partly filled block.

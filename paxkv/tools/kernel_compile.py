@@ -1,0 +1,353 @@
+"""Compile-time resource report of the GPU kernels for an H200 (sm_90), without a GPU.
+
+Each configuration of a grid (query dtype x KV cache dtype x head_dim x block sizes) is
+lowered for the `cuda` platform on the CPU; the Triton module of each Pallas kernel is
+taken from the lowering (`jax_compat.triton_kernels`) and compiled by the `triton`
+package (the `compile` extra; it ships `ptxas`) for `GPUTarget("cuda", 90, 32)` down to a
+cubin. The report gives, per kernel, the registers per thread and spill bytes from
+`ptxas -v`, the dynamic shared memory Triton allocates, and the kernel wrapper's own
+shared-memory estimate, against the H200's 227 KiB per block.
+
+    python -m paxkv.tools.kernel_compile                      # the whole grid, markdown
+    python -m paxkv.tools.kernel_compile --subset=ci          # defaults, bf16/int8/fp8, D 128/256
+    python -m paxkv.tools.kernel_compile --json_out=paxkv/tools/gpu_kernel_resources.json
+
+These are compiled figures, not measured speed. XLA compiles the same module with the
+Triton it bundles, so its figures may differ somewhat from the `triton` package's; the
+Triton IR itself is jaxlib's. Configurations that `BlockSizes` rejects (their estimate
+exceeds the limit) are compiled anyway, with the check bypassed, so the report shows what
+they would need.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import io
+import json
+import multiprocessing
+import os
+import re
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from absl import app, flags, logging
+
+if TYPE_CHECKING:
+    from paxkv.pallas_kernels.gpu.jax_compat import TritonKernel
+
+# Where the committed figures live; the resource-estimate unit test reads them.
+FIGURES_PATH = os.path.join(os.path.dirname(__file__), "gpu_kernel_resources.json")
+TARGET_ARCH = 90  # H100/H200
+TARGET_DEVICE_KIND = "NVIDIA H200"
+
+BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
+    # BlockSizes() with nothing set: resolved for the call's shapes.
+    "default": {},
+    # The smallest of everything BlockSizes accepts (num_stages 1: no pipelining).
+    "small": {
+        "decode_kv_block": 16,
+        "prefill_kv_block": 16,
+        "prefill_block_m": 16,
+        "decode_num_warps": 1,
+        "prefill_num_warps": 1,
+        "num_stages": 1,
+    },
+    # The offender issue 16 names: wide decode blocks, 3 stages, 8 warps.
+    "issue16": {
+        "decode_kv_block": 256,
+        "num_stages": 3,
+        "decode_num_warps": 8,
+        "prefill_num_warps": 8,
+    },
+    # Large tiles, deep pipelines, many warps: the settings issue 16 found not to fit.
+    "large": {
+        "decode_kv_block": 256,
+        "prefill_kv_block": 256,
+        "prefill_block_m": 128,
+        "decode_num_warps": 8,
+        "prefill_num_warps": 8,
+        "num_stages": 3,
+    },
+}
+Q_DTYPES = ("bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": pages in the query's dtype
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCase:
+    """One kernel configuration of the grid: the call's dtypes, head_dim and block sizes.
+
+    The shapes around them are fixed (8 sequences, 2 KV heads, G = 4, pages of 16
+    tokens): shared memory and registers depend on the tiles, not on the array sizes.
+    """
+
+    q_dtype: str
+    kv_cache_dtype: str  # a `paxkv.kv_layout.KV_CACHE_DTYPES` name
+    head_dim: int
+    blocks: str  # a BLOCK_VARIANTS name
+    group_size: int = 4
+
+    @property
+    def name(self) -> str:
+        """A label such as `bfloat16/int8/d128/default`."""
+        return f"{self.q_dtype}/{self.kv_cache_dtype}/d{self.head_dim}/{self.blocks}"
+
+
+def grid() -> list[CompileCase]:
+    """Every combination of Q_DTYPES, KV_CACHE_DTYPES, HEAD_DIMS and BLOCK_VARIANTS, less
+    float32 queries with the "issue16" and "large" blocks: their f32 tiles exceed the
+    limit several times over, and ptxas takes minutes and gigabytes on each."""
+    return [
+        CompileCase(q, kv, d, b)
+        for q in Q_DTYPES
+        for kv in KV_CACHE_DTYPES
+        for d in HEAD_DIMS
+        for b in BLOCK_VARIANTS
+        if q != "float32" or b in ("default", "small")
+    ]
+
+
+def ci_subset() -> list[CompileCase]:
+    """The representative set CI compiles: defaults for bf16 over bf16/int8/fp8 pages at
+    head_dim 128 and 256."""
+    return [CompileCase("bfloat16", kv, d, "default") for kv in KV_CACHE_DTYPES for d in (128, 256)]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    """Compiled figures of one kernel (per program: one CUDA block)."""
+
+    case: str  # CompileCase.name
+    q_dtype: str
+    page_dtype: str  # the pages' dtype name
+    head_dim: int
+    kernel: str  # "decode" or "prefill"
+    num_warps: int
+    num_stages: int
+    kv_block: int
+    rows: int  # M: query rows of the tile
+    registers: int  # per thread
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int  # dynamic shared memory Triton allocates
+    estimate_bytes: int  # the wrapper's shared-memory estimate
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON object."""
+        return dataclasses.asdict(self)
+
+
+def _inputs(case: CompileCase):
+    """Abstract arguments of one call at the case's dtypes: (positional, keyword)."""
+    import jax
+    import jax.numpy as jnp
+
+    from paxkv.kv_layout import resolve_kv_cache_dtype
+
+    q_dtype = np.dtype(jnp.dtype(case.q_dtype))
+    page_dtype = resolve_kv_cache_dtype(case.kv_cache_dtype, q_dtype)
+    seqs, hkv, ps, pages_per_seq = 8, 2, 16, 64
+    num_pages, tokens = seqs * pages_per_seq + 1, 64
+    s = jax.ShapeDtypeStruct
+    i32 = np.dtype(np.int32)
+    args = (
+        s((tokens, hkv * case.group_size, case.head_dim), q_dtype),
+        s((num_pages, hkv, ps, case.head_dim), page_dtype),
+        s((num_pages, hkv, ps, case.head_dim), page_dtype),
+        s((seqs,), i32),
+        s((seqs, pages_per_seq), i32),
+        s((seqs + 1,), i32),
+        s((1,), i32),
+    )
+    scales = {}
+    if case.kv_cache_dtype != "auto":
+        scales = {
+            k: s((num_pages, hkv, ps), np.dtype(np.float32)) for k in ("k_scales", "v_scales")
+        }
+    return args, scales
+
+
+def lower_case(case: CompileCase) -> list[TritonKernel]:
+    """The case's Triton kernels (decode, then prefill), lowered for an H200 on this
+    machine; the shared-memory check is bypassed so that rejected configurations can be
+    compiled too."""
+    import jax
+
+    from paxkv.pallas_kernels.gpu import BlockSizes, ragged_paged_attention_gpu
+    from paxkv.pallas_kernels.gpu.jax_compat import triton_kernels, triton_lowering_target
+
+    block_sizes = BlockSizes(**BLOCK_VARIANTS[case.blocks], check_shared_memory=False)
+    args, scales = _inputs(case)
+    fn = jax.jit(
+        lambda *a, **s: ragged_paged_attention_gpu(*a, **s, sm_scale=0.125, block_sizes=block_sizes)
+    )
+    with triton_lowering_target(TARGET_DEVICE_KIND):
+        lowered = fn.trace(*args, **scales).lower(lowering_platforms=("cuda",))
+    return triton_kernels(lowered)
+
+
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_kernel(ir: str, *, num_warps: int, num_stages: int) -> tuple[int, int, int, int]:
+    """Compiles one Triton module (MLIR text) to an sm_90 cubin with the `triton` package.
+
+    Returns `(registers per thread, spill store bytes, spill load bytes, dynamic shared
+    memory bytes)`, the first three from `ptxas -v`. Needs no GPU.
+    """
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ir)
+        log = io.StringIO()
+        # A fresh cache directory: a cached kernel would skip ptxas and its log.
+        with knobs.cache.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.cache.dir = tmp
+            knobs.nvidia.dump_ptxas_log = True
+            compiled = triton.compile(
+                path,
+                target=GPUTarget("cuda", TARGET_ARCH, 32),
+                options={
+                    "num_warps": num_warps,
+                    "num_stages": num_stages,
+                    "enable_fp_fusion": True,
+                },
+            )
+    text = log.getvalue()
+    registers, spills = _PTXAS_REGISTERS.search(text), _PTXAS_SPILLS.search(text)
+    if registers is None or spills is None:
+        raise RuntimeError(f"no ptxas -v figures in the compile log:\n{text}")
+    return (
+        int(registers.group(1)),
+        int(spills.group(1)),
+        int(spills.group(2)),
+        int(compiled.metadata.shared),
+    )
+
+
+def compile_case(case: CompileCase) -> list[KernelResources]:
+    """Lowers and compiles one case: the figures of its decode and prefill kernels."""
+    import jax.numpy as jnp
+
+    from paxkv.kv_layout import resolve_kv_cache_dtype
+    from paxkv.pallas_kernels.contract import AttentionShapes
+    from paxkv.pallas_kernels.gpu import BlockSizes
+    from paxkv.pallas_kernels.gpu.ragged_paged_attention import kernel_tiles, shared_memory_bytes
+
+    q_dtype = np.dtype(jnp.dtype(case.q_dtype))
+    page_dtype = resolve_kv_cache_dtype(case.kv_cache_dtype, q_dtype)
+    args, _ = _inputs(case)
+    shapes = AttentionShapes(
+        num_tokens=args[0].shape[0], num_q_heads=args[0].shape[1], num_kv_heads=args[1].shape[1],
+        head_dim=case.head_dim, num_pages=args[1].shape[0], page_size=args[1].shape[2],
+        max_num_seqs=args[3].shape[0], pages_per_seq=args[4].shape[1],
+        quantized=case.kv_cache_dtype != "auto",
+    )  # fmt: skip
+    resolved = BlockSizes(**BLOCK_VARIANTS[case.blocks], check_shared_memory=False).resolve(
+        shapes, q_dtype, page_dtype
+    )
+    tiles = kernel_tiles(shapes, resolved)
+    results = []
+    for kernel in lower_case(case):
+        kind = kernel.name.removeprefix("ragged_paged_attention_")
+        kv_block, rows, num_warps = tiles[kind]
+        registers, spill_stores, spill_loads, shared = compile_kernel(
+            kernel.ir, num_warps=kernel.num_warps, num_stages=kernel.num_stages
+        )
+        estimate = shared_memory_bytes(
+            kind, kv_block=kv_block, rows=rows, head_dim=case.head_dim, q_dtype=q_dtype,
+            page_dtype=page_dtype, num_stages=kernel.num_stages, num_warps=num_warps,
+        )  # fmt: skip
+        record = KernelResources(
+            case=case.name, q_dtype=q_dtype.name, page_dtype=page_dtype.name,
+            head_dim=case.head_dim, kernel=kind, num_warps=kernel.num_warps,
+            num_stages=kernel.num_stages, kv_block=kv_block, rows=rows,
+            registers=registers, spill_store_bytes=spill_stores,
+            spill_load_bytes=spill_loads, shared_bytes=shared, estimate_bytes=estimate,
+        )  # fmt: skip
+        results.append(record)
+    return results
+
+
+def compile_cases(cases: Sequence[CompileCase], workers: int = 2) -> list[KernelResources]:
+    """`compile_case` over `cases` in `workers` processes, in the order of `cases`."""
+    if workers <= 1:
+        return [r for case in cases for r in compile_case(case)]
+    context = multiprocessing.get_context("spawn")  # JAX's threads do not survive a fork
+    results = []
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for case, case_results in zip(cases, pool.map(compile_case, cases), strict=True):
+            logging.info("compiled %s", case.name)
+            results.extend(case_results)
+    return results
+
+
+def kib(x: int) -> str:
+    """Bytes as KiB with one decimal."""
+    return f"{x / 1024:.1f}"
+
+
+def to_markdown(results: Sequence[KernelResources], limit_bytes: int) -> str:
+    """The figures as a markdown table, one row per kernel."""
+    lines = [
+        "| configuration | kernel | warps | stages | KV block | M | registers | spill st/ld (B) "
+        "| shared (KiB) | estimate (KiB) | fits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        fits = "yes" if r.shared_bytes <= limit_bytes else f"**no** (> {kib(limit_bytes)})"
+        lines.append(
+            f"| {r.case} | {r.kernel} | {r.num_warps} | {r.num_stages} | {r.kv_block} | {r.rows} "
+            f"| {r.registers} | {r.spill_store_bytes}/{r.spill_load_bytes} | {kib(r.shared_bytes)} "
+            f"| {kib(r.estimate_bytes)} | {fits} |"
+        )
+    return "\n".join(lines)
+
+
+def figures_json(results: Sequence[KernelResources]) -> dict[str, Any]:
+    """The figures with the versions that produced them, as written to FIGURES_PATH."""
+    import jaxlib
+    import triton
+
+    return {
+        "target": f"sm_{TARGET_ARCH} ({TARGET_DEVICE_KIND})",
+        "jaxlib": jaxlib.__version__,
+        "triton": triton.__version__,
+        "kernels": [r.to_json() for r in results],
+    }
+
+
+_SUBSET = flags.DEFINE_enum("subset", "grid", ["grid", "ci"], "Which configurations to compile.")
+_WORKERS = flags.DEFINE_integer("workers", 2, "Processes compiling in parallel.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the figures as JSON to this path.")
+
+
+def main(argv: list[str]) -> None:
+    """Compiles the chosen configurations and prints the markdown table."""
+    del argv
+    from paxkv.pallas_kernels.gpu.ragged_paged_attention import SHARED_MEMORY_LIMIT_BYTES
+
+    cases = grid() if _SUBSET.value == "grid" else ci_subset()
+    start = time.perf_counter()
+    results = compile_cases(cases, _WORKERS.value)
+    logging.info("compiled %d kernels in %.0f s", len(results), time.perf_counter() - start)
+    print(to_markdown(results, SHARED_MEMORY_LIMIT_BYTES))
+    if _JSON_OUT.value:
+        with open(_JSON_OUT.value, "w") as f:
+            json.dump(figures_json(results), f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
