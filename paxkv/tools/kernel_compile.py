@@ -328,9 +328,12 @@ def figures_json(results: Sequence[KernelResources]) -> dict[str, Any]:
     }
 
 
-_SUBSET = flags.DEFINE_enum("subset", "grid", ["grid", "ci"], "Which configurations to compile.")
-_WORKERS = flags.DEFINE_integer("workers", 2, "Processes compiling in parallel.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the figures as JSON to this path.")
+def define_flags() -> None:
+    """Defines the command's flags; called only when run as a script, so that importing
+    this module (the tests do) defines no global absl flags."""
+    flags.DEFINE_enum("subset", "grid", ["grid", "ci"], "Which configurations to compile.")
+    flags.DEFINE_integer("workers", 2, "Processes compiling in parallel.")
+    flags.DEFINE_string("json_out", None, "Also write the figures as JSON to this path.")
 
 
 def main(argv: list[str]) -> None:
@@ -338,16 +341,17 @@ def main(argv: list[str]) -> None:
     del argv
     from paxkv.pallas_kernels.gpu.ragged_paged_attention import SHARED_MEMORY_LIMIT_BYTES
 
-    cases = grid() if _SUBSET.value == "grid" else ci_subset()
+    cases = grid() if flags.FLAGS.subset == "grid" else ci_subset()
     start = time.perf_counter()
-    results = compile_cases(cases, _WORKERS.value)
+    results = compile_cases(cases, flags.FLAGS.workers)
     logging.info("compiled %d kernels in %.0f s", len(results), time.perf_counter() - start)
     print(to_markdown(results, SHARED_MEMORY_LIMIT_BYTES))
-    if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
+    if flags.FLAGS.json_out:
+        with open(flags.FLAGS.json_out, "w") as f:
             json.dump(figures_json(results), f, indent=1)
             f.write("\n")
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
