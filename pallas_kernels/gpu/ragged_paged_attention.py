@@ -58,6 +58,8 @@ _TARGET_DECODE_PROGRAMS = 2 * 132
 KV_TILE_BUDGET_BYTES = 128 * 1024
 # Dynamic shared memory one CUDA block may use on an H100/H200 (sm_90: 227 KiB opt-in).
 SHARED_MEMORY_LIMIT_BYTES = 227 * 1024
+# Smallest M of Hopper's warpgroup dot (wgmma), which Triton uses for 16-bit dots on sm_90.
+WGMMA_MIN_ROWS = 64
 
 
 def _is_power_of_two(x) -> bool:
@@ -206,15 +208,21 @@ def shared_memory_bytes(
     `paxkv.tools.kernel_compile` (committed in `paxkv/tools/gpu_kernel_resources.json`,
     against which the estimate is tested: never under them, at most 25% over):
 
-    * one K and one V tile as stored (`kv`); the prefill kernel's 16-bit dots
-      double-buffer them from num_stages 2 on (Triton pipelines those loads to the
-      tensor-core dots, at most two deep here), the decode kernel's do not;
-    * the Q tile and the probabilities, in the operand dtype, staged for the second
-      dot and the tensor-core layouts (not with num_stages 1, where the K and V tiles are
-      all that is live at once);
-    * quantized pages: their scales, and one dequantized float32 tile when the dots run
-      in float32 (a 16-bit dequantized tile is converted in registers);
-    * 1 KiB of reduction scratch with more than 4 warps.
+    * num_stages 1 (no pipelining): the K and V tiles as stored, and with quantized
+      pages their dequantized copies (two float32 tiles for float32 dots; for 16-bit
+      dots a term fitted to the figures: up to 4 KiB in decode, half the stored tiles
+      in prefill);
+    * 16-bit dots on tiles of at least WGMMA_MIN_ROWS rows (Hopper's wgmma): the K and
+      V tiles double-buffered (Triton pipelines those loads at most two deep here,
+      whatever num_stages >= 2), the Q tile and 512 bytes; the probabilities stay in
+      registers;
+    * smaller tiles (mma.sync) and float32 dots (FMA): one K and one V tile, the Q tile
+      and the probabilities in the operand dtype, and with quantized float32 dots one
+      dequantized float32 tile;
+    * quantized pages: their K and V scales; 1 KiB of reduction scratch per kernel
+      body with more than 4 warps.
+
+    Calibrated on decode tiles of 16 and 64 rows and prefill tiles of 16 to 128 rows.
     """
     compute = compute_dtype(q_dtype, page_dtype)
     quantized = is_quantized(page_dtype)
@@ -231,9 +239,9 @@ def shared_memory_bytes(
     scales = 2 * kv_block * 4 if quantized else 0
     dequantized = f32_tile if quantized and compute_bytes == 4 else 0
     scratch = 1024 if num_warps > 4 else 0
-    if kernel == "decode" or compute_bytes == 4:
-        return kv + q_tile + p_tile + scales + dequantized + scratch
-    return 2 * kv + q_tile + scales + 2 * scratch
+    if compute_bytes == 2 and rows >= WGMMA_MIN_ROWS:
+        return 2 * kv + q_tile + scales + 2 * scratch + 512
+    return kv + q_tile + p_tile + scales + dequantized + scratch
 
 
 def _check_shared_memory(shapes: AttentionShapes, bs: BlockSizes, q_dtype, page_dtype) -> None:

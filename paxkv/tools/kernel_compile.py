@@ -83,8 +83,9 @@ HEAD_DIMS = (64, 128, 256)
 class CompileCase:
     """One kernel configuration of the grid: the call's dtypes, head_dim and block sizes.
 
-    The shapes around them are fixed (8 sequences, 2 KV heads, G = 4, pages of 16
-    tokens): shared memory and registers depend on the tiles, not on the array sizes.
+    The shapes around them are fixed (8 sequences, 2 KV heads, G = group_size query heads
+    per KV head, pages of 16 tokens): shared memory and registers depend on the tiles
+    (G sets the decode tile's rows), not on the array sizes.
     """
 
     q_dtype: str
@@ -96,13 +97,15 @@ class CompileCase:
     @property
     def name(self) -> str:
         """A label such as `bfloat16/int8/d128/default`."""
-        return f"{self.q_dtype}/{self.kv_cache_dtype}/d{self.head_dim}/{self.blocks}"
+        group = "" if self.group_size == 4 else f"/g{self.group_size}"
+        return f"{self.q_dtype}/{self.kv_cache_dtype}/d{self.head_dim}/{self.blocks}{group}"
 
 
 def grid() -> list[CompileCase]:
-    """Every combination of Q_DTYPES, KV_CACHE_DTYPES, HEAD_DIMS and BLOCK_VARIANTS, less
-    float32 queries with the "issue16" and "large" blocks: their f32 tiles exceed the
-    limit several times over, and ptxas takes minutes and gigabytes on each."""
+    """Every combination of Q_DTYPES, KV_CACHE_DTYPES, HEAD_DIMS and BLOCK_VARIANTS at
+    G = 4, less float32 queries with the "issue16" and "large" blocks (their f32 tiles
+    exceed the limit several times over, and ptxas takes minutes and gigabytes on each);
+    and the defaults of bfloat16 queries at G = 64."""
     return [
         CompileCase(q, kv, d, b)
         for q in Q_DTYPES
@@ -110,6 +113,11 @@ def grid() -> list[CompileCase]:
         for d in HEAD_DIMS
         for b in BLOCK_VARIANTS
         if q != "float32" or b in ("default", "small")
+    ] + [
+        # G = 64: decode tiles of 64 rows, which Triton gives Hopper's warpgroup dots.
+        CompileCase("bfloat16", kv, d, "default", group_size=64)
+        for kv in KV_CACHE_DTYPES
+        for d in HEAD_DIMS
     ]
 
 
