@@ -14,8 +14,9 @@ from paxkv.models import ByteTokenizer, HFTokenizer
 TEXT = "héllo wörld € 😀 日本語 naïve: ok"
 
 
-def _bpe() -> HFTokenizer:
-    """A byte-level BPE whose tokens split multi-byte characters (as GPT-2's does)."""
+def _bpe(text: str = TEXT) -> HFTokenizer:
+    """A byte-level BPE of 300 tokens (specials 0 and 1) trained on `text`, whose
+    tokens split multi-byte characters (as GPT-2's do)."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -28,7 +29,7 @@ def _bpe() -> HFTokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([TEXT] * 4, trainer)
+    tok.train_from_iterator([text] * 4, trainer)
     return HFTokenizer(tok)
 
 

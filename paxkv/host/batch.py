@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paxkv.host.batch_rows import FLOAT_PADDING, SAMPLING_FLOATS, SAMPLING_INTS, BatchRows
+from paxkv.host.batch_rows import (
+    SAMPLING_FLOATS,
+    SAMPLING_INTS,
+    BatchRows,
+    padding_floats,
+    sampling_floats,
+)
 from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 
 __all__ = ["SAMPLING_FLOATS", "SAMPLING_INTS", "Buckets", "HostBatch", "build_host_batch"]
@@ -134,20 +140,10 @@ def sampling_arrays(
     tokens it samples or feeds that the host has not seen); H = 0 when none has one.
     """
     n = len(params)
-    floats = np.tile(np.asarray(FLOAT_PADDING, np.float32), (size, 1))
+    floats = padding_floats(size)
     ints = np.zeros((size, len(SAMPLING_INTS)), np.int32)
     if n:
-        floats[:n] = [
-            (
-                p.temperature,
-                p.top_p,
-                p.min_p,
-                p.presence_penalty,
-                p.frequency_penalty,
-                p.repetition_penalty,
-            )
-            for p in params
-        ]
+        floats[:n] = [sampling_floats(p) for p in params]
         ints[:n, 0] = [p.top_k for p in params]
         ints[:n, 1] = seeds
         ints[:n, 2] = counters
@@ -248,7 +244,7 @@ def build_host_batch(
     kv_lens = np.zeros(s_pad, np.int32)
     kv_lens[:n] = ends
 
-    floats = np.tile(np.asarray(FLOAT_PADDING, np.float32), (s_pad, 1))
+    floats = padding_floats(s_pad)
     floats[:n] = rows.floats[row_ids]
     ints = np.zeros((s_pad, len(SAMPLING_INTS)), np.int32)
     ints[:n, :2] = rows.ints[row_ids]

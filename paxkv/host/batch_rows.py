@@ -14,6 +14,7 @@ import numpy as np
 
 from paxkv.host.sequence import SequenceState
 from paxkv.pallas_kernels.layout import NULL_PAGE
+from paxkv.request import SamplingParams
 
 # Columns of the per-sequence sampling arrays (`paxkv.engine.sampling.SamplingBatch`),
 # and the values of padding rows: greedy, no truncation, no penalty.
@@ -29,18 +30,19 @@ SAMPLING_INTS = ("top_k", "seed", "counter")
 FLOAT_PADDING = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
 
 
+def sampling_floats(params: SamplingParams) -> tuple[float, ...]:
+    """The float columns (`SAMPLING_FLOATS`) of `params`, in order."""
+    return tuple(getattr(params, name) for name in SAMPLING_FLOATS)
+
+
+def padding_floats(rows: int) -> np.ndarray:
+    """f32[rows, 6] of padding rows (`FLOAT_PADDING`)."""
+    return np.tile(np.asarray(FLOAT_PADDING, np.float32), (rows, 1))
+
+
 def sampling_row(seq: SequenceState) -> tuple[tuple[float, ...], tuple[int, int]]:
     """`(floats, (top_k, seed))` of `seq`'s sampling parameters, in column order."""
-    p = seq.params
-    floats = (
-        p.temperature,
-        p.top_p,
-        p.min_p,
-        p.presence_penalty,
-        p.frequency_penalty,
-        p.repetition_penalty,
-    )
-    return floats, (p.top_k, seq.seed)
+    return sampling_floats(seq.params), (seq.params.top_k, seq.seed)
 
 
 class BatchRows:
@@ -54,7 +56,7 @@ class BatchRows:
     def __init__(self, pages_per_seq: int, capacity: int = 64) -> None:
         self.pages_per_seq = pages_per_seq
         self.block_tables = np.full((capacity, pages_per_seq), NULL_PAGE, np.int32)
-        self.floats = np.tile(np.asarray(FLOAT_PADDING, np.float32), (capacity, 1))
+        self.floats = padding_floats(capacity)
         self.ints = np.zeros((capacity, 2), np.int32)  # top_k, seed
         self._free = list(range(capacity - 1, -1, -1))
         self._held = np.zeros(capacity, np.int64)  # pages written in each row
@@ -69,7 +71,7 @@ class BatchRows:
         new = old * 2
         tables = np.full((new, self.pages_per_seq), NULL_PAGE, np.int32)
         tables[:old] = self.block_tables
-        floats = np.tile(np.asarray(FLOAT_PADDING, np.float32), (new, 1))
+        floats = padding_floats(new)
         floats[:old] = self.floats
         ints = np.zeros((new, 2), np.int32)
         ints[:old] = self.ints

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 
 import pytest
+from test_detokenizer import _bpe as bpe_tokenizer
 from test_engine import _engine
 
 from paxkv import LLM, RequestOutputKind, SamplingParams
@@ -81,22 +82,7 @@ class Host:
 
 
 def _bpe() -> HFTokenizer:
-    """A byte-level BPE of 300 tokens (specials 0 and 1) whose merges split multi-byte
-    characters over tokens, as GPT-2's do."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT] * 4, trainer)
-    return HFTokenizer(tok)
+    return bpe_tokenizer(TEXT)
 
 
 TOKENIZERS = {"byte": ByteTokenizer, "bpe": _bpe}
