@@ -42,6 +42,12 @@ class EngineConfig:
     max_logprobs: int = _field(
         20, "Most top logprobs a request may ask for (SamplingParams.logprobs), as in vLLM."
     )
+    hybrid_kv_cache: bool = _field(
+        True,
+        "For models that mix sliding-window and global layers: a page table per layer "
+        "group, window groups holding only the pages inside their window "
+        "(`paxkv.host.kv_groups`); off: one table, every layer keeps every page.",
+    )
     seed: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
@@ -89,6 +95,7 @@ class EngineConfig:
             raise ValueError(f"log_stats_interval_s={self.log_stats_interval_s} must be >= 0")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("async_scheduling", self.async_scheduling)
+        check_bool("hybrid_kv_cache", self.hybrid_kv_cache)
         for name in ("token_buckets", "seq_buckets", "page_buckets"):
             sizes = getattr(self, name)
             if sizes is not None:

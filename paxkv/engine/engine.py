@@ -92,6 +92,7 @@ class Engine:
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
             reservation=reservation,
+            layout=getattr(self.runner, "kv_groups", None),
         )
         self.requests = RequestRegistry(
             self.scheduler,

@@ -26,6 +26,7 @@ from paxkv.engine.sampling import Sampled
 from paxkv.engine.state import PagedKVCache
 from paxkv.engine.step import DecodeLimits, StepBatch
 from paxkv.host.batch import HostBatch
+from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.sharding import shardings
 
 
@@ -89,9 +90,11 @@ class ModelRunner(StepRunner):
         self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh
         # On a mesh the cache is born sharded: no device ever holds all of it.
+        # Which layers share a page table (one group unless the model mixes windows).
+        self.kv_groups = KVGroupLayout.for_model(mc, hybrid=config.hybrid_kv_cache)
         self.kv_cache = shardings.sharded_cache(
             lambda: PagedKVCache.for_model(
-                mc, config.num_pages, config.page_size, config.kv_cache_dtype
+                mc, config.num_pages, config.page_size, config.kv_cache_dtype, self.kv_groups
             ),
             mc.num_kv_heads,
             mesh,
@@ -166,7 +169,7 @@ class ModelRunner(StepRunner):
     ) -> None:
         """Compiles the one-step function (and the N-step loop) for every shape."""
         for i, (t, s, p) in enumerate(shapes):
-            batch = StepBatch.empty(t, s, p, self.config.page_size)
+            batch = StepBatch.empty(t, s, p, self.config.page_size, self.kv_groups.num_groups)
             jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
             if self.config.num_decode_steps > 1:
                 self._run_loop(batch, DecodeLimits.from_host([], [], s))
@@ -193,6 +196,8 @@ class FakeRunner(StepRunner):
       config: the engine's settings (max_num_seqs, max_logprobs, num_decode_steps).
       eos_token_ids: the fake model's EOS tokens.
       max_position_embeddings: the fake model's position limit (None: none).
+      layer_windows: the fake model's sliding window per layer (None: global), which
+        the engine groups layers by (`paxkv.host.kv_groups`); default: one global layer.
     """
 
     def __init__(
@@ -202,7 +207,9 @@ class FakeRunner(StepRunner):
         *,
         eos_token_ids: tuple[int, ...] = (),
         max_position_embeddings: int | None = None,
+        layer_windows: tuple[int | None, ...] = (None,),
     ) -> None:
+        self.kv_groups = KVGroupLayout.from_windows(layer_windows, hybrid=config.hybrid_kv_cache)
         self.model_config = types.SimpleNamespace(
             vocab_size=vocab_size,
             eos_token_ids=eos_token_ids,

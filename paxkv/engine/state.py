@@ -9,6 +9,10 @@ contiguous block covering every KV head; moving it between HBM and on-chip memor
 single DMA, and the per-head `[ps, D]` tile is what the matrix unit consumes. Layers are
 separate arrays (a tuple), so a layer's pages are handed to a kernel without a copy.
 Quantized caches (int8, fp8) hold `f32[P, Hkv, ps]` scales per layer beside the pages.
+
+With KV-cache groups (`paxkv.host.kv_groups`, hybrid models), the arrays are slots
+shared by one layer of each group: layer l reads and writes slot `layer_slots[l]` at the
+page ids of its group's table, `table.for_group(layer_groups[l])`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from paxkv.host.batch import pad_page_table
+from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.kv_layout import resolve_kv_cache_dtype
 from paxkv.pallas_kernels import write_kv_pages
 
@@ -32,10 +37,12 @@ class PageTable:
     Sequences `s < num_seqs[0]` are live. Sequence s has `kv_lens[s]` tokens in the
     cache after this step's write (its new tokens included), its new query tokens are
     the packed rows `cu_q_lens[s] : cu_q_lens[s + 1]`, and token j lives in page
-    `block_tables[s, j // page_size]`. Unused entries point at `NULL_PAGE`.
+    `block_tables[s, j // page_size]`. Unused entries point at `NULL_PAGE`. With
+    several KV-cache groups, `block_tables` is `i32[G, S, pages_per_seq]`, a table per
+    group, and `for_group(g)` is the table of group g's layers.
     """
 
-    block_tables: jax.Array  # i32[S, pages_per_seq]
+    block_tables: jax.Array  # i32[S, pages_per_seq], or i32[G, S, pages_per_seq]
     kv_lens: jax.Array  # i32[S]
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[1]
@@ -49,7 +56,20 @@ class PageTable:
     @property
     def pages_per_seq(self) -> int:
         """Block-table entries per sequence."""
-        return self.block_tables.shape[1]
+        return self.block_tables.shape[-1]
+
+    @property
+    def num_groups(self) -> int:
+        """Page tables per sequence (KV-cache groups)."""
+        return 1 if self.block_tables.ndim == 2 else self.block_tables.shape[0]
+
+    def for_group(self, group: int) -> PageTable:
+        """The table of KV-cache group `group` (itself with one group)."""
+        if self.block_tables.ndim == 2:
+            if group != 0:
+                raise ValueError(f"group={group} of a table with one group")
+            return self
+        return self.replace(block_tables=self.block_tables[group])
 
     def kernel_args(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """`(kv_lens, block_tables, cu_q_lens, num_seqs)`, in the attention call's order."""
@@ -105,6 +125,9 @@ class PagedKVCache:
     v: tuple[jax.Array, ...]
     k_scales: tuple[jax.Array, ...] | None = None
     v_scales: tuple[jax.Array, ...] | None = None
+    # KV-cache groups: each layer's slot and group; None: slot l is layer l, one group.
+    layer_slots: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
+    layer_groups: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -117,23 +140,37 @@ class PagedKVCache:
         head_dim: int,
         dtype=jnp.bfloat16,
         kv_cache_dtype: str = "auto",
+        layout: KVGroupLayout | None = None,
     ) -> PagedKVCache:
-        """A zero-filled cache; `kv_cache_dtype` "int8"/"fp8" stores pages quantized."""
+        """A zero-filled cache; `kv_cache_dtype` "int8"/"fp8" stores pages quantized.
+        With a `layout` of several groups, `layout.num_slots` arrays shared by groups."""
         page_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         shape = (num_pages, num_kv_heads, page_size, head_dim)
-        k = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_layers))
-        v = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_layers))
+        groups = {}
+        num_arrays = num_layers
+        if layout is not None and layout.hybrid:
+            if layout.num_layers != num_layers:
+                raise ValueError(f"{layout.num_layers=} != {num_layers=}")
+            groups = {"layer_slots": layout.layer_slot, "layer_groups": layout.layer_group}
+            num_arrays = layout.num_slots
+        k = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
+        v = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
         if kv_cache_dtype == "auto":
-            return cls(k=k, v=v)
-        ones = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(num_layers))
-        return cls(k=k, v=v, k_scales=ones(), v_scales=ones())
+            return cls(k=k, v=v, **groups)
+        ones = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(num_arrays))
+        return cls(k=k, v=v, k_scales=ones(), v_scales=ones(), **groups)
 
     @classmethod
     def for_model(
-        cls, model_config: Any, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
+        cls,
+        model_config: Any,
+        num_pages: int,
+        page_size: int,
+        kv_cache_dtype: str = "auto",
+        layout: KVGroupLayout | None = None,
     ) -> PagedKVCache:
         """A zero-filled cache for a model with `model_config`'s num_layers, num_kv_heads,
-        head_dim and dtype."""
+        head_dim and dtype, laid out for the KV-cache groups `layout` (None: one)."""
         mc = model_config
         return cls.create(
             num_layers=mc.num_layers,
@@ -143,12 +180,26 @@ class PagedKVCache:
             head_dim=mc.head_dim,
             dtype=mc.dtype,
             kv_cache_dtype=kv_cache_dtype,
+            layout=layout,
         )
 
     @property
     def num_layers(self) -> int:
-        """Layers in the cache."""
+        """Layers the cache serves."""
+        return len(self.k) if self.layer_slots is None else len(self.layer_slots)
+
+    @property
+    def num_slots(self) -> int:
+        """Per-layer arrays (layers, or slots shared by the groups' layers)."""
         return len(self.k)
+
+    def slot(self, layer: int) -> int:
+        """The array that holds `layer`'s pages."""
+        return layer if self.layer_slots is None else self.layer_slots[layer]
+
+    def group(self, layer: int) -> int:
+        """The KV-cache group (page table) of `layer`."""
+        return 0 if self.layer_groups is None else self.layer_groups[layer]
 
     @property
     def num_pages(self) -> int:
@@ -172,10 +223,16 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> dict[str, jax.Array]:
         """Keyword arguments of the attention call for `layer`: pages and, if quantized, scales."""
-        args = {"k_pages": self.k[layer], "v_pages": self.v[layer]}
+        i = self.slot(layer)
+        args = {"k_pages": self.k[i], "v_pages": self.v[i]}
         if self.quantized:
-            args |= {"k_scales": self.k_scales[layer], "v_scales": self.v_scales[layer]}
+            args |= {"k_scales": self.k_scales[i], "v_scales": self.v_scales[i]}
         return args
+
+    def attention_kwargs(self, layer: int, table: PageTable) -> dict[str, jax.Array]:
+        """Keyword arguments of the attention call for `layer`: its pages (and scales)
+        and its group's page table."""
+        return self.layer(layer) | table.for_group(self.group(layer)).kernel_kwargs()
 
     def write(
         self,
@@ -184,21 +241,23 @@ class PagedKVCache:
         new_v: jax.Array,  # [T, Hkv, D]
         table: PageTable,
     ) -> PagedKVCache:
-        """Returns the cache with this step's new K/V of `layer` written into their slots."""
+        """Returns the cache with this step's new K/V of `layer` written into their slots
+        (of its group's pages)."""
         if table.page_size != self.page_size:
             raise ValueError(
                 f"table.page_size={table.page_size} != cache page_size={self.page_size}"
             )
+        i = self.slot(layer)
         k, v, ks, vs = write_kv_pages(
-            self.k[layer],
-            self.v[layer],
+            self.k[i],
+            self.v[i],
             new_k,
             new_v,
-            *table.kernel_args(),
-            k_scales=self.k_scales[layer] if self.quantized else None,
-            v_scales=self.v_scales[layer] if self.quantized else None,
+            *table.for_group(self.group(layer)).kernel_args(),
+            k_scales=self.k_scales[i] if self.quantized else None,
+            v_scales=self.v_scales[i] if self.quantized else None,
         )
-        put = lambda xs, x: (*xs[:layer], x, *xs[layer + 1 :])
+        put = lambda xs, x: (*xs[:i], x, *xs[i + 1 :])
         if not self.quantized:
             return self.replace(k=put(self.k, k), v=put(self.v, v))
         return self.replace(

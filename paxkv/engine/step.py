@@ -58,10 +58,19 @@ class StepBatch:
         ]
 
     @classmethod
-    def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int) -> StepBatch:
-        """A batch of the given bucket shape with no live sequence (warm-up compiles it)."""
+    def empty(
+        cls,
+        num_tokens: int,
+        num_seqs: int,
+        pages_per_seq: int,
+        page_size: int,
+        num_groups: int = 1,
+    ) -> StepBatch:
+        """A batch of the given bucket shape with no live sequence (warm-up compiles it);
+        `num_groups` page tables per sequence (KV-cache groups)."""
+        groups = () if num_groups == 1 else (num_groups,)
         table = PageTable(
-            block_tables=jnp.zeros((num_seqs, pages_per_seq), jnp.int32),
+            block_tables=jnp.zeros((*groups, num_seqs, pages_per_seq), jnp.int32),
             kv_lens=jnp.zeros(num_seqs, jnp.int32),
             cu_q_lens=jnp.zeros(num_seqs + 1, jnp.int32),
             num_seqs=jnp.zeros(1, jnp.int32),

@@ -173,7 +173,7 @@ class HostBatch:
 
     tokens: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
-    block_tables: np.ndarray  # i32[S, P]
+    block_tables: np.ndarray  # i32[S, P], or i32[G, S, P] with several KV-cache groups
     kv_lens: np.ndarray  # i32[S]
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
@@ -198,7 +198,8 @@ def build_host_batch(
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
     The block table and the sampling parameters are one gather of the chunks' rows of
-    the persistent batch `rows` (each row cut to the chunk's `num_pages`; with
+    the persistent batch `rows` (a table per KV-cache group when there are several;
+    each row cut to the chunk's `num_pages`; with
     `Scheduler.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
     in-flight step's output that holds the token the sequence's last row needs;
@@ -238,9 +239,14 @@ def build_host_batch(
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:n] = cu[1 : n + 1] - 1
 
-    table = np.full((s_pad, p_pad), NULL_PAGE, np.int32)
-    gathered = rows.block_tables[row_ids, :p_pad]
-    table[:n] = np.where(np.arange(p_pad)[None, :] < num_pages[:, None], gathered, NULL_PAGE)
+    # One gather of every group's rows, each cut to the chunk's pages.
+    groups = rows.num_groups
+    table = np.full((groups, s_pad, p_pad), NULL_PAGE, np.int32)
+    gathered = rows.tables[:, row_ids, :p_pad]
+    cut = np.arange(p_pad)[None, None, :] < num_pages[None, :, None]
+    table[:, :n] = np.where(cut, gathered, NULL_PAGE)
+    if groups == 1:
+        table = table[0]
     kv_lens = np.zeros(s_pad, np.int32)
     kv_lens[:n] = ends
 

@@ -20,11 +20,12 @@ from collections import deque
 from collections.abc import Iterable
 
 from paxkv.host.kv_cache_manager import KVCacheManager
+from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.host.page_pool import PagePool
 from paxkv.host.plan import ScheduledChunk, SchedulerOutput
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState, TopLogprobs
-from paxkv.pallas_kernels.layout import cdiv
+from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 from paxkv.request import FinishReason, SamplingParams
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
@@ -44,6 +45,7 @@ class Scheduler:
       enable_prefix_caching: reuse cached pages of equal prefixes.
       reservation: how many token slots a sequence holds (default: the pages it needs;
         see `paxkv.host.reservation`).
+      layout: the KV-cache groups (`paxkv.host.kv_groups`; default: one global group).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class Scheduler:
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         reservation: PagedReservation | None = None,
+        layout: KVGroupLayout | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
@@ -66,6 +69,8 @@ class Scheduler:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             reservation=reservation,
+            layout=layout,
+            max_chunk_tokens=max_num_batched_tokens,
         )
         self.pool = pool
         self.page_size = page_size
@@ -128,6 +133,7 @@ class Scheduler:
         now = time.monotonic()
         ps = self.page_size
         caching = self.kv_cache.enable_prefix_caching
+        sliding = self.kv_cache.sliding
         # Decodes (one token left to compute) first, then prefill chunks; each in order of
         # precedence, which `self.running` keeps.
         prefills = []
@@ -143,6 +149,8 @@ class Scheduler:
                 continue
             try:
                 if outputs and end <= len(seq.pages) * ps:  # the common decode: no new page
+                    if sliding:
+                        self.kv_cache.slide(seq, end - 1)
                     chunk = ScheduledChunk(
                         seq, end - 1, 1, True, (outputs[-1],), seq.row, -(-end // ps), len(outputs)
                     )
@@ -231,7 +239,7 @@ class Scheduler:
             return
         before = len(seq.keys)
         kv.register_full_pages(seq, end)
-        for page in seq.pages[before : len(seq.keys)]:
+        for page in kv.held(seq, before, len(seq.keys)):
             self._writers[page] = seq
 
     def prune(self, plan: SchedulerOutput) -> SchedulerOutput:
@@ -261,7 +269,9 @@ class Scheduler:
         writers = self._writers
         if not writers:
             return set()
-        return {w for p in seq.pages if (w := writers.get(p)) is not None and w is not seq}
+        return {
+            w for p in self.kv_cache.held(seq) if (w := writers.get(p)) is not None and w is not seq
+        }
 
     def _admit(self, seq: SequenceState, budget: int, now: float) -> ScheduledChunk | None:
         """Admits the first waiting sequence with its first chunk, or None if it must wait."""
@@ -269,7 +279,9 @@ class Scheduler:
         if self._sibling_prefilling(seq):
             return None  # it will share the sibling's prompt pages once they are cached
         hits = kv.lookup(seq)
-        whole = max(0, kv.pages_to_hold(seq, seq.num_tokens) - len(hits))
+        num_hits = len(hits[0])
+        held = sum(1 for t in hits for p in t if p != NULL_PAGE)
+        whole = max(0, kv.pages_at_peak(seq, seq.num_tokens) - held)
         if self.pool.num_free - kv.evictable(hits) - whole < self.watermark_pages and (
             self.running
         ):
@@ -280,7 +292,7 @@ class Scheduler:
             kv.free(seq)
             seq.num_computed_tokens = 0
             return None
-        kv.count_lookup(seq, len(hits))
+        kv.count_lookup(seq, num_hits)
         self.waiting.popleft()
         seq.status = SeqStatus.RUNNING
         if seq.first_scheduled_time is None:

@@ -26,6 +26,8 @@ class SequenceState:
 
     `pages` grow only at the end while the sequence runs, and are emptied when it is
     preempted or ends; `num_computed_tokens` of its tokens have K/V in those pages.
+    Page j of a table holds tokens `j * page_size ..`; a window group's table has
+    `NULL_PAGE` at pages it no longer holds.
     """
 
     seq_id: str
@@ -44,6 +46,12 @@ class SequenceState:
     # With penalties: how often each real token (not a placeholder) was generated.
     output_counts: dict[int, int] = dataclasses.field(default_factory=dict)
     pages: list[int] = dataclasses.field(default_factory=list)
+    # With several KV-cache groups (`paxkv.host.kv_groups`): the page tables of groups
+    # 1.. (`pages` is group 0's), each as long as `pages`, `NULL_PAGE` where a window
+    # group holds nothing; and per group, the leading pages it has let go of (or never
+    # took) because they fell behind its window.
+    group_pages: list[list[int]] = dataclasses.field(default_factory=list)
+    window_freed: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # its row of the persistent batch while it holds pages
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
