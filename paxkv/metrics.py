@@ -171,6 +171,8 @@ def engine_stats(
         "kv_token_slots_reserved": kv["token_slots_reserved"],
         "kv_token_utilization": kv["kv_utilization"],
         "kv_wasted_slots_per_seq": kv["wasted_slots"] / running if running else 0.0,
+        # Per KV-cache group (`paxkv.host.kv_groups`): window, layers, pages held.
+        "kv_groups": kvm.group_usage(sch.running),
         "prefix_cache_queries": kvm.prefix_queries,
         "prefix_cache_hits": kvm.prefix_hits,
         "prefix_cache_hit_rate": kvm.prefix_hits / kvm.prefix_queries
@@ -268,3 +270,11 @@ class PrometheusCollector:
         for reason, count in stats["requests_finished"].items():
             finished.add_metric([reason], count)
         yield finished
+        groups = GaugeMetricFamily(
+            f"{self._prefix}:kv_group_pages_held",
+            "pages held by running requests per KV-cache group",
+            labels=["group", "window"],
+        )
+        for i, g in enumerate(stats["kv_groups"]):
+            groups.add_metric([str(i), str(g["window"] or "global")], g["pages_held"])
+        yield groups

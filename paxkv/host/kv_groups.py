@@ -151,4 +151,5 @@ class KVGroupLayout:
             f"{'global' if g.window is None else f'window {g.window}'} x{len(g.layers)}"
             for g in self.groups
         ]
-        return f"{self.num_groups} groups ({', '.join(parts)}) over {self.num_slots} slots"
+        s = "s" if self.num_groups > 1 else ""
+        return f"{self.num_groups} group{s} ({', '.join(parts)}) over {self.num_slots} slots"

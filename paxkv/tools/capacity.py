@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.kv_layout import kv_page_bytes, page_bytes, resolve_kv_cache_dtype
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
@@ -73,7 +74,7 @@ def num_parameters(model: ModelShape) -> int:
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_heads * d, model.num_kv_heads * d
     attention = h * q + 2 * h * kv + q * h
-    if model.attention_bias:  # Qwen2: q/k/v biases, none on o_proj
+    if getattr(model, "attention_bias", False):  # Qwen2: q/k/v biases, none on o_proj
         attention += q + 2 * kv
     mlp = 3 * h * model.intermediate_size
     layer = attention + mlp + 2 * h  # two RMSNorms
@@ -92,7 +93,7 @@ def num_parameters_per_device(model: ModelShape, mesh: MeshShape) -> int:
     h, d, m = model.hidden_size, model.head_dim, mesh.model
     q, kv = model.num_heads * d, model.num_kv_heads * d
     attention = h * q + 2 * h * kv + q * h
-    if model.attention_bias:
+    if getattr(model, "attention_bias", False):
         attention += q + 2 * kv
     if mesh.splits(model.num_kv_heads):
         attention //= m  # every attention tensor has a head axis
@@ -216,6 +217,15 @@ class CapacityPlan:
     model_parallel: int = 1
     data_parallel: int = 1
     kv_heads_per_device: int | None = None
+    # With the engine's KV-cache groups (`paxkv.host.kv_groups`) for a model with
+    # sliding windows: the pool (pages of `group_slots` layers each), the pages a
+    # sequence holds at its final length over every group (a window group only those
+    # inside its window), and the concurrency; equal to the paged figures otherwise.
+    kv_groups: str = "1 group"
+    group_slots: int = 0
+    group_num_pages: int = 0
+    group_pages_per_seq: float = 0.0
+    group_concurrency: int = 0
 
     @property
     def num_devices(self) -> int:
@@ -275,6 +285,13 @@ class CapacityPlan:
         return self.paged_concurrency / self.contiguous_concurrency
 
     @property
+    def group_gain(self) -> float | None:
+        """Concurrency with KV-cache groups over uniform paging; None when paging holds none."""
+        if not self.paged_concurrency:
+            return None
+        return self.group_concurrency / self.paged_concurrency
+
+    @property
     def paged_waste_fraction(self) -> float:
         """Expected share of a sequence's allocated slots that hold no token."""
         return self.paged_waste_tokens / (self.mean_pages_per_seq * self.page_size)
@@ -298,6 +315,7 @@ class CapacityPlan:
             "fits_one_sequence",
             "block_table_bytes",
             "paged_gain",
+            "group_gain",
             "paged_waste_fraction",
             "contiguous_waste_fraction",
         )
@@ -356,6 +374,9 @@ def plan_capacity(
     usable = max(num_pages - 1, 0)
     pages = cdiv(lengths, page_size)
     contiguous_bytes = max_model_len * one_page * model.num_layers // page_size
+    layout = KVGroupLayout.for_model(model)
+    group_pages = group_pages_held(layout, lengths, page_size)
+    group_num_pages = int(kv_budget_bytes // (one_page * layout.num_slots))
     return CapacityPlan(
         kv_cache_dtype=kv_cache_dtype,
         page_dtype=page_dtype,
@@ -375,7 +396,26 @@ def plan_capacity(
         model_parallel=mesh.model,
         data_parallel=mesh.data,
         kv_heads_per_device=kv_heads,
+        kv_groups=layout.describe(),
+        group_slots=layout.num_slots,
+        group_num_pages=group_num_pages,
+        group_pages_per_seq=float(group_pages.mean()),
+        group_concurrency=int(max(group_num_pages - 1, 0) * lengths.size // int(group_pages.sum())),
     )
+
+
+def group_pages_held(
+    layout: KVGroupLayout, lengths: np.ndarray, page_size: int
+) -> np.ndarray:  # i64[N]
+    """Pages a sequence of each final length holds over every group of `layout` while
+    it decodes its last token: a global group all of its pages, a window group of W the
+    pages from token `L - W` (the first its last query reads) to its last."""
+    last = lengths - 1
+    held = np.zeros_like(lengths)
+    for g in layout.groups:
+        first = 0 if g.window is None else np.maximum(0, last - g.window + 1) // page_size
+        held += last // page_size - first + 1
+    return held
 
 
 def page_size_tradeoff(

@@ -148,6 +148,33 @@ class CapacityReport:
                 f"| {p.paged_waste_tokens:.1f} tok ({p.paged_waste_fraction:.1%}) "
                 f"| {format_bytes(p.block_table_bytes)} |"
             )
+        if any(
+            p.group_slots != p.num_layers or "window" in p.kv_groups for p in self.plans.values()
+        ):
+            first = next(iter(self.plans.values()))
+            lines += [
+                "",
+                f"## Sliding-window layers: KV-cache groups ({first.kv_groups})",
+                "",
+                "A window group holds only the pages inside its window "
+                "(`EngineConfig.hybrid_kv_cache`, on by default)"
+                + (
+                    f"; a page of the grouped pool holds {first.group_slots} layers' K/V "
+                    f"where a uniform one holds {first.num_layers}."
+                    if first.group_slots != first.num_layers
+                    else "."
+                ),
+                "",
+                "| KV cache | --num_pages grouped | pages/seq grouped | grouped seqs "
+                "| uniform paged seqs | grouped/uniform | contiguous seqs |",
+                "|---|---:|---:|---:|---:|---:|---:|",
+            ]
+            for p in self.plans.values():
+                gain = "-" if p.group_gain is None else f"{p.group_gain:.1f}x"
+                lines.append(
+                    f"| {_dtype_label(p)} | {p.group_num_pages} | {p.group_pages_per_seq:.1f} "
+                    f"| {p.group_concurrency} | {_seqs(p)} | {gain} | {p.contiguous_concurrency} |"
+                )
         lines += [
             "",
             "Waste is the expected number of token slots a sequence holds but never fills "
@@ -175,11 +202,6 @@ class CapacityReport:
             "the rest of the memory, and the scheduler's admission watermark (1% of pages) is not "
             "deducted.",
         ]
-        if getattr(m, "sliding_window", None):
-            notes.append(
-                f"The model's {m.sliding_window}-token sliding window is not used to free pages: "
-                "every token stays resident."
-            )
         return "\n".join(lines + notes) + "\n"
 
 
