@@ -44,9 +44,9 @@ class EngineConfig:
     )
     hybrid_kv_cache: bool = _field(
         True,
-        "For models that mix sliding-window and global layers: a page table per layer "
-        "group, window groups holding only the pages inside their window "
-        "(`paxkv.host.kv_groups`); off: one table, every layer keeps every page.",
+        "For models with sliding-window layers: a page table per layer group, window "
+        "groups holding only the pages inside their window (`paxkv.host.kv_groups`); "
+        "off: uniform paging, one table, every layer keeps every page.",
     )
     seed: int = 0
     watermark: float = 0.01

@@ -65,19 +65,19 @@ class KVGroupLayout:
     def from_windows(cls, windows: Sequence[int | None], *, hybrid: bool = True) -> KVGroupLayout:
         """Groups for layers with the given windows (None: global), one entry per layer.
 
-        Layers of one window size all alike: one group with that window. Mixed sizes
-        with `hybrid`: the layers of each size split, in order, into groups of
-        `group_size` (the fewest layers of any size) layers, global groups first.
-        Mixed sizes without `hybrid`: one global group (no page is freed early).
+        Layers of one window size all alike: one group with that window. Mixed sizes:
+        the layers of each size split, in order, into groups of `group_size` (the
+        fewest layers of any size) layers, global groups first. Without `hybrid`: one
+        global group, every page kept (uniform paging).
         """
         windows = tuple(windows)
         if not windows:
             raise ValueError("a model needs at least one layer")
+        if not hybrid:
+            return cls.uniform(len(windows), None)
         kinds = list(dict.fromkeys(windows))
         if len(kinds) == 1:
             return cls.uniform(len(windows), kinds[0])
-        if not hybrid:
-            return cls.uniform(len(windows), None)
         by_kind = {k: [i for i, w in enumerate(windows) if w == k] for k in kinds}
         size = min(len(v) for v in by_kind.values())
         order = sorted(kinds, key=lambda k: (k is not None, k or 0))  # global first

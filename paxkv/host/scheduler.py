@@ -212,6 +212,8 @@ class Scheduler:
         kv = self.kv_cache
         n = self._chunk(seq, budget)
         end = seq.num_computed_tokens + n
+        if kv.sliding:
+            kv.slide(seq, seq.num_computed_tokens)
         while not kv.fits(seq, end) and not kv.allocate(seq, end):
             # A sequence the policy will not grow gives way itself.
             victims = (

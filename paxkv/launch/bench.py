@@ -3,9 +3,12 @@
     paxkv-bench                                  # tiny model, ShareGPT-like, on the CPU
     paxkv-bench --workload=shared_prefix --request_rate=4 --json_out=out.json --plot_out=out.png
 
-The same requests run through the same engine, with the same number of KV pages
-(`--kv_budget_mib`, or `--num_pages`), three times: paged, contiguous max-length
-reservation, and contiguous guessed-length reservation (see `paxkv.tools.load_bench`).
+The same requests run through the same engine, with the same KV memory
+(`--kv_budget_mib`, or the memory of `--num_pages` uniform pages), once per set-up:
+paged, paged with uniform allocation (models with sliding-window layers only: every
+layer keeps every page), contiguous max-length reservation, and contiguous
+guessed-length reservation (see `paxkv.tools.load_bench`). A page of the grouped
+cache holds fewer layers (`paxkv.host.kv_groups`), so "paged" gets more pages there.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 
 from absl import app, flags
 
+from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.kv_layout import kv_page_bytes, resolve_kv_cache_dtype
 from paxkv.launch import exit_with_error
 from paxkv.launch import flags as launch_flags
@@ -110,6 +114,12 @@ def _run() -> dict:
         fixed_prompt_len=_range(_FIXED_PROMPT),
         fixed_output_len=_range(_FIXED_OUTPUT),
     )
+    layout = KVGroupLayout.for_model(model_cfg, hybrid=engine_cfg.hybrid_kv_cache)
+    # A page of the grouped cache holds `num_slots` layers: more of them fit the budget.
+    grouped_pages = num_pages * model_cfg.num_layers // layout.num_slots
+    names = [s for s in SETUPS if s in _SETUPS.value]
+    if not layout.has_windows and "paged_uniform" in names:
+        names.remove("paged_uniform")  # the same as "paged" without windows
     model = launch_flags.build_model(setup)
     results = {
         "workload": {
@@ -125,12 +135,14 @@ def _run() -> dict:
         "kv_cache_dtype": engine_cfg.kv_cache_dtype,
         "setups": {},
     }
-    for name in [s for s in SETUPS if s in _SETUPS.value]:
+    results["kv_groups"] = layout.describe()
+    for name in names:
+        pages = grouped_pages if name == "paged" else num_pages
         results["setups"][name] = run_setup(
             name,
             model,
             workload,
-            dataclasses.replace(engine_cfg, num_pages=num_pages),
+            dataclasses.replace(engine_cfg, num_pages=pages),
             guess_tokens=_GUESS.value,
             progress=progress_bar(name),
         )

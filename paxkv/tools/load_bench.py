@@ -1,9 +1,12 @@
 """The load benchmark: one workload, one model, one KV memory budget, three allocators.
 
-It runs the same requests through the same engine with the same number of KV pages,
-changing only what a sequence reserves:
+It runs the same requests through the same engine with the same KV memory, changing
+only what a sequence reserves:
 
-* `paged`: the pages its tokens need (with prefix caching);
+* `paged`: the pages its tokens need (with prefix caching), a window layer group only
+  those inside its window (`paxkv.host.kv_groups`);
+* `paged_uniform`: the same, but every layer keeps every page (for models with
+  sliding-window layers: what `paged` gains by its groups);
 * `contiguous_max`: max_model_len slots at admission, the classic contiguous cache;
 * `contiguous_guess`: prompt + a guessed output length at admission; a sequence that
   outgrows its guess is preempted and recomputed with a doubled guess.
@@ -15,6 +18,8 @@ slots used over slots reserved, averaged over steps), preemptions and prefix hit
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +33,10 @@ from paxkv.request import SamplingParams
 from paxkv.tools.reservations import ContiguousGuess, ContiguousMax
 from paxkv.tools.workloads import SHAREGPT_OUTPUT_LENS, SHAREGPT_PROMPT_LENS
 
-SETUPS = ("paged", "contiguous_max", "contiguous_guess")
+# "paged" serves with the engine's KV-cache groups (a window group holds only the pages
+# in its window, `paxkv.host.kv_groups`); "paged_uniform" keeps every layer's pages, and
+# differs from "paged" only for models with sliding-window layers.
+SETUPS = ("paged", "paged_uniform", "contiguous_max", "contiguous_guess")
 WORKLOADS = ("sharegpt", "fixed", "shared_prefix")
 
 
@@ -134,11 +142,17 @@ def run_setup(
         raise ValueError(f"setup={setup!r} must be one of {SETUPS}")
     reservation = {
         "paged": None,
+        "paged_uniform": None,
         "contiguous_max": ContiguousMax(),
         "contiguous_guess": ContiguousGuess(guess_tokens),
     }[setup]
+    paged = setup.startswith("paged")
     config = dataclasses.replace(
-        config, enable_prefix_caching=setup == "paged", watermark=0.0, log_stats_interval_s=0
+        config,
+        enable_prefix_caching=paged,
+        hybrid_kv_cache=setup == "paged",
+        watermark=0.0,
+        log_stats_interval_s=0,
     )
     engine = Engine(model, config, reservation=reservation)
     engine.warmup()
@@ -184,8 +198,12 @@ def run_setup(
             m = o.metrics
             tpot.add((m.last_token_time - m.first_token_time) / (len(o.outputs[0].token_ids) - 1))
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    tokens = {o.request_id: list(o.outputs[0].token_ids) for o in outs}
+    digest = hashlib.sha256(json.dumps(sorted(tokens.items())).encode()).hexdigest()
     return {
         "setup": setup,
+        "num_pages": config.num_pages,
+        "output_digest": digest[:16],
         "num_requests": n,
         "elapsed_s": elapsed,
         "req_per_s": n / elapsed,
@@ -229,6 +247,7 @@ def format_table(results: dict[str, Any]) -> str:
         ("KV utilisation (used / reserved)", "kv_utilization", "{:.1%}"),
         ("preemptions", "preemptions", "{:d}"),
         ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+        ("KV pages (equal memory)", "num_pages", "{:d}"),
     ]
     setups = results["setups"]
     names = [s for s in SETUPS if s in setups]
@@ -248,4 +267,7 @@ def format_table(results: dict[str, Any]) -> str:
             else:
                 cells.append(fmt.format(v))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    first = setups[names[0]]["output_digest"] if names else None
+    same = ["yes" if setups[s]["output_digest"] == first else "NO" for s in names]
+    lines.append(f"| greedy outputs equal {names[0]}'s | " + " | ".join(same) + " |")
     return "\n".join(lines)

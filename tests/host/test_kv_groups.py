@@ -81,6 +81,7 @@ def test_layout_uniform_cases():
     assert KVGroupLayout.from_windows([None] * 4) == KVGroupLayout.uniform(4)
     mistral = KVGroupLayout.from_windows([4096] * 3)
     assert mistral.groups == (KVCacheGroup(4096, (0, 1, 2)),) and mistral.has_windows
+    assert not KVGroupLayout.from_windows([4096] * 3, hybrid=False).has_windows
     off = KVGroupLayout.from_windows([None, 8, 8], hybrid=False)
     assert off.groups == (KVCacheGroup(None, (0, 1, 2)),) and not off.hybrid
     gemma2 = KVGroupLayout.from_windows([4096, None] * 3)
@@ -167,7 +168,7 @@ def _prefix_id(seq, j):
     return hash(tuple(seq.token_ids(0, j + 1)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     arrivals=_arrivals,
     windows=st.lists(st.sampled_from([None, 3, 5, 8, 13]), min_size=1, max_size=4),
