@@ -1,12 +1,22 @@
-"""Models over the paged KV cache: the Llama family, its configs, weights and tokenizers."""
+"""Models over the paged KV cache: the Llama and Gemma families, their configs, weights and tokenizers."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .config import PRESETS, Llama3RopeScaling, LlamaConfig
-from .llama import LlamaForCausalLM, dense_causal_attention, init_cache, init_model
+from .config import (
+    BYTE_LEVEL_PRESETS,
+    PRESETS,
+    Llama3RopeScaling,
+    LlamaConfig,
+    ModelConfig,
+    config_from_hf,
+)
+from .gemma import GemmaForCausalLM
+from .gemma_config import GemmaConfig
+from .llama import LlamaForCausalLM, dense_causal_attention, init_cache
+from .registry import Model, init_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .weights import (
     CONFIG_FILE,
@@ -27,17 +37,23 @@ CHECKPOINTS = {"tiny-py": os.path.join(os.path.dirname(__file__), "checkpoints",
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 __all__ = [
+    "BYTE_LEVEL_PRESETS",
     "CHECKPOINTS",
     "CONFIG_FILE",
     "ORBAX_PARAMS_DIR",
     "PRESETS",
     "TOKENIZER_CONFIG_FILE",
     "ByteTokenizer",
+    "GemmaConfig",
+    "GemmaForCausalLM",
     "HFTokenizer",
     "Llama3RopeScaling",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "Model",
+    "ModelConfig",
     "Tokenizer",
+    "config_from_hf",
     "dense_causal_attention",
     "init_cache",
     "init_model",
@@ -57,10 +73,11 @@ def load_model(
     dtype: str | None = None,
     seed: int = 0,
     mesh: Any = None,
-) -> tuple[LlamaConfig, LlamaForCausalLM, Tokenizer | None]:
+) -> tuple[ModelConfig, Model, Tokenizer | None]:
     """`(config, model, tokenizer or None)` from a preset name or a local directory.
 
-    A preset name gives a random model (`seed`); "tiny" comes with the `ByteTokenizer`.
+    A preset name gives a random model (`seed`); the byte-level ones ("tiny",
+    "tiny-qwen3", "tiny-gemma2", "tiny-gemma3") come with the `ByteTokenizer`.
     A name of `CHECKPOINTS` ("tiny-py") gives that trained model and the `ByteTokenizer`.
     A directory is a Hugging Face checkpoint, or an orbax checkpoint from `save_params`
     (`config.json` and `params/`); its tokenizer is its `tokenizer.json`, if any, or the
@@ -76,7 +93,7 @@ def load_model(
     name = os.fspath(name_or_path)
     if name in PRESETS:
         config = PRESETS[name] if dtype is None else PRESETS[name].replace(dtype=dtype)
-        tokenizer = ByteTokenizer() if name == "tiny" else None
+        tokenizer = ByteTokenizer() if name in BYTE_LEVEL_PRESETS else None
         return config, init_model(config, seed, mesh=mesh), tokenizer
     if name in CHECKPOINTS:
         path = CHECKPOINTS[name]

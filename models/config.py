@@ -1,14 +1,21 @@
-"""Typed, frozen configuration of the Llama family (Llama 2/3, Mistral, Qwen2) and its presets."""
+"""Typed, frozen configuration of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3).
+
+Also the registry of every family's presets (`PRESETS`, Gemma's included) and the
+parsing of any supported `config.json` by its model type (`config_from_hf`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from . import gemma_config, hf_fields
+from .gemma_config import GemmaConfig
+from .hf_fields import DTYPES as DTYPES  # re-exported: the launch flags read it here
+from .hf_fields import field as _field
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +38,9 @@ class LlamaConfig:
     """Shapes and numerics of one decoder-only Llama-family model.
 
     `attention_bias` means Qwen2's layout: q/k/v projections with bias, o_proj
-    without. `sliding_window=W` lets each token see itself and the W - 1 tokens
+    without. `qk_norm` means Qwen3's: an RMSNorm over the head dim of every q and k
+    head (one weight per projection, shared by its heads), after the projection and
+    before RoPE. `sliding_window=W` lets each token see itself and the W - 1 tokens
     before it (Mistral); None attends to the whole prefix. `dtype` is the parameter
     and activation dtype. `eos_token_id` is an int or a tuple of ints (Llama 3 has
     several); `eos_token_ids` always gives the tuple.
@@ -49,6 +58,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     sliding_window: int | None = None
     max_position_embeddings: int = 4096
     dtype: str = "bfloat16"
@@ -56,27 +66,19 @@ class LlamaConfig:
     eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        hf_fields.check_shared_fields(self)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """The end-of-sequence ids as a tuple (empty when the model has none)."""
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
+        return hf_fields.eos_token_ids(self.eos_token_id)
+
+    @property
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window W (None: the whole prefix); one for all here."""
+        return (self.sliding_window,) * self.num_layers
 
     def replace(self, **changes) -> LlamaConfig:
         """A copy with `changes` applied (`dataclasses.replace`)."""
@@ -84,14 +86,14 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
-        """Parses a Hugging Face `config.json` of model_type llama, mistral or qwen2.
+        """Parses a Hugging Face `config.json` of model_type llama, mistral, qwen2 or qwen3.
 
         Raises ValueError naming the field for a required field that is missing (or
         null), a field of the wrong type (integers must be ints, not floats, strings or
         bools; floats must be finite numbers), a size below 1, and for what this
         decoder does not implement: other model types, rope scalings other than
-        llama3, activations other than SiLU, MLP bias, Llama's o_proj bias, Qwen2's
-        per-layer sliding window.
+        llama3, activations other than SiLU, MLP bias, Llama's and Qwen3's attention
+        bias, Qwen2's and Qwen3's per-layer sliding windows.
         """
         model_type = _field(hf, "model_type", str)
         if model_type not in HF_MODEL_TYPES:
@@ -103,30 +105,25 @@ class LlamaConfig:
             raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU)")
         if _field(hf, "mlp_bias", bool, default=False):
             raise ValueError("mlp_bias=True is not supported")
-        if model_type == "llama":
-            if _field(hf, "attention_bias", bool, default=False):
-                raise ValueError("llama attention_bias=True (o_proj bias) is not supported")
-            attention_bias, sliding_window = False, None
-        elif model_type == "mistral":
-            attention_bias, sliding_window = False, _field(hf, "sliding_window", int, default=None)
-        else:
-            if _field(hf, "use_sliding_window", bool, default=False):
-                raise ValueError(
-                    "qwen2 use_sliding_window=True (per-layer windows) is not supported"
-                )
-            attention_bias, sliding_window = True, None
+        if model_type in ("llama", "qwen3") and _field(hf, "attention_bias", bool, default=False):
+            raise ValueError(f"{model_type} attention_bias=True (o_proj bias) is not supported")
+        windowed = _field(hf, "use_sliding_window", bool, default=False)
+        if model_type in ("qwen2", "qwen3") and windowed:
+            raise ValueError(
+                f"{model_type} use_sliding_window=True (per-layer windows) is not supported"
+            )
+        attention_bias, qk_norm = model_type == "qwen2", model_type == "qwen3"
+        sliding_window = None
+        if model_type == "mistral":
+            sliding_window = _field(hf, "sliding_window", int, default=None)
         # transformers >= 5 folds rope_theta and the scaling into `rope_parameters`.
         rope = dict(_field(hf, "rope_parameters", dict, default={}))
         rope.update(_field(hf, "rope_scaling", dict, default={}))
         num_heads = _field(hf, "num_attention_heads", int)
         hidden_size = _field(hf, "hidden_size", int)
-        dtype = (
-            _field(hf, "torch_dtype", str, default=None)
-            or _field(hf, "dtype", str, default=None)
-            or "float32"
-        )
-        if dtype not in DTYPES:
-            raise ValueError(f"torch_dtype={dtype!r} is not supported; expected one of {DTYPES}")
+        # Qwen3's head_dim is its own (128), not hidden_size / heads; transformers'
+        # class default stands in when the file omits it.
+        default_head_dim = 128 if qk_norm else hidden_size // num_heads
         rope_theta = _field(hf, "rope_theta", float, default=None)
         if rope_theta is None:
             rope_theta = _field(rope, "rope_theta", float, default=10000.0, parent="rope_scaling")
@@ -137,31 +134,44 @@ class LlamaConfig:
             num_layers=_field(hf, "num_hidden_layers", int),
             num_heads=num_heads,
             num_kv_heads=_field(hf, "num_key_value_heads", int, default=num_heads),
-            head_dim=_field(hf, "head_dim", int, default=hidden_size // num_heads),
+            head_dim=_field(hf, "head_dim", int, default=default_head_dim),
             rope_theta=rope_theta,
             rope_scaling=_parse_rope_scaling(rope),
             rms_norm_eps=_field(hf, "rms_norm_eps", float, default=1e-6),
             tie_word_embeddings=_field(hf, "tie_word_embeddings", bool, default=False),
             attention_bias=attention_bias,
+            qk_norm=qk_norm,
             sliding_window=sliding_window,
             max_position_embeddings=_field(hf, "max_position_embeddings", int, default=4096),
-            dtype=dtype,
+            dtype=hf_fields.dtype(hf),
             bos_token_id=_field(hf, "bos_token_id", int, default=None, minimum=0),
-            eos_token_id=_eos_token_id(hf),
+            eos_token_id=hf_fields.eos_token_id(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict; `from_hf(c.to_hf()) == c`.
 
-        The model type is qwen2 with attention bias, mistral with a sliding window and
-        llama otherwise; a config with both has no Hugging Face equivalent (ValueError).
+        The model type is qwen2 with attention bias, qwen3 with q/k norms, mistral with
+        a sliding window and llama otherwise; a config with two of these has no Hugging
+        Face equivalent (ValueError).
         """
-        if self.attention_bias and self.sliding_window is not None:
-            raise ValueError("attention_bias with sliding_window has no Hugging Face model type")
+        features = {
+            "attention_bias": self.attention_bias,
+            "qk_norm": self.qk_norm,
+            "sliding_window": self.sliding_window is not None,
+        }
+        if sum(features.values()) > 1:
+            both = " with ".join(name for name, on in features.items() if on)
+            raise ValueError(f"{both} has no Hugging Face model type")
         model_type = (
-            "qwen2" if self.attention_bias else "mistral" if self.sliding_window else "llama"
+            "qwen2"
+            if self.attention_bias
+            else "qwen3"
+            if self.qk_norm
+            else "mistral"
+            if self.sliding_window
+            else "llama"
         )
-        eos = self.eos_token_id
         hf = {
             "model_type": model_type,
             "architectures": [
@@ -169,6 +179,7 @@ class LlamaConfig:
                     "llama": "LlamaForCausalLM",
                     "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM",
                 }[model_type]
             ],
             "vocab_size": self.vocab_size,
@@ -186,74 +197,17 @@ class LlamaConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "torch_dtype": self.dtype,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+            "eos_token_id": hf_fields.eos_to_hf(self.eos_token_id),
         }
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if model_type == "llama":
+        if model_type in ("llama", "qwen3"):
             hf |= {"attention_bias": False, "mlp_bias": False}
-        elif model_type == "mistral":
+        if model_type == "mistral":
             hf["sliding_window"] = self.sliding_window
-        else:
+        elif model_type in ("qwen2", "qwen3"):
             hf |= {"use_sliding_window": False, "sliding_window": None}
         return hf
-
-
-_REQUIRED = object()
-_KIND_NAMES = {
-    int: "an integer",
-    float: "a number",
-    bool: "a bool",
-    str: "a string",
-    dict: "an object",
-}
-
-
-def _field(
-    hf: Mapping[str, Any],
-    key: str,
-    kind: type,
-    *,
-    default: Any = _REQUIRED,
-    minimum: int = 1,
-    parent: str | None = None,
-) -> Any:
-    """`hf[key]` checked to be of `kind`, or `default` when the key is missing or null.
-
-    ValueError naming the field (as `parent.key` under a nested object) and showing the
-    value: a required field missing, a value of another JSON type (a bool is not an
-    int, an int is a float), a float that is not finite, an int below `minimum`.
-    """
-    name = f"{parent}.{key}" if parent else key
-    value = hf.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"missing field {name!r}")
-        return default
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
-        raise ValueError(
-            f"field {name!r} must be {_KIND_NAMES[kind]}, got {value!r} ({type(value).__name__})"
-        )
-    if kind is int and value < minimum:
-        raise ValueError(f"field {name!r} must be >= {minimum}, got {value}")
-    return float(value) if kind is float else value
-
-
-def _eos_token_id(hf: Mapping[str, Any]) -> int | tuple[int, ...] | None:
-    """`eos_token_id`: null, a token id, or a list of token ids (ValueError otherwise)."""
-    value = hf.get("eos_token_id")
-    if isinstance(value, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-            raise ValueError(f"field 'eos_token_id' must be token ids (ints >= 0), got {value!r}")
-        return tuple(value)
-    return _field(hf, "eos_token_id", int, default=None, minimum=0)
 
 
 def _parse_rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | None:
@@ -357,10 +311,64 @@ QWEN2_5_7B = LlamaConfig(
     eos_token_id=151643,
 )
 
-PRESETS: dict[str, LlamaConfig] = {
+QWEN3_0_6B = LlamaConfig(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+QWEN3_8B = QWEN3_0_6B.replace(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    tie_word_embeddings=False,
+)
+
+TINY_QWEN3 = TINY.replace(qk_norm=True, rms_norm_eps=1e-6)
+
+# Every model config class, and the model types each parses.
+ModelConfig = LlamaConfig | GemmaConfig
+CONFIG_CLASSES: dict[str, type[LlamaConfig] | type[GemmaConfig]] = {
+    **dict.fromkeys(HF_MODEL_TYPES, LlamaConfig),
+    **dict.fromkeys(gemma_config.HF_MODEL_TYPES, GemmaConfig),
+}
+
+PRESETS: dict[str, ModelConfig] = {
     "tiny": TINY,
     "llama-3.2-1b": LLAMA_3_2_1B,
     "llama-3.1-8b": LLAMA_3_1_8B,
     "mistral-7b": MISTRAL_7B,
     "qwen2.5-7b": QWEN2_5_7B,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "qwen3-8b": QWEN3_8B,
+    "tiny-qwen3": TINY_QWEN3,
+    **gemma_config.PRESETS,
 }
+# Presets whose ids are UTF-8 bytes: they come with the `ByteTokenizer`.
+BYTE_LEVEL_PRESETS = ("tiny", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """The config of a Hugging Face `config.json` dict, by its `model_type`.
+
+    ValueError naming the field, as each class's `from_hf` does, and for a model type
+    of no supported family.
+    """
+    model_type = _field(hf, "model_type", str)
+    if model_type not in CONFIG_CLASSES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported; expected one of {tuple(CONFIG_CLASSES)}"
+        )
+    return CONFIG_CLASSES[model_type].from_hf(hf)

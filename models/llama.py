@@ -1,13 +1,16 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) in Flax NNX, over the paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3) in Flax NNX, over the paged KV cache.
 
 Parameter names follow Hugging Face's (`embed_tokens`, `layers[i].self_attn.q_proj`,
 `mlp.gate_proj`, `input_layernorm`, ...) so `weights.py` maps checkpoints by rule.
 Linear kernels are stored `[in, out]` (NNX's layout), the transpose of Hugging Face's.
+The pieces other families share live here too: RoPE, the projections, the MLP, dense
+attention (the oracle) and `paged_attention`, the one per-layer call into the cache.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,9 +22,14 @@ from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.pallas_kernels import ragged_paged_attention
 from paxkv.sharding import shardings
 
-from .config import Llama3RopeScaling, LlamaConfig
+from .config import Llama3RopeScaling, LlamaConfig, ModelConfig
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for these models
+# MLP activations by their Hugging Face names; gelu_pytorch_tanh is tanh-approximate.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 
 def rope_inv_freq(
@@ -74,10 +82,12 @@ def dense_causal_attention(
     *,
     sm_scale: float,
     sliding_window: int | None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [L, Hq, D], q.dtype
     """Plain causal softmax attention of one sequence, in float32 at HIGHEST precision.
 
-    Query i sees keys `j <= i`, and with a window W only `j > i - W`.
+    Query i sees keys `j <= i`, and with a window W only `j > i - W`. Logits are
+    `sm_scale * q.k`, capped at `soft_cap * tanh(logits / soft_cap)` when it is set.
     """
     length, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
@@ -85,6 +95,8 @@ def dense_causal_attention(
     v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k, precision=hi) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     i = jnp.arange(length)[:, None]
     j = jnp.arange(length)[None, :]
     mask = j <= i
@@ -94,14 +106,15 @@ def dense_causal_attention(
     return jnp.einsum("hqk,khd->qhd", p, v, precision=hi).astype(q.dtype)
 
 
-def _precision(config: LlamaConfig) -> jax.lax.Precision:
+def _precision(config: ModelConfig) -> jax.lax.Precision:
     # float32 models are the test dtype: keep their matmuls exact on TPU/GPU too.
     if config.dtype == "float32":
         return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.DEFAULT
 
 
-def _linear(config, d_in, d_out, *, bias, rngs) -> nnx.Linear:
+def linear(config: ModelConfig, d_in: int, d_out: int, *, bias: bool, rngs) -> nnx.Linear:
+    """A `[d_in, d_out]` projection in the config's dtype, normal(0.02) initialised."""
     return nnx.Linear(
         d_in,
         d_out,
@@ -114,6 +127,44 @@ def _linear(config, d_in, d_out, *, bias, rngs) -> nnx.Linear:
     )
 
 
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:  # f32, x's shape
+    """`x / sqrt(mean(x^2) + eps)` over the last axis, in float32."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def embedding(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Embed:
+    """The token embedding `[vocab, hidden]`, normal(0.02) initialised."""
+    return nnx.Embed(
+        config.vocab_size,
+        config.hidden_size,
+        dtype=config.dtype,
+        param_dtype=config.dtype,
+        embedding_init=nnx.initializers.normal(INIT_STD),
+        rngs=rngs,
+    )
+
+
+def lm_head(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Linear | None:
+    """The output projection, or None when it is tied to the embedding."""
+    if config.tie_word_embeddings:
+        return None
+    return linear(config, config.hidden_size, config.vocab_size, bias=False, rngs=rngs)
+
+
+def output_logits(model: Any, hidden: jax.Array) -> jax.Array:
+    """`hidden [N, hidden]` -> `f32[N, vocab]` through `model.lm_head`, or its tied
+    `model.embed_tokens` when that is None."""
+    head = model.lm_head
+    w = model.embed_tokens.embedding[...].T if head is None else head.kernel[...]
+    return jnp.dot(
+        hidden.astype(w.dtype),
+        w,
+        precision=_precision(model.config),
+        preferred_element_type=jnp.float32,
+    )
+
+
 class RMSNorm(nnx.Module):
     """`weight * (x / sqrt(mean(x^2) + eps))`, normalised in float32 (Hugging Face's order)."""
 
@@ -123,35 +174,48 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Normalises the last axis (in f32) and scales it by the learned weight."""
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return self.weight[...] * rms_normalize(x, self.eps).astype(x.dtype)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """A gated MLP, `down(act(gate(x)) * up(x))`: SwiGLU (silu) or GeGLU (gelu)."""
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, activation: str = "silu"):
         h, m = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(config, h, m, bias=False, rngs=rngs)
-        self.up_proj = _linear(config, h, m, bias=False, rngs=rngs)
-        self.down_proj = _linear(config, m, h, bias=False, rngs=rngs)
+        self.gate_proj = linear(config, h, m, bias=False, rngs=rngs)
+        self.up_proj = linear(config, h, m, bias=False, rngs=rngs)
+        self.down_proj = linear(config, m, h, bias=False, rngs=rngs)
+        self.activation = activation  # a name of ACTIVATIONS (static)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """SwiGLU: `down(silu(gate(x)) * up(x))`."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        """`down(act(gate(x)) * up(x))`."""
+        act = ACTIVATIONS[self.activation]
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nnx.Module):
-    """GQA projections and RoPE; the attention itself is the caller's (paged or dense)."""
+    """GQA projections and RoPE; the attention itself is the caller's (paged or dense).
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    `bias` puts biases on q/k/v (Qwen2). `qk_norm`, when given, makes the norm of
+    every q and of every k head over the head dim (`q_norm`, `k_norm`: Qwen3, Gemma 3),
+    applied after the projection and before RoPE.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        bias: bool = False,
+        qk_norm: Callable[[int], nnx.Module] | None = None,
+    ):
         h, d = config.hidden_size, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = _linear(config, h, config.num_heads * d, bias=bias, rngs=rngs)
-        self.k_proj = _linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
-        self.v_proj = _linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
-        self.o_proj = _linear(config, config.num_heads * d, h, bias=False, rngs=rngs)
+        self.q_proj = linear(config, h, config.num_heads * d, bias=bias, rngs=rngs)
+        self.k_proj = linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
+        self.v_proj = linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
+        self.o_proj = linear(config, config.num_heads * d, h, bias=False, rngs=rngs)
+        self.q_norm = None if qk_norm is None else qk_norm(d)
+        self.k_norm = None if qk_norm is None else qk_norm(d)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
 
     def qkv(
@@ -162,6 +226,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def out(self, attn: jax.Array) -> jax.Array:
@@ -173,13 +239,15 @@ class DecoderLayer(nnx.Module):
     """One transformer block: attention over the paged cache, then the MLP, each pre-normed."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype
+        norm = lambda size: RMSNorm(size, eps=config.rms_norm_eps, dtype=config.dtype)
+        self.input_layernorm = norm(config.hidden_size)
+        self.self_attn = Attention(
+            config,
+            rngs=rngs,
+            bias=config.attention_bias,
+            qk_norm=norm if config.qk_norm else None,
         )
-        self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype
-        )
+        self.post_attention_layernorm = norm(config.hidden_size)
         self.mlp = MLP(config, rngs=rngs)
 
     def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -193,54 +261,17 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = nnx.Embed(
-            config.vocab_size,
-            config.hidden_size,
-            dtype=config.dtype,
-            param_dtype=config.dtype,
-            embedding_init=nnx.initializers.normal(INIT_STD),
-            rngs=rngs,
-        )
+        self.embed_tokens = embedding(config, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else _linear(config, config.hidden_size, config.vocab_size, bias=False, rngs=rngs)
-        )
+        self.lm_head = lm_head(config, rngs=rngs)
         # A jax Mesh (static): attention runs per shard of its `model` axis. Set by
         # `paxkv.sharding.shardings.shard_engine_state`, with the weights and pages placed to match.
         self.mesh = None
 
     def duplicate_kv_heads(self, factor: int) -> None:
-        """Repeats every KV head `factor` times, in place: K/V projection j becomes heads
-        `j * factor .. (j + 1) * factor - 1`, so query head i still reads its own KV head
-        (i // (Hq / Hkv)) and the outputs do not change. `config.num_kv_heads` becomes
-        `num_kv_heads * factor`, which the KV cache is then sized by. For a model axis
-        that outnumbers (or does not divide) the KV heads: each device then holds only
-        the heads its query heads read (`paxkv.sharding.shardings.kv_head_factor`).
-        """
-        c = self.config
-        if factor == 1:
-            return
-        if c.num_heads % (c.num_kv_heads * factor):
-            raise ValueError(
-                f"cannot duplicate {c.num_kv_heads} KV heads {factor}x for {c.num_heads} "
-                "query heads: the query heads must divide evenly among the KV heads"
-            )
-        d = c.head_dim
-        for layer in self.layers:
-            attn = layer.self_attn
-            for proj in (attn.k_proj, attn.v_proj):
-                kernel = proj.kernel.get_value()  # [h, Hkv * D]
-                h = kernel.shape[0]
-                heads = kernel.reshape(h, c.num_kv_heads, d)
-                proj.kernel.set_value(jnp.repeat(heads, factor, axis=1).reshape(h, -1))
-                if proj.bias is not None:
-                    bias = proj.bias.get_value().reshape(c.num_kv_heads, d)
-                    proj.bias.set_value(jnp.repeat(bias, factor, axis=0).reshape(-1))
-            attn.num_kv_heads = c.num_kv_heads * factor
-        self.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
+        """Repeats every KV head `factor` times, in place (see `duplicate_kv_heads`)."""
+        duplicate_kv_heads(self, factor)
 
     @property
     def inv_freq(self) -> np.ndarray:  # f64[D // 2]
@@ -265,67 +296,31 @@ class LlamaForCausalLM(nnx.Module):
         (token 0, position 0) are dropped by the write, attend to nothing, and give
         finite hidden states that the caller ignores.
         """
-        sm_scale = self.config.head_dim**-0.5
+        c = self.config
         inv_freq = self.inv_freq
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
-            attn, kv_cache = self._paged_attention(
-                i, q, k, v, kv_cache, table, sm_scale=sm_scale, backend=attention_backend
+            attn, kv_cache = paged_attention(
+                i,
+                q,
+                k,
+                v,
+                kv_cache,
+                table,
+                sm_scale=c.head_dim**-0.5,
+                sliding_window=c.sliding_window,
+                soft_cap=None,
+                num_kv_heads=c.num_kv_heads,
+                mesh=self.mesh,
+                backend=attention_backend,
             )
             x = layer.finish(x, attn)
         return self.norm(x), kv_cache
 
-    def _paged_attention(
-        self,
-        layer: int,
-        q: jax.Array,  # [T, Hq, D]
-        k: jax.Array,  # [T, Hkv, D]
-        v: jax.Array,  # [T, Hkv, D]
-        kv_cache: PagedKVCache,
-        table: PageTable,
-        *,
-        sm_scale: float,
-        backend: str,
-    ) -> tuple[jax.Array, PagedKVCache]:  # [T, Hq, D], new cache
-        """Writes `layer`'s new K/V and attends; per shard of `self.mesh` when there is one.
-
-        On a mesh each device writes and reads only its own KV heads' slice of every page
-        and attends with its own q heads (the heads of q, k, v and the pages share one
-        spec); the page table is replicated, so no data crosses devices here.
-        """
-
-        def attend(q, k, v, kv_cache, table):
-            kv_cache = kv_cache.write(layer, k, v, table)
-            attn = ragged_paged_attention(
-                q,
-                **kv_cache.layer(layer),
-                **table.kernel_kwargs(),
-                sm_scale=sm_scale,
-                sliding_window=self.config.sliding_window,
-                backend=backend,
-            )
-            return attn, kv_cache
-
-        if self.mesh is None:
-            return attend(q, k, v, kv_cache, table)
-        heads = shardings.kv_head_spec(self.config.num_kv_heads, self.mesh)
-        return shardings.shard_map(
-            attend,
-            self.mesh,
-            in_specs=(heads, heads, heads, heads, shardings.REPLICATED),
-            out_specs=(heads, heads),
-        )(q, k, v, kv_cache, table)
-
     def logits(self, hidden: jax.Array) -> jax.Array:
         """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
-        w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        return jnp.dot(
-            hidden.astype(w.dtype),
-            w,
-            precision=_precision(self.config),
-            preferred_element_type=jnp.float32,
-        )
+        return output_logits(self, hidden)
 
     def dense_logits(self, tokens: jax.Array) -> jax.Array:
         """`i32[L]` -> `f32[L, vocab]`: one sequence from position 0, dense causal attention.
@@ -349,27 +344,89 @@ class LlamaForCausalLM(nnx.Module):
         return self.logits(self.norm(x))
 
 
-def init_model(config: LlamaConfig, seed: int = 0, *, mesh: Any = None) -> LlamaForCausalLM:
-    """A randomly initialised model (normal(0.02) weights, unit norms, zero biases).
-
-    With a `mesh` (`paxkv.sharding`), the weights are initialised under `jit` directly
-    in their shardings, so no device ever holds more than its shard; the values are the
-    same as without one.
+def duplicate_kv_heads(model: Any, factor: int) -> None:
+    """Repeats every KV head of `model` `factor` times, in place: K/V projection j
+    becomes heads `j * factor .. (j + 1) * factor - 1`, so query head i still reads its
+    own KV head (i // (Hq / Hkv)) and the outputs do not change. `config.num_kv_heads`
+    becomes `num_kv_heads * factor`, which the KV cache is then sized by. For a model
+    axis that outnumbers (or does not divide) the KV heads: each device then holds
+    only the heads its query heads read (`paxkv.sharding.shardings.kv_head_factor`).
+    Any model whose layers hold an `Attention` as `self_attn` (a k norm is per head
+    dim, shared by the heads, so it stays).
     """
+    c = model.config
+    if factor == 1:
+        return
+    if c.num_heads % (c.num_kv_heads * factor):
+        raise ValueError(
+            f"cannot duplicate {c.num_kv_heads} KV heads {factor}x for {c.num_heads} "
+            "query heads: the query heads must divide evenly among the KV heads"
+        )
+    d = c.head_dim
+    for layer in model.layers:
+        attn = layer.self_attn
+        for proj in (attn.k_proj, attn.v_proj):
+            kernel = proj.kernel.get_value()  # [h, Hkv * D]
+            h = kernel.shape[0]
+            heads = kernel.reshape(h, c.num_kv_heads, d)
+            proj.kernel.set_value(jnp.repeat(heads, factor, axis=1).reshape(h, -1))
+            if proj.bias is not None:
+                bias = proj.bias.get_value().reshape(c.num_kv_heads, d)
+                proj.bias.set_value(jnp.repeat(bias, factor, axis=0).reshape(-1))
+        attn.num_kv_heads = c.num_kv_heads * factor
+    model.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
+
+
+def paged_attention(
+    layer: int,
+    q: jax.Array,  # [T, Hq, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    kv_cache: PagedKVCache,
+    table: PageTable,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    num_kv_heads: int,
+    mesh: Any,
+    backend: str,
+) -> tuple[jax.Array, PagedKVCache]:  # [T, Hq, D], new cache
+    """Writes `layer`'s new K/V into the cache and attends over it: every model's one
+    per-layer call into the paged cache.
+
+    `sliding_window` and `soft_cap` are this layer's (see `ragged_paged_attention`).
+    On a `mesh` each device writes and reads only its own KV heads' slice of every page
+    and attends with its own q heads (the heads of q, k, v and the pages share one
+    spec); the page table is replicated, so no data crosses devices here.
+    """
+
+    def attend(q, k, v, kv_cache, table):
+        kv_cache = kv_cache.write(layer, k, v, table)
+        attn = ragged_paged_attention(
+            q,
+            **kv_cache.layer(layer),
+            **table.kernel_kwargs(),
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            backend=backend,
+        )
+        return attn, kv_cache
+
     if mesh is None:
-        return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
-    graphdef, abstract = nnx.split(
-        nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))
-    )
-    out = shardings.param_shardings(abstract, config, mesh)
-    state = jax.jit(
-        lambda: nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))[1], out_shardings=out
-    )()
-    return nnx.merge(graphdef, state)
+        return attend(q, k, v, kv_cache, table)
+    heads = shardings.kv_head_spec(num_kv_heads, mesh)
+    return shardings.shard_map(
+        attend,
+        mesh,
+        in_specs=(heads, heads, heads, heads, shardings.REPLICATED),
+        out_specs=(heads, heads),
+    )(q, k, v, kv_cache, table)
 
 
 def init_cache(
-    config: LlamaConfig, *, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
+    config: ModelConfig, *, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
 ) -> PagedKVCache:
     """A zeroed paged cache for every layer; "auto" pages are in `config.dtype`."""
     return PagedKVCache.for_model(config, num_pages, page_size, kv_cache_dtype)

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import LlamaConfig
-from .llama import LlamaForCausalLM
+from .config import ModelConfig, config_from_hf
+from .registry import Model, model_class
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -44,9 +44,10 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join([*prefix, *modules, leaf]), transpose
 
 
-def _abstract_model(config: LlamaConfig):
+def _abstract_model(config: ModelConfig):
     """`(graphdef, state)` of the model with ShapeDtypeStruct leaves; allocates nothing."""
-    return nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0))))
+    cls = model_class(config)
+    return nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
 
 
 def _hf_params(state) -> Iterator[tuple[str, bool, nnx.Variable]]:
@@ -68,8 +69,9 @@ def read_json(file: str) -> dict[str, Any]:
     return value
 
 
-def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
-    """The `LlamaConfig` of checkpoint directory `path`'s `config.json`.
+def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The config (`LlamaConfig` or `GemmaConfig`, by model type) of checkpoint
+    directory `path`'s `config.json`.
 
     ValueError naming the file and the field for invalid JSON, a missing field or a
     field of the wrong type (see `LlamaConfig.from_hf`); OSError without the file.
@@ -77,7 +79,7 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
     file = os.path.join(os.fspath(path), CONFIG_FILE)
     hf = read_json(file)
     try:
-        return LlamaConfig.from_hf(hf)
+        return config_from_hf(hf)
     except ValueError as e:
         raise ValueError(f"{file}: {e}") from e
 
@@ -161,7 +163,7 @@ def load_hf_checkpoint(
     dtype: str | None = None,
     mesh: Any = None,
     stats: dict[str, int] | None = None,
-) -> tuple[LlamaConfig, LlamaForCausalLM]:
+) -> tuple[ModelConfig, Model]:
     """Loads a local Hugging Face checkpoint directory (single-file or sharded safetensors).
 
     The parameters are cast to `dtype` (default: the config's `torch_dtype`). With a
@@ -247,7 +249,7 @@ def _read_slice(f, file: str, name: str):
         raise ValueError(f"{file}: cannot read tensor {name} ({e})") from e
 
 
-def _sharding_of(var: nnx.Variable, path: tuple, config: LlamaConfig, mesh: Any):
+def _sharding_of(var: nnx.Variable, path: tuple, config: ModelConfig, mesh: Any):
     """The NamedSharding of the parameter `var` at NNX `path` on `mesh`."""
     from jax.sharding import NamedSharding
 
@@ -258,7 +260,7 @@ def _sharding_of(var: nnx.Variable, path: tuple, config: LlamaConfig, mesh: Any)
 
 
 def save_hf_checkpoint(
-    model: LlamaForCausalLM, path: str | os.PathLike, *, max_shard_bytes: int | None = None
+    model: Model, path: str | os.PathLike, *, max_shard_bytes: int | None = None
 ) -> None:
     """Writes `config.json` and the weights in Hugging Face's safetensors layout.
 
@@ -300,7 +302,7 @@ def save_hf_checkpoint(
         json.dump(index, f, indent=2)
 
 
-def save_params(model: LlamaForCausalLM, path: str | os.PathLike) -> None:
+def save_params(model: Model, path: str | os.PathLike) -> None:
     """Writes the parameters as an orbax checkpoint in `path/params`, and `path/config.json`.
 
     `path` must not hold a `params` checkpoint already.
@@ -315,9 +317,7 @@ def save_params(model: LlamaForCausalLM, path: str | os.PathLike) -> None:
         checkpointer.save(os.path.join(path, ORBAX_PARAMS_DIR), nnx.state(model, nnx.Param))
 
 
-def restore_params(
-    config: LlamaConfig, path: str | os.PathLike, *, mesh: Any = None
-) -> LlamaForCausalLM:
+def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh: Any = None) -> Model:
     """The model whose parameters `save_params` wrote under `path`, in `config.dtype`.
 
     With a `mesh`, each parameter goes from the host straight to its sharding (each

@@ -1,0 +1,160 @@
+"""The Gemma 2 and Gemma 3 (text) decoders in Flax NNX, over the paged KV cache.
+
+Parameter names follow Hugging Face's (`layers[i].pre_feedforward_layernorm`,
+`self_attn.q_norm`, ...) so `weights.py` maps checkpoints by the Llama family's rule;
+the projections, RoPE, MLP, attention oracle and `paged_attention` are the Llama
+family's (`llama.py`). What differs is in `GemmaConfig`'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paxkv.engine.state import PagedKVCache, PageTable
+
+from .gemma_config import ACTIVATION, GemmaConfig
+from .llama import (
+    MLP,
+    Attention,
+    dense_causal_attention,
+    duplicate_kv_heads,
+    embedding,
+    lm_head,
+    output_logits,
+    paged_attention,
+    rms_normalize,
+    rope_inv_freq,
+)
+
+
+class GemmaRMSNorm(nnx.Module):
+    """`(1 + weight) * (x / sqrt(mean(x^2) + eps))`, all in float32 and then cast back
+    (Hugging Face's Gemma order); the weight starts at zero, the identity scale."""
+
+    def __init__(self, size: int, *, eps: float, dtype: str):
+        self.weight = nnx.Param(jnp.zeros((size,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalises the last axis and scales it by `1 + weight`."""
+        scale = 1.0 + self.weight[...].astype(jnp.float32)
+        return (rms_normalize(x, self.eps) * scale).astype(x.dtype)
+
+
+class GemmaDecoderLayer(nnx.Module):
+    """One block: attention and the GeGLU MLP, each with a norm before and after."""
+
+    def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
+        norm = lambda size: GemmaRMSNorm(size, eps=config.rms_norm_eps, dtype=config.dtype)
+        h = config.hidden_size
+        self.input_layernorm = norm(h)
+        self.self_attn = Attention(config, rngs=rngs, qk_norm=norm if config.qk_norm else None)
+        self.post_attention_layernorm = norm(h)
+        self.pre_feedforward_layernorm = norm(h)
+        self.mlp = MLP(config, rngs=rngs, activation=ACTIVATION)
+        self.post_feedforward_layernorm = norm(h)
+
+    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        """The residual stream after this layer, given its attention output `[T, Hq, D]`."""
+        x = x + self.post_attention_layernorm(self.self_attn.out(attn))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaForCausalLM(nnx.Module):
+    """The Gemma decoder with its (usually tied) LM head; the same contract as
+    `LlamaForCausalLM`: `__call__` is the paged step, `dense_logits` the oracle."""
+
+    def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = embedding(config, rngs=rngs)
+        self.layers = nnx.List(
+            [GemmaDecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
+        self.lm_head = lm_head(config, rngs=rngs)
+        # A jax Mesh (static), as `LlamaForCausalLM.mesh`.
+        self.mesh = None
+
+    def duplicate_kv_heads(self, factor: int) -> None:
+        """Repeats every KV head `factor` times, in place (see `llama.duplicate_kv_heads`)."""
+        duplicate_kv_heads(self, factor)
+
+    def layer_inv_freq(self, layer: int) -> np.ndarray:  # f64[D // 2]
+        """RoPE inverse frequencies of `layer`: the local base on sliding layers, the
+        global base, divided by the linear scaling factor, on full ones."""
+        c = self.config
+        if c.layer_sliding_windows[layer] is not None:
+            return rope_inv_freq(c.head_dim, c.rope_local_theta, None)
+        return rope_inv_freq(c.head_dim, c.rope_theta, None) / (c.rope_scaling_factor or 1.0)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:  # [T, hidden]
+        # The scale is rounded to the model dtype first, as Hugging Face does
+        # (sqrt(3072) = 55.43 is 55.5 in bfloat16).
+        x = self.embed_tokens(tokens)
+        return x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_cache: PagedKVCache,
+        table: PageTable,
+        *,
+        attention_backend: str = "auto",
+    ) -> tuple[jax.Array, PagedKVCache]:  # [T, hidden], new cache
+        """One paged step over packed rows, as `LlamaForCausalLM.__call__`; each layer
+        attends with its own window (`config.layer_sliding_windows`)."""
+        c = self.config
+        x = self._embed(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(
+                layer.input_layernorm(x), positions, self.layer_inv_freq(i)
+            )
+            attn, kv_cache = paged_attention(
+                i,
+                q,
+                k,
+                v,
+                kv_cache,
+                table,
+                sm_scale=c.query_pre_attn_scalar**-0.5,
+                sliding_window=c.layer_sliding_windows[i],
+                soft_cap=c.attn_logit_softcapping,
+                num_kv_heads=c.num_kv_heads,
+                mesh=self.mesh,
+                backend=attention_backend,
+            )
+            x = layer.finish(x, attn)
+        return self.norm(x), kv_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """`hidden [N, hidden]` -> `f32[N, vocab]`, soft-capped by `final_logit_softcapping`."""
+        logits = output_logits(self, hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def dense_logits(self, tokens: jax.Array) -> jax.Array:
+        """`i32[L]` -> `f32[L, vocab]`: one sequence from position 0, dense causal
+        attention with each layer's window; the oracle for the paged path."""
+        c = self.config
+        positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        x = self._embed(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(
+                layer.input_layernorm(x), positions, self.layer_inv_freq(i)
+            )
+            attn = dense_causal_attention(
+                q,
+                k,
+                v,
+                sm_scale=c.query_pre_attn_scalar**-0.5,
+                sliding_window=c.layer_sliding_windows[i],
+                soft_cap=c.attn_logit_softcapping,
+            )
+            x = layer.finish(x, attn)
+        return self.logits(self.norm(x))
