@@ -9,12 +9,34 @@ from a local Hugging Face checkpoint (`--model_dir`). A set-up with
 
 from __future__ import annotations
 
-from paxkv.configs import llama_3_1_8b, llama_3_2_1b, mistral_7b, qwen2_5_7b, tiny, tiny_py
+from paxkv.configs import (
+    gemma_2_9b,
+    gemma_3_4b,
+    llama_3_1_8b,
+    llama_3_2_1b,
+    mistral_7b,
+    qwen2_5_7b,
+    qwen3_8b,
+    tiny,
+    tiny_gemma3,
+    tiny_py,
+)
 from paxkv.configs.setup import ServingSetup
 
 CONFIGS: dict[str, ServingSetup] = {
     m.SETUP.name: m.SETUP
-    for m in (tiny, tiny_py, llama_3_2_1b, llama_3_1_8b, mistral_7b, qwen2_5_7b)
+    for m in (
+        tiny,
+        tiny_py,
+        tiny_gemma3,
+        llama_3_2_1b,
+        llama_3_1_8b,
+        mistral_7b,
+        qwen2_5_7b,
+        qwen3_8b,
+        gemma_2_9b,
+        gemma_3_4b,
+    )
 }
 NAMES = tuple(CONFIGS)
 

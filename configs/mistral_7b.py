@@ -4,8 +4,9 @@ from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
 from paxkv.models.config import MISTRAL_7B
 
-# 128 KiB of KV per token: 24576 pages of 16 tokens are 48 GiB. The 4096-token sliding
-# window limits attention, not the cache: every token stays resident.
+# 128 KiB of KV per token: 24576 pages of 16 tokens are 48 GiB. Every layer has the
+# 4096-token sliding window, so a sequence holds at most about 4096 tokens' pages
+# (`paxkv.host.kv_groups`; `hybrid_kv_cache=False` keeps every token resident).
 SETUP = ServingSetup(
     name="mistral-7b",
     model=MISTRAL_7B,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from paxkv.engine import EngineConfig
-from paxkv.models.config import LlamaConfig
+from paxkv.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,7 @@ class ServingSetup:
     """
 
     name: str
-    model: LlamaConfig
+    model: ModelConfig
     engine: EngineConfig
     random_weights: bool = False
     checkpoint: str | None = None

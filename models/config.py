@@ -80,6 +80,11 @@ class LlamaConfig:
         """Each layer's attention window W (None: the whole prefix); one for all here."""
         return (self.sliding_window,) * self.num_layers
 
+    @property
+    def norm_params_per_layer(self) -> int:
+        """Parameters of a layer's norms: two RMSNorms, and Qwen3's q/k norms."""
+        return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+
     def replace(self, **changes) -> LlamaConfig:
         """A copy with `changes` applied (`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)

@@ -84,6 +84,11 @@ class GemmaConfig:
         return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
 
     @property
+    def norm_params_per_layer(self) -> int:
+        """Parameters of a layer's norms: four RMSNorms, and Gemma 3's q/k norms."""
+        return 4 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
     def model_type(self) -> str:
         """The Hugging Face model type: gemma3_text with q/k norms, gemma2 otherwise."""
         return "gemma3_text" if self.qk_norm else "gemma2"

@@ -395,7 +395,9 @@ def paged_attention(
     """Writes `layer`'s new K/V into the cache and attends over it: every model's one
     per-layer call into the paged cache.
 
-    `sliding_window` and `soft_cap` are this layer's (see `ragged_paged_attention`).
+    `sliding_window` and `soft_cap` are this layer's (see `ragged_paged_attention`). The
+    layer's pages and page table are those of its KV-cache group (`PagedKVCache.slot`,
+    `PagedKVCache.group`; one group unless the model mixes windows).
     On a `mesh` each device writes and reads only its own KV heads' slice of every page
     and attends with its own q heads (the heads of q, k, v and the pages share one
     spec); the page table is replicated, so no data crosses devices here.
@@ -405,8 +407,7 @@ def paged_attention(
         kv_cache = kv_cache.write(layer, k, v, table)
         attn = ragged_paged_attention(
             q,
-            **kv_cache.layer(layer),
-            **table.kernel_kwargs(),
+            **kv_cache.attention_kwargs(layer, table),
             sm_scale=sm_scale,
             soft_cap=soft_cap,
             sliding_window=sliding_window,

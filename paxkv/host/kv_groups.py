@@ -146,10 +146,16 @@ class KVGroupLayout:
         return self.num_slots / self.num_layers
 
     def describe(self) -> str:
-        """One line: the groups, their windows and layer counts."""
-        parts = [
-            f"{'global' if g.window is None else f'window {g.window}'} x{len(g.layers)}"
-            for g in self.groups
-        ]
+        """One line: the groups by window, their layer counts, and the slots."""
+        by_window: dict[int | None, list[int]] = {}
+        for g in self.groups:
+            by_window.setdefault(g.window, []).append(len(g.layers))
+        parts = []
+        for window, sizes in by_window.items():
+            kind = "global" if window is None else f"window {window}"
+            n = len(sizes)
+            parts.append(
+                f"{kind}: {n} group{'s' if n > 1 else ''} of {'/'.join(map(str, sizes))} layers"
+            )
         s = "s" if self.num_groups > 1 else ""
-        return f"{self.num_groups} group{s} ({', '.join(parts)}) over {self.num_slots} slots"
+        return f"{self.num_groups} group{s} ({'; '.join(parts)}) over {self.num_slots} slots"

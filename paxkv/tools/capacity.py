@@ -62,8 +62,9 @@ class ModelShape(Protocol):
     num_kv_heads: int
     head_dim: int
     tie_word_embeddings: bool
-    attention_bias: bool
     dtype: str
+    # Optional: `attention_bias` (Qwen2, default False) and `norm_params_per_layer`
+    # (default two RMSNorms of hidden_size).
 
 
 # Weights.
@@ -77,10 +78,15 @@ def num_parameters(model: ModelShape) -> int:
     if getattr(model, "attention_bias", False):  # Qwen2: q/k/v biases, none on o_proj
         attention += q + 2 * kv
     mlp = 3 * h * model.intermediate_size
-    layer = attention + mlp + 2 * h  # two RMSNorms
+    layer = attention + mlp + _norms(model)
     embedding = model.vocab_size * h
     lm_head = 0 if model.tie_word_embeddings else model.vocab_size * h
     return embedding + model.num_layers * layer + h + lm_head
+
+
+def _norms(model: ModelShape) -> int:
+    """Parameters of one layer's norms (replicated on a mesh)."""
+    return getattr(model, "norm_params_per_layer", 2 * model.hidden_size)
 
 
 def num_parameters_per_device(model: ModelShape, mesh: MeshShape) -> int:
@@ -103,7 +109,7 @@ def num_parameters_per_device(model: ModelShape, mesh: MeshShape) -> int:
     vocab = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
     if mesh.splits(model.vocab_size):
         vocab //= m
-    return vocab + model.num_layers * (attention + mlp + 2 * h) + h
+    return vocab + model.num_layers * (attention + mlp + _norms(model)) + h
 
 
 def weights_bytes(

@@ -71,9 +71,12 @@ def check_engine_matches_dense(model, **engine_kw):
     prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 7, 8, 9, 30, 61)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [_dense_greedy(model, p, params.max_tokens)[0] for p in prompts]
+    # A pool that fits the longest request, and little more: the others are preempted.
+    kv = _engine(model, **engine_kw).scheduler.kv_cache
+    tight = max(kv.pages_at_submit(len(p) + params.max_tokens) for p in prompts) + 3
     runs = {
         "chunked": dict(max_num_batched_tokens=16, token_buckets=(16,)),
-        "preempted": dict(num_pages=14),
+        "preempted": dict(num_pages=tight),
         "no prefix caching": dict(enable_prefix_caching=False),
     }
     for name, kw in runs.items():
@@ -93,17 +96,7 @@ def check_engine_matches_dense(model, **engine_kw):
         assert out.outputs[0].token_ids == _dense_greedy(model, prompt, params.max_tokens)[0]
 
 
-# The hybrid cache (a page table per layer group) waits on `paged_attention` reading
-# each layer's own group; until then every layer reads group 0's table.
-HYBRID = pytest.param(
-    True,
-    marks=pytest.mark.xfail(
-        reason="paged_attention does not yet read a layer's own page-table group", strict=True
-    ),
-)
-
-
-@pytest.mark.parametrize("hybrid", [False, HYBRID], ids=["one-table", "hybrid"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["uniform", "hybrid"])
 @pytest.mark.parametrize("config", [GEMMA2, GEMMA3], ids=["gemma2", "gemma3"])
 def test_engine_greedy_matches_dense(config, hybrid):
     check_engine_matches_dense(perturbed_model(config), hybrid_kv_cache=hybrid)
@@ -118,7 +111,6 @@ def test_llm_serves_tiny_gemma3_with_the_byte_tokenizer():
         num_pages=64,
         page_size=8,
         max_model_len=128,
-        hybrid_kv_cache=False,  # see HYBRID
     )
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     (out,) = llm.generate(["def f(x):"], params, use_tqdm=False)
@@ -308,3 +300,20 @@ def test_to_hf_round_trips():
 def test_from_hf_rejects_bad_values_naming_the_field(base, change, match):
     with pytest.raises(ValueError, match=match):
         GemmaConfig.from_hf(base | change)
+
+
+def test_window_groups_hold_only_their_window():
+    """Tiny Gemma 3 (5 window layers of 8, one global) on 8-token pages: after a 61-token
+    prefill, a decode step's window groups hold the 2 pages its window touches, the
+    global group all 8."""
+    engine = _engine(perturbed_model(GEMMA3), page_size=8)
+    assert engine.scheduler.kv_cache.layout.num_groups == 6
+    prompt = np.random.default_rng(3).integers(0, 256, 61).tolist()
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))
+    engine.step()
+    engine.step()  # decodes token 62 at position 61: its window starts at 54, page 6
+    groups = engine.stats()["kv_groups"]
+    assert groups[0] == {"window": None, "layers": 1, "pages_held": 8}
+    assert groups[1:] == [{"window": WINDOW, "layers": 1, "pages_held": 2}] * 5
+    engine.run_until_done()
+    assert engine.pool.num_in_use == 0

@@ -24,7 +24,7 @@ def test_greedy_on_model_2_equals_one_device(name, tmp_path):
     save_hf_checkpoint(model, tmp_path)
     prompts = [np.random.default_rng(0).integers(1, 256, n).tolist() for n in (3, 20, 37)]
     prompts = [{"prompt_token_ids": p} for p in prompts]
-    kw = dict(warmup=False, num_pages=64, page_size=8, max_model_len=128, hybrid_kv_cache=False)
+    kw = dict(warmup=False, num_pages=64, page_size=8, max_model_len=128)
     one = LLM(model=str(tmp_path), **kw).generate(prompts, GREEDY, use_tqdm=False)
     mesh = shardings.make_mesh(MeshShape.parse("model:2"))
     llm = LLM(model=str(tmp_path), mesh=mesh, **kw)
