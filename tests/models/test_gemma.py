@@ -317,3 +317,25 @@ def test_window_groups_hold_only_their_window():
     assert groups[1:] == [{"window": WINDOW, "layers": 1, "pages_held": 2}] * 5
     engine.run_until_done()
     assert engine.pool.num_in_use == 0
+
+
+@pytest.mark.parametrize(
+    "mode", [{"num_decode_steps": 4}, {"async_scheduling": True}], ids=["multi-step", "async"]
+)
+def test_hybrid_multi_step_and_async_match_dense(mode):
+    """Window groups let go of pages between the decode steps of one call, and while the
+    host schedules a step ahead: outputs still equal the dense oracle, in a pool tight
+    enough to preempt."""
+    model = perturbed_model(GEMMA3)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 9, 12, 23)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = [_dense_greedy(model, p, params.max_tokens)[0] for p in prompts]
+    # Decodes grow the global group by a page each 8 tokens, a window group stays at 2.
+    tight = dict(num_pages=30, max_num_batched_tokens=16, token_buckets=(16,))
+    for kw in ({}, tight):
+        engine = _engine(model, **kw, **mode)
+        got = [o.outputs[0].token_ids for o in _run(engine, prompts, params)]
+        assert got == expected, kw
+        assert engine.pool.num_in_use == 0
+    assert engine.stats()["num_preemptions"] > 0
