@@ -3,13 +3,18 @@
 Both kernels compute one tile of query rows against the KV cache of one sequence and one
 KV head, and share the inner loop `_attend_kv_blocks`:
 
-* the decode kernel (grid `(S, Hkv, num_splits)`) takes the single new token of one decode
+* the decode kernel (grid `(work items, Hkv)`) takes the single new token of one decode
   sequence; its tile rows are the G = Hq / Hkv query heads of one KV head (padded to at
-  least 16 rows, the smallest M of a tensor-core dot), and program `(s, h, k)` covers the
-  k-th contiguous share of the sequence's visible KV blocks (split-K, flash-decoding);
+  least 16 rows, the smallest M of a tensor-core dot), and work item w covers a
+  contiguous share of one sequence's visible KV blocks (split-K, flash-decoding), as the
+  wrapper's split plan assigns them from the live lengths;
 * the prefill kernel (grid `(query blocks, Hkv)`) takes `rows` consecutive query tokens of
   one prefill sequence times the G query heads of one KV head, in row-major
   `(token, head)` order, and loops over every KV block the tile can see.
+
+Both write the rows they own straight into the call's output. KV blocks that every row
+of the tile sees whole (before the causal edge, inside the sliding window) run without
+masks; only the blocks at the edges build one.
 
 Every ref is a whole array in HBM (no BlockSpecs): the kernels gather K/V rows through the
 block table themselves. Pages the table does not name for a visible position are never
@@ -24,6 +29,7 @@ never writes a row it does not own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -58,6 +64,13 @@ class KernelConfig:
         if self.compute_dtype == jnp.float32:
             return lax.Precision.HIGHEST
         return None
+
+    @property
+    def mask_free_interior(self) -> bool:
+        """Whether KV blocks that every row sees whole run in a loop without masks: for
+        16-bit dots. With f32 dots (FMA, unrolled by Triton) the second copy of the loop
+        body doubles the compiled spills of prefill (20 to 40 KB at head_dim 128)."""
+        return self.compute_dtype.itemsize == 2
 
 
 class KvRefs(NamedTuple):
@@ -110,37 +123,61 @@ def visible_range(
     return lo, hi, start, num_blocks
 
 
+def interior_blocks(
+    first_pos: jax.Array, last_pos: jax.Array, start: jax.Array, num_blocks: jax.Array, cfg
+) -> tuple[jax.Array, jax.Array]:
+    """Blocks `[full_lo, full_hi)` of the loop `visible_range` describes in which every
+    query row at a position in `first_pos..last_pos` sees every KV position: blocks wholly
+    at or before `first_pos` (causal) and, with a sliding window, wholly inside the window
+    of `last_pos`. Those blocks need no mask; the ones around them do.
+    """
+    bk = _i32(cfg.kv_block)
+    full_hi = jnp.clip(lax.div(first_pos + 1 - start, bk), 0, num_blocks)
+    full_lo = _i32(0)
+    if cfg.sliding_window is not None:
+        first_inside = jnp.maximum(last_pos - _i32(cfg.sliding_window - 1) - start, 0)
+        full_lo = jnp.minimum(pl.cdiv(first_inside, bk), full_hi)
+    return full_lo, full_hi
+
+
 def _attend_kv_blocks(
-    q, pos, row_ok, kv: KvRefs, *, seq, kv_head, lo, hi, start, block_lo, block_hi, cfg
+    q, pos, row_ok, kv: KvRefs, *, seq, kv_head, lo, hi, start, block_lo, block_hi, full, cfg
 ):
     """Online softmax of a tile of query rows over KV blocks `[block_lo, block_hi)`.
 
     q: [M, D] (compute dtype, zero in masked rows); pos: i32[M] positions of the rows;
     row_ok: bool[M]. Block i holds KV positions `start + i * kv_block + [0, kv_block)`; only
     the pages holding a position in `[lo, hi]` (what some row of the tile sees) are read,
-    and only those positions enter the softmax and the values.
+    and only those positions enter the softmax and the values. `full = (full_lo, full_hi)`
+    are the blocks every row sees whole (`interior_blocks`): they run without masks
+    (`cfg.mask_free_interior`).
     Returns the unnormalized `(acc f32[M, D], row_max f32[M], denom f32[M])`: the weighted
     sum of values, the running max logit and the softmax denominator; `row_max = -inf` and
-    `denom = 0` for a row that saw nothing.
+    `denom = 0` for a row that saw nothing. Rows where `row_ok` is False hold finite
+    garbage: callers never store them.
     """
     num_rows, head_dim = q.shape
     bk, ps = cfg.kv_block, cfg.page_size
     first_page, last_page = lax.div(lo, _i32(ps)), lax.div(hi, _i32(ps))
     pages_per_seq, num_pages = kv.block_tables.shape[1], kv.k_pages.shape[0]
 
-    def body(i, carry):
+    def body(i, carry, *, masked: bool):
         acc, row_max, denom = carry
         j = start + i * _i32(bk) + lax.iota(jnp.int32, bk)  # KV positions of this block
-        kv_ok = (j >= lo) & (j <= hi)
         page_idx = lax.div(j, _i32(ps))
-        page_ok = (page_idx >= first_page) & (page_idx <= last_page)
         # The clamps only matter for inputs that break the contract (a kv_len past the
         # table's width, a page id out of range; unchecked under jit): they turn what would
         # be an illegal address on the GPU into a wrong answer.
-        entry = kv.block_tables[
-            seq, jnp.where(page_ok, jnp.minimum(page_idx, pages_per_seq - 1), 0)
-        ]
-        page = jnp.where(page_ok, jnp.clip(entry, 0, num_pages - 1), NULL_PAGE)
+        if masked:
+            kv_ok = (j >= lo) & (j <= hi)
+            page_ok = (page_idx >= first_page) & (page_idx <= last_page)
+            entry = kv.block_tables[
+                seq, jnp.where(page_ok, jnp.minimum(page_idx, pages_per_seq - 1), 0)
+            ]
+            page = jnp.where(page_ok, jnp.clip(entry, 0, num_pages - 1), NULL_PAGE)
+        else:
+            entry = kv.block_tables[seq, jnp.minimum(page_idx, pages_per_seq - 1)]
+            page = jnp.clip(entry, 0, num_pages - 1)
         offset = lax.rem(j, _i32(ps))
         k = kv.k_pages[page, kv_head, offset, :].astype(cfg.compute_dtype)  # [bk, D]
 
@@ -149,31 +186,47 @@ def _attend_kv_blocks(
             s = s * kv.k_scales[page, kv_head, offset][None, :]
         if cfg.soft_cap is not None:
             s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
-        visible = row_ok[:, None] & kv_ok[None, :] & (j[None, :] <= pos[:, None])
-        if cfg.sliding_window is not None:
-            visible &= j[None, :] > pos[:, None] - _i32(cfg.sliding_window)
-        s = jnp.where(visible, s, -jnp.inf)
-
-        max_next = jnp.maximum(row_max, jnp.max(s, axis=1))
-        max_safe = jnp.where(max_next == -jnp.inf, 0.0, max_next)  # rows that saw nothing yet
+        if masked:
+            visible = row_ok[:, None] & kv_ok[None, :] & (j[None, :] <= pos[:, None])
+            if cfg.sliding_window is not None:
+                visible &= j[None, :] > pos[:, None] - _i32(cfg.sliding_window)
+            s = jnp.where(visible, s, -jnp.inf)
+            max_next = jnp.maximum(row_max, jnp.max(s, axis=1))
+            max_safe = jnp.where(max_next == -jnp.inf, 0.0, max_next)  # rows that saw nothing
+            p = jnp.where(visible, jnp.exp(s - max_safe[:, None]), 0.0)
+            # A masked load rather than a `where` after it: Triton then feeds the loaded
+            # tile straight to the dot (pipelined in shared memory in the dot's layout)
+            # instead of copying it through registers.
+            v = _load_rows(kv.v_pages, (page, kv_head, offset), kv_ok)
+        else:  # every position is visible to every row: finite logits, nothing to mask
+            max_next = max_safe = jnp.maximum(row_max, jnp.max(s, axis=1))
+            p = jnp.exp(s - max_safe[:, None])
+            v = kv.v_pages[page, kv_head, offset, :]
         alpha = jnp.exp(row_max - max_safe)
-        p = jnp.where(visible, jnp.exp(s - max_safe[:, None]), 0.0)
         denom = alpha * denom + jnp.sum(p, axis=1)
-        # A masked load rather than a `where` after it: Triton then feeds the loaded tile
-        # straight to the dot (pipelined in shared memory in the dot's layout) instead of
-        # copying it through registers.
-        v = _load_rows(kv.v_pages, (page, kv_head, offset), kv_ok).astype(cfg.compute_dtype)
         if cfg.quantized:  # per-token V scales weight the rows of V: fold them into p
-            p = p * jnp.where(kv_ok, kv.v_scales[page, kv_head, offset], 0.0)[None, :]
+            v_scale = kv.v_scales[page, kv_head, offset]
+            p = p * (jnp.where(kv_ok, v_scale, 0.0) if masked else v_scale)[None, :]
+        v = v.astype(cfg.compute_dtype)
         pv = _dot(p.astype(cfg.compute_dtype), v, contract_b=0, precision=cfg.precision)
         return alpha[:, None] * acc + pv, max_next, denom
 
-    init = (
+    masked_body = functools.partial(body, masked=True)
+    carry = (
         jnp.zeros((num_rows, head_dim), jnp.float32),
         jnp.full((num_rows,), -jnp.inf, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
     )
-    return lax.fori_loop(block_lo, block_hi, body, init)
+    # Blocks before the interior (the window's edge), the interior, then the blocks after
+    # it (the causal edge and a partly filled last block).
+    if not cfg.mask_free_interior:
+        return lax.fori_loop(block_lo, block_hi, masked_body, carry)
+    full_lo = jnp.clip(full[0], block_lo, block_hi)
+    full_hi = jnp.clip(full[1], full_lo, block_hi)
+    if cfg.sliding_window is not None:
+        carry = lax.fori_loop(block_lo, full_lo, masked_body, carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(full_hi, block_hi, masked_body, carry)
 
 
 def _load_rows(ref, index, row_ok) -> jax.Array:
@@ -216,68 +269,75 @@ def _store_rows(ref, index, value, row_ok):
 
 
 def _unpack(refs, quantized: bool, num_outputs: int):
+    """Splits a kernel's refs into `(inputs, k_scales, v_scales, outputs)`. The first
+    input, the output buffer the call aliases to its first output, is dropped: the kernel
+    writes it through the output ref."""
+    inputs, outputs = refs[1 : len(refs) - num_outputs], refs[len(refs) - num_outputs :]
     if quantized:
-        *ins, k_scales, v_scales = refs[: len(refs) - num_outputs]
-    else:
-        ins, k_scales, v_scales = refs[: len(refs) - num_outputs], None, None
-    return ins, k_scales, v_scales, refs[len(refs) - num_outputs :]
+        *inputs, k_scales, v_scales = inputs
+        return inputs, k_scales, v_scales, outputs
+    return inputs, None, None, outputs
 
 
-def decode_kernel(*refs, cfg: KernelConfig, num_splits: int) -> None:
-    """Program (s, h, k): split k of decode sequence s (q_len == 1) for KV head h.
+def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
+    """Program (w, h): work item w (a share of one decode sequence's KV blocks) for KV
+    head h.
 
-    Refs: kv_lens i32[S], block_tables, cu_q_lens i32[S + 1], num_seqs i32[1], q [T, Hq, D],
-    k_pages, v_pages, (k_scales, v_scales); outputs either `o [S, Hq, D]` (num_splits == 1,
-    normalized, q dtype) or the split partials `acc f32[K, S, Hq, D], row_max f32[K, S, Hq],
-    denom f32[K, S, Hq]`. Programs of sequences that are not decoding store nothing.
+    Refs: the output buffer (aliased to `o`), item_seq i32[W] (the decode sequence of each
+    work item, -1 for an idle one), item_lo, item_hi i32[W] (its KV blocks `[lo, hi)` of
+    the loop `visible_range` describes), kv_lens, block_tables, cu_q_lens, q [T, Hq, D],
+    k_pages, v_pages, (k_scales, v_scales); outputs `o [T, Hq, D]` (q dtype) and, when
+    `split`, the partials `acc f32[W, Hq, D], row_max f32[W, Hq], denom f32[W, Hq]`. An
+    item that covers its whole sequence writes the normalized row of `o` (the sequence's
+    one query token) itself; an item that covers a share writes its partials, which
+    `combine_splits` merges. Idle items read no KV block and store nothing.
     """
-    num_outputs = 1 if num_splits == 1 else 3
     (
-        (kv_lens, block_tables, cu_q_lens, num_seqs, q_ref, k_pages, v_pages),
+        (item_seq, item_lo, item_hi, kv_lens, block_tables, cu_q_lens, q_ref, k_pages, v_pages),
         k_scales,
         v_scales,
         outs,
-    ) = _unpack(refs, cfg.quantized, num_outputs)
+    ) = _unpack(refs, cfg.quantized, 4 if split else 1)
     kv = KvRefs(block_tables, k_pages, v_pages, k_scales, v_scales)
-    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    item, kv_head = pl.program_id(0), pl.program_id(1)
+    # Idle items have an empty block range and masked rows, rather than a `pl.when`
+    # around the body: the branch costs the compiled kernel 16 registers.
+    seq_or_none = item_seq[item]
+    seq = jnp.maximum(seq_or_none, 0)
     num_rows = decode_tile_rows(cfg.group_padded)
-
-    q_start = cu_q_lens[seq]
-    is_decode = (seq < num_seqs[0]) & (cu_q_lens[seq + 1] - q_start == 1)
-    kv_len = kv_lens[seq]
+    q_start, last = cu_q_lens[seq], kv_lens[seq] - 1
     g = lax.iota(jnp.int32, num_rows)
-    row_ok = is_decode & (g < cfg.group_size)
+    row_ok = (g < cfg.group_size) & (seq_or_none >= 0)
     heads = kv_head * cfg.group_size + g
-    q = q_ref[jnp.where(is_decode, q_start, 0), jnp.where(row_ok, heads, 0), :]
+    q = q_ref[q_start, jnp.where(row_ok, heads, 0), :]
     q = jnp.where(row_ok[:, None], q.astype(cfg.compute_dtype), 0)
-    pos = jnp.full((num_rows,), kv_len - 1, jnp.int32)
-
-    lo, hi, start, num_blocks = visible_range(kv_len - 1, kv_len - 1, cfg)
-    num_blocks = jnp.where(is_decode, num_blocks, 0)
-    per_split = pl.cdiv(num_blocks, num_splits)
-    block_lo = jnp.minimum(split * per_split, num_blocks)
-    block_hi = jnp.minimum(block_lo + per_split, num_blocks)
+    lo, hi, start, num_blocks = visible_range(last, last, cfg)
+    block_lo, block_hi = item_lo[item], item_hi[item]
     acc, row_max, denom = _attend_kv_blocks(
-        q, pos, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi, start=start,
-        block_lo=block_lo, block_hi=block_hi, cfg=cfg,
+        q, jnp.full((num_rows,), last, jnp.int32), row_ok, kv, seq=seq, kv_head=kv_head,
+        lo=lo, hi=hi, start=start, block_lo=block_lo, block_hi=block_hi,
+        full=interior_blocks(last, last, start, num_blocks, cfg), cfg=cfg,
     )  # fmt: skip
-    if num_splits == 1:
-        (o_ref,) = outs
-        _store_rows(o_ref, (seq, heads), _normalize(acc, denom).astype(o_ref.dtype), row_ok)
-    else:
-        acc_ref, max_ref, denom_ref = outs
-        _store_rows(acc_ref, (split, seq, heads), acc, row_ok)
-        _store_rows(max_ref, (split, seq, heads), row_max, row_ok)
-        _store_rows(denom_ref, (split, seq, heads), denom, row_ok)
+    whole = (block_lo == 0) & (block_hi == num_blocks)
+    o_ref = outs[0]
+    out = _normalize(acc, denom).astype(o_ref.dtype)
+    _store_rows(o_ref, (q_start, heads), out, row_ok & whole)
+    if split:
+        acc_ref, max_ref, denom_ref = outs[1:]
+        share = row_ok & ~whole
+        _store_rows(acc_ref, (item, heads), acc, share)
+        _store_rows(max_ref, (item, heads), row_max, share)
+        _store_rows(denom_ref, (item, heads), denom, share)
 
 
 def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
     """Program (b, h): query block b (`rows` tokens of one prefill sequence) for KV head h.
 
-    Refs: block_seq i32[NB] (the sequence of each query block, -1 past the last one),
-    block_index i32[NB] (its index within the sequence), kv_lens, block_tables, cu_q_lens,
-    q [T, Hq, D], k_pages, v_pages, (k_scales, v_scales); output o [T, Hq, D] (q dtype),
-    of which the program writes its own rows only.
+    Refs: the output buffer (aliased to `o`), block_seq i32[NB] (the sequence of each
+    query block, -1 past the last one), block_index i32[NB] (its index within the
+    sequence), kv_lens, block_tables, cu_q_lens, q [T, Hq, D], k_pages, v_pages,
+    (k_scales, v_scales); output o [T, Hq, D] (q dtype), of which the program writes its
+    own rows only. Idle blocks exit at once.
     """
     (
         (block_seq, block_index, kv_lens, block_tables, cu_q_lens, q_ref, k_pages, v_pages),
@@ -287,34 +347,34 @@ def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
     ) = _unpack(refs, cfg.quantized, 1)
     kv = KvRefs(block_tables, k_pages, v_pages, k_scales, v_scales)
     block, kv_head = pl.program_id(0), pl.program_id(1)
-    gp = cfg.group_padded
-    num_rows = rows * gp
+    seq = block_seq[block]
 
-    seq_or_none = block_seq[block]
-    live = seq_or_none >= 0
-    seq = jnp.maximum(seq_or_none, 0)
-    q_start = cu_q_lens[seq]
-    q_len = cu_q_lens[seq + 1] - q_start
-    kv_len = kv_lens[seq]
-    first = block_index[block] * _i32(rows)  # chunk-local index of the tile's first token
+    @pl.when(seq >= 0)
+    def _():
+        gp = cfg.group_padded
+        num_rows = rows * gp
+        q_start = cu_q_lens[seq]
+        q_len = cu_q_lens[seq + 1] - q_start
+        kv_len = kv_lens[seq]
+        first = block_index[block] * _i32(rows)  # chunk-local index of the first token
 
-    m_idx = lax.iota(jnp.int32, num_rows)
-    local = first + lax.div(m_idx, _i32(gp))
-    g = lax.rem(m_idx, _i32(gp))
-    row_ok = live & (g < cfg.group_size) & (local < q_len)
-    tokens = q_start + local
-    heads = kv_head * cfg.group_size + g
-    q = q_ref[jnp.where(row_ok, tokens, 0), jnp.where(row_ok, heads, 0), :]
-    q = jnp.where(row_ok[:, None], q.astype(cfg.compute_dtype), 0)
-    context = kv_len - q_len  # tokens cached before this chunk
-    pos = context + local
+        m_idx = lax.iota(jnp.int32, num_rows)
+        local = first + lax.div(m_idx, _i32(gp))
+        g = lax.rem(m_idx, _i32(gp))
+        row_ok = (g < cfg.group_size) & (local < q_len)
+        tokens = q_start + local
+        heads = kv_head * cfg.group_size + g
+        q = q_ref[jnp.where(row_ok, tokens, 0), jnp.where(row_ok, heads, 0), :]
+        q = jnp.where(row_ok[:, None], q.astype(cfg.compute_dtype), 0)
+        context = kv_len - q_len  # tokens cached before this chunk
 
-    first_pos = context + first
-    last_pos = jnp.minimum(first_pos + _i32(rows - 1), kv_len - 1)
-    lo, hi, start, num_blocks = visible_range(first_pos, last_pos, cfg)
-    num_blocks = jnp.where(live, num_blocks, 0)
-    acc, _, denom = _attend_kv_blocks(
-        q, pos, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi, start=start,
-        block_lo=_i32(0), block_hi=num_blocks, cfg=cfg,
-    )  # fmt: skip
-    _store_rows(o_ref, (tokens, heads), _normalize(acc, denom).astype(o_ref.dtype), row_ok)
+        first_pos = context + first
+        last_pos = jnp.minimum(first_pos + _i32(rows - 1), kv_len - 1)
+        lo, hi, start, num_blocks = visible_range(first_pos, last_pos, cfg)
+        acc, _, denom = _attend_kv_blocks(
+            q, context + local, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi,
+            start=start, block_lo=_i32(0), block_hi=num_blocks,
+            full=interior_blocks(first_pos, last_pos, start, num_blocks, cfg), cfg=cfg,
+        )  # fmt: skip
+        out = _normalize(acc, denom).astype(o_ref.dtype)
+        _store_rows(o_ref, (tokens, heads), out, row_ok)

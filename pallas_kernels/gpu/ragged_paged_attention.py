@@ -3,16 +3,20 @@
 One call serves any mixed batch by composing two kernels (bodies in `kernel.py`):
 
 * decode sequences (q_len == 1) go to a split-K decode kernel, grid
-  `(S, Hkv, num_splits)`: each program reads a contiguous share of one sequence's pages
+  `(work items, Hkv)`: each program reads a contiguous share of one sequence's pages
   for one KV head, with the G = Hq / Hkv query heads of that KV head as the M dim of the
-  dots (GQA and MQA use the tensor cores); the splits' partial `(acc, max, denominator)`
-  are merged by a log-sum-exp combine in jnp. With one split the kernel writes the
-  normalized output itself.
+  dots (GQA and MQA use the tensor cores). The shares come from a split plan computed
+  from the live lengths each call (`decode_plan`, after FlashInfer's): the grid is
+  static, sized for the padded batch, and the live decodes' KV blocks are cut into
+  about two waves of programs, so one long sequence in a batch padded to 256 is split
+  as finely as it would be alone. A sequence left whole is written, normalized, by its
+  one program; the shares of a split one are merged by a log-sum-exp combine in jnp.
 * every other live sequence (a prefill or a prefill chunk) goes to a prefill kernel, grid
   `(query blocks, Hkv)`: each program takes a block of one sequence's query tokens times
   the G heads and loops over the pages that block can see with an online softmax.
 
-The outputs are merged per row in jnp; padding rows are exact zeros.
+Both kernels write their rows into one output buffer (aliased from one kernel to the
+next); padding rows are exact zeros.
 
 Limits (ValueError at trace time): head_dim in (64, 128, 256); the shared contract's page
 sizes (powers of two in [8, 1024]). Triton tensors must be powers of two and a
@@ -40,19 +44,18 @@ from ..contract import (
     attention_op,
     compute_dtype,
     is_quantized,
-    token_layout,
 )
 from ..layout import cdiv
 from .jax_compat import plgpu
-from .kernel import KernelConfig, decode_kernel, decode_tile_rows, prefill_kernel
+from .kernel import KernelConfig, decode_kernel, decode_tile_rows, prefill_kernel, visible_range
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK = 16  # smallest M, N and K of a Triton tensor-core dot
 MAX_KV_BLOCK = 512
 MAX_SPLITS = 64
-# The automatic split count aims for this many decode programs: two waves on an
-# H100/H200 (132 SMs), so a batch of a few long sequences still fills the GPU.
-_TARGET_DECODE_PROGRAMS = 2 * 132
+# The split plan aims for this many decode programs: two waves on an H100/H200 (132
+# SMs), so a batch of a few long sequences still fills the GPU.
+TARGET_DECODE_PROGRAMS = 2 * 132
 # Shared memory the default KV blocks may fill with their pipelined K and V tiles: about
 # half of an H100/H200's 228 KiB, leaving room for the Q tile and the dots' staging.
 KV_TILE_BUDGET_BYTES = 128 * 1024
@@ -85,16 +88,25 @@ class BlockSizes:
 
     Attributes:
       decode_kv_block: KV tokens per step of the decode kernel, in [16, 512]. Default:
-        the largest of 128, 64, 32, 16 whose `num_stages` buffered K and V tiles fit
-        KV_TILE_BUDGET_BYTES of shared memory (128 for bf16 and head_dim 128).
-      num_splits: KV splits per decode sequence (split-K), in [1, 64]. Default: enough
-        splits for about two waves of `(S, Hkv, splits)` programs on a 132-SM GPU.
+        64 tokens (int8/fp8 pages: 4096 / head_dim tokens), halved until `num_stages`
+        buffered K and V tiles fit KV_TILE_BUDGET_BYTES of shared memory. Larger blocks
+        cost registers (the gathered tiles' addresses, and the dequantized tiles): bf16,
+        head_dim 128 compiles to 112-128 registers at 128 tokens, 80 at 64; int8 to 232
+        at 64 tokens, 130 at 32; and int8 at head_dim 256 spills at 32.
+      num_splits: most KV splits of one decode sequence (split-K), in [1, 64]; the
+        split plan cuts the live decodes' KV blocks into about TARGET_DECODE_PROGRAMS
+        programs each call, never more than this many per sequence (1: no split, no
+        combine). Default: 64, or the KV blocks of the longest sequence the table holds.
       prefill_block_m: rows of a prefill tile, in (query token, query head) pairs: a
         tile holds `max(1, prefill_block_m // Gp)` tokens of one sequence, Gp being G
-        rounded up to a power of two. At least 16.
+        rounded up to a power of two. A power of two >= 16. Default: 128 for 16-bit dots
+        with head_dim <= 128, else 64.
       prefill_kv_block: KV tokens per step of the prefill kernel, in [16, 512]. Default:
         as decode_kv_block, at most 64.
-      decode_num_warps, prefill_num_warps: Triton warps per program (1 to 16, powers of two).
+      decode_num_warps, prefill_num_warps: Triton warps per program (1 to 16, powers of
+        two). Default: 8 for tiles of 128 rows or more, or whose f32 accumulator
+        (rows x head_dim) or K/V block (kv_block x head_dim) holds 128 x 128 values or
+        more; else 4 (where 4 warps spill or come close, in the compiled figures).
       num_stages: Triton software-pipelining stages of both kernels' KV loops (>= 1).
       check_shared_memory: reject, in `resolve` (not when interpreting), block sizes whose
         kernels' estimated shared memory (`shared_memory_bytes`) exceeds
@@ -104,10 +116,10 @@ class BlockSizes:
 
     decode_kv_block: int | None = None
     num_splits: int | None = None
-    prefill_block_m: int = 64
+    prefill_block_m: int | None = None
     prefill_kv_block: int | None = None
-    decode_num_warps: int = 4
-    prefill_num_warps: int = 4
+    decode_num_warps: int | None = None
+    prefill_num_warps: int | None = None
     num_stages: int = 2
     check_shared_memory: bool = True
 
@@ -121,9 +133,12 @@ class BlockSizes:
                     f"BlockSizes.{name}={value!r} must be None or a power of two in "
                     f"[{MIN_BLOCK}, {MAX_KV_BLOCK}]"
                 )
-        if not _is_power_of_two(self.prefill_block_m) or self.prefill_block_m < MIN_BLOCK:
+        if self.prefill_block_m is not None and (
+            not _is_power_of_two(self.prefill_block_m) or self.prefill_block_m < MIN_BLOCK
+        ):
             raise ValueError(
-                f"BlockSizes.prefill_block_m={self.prefill_block_m!r} must be a power of two >= {MIN_BLOCK}"
+                f"BlockSizes.prefill_block_m={self.prefill_block_m!r} must be None or a power "
+                f"of two >= {MIN_BLOCK}"
             )
         if self.num_splits is not None and (
             not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= MAX_SPLITS
@@ -133,8 +148,10 @@ class BlockSizes:
             )
         for name in ("decode_num_warps", "prefill_num_warps"):
             value = getattr(self, name)
-            if not _is_power_of_two(value) or value > 16:
-                raise ValueError(f"BlockSizes.{name}={value!r} must be a power of two in [1, 16]")
+            if value is not None and (not _is_power_of_two(value) or value > 16):
+                raise ValueError(
+                    f"BlockSizes.{name}={value!r} must be None or a power of two in [1, 16]"
+                )
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
         if not isinstance(self.check_shared_memory, bool):
@@ -154,23 +171,35 @@ class BlockSizes:
         itemsize = compute_dtype(q_dtype, page_dtype).itemsize
         tile_bytes = self.num_stages * 2 * shapes.head_dim * itemsize
         fitting = max(MIN_BLOCK, _floor_power_of_two(KV_TILE_BUDGET_BYTES // tile_bytes))
-        decode_kv_block = self.decode_kv_block or min(128, fitting)
-        num_splits = self.num_splits
-        if num_splits is None:
-            max_blocks = cdiv(shapes.pages_per_seq * shapes.page_size, decode_kv_block)
-            programs = max(1, shapes.max_num_seqs * shapes.num_kv_heads)
-            num_splits = max(
-                1, min(cdiv(_TARGET_DECODE_PROGRAMS, programs), max_blocks, MAX_SPLITS)
-            )
+        # Quantized pages: K/V blocks of 4096 values, whose dequantized copies the
+        # registers hold (64, 32, 16 tokens at head_dim 64, 128, 256).
+        decode_default = 4096 // shapes.head_dim if shapes.quantized else 64
+        decode_kv_block = self.decode_kv_block or min(decode_default, fitting)
+        max_blocks = cdiv(shapes.pages_per_seq * shapes.page_size, decode_kv_block)
+        gp = _next_power_of_two(shapes.group_size)
+        block_m = self.prefill_block_m or (128 if itemsize == 2 and shapes.head_dim <= 128 else 64)
+        prefill_rows = max(1, block_m // gp) * gp
+        prefill_kv_block = self.prefill_kv_block or min(64, fitting)
         resolved = dataclasses.replace(
             self,
             decode_kv_block=decode_kv_block,
-            num_splits=num_splits,
-            prefill_kv_block=self.prefill_kv_block or min(64, fitting),
+            num_splits=self.num_splits or max(1, min(max_blocks, MAX_SPLITS)),
+            prefill_block_m=block_m,
+            prefill_kv_block=prefill_kv_block,
+            decode_num_warps=self.decode_num_warps
+            or _default_warps(decode_tile_rows(gp), decode_kv_block, shapes.head_dim),
+            prefill_num_warps=self.prefill_num_warps
+            or _default_warps(prefill_rows, prefill_kv_block, shapes.head_dim),
         )
         if self.check_shared_memory and not interpret:
             _check_shared_memory(shapes, resolved, q_dtype, page_dtype)
         return resolved
+
+
+def _default_warps(rows: int, kv_block: int, head_dim: int) -> int:
+    """Warps of a tile of `rows` query rows over KV blocks of `kv_block` tokens: 8 from
+    128 rows, or from 128 x 128 values in the accumulator or a K/V block, else 4."""
+    return 8 if rows >= 128 or max(rows, kv_block) * head_dim >= 128 * 128 else 4
 
 
 def kernel_tiles(shapes: AttentionShapes, bs: BlockSizes) -> dict[str, tuple[int, int, int]]:
@@ -220,7 +249,9 @@ def shared_memory_bytes(
       and the probabilities in the operand dtype, and with quantized float32 dots one
       dequantized float32 tile;
     * quantized pages: their K and V scales; 1 KiB of reduction scratch per kernel
-      body with more than 4 warps.
+      body with more than 4 warps; and on wgmma tiles with KV blocks of 16 tokens, the
+      dequantized K and V tiles (int8 and fp8 at head_dim 256, G=64: 64 KiB compiled
+      where the terms above give 48).
 
     Calibrated on decode tiles of 16 and 64 rows and prefill tiles of 16 to 128 rows.
     """
@@ -240,7 +271,8 @@ def shared_memory_bytes(
     dequantized = f32_tile if quantized and compute_bytes == 4 else 0
     scratch = 1024 if num_warps > 4 else 0
     if compute_bytes == 2 and rows >= WGMMA_MIN_ROWS:
-        return 2 * kv + q_tile + scales + 2 * scratch + 512
+        staged = 2 * kv_block * head_dim * compute_bytes if quantized and kv_block < 32 else 0
+        return 2 * kv + q_tile + scales + staged + 2 * scratch + 512
     return kv + q_tile + p_tile + scales + dequantized + scratch
 
 
@@ -340,7 +372,6 @@ def _ragged_paged_attention_gpu(
     interpret: bool,
 ) -> jax.Array:
     q, shapes = inputs.q, inputs.shapes
-    cu_q_lens = inputs.cu_q_lens
     group = shapes.group_size
 
     def config(kv_block):
@@ -357,63 +388,149 @@ def _ragged_paged_attention_gpu(
             quantized=shapes.quantized,
         )
 
-    seq_of_row, _, row_valid = token_layout(
-        cu_q_lens, inputs.kv_lens, inputs.num_seqs, shapes.num_tokens
+    out = _decode(
+        inputs, jnp.zeros_like(q), config(block_sizes.decode_kv_block), block_sizes, interpret
     )
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    row_q_len = q_lens[seq_of_row]
-
-    per_seq = _decode(inputs, config(block_sizes.decode_kv_block), block_sizes, interpret)
-    out = jnp.where((row_valid & (row_q_len == 1))[:, None, None], per_seq[seq_of_row], 0)
     if not decode_only:
-        prefill = _prefill(inputs, config(block_sizes.prefill_kv_block), block_sizes, interpret)
-        out = jnp.where((row_valid & (row_q_len > 1))[:, None, None], prefill, out)
-    return out.astype(q.dtype)
+        out = _prefill(inputs, out, config(block_sizes.prefill_kv_block), block_sizes, interpret)
+    return out
+
+
+def work_items(counts: jax.Array, num_items: int) -> tuple[jax.Array, jax.Array]:
+    """Consecutive work items for sequences that need `counts[s]` each (i32[S]):
+    `(item_seq i32[W], item_index i32[W])` with W = num_items. Item w belongs to sequence
+    `item_seq[w]` as its `item_index[w]`-th; items past the last have `item_seq = -1`
+    (index 0). `num_items` must be at least `sum(counts)`."""
+    ends = jnp.cumsum(counts)
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), counts.shape[0] - 1)
+    seq = seq.astype(jnp.int32)
+    live = w < ends[-1]
+    index = (w - (ends[seq] - counts[seq])).astype(jnp.int32)
+    return jnp.where(live, seq, -1), jnp.where(live, index, 0)
+
+
+def decode_items(shapes: AttentionShapes, num_splits: int) -> int:
+    """W, the static number of decode work items: enough for any plan `decode_plan` makes.
+
+    Each sequence gets at most num_splits items; and with chunks of at least
+    `cdiv(total, target)` blocks, sum_s cdiv(blocks_s, chunk) < target + S, target being
+    TARGET_DECODE_PROGRAMS per KV head.
+    """
+    s = shapes.max_num_seqs
+    target = cdiv(TARGET_DECODE_PROGRAMS, shapes.num_kv_heads)
+    return s if num_splits == 1 else min(s * num_splits, target + s)
+
+
+def decode_plan(
+    inputs: AttentionInputs, cfg: KernelConfig, num_splits: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The decode kernel's split plan for this call's live lengths.
+
+    Returns `(item_seq, item_lo, item_hi i32[W], split bool[S])`: work item w covers KV
+    blocks `[item_lo[w], item_hi[w])` (of the loop `visible_range` describes) of decode
+    sequence `item_seq[w]` (-1: idle); `split[s]` says sequence s has more than one item.
+    The live decodes' blocks are cut into chunks of `max(cdiv(total, target),
+    cdiv(blocks_s, num_splits))` blocks, target being TARGET_DECODE_PROGRAMS per KV head:
+    about two waves of programs whatever the padded batch, and at most num_splits items
+    per sequence (FlashInfer's plan picks its KV chunk size from the live lengths alike).
+    """
+    shapes = inputs.shapes
+    s, w = shapes.max_num_seqs, decode_items(shapes, num_splits)
+    q_lens = inputs.cu_q_lens[1:] - inputs.cu_q_lens[:-1]
+    decode = (jnp.arange(s) < inputs.num_seqs[0]) & (q_lens == 1)
+    last = inputs.kv_lens - 1
+    blocks = jnp.where(decode, visible_range(last, last, cfg)[3], 0)
+    target = cdiv(TARGET_DECODE_PROGRAMS, shapes.num_kv_heads)
+    chunk = jnp.maximum(pl.cdiv(jnp.sum(blocks), target), pl.cdiv(blocks, num_splits))
+    chunk = jnp.maximum(chunk, 1)
+    counts = pl.cdiv(blocks, chunk)
+    item_seq, index = work_items(counts, w)
+    seq = jnp.maximum(item_seq, 0)
+    item_lo = jnp.minimum(index * chunk[seq], blocks[seq])
+    item_hi = jnp.minimum(item_lo + chunk[seq], blocks[seq])
+    return item_seq, item_lo, item_hi, counts > 1
 
 
 def _decode(
-    inputs: AttentionInputs, cfg: KernelConfig, block_sizes: BlockSizes, interpret: bool
+    inputs: AttentionInputs,
+    out: jax.Array,
+    cfg: KernelConfig,
+    block_sizes: BlockSizes,
+    interpret: bool,
 ) -> jax.Array:
-    """Decode attention per sequence: `[S, Hq, D]`, valid for decode sequences only."""
-    q, shapes = inputs.q, inputs.shapes
+    """`out` [T, Hq, D] with the rows of decode sequences written."""
+    shapes = inputs.shapes
     splits = block_sizes.num_splits
-    s, hq, d = shapes.max_num_seqs, shapes.num_q_heads, shapes.head_dim
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((s, hq, d), q.dtype)
-    else:
-        out_shape = (
-            jax.ShapeDtypeStruct((splits, s, hq, d), jnp.float32),
-            jax.ShapeDtypeStruct((splits, s, hq), jnp.float32),
-            jax.ShapeDtypeStruct((splits, s, hq), jnp.float32),
-        )
+    w, hq, d = decode_items(shapes, splits), shapes.num_q_heads, shapes.head_dim
+    item_seq, item_lo, item_hi, split = decode_plan(inputs, cfg, splits)
+    out_shape = [jax.ShapeDtypeStruct(out.shape, out.dtype)]
+    if splits > 1:
+        out_shape += [
+            jax.ShapeDtypeStruct((w, hq, d), jnp.float32),
+            jax.ShapeDtypeStruct((w, hq), jnp.float32),
+            jax.ShapeDtypeStruct((w, hq), jnp.float32),
+        ]
     result = pl.pallas_call(
-        functools.partial(decode_kernel, cfg=cfg, num_splits=splits),
+        functools.partial(decode_kernel, cfg=cfg, split=splits > 1),
         out_shape=out_shape,
-        grid=(s, shapes.num_kv_heads, splits),
+        grid=(w, shapes.num_kv_heads),
+        input_output_aliases={0: 0},
         compiler_params=plgpu.CompilerParams(
             num_warps=block_sizes.decode_num_warps, num_stages=block_sizes.num_stages
         ),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(inputs.kv_lens, inputs.block_tables, inputs.cu_q_lens, inputs.num_seqs, *_kv_refs(inputs))
+    )(
+        out,
+        item_seq,
+        item_lo,
+        item_hi,
+        inputs.kv_lens,
+        inputs.block_tables,
+        inputs.cu_q_lens,
+        *_kv_refs(inputs),
+    )
     if splits == 1:
-        return result
-    return combine_splits(*result)
+        return result[0]
+    out, acc, row_max, denom = result
+    # The shares of split sequences, merged into their rows; other rows are left as the
+    # kernel wrote them.
+    share_seq = jnp.where(split[jnp.maximum(item_seq, 0)], item_seq, -1)
+    merged = combine_splits(acc, row_max, denom, share_seq, shapes.max_num_seqs)
+    rows = jnp.where(split, inputs.cu_q_lens[:-1], shapes.num_tokens)
+    return out.at[rows].set(merged.astype(out.dtype), mode="drop")
 
 
-def combine_splits(acc: jax.Array, row_max: jax.Array, denom: jax.Array) -> jax.Array:
-    """Merges split-K partials with a log-sum-exp rescale.
+def combine_splits(
+    acc: jax.Array, row_max: jax.Array, denom: jax.Array, segment: jax.Array, num_segments: int
+) -> jax.Array:
+    """Merges split-K partials that belong to the same segment with a log-sum-exp rescale.
 
-    acc f32[K, ..., D] (unnormalized weighted values), row_max f32[K, ...] (each split's
-    max logit, -inf when it saw nothing), denom f32[K, ...] (its softmax denominator, 0
-    when it saw nothing). Returns `sum_k e^(max_k - M) acc_k / sum_k e^(max_k - M) denom_k`
-    with M the max over splits, and exact zeros where no split saw anything.
+    acc f32[W, ..., D] (unnormalized weighted values), row_max f32[W, ...] (each share's
+    max logit, -inf when it saw nothing), denom f32[W, ...] (its softmax denominator, 0
+    when it saw nothing); segment i32[W] names the segment of each share, and shares
+    outside `[0, num_segments)` are ignored (their values are never read into the result,
+    so they may be anything, NaN included). Returns f32[num_segments, ..., D]: `sum_k
+    e^(max_k - M) acc_k / sum_k e^(max_k - M) denom_k` over the segment's shares, M being
+    their max, and exact zeros where no share saw anything.
     """
-    top = jnp.max(row_max, axis=0)
+    valid = (segment >= 0) & (segment < num_segments)
+    ids = jnp.where(valid, segment, num_segments)  # past the end: dropped by the sums
+
+    def per_share(x):
+        return valid.reshape(valid.shape + (1,) * (x.ndim - 1))
+
+    saw = per_share(denom) & (denom > 0)
+    row_max = jnp.where(saw, row_max, -jnp.inf)
+    top = jax.ops.segment_max(row_max, ids, num_segments, indices_are_sorted=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.where(denom > 0, jnp.exp(row_max - top[None]), 0.0)
-    total = jnp.sum(weight * denom, axis=0)
-    out = jnp.sum(weight[..., None] * acc, axis=0)
+    weight = jnp.where(saw, jnp.exp(row_max - top[jnp.minimum(ids, num_segments - 1)]), 0.0)
+    total = jax.ops.segment_sum(
+        jnp.where(saw, weight * denom, 0.0), ids, num_segments, indices_are_sorted=True
+    )
+    weighted = jnp.where(saw[..., None], weight[..., None] * acc, 0.0)
+    out = jax.ops.segment_sum(weighted, ids, num_segments, indices_are_sorted=True)
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
@@ -429,21 +546,18 @@ def prefill_blocks(
     max_num_seqs = cu_q_lens.shape[0] - 1
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     prefill = (jnp.arange(max_num_seqs) < num_seqs[0]) & (q_lens > 1)
-    counts = jnp.where(prefill, pl.cdiv(q_lens, rows), 0)
-    ends = jnp.cumsum(counts)
-    b = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), max_num_seqs - 1).astype(jnp.int32)
-    live = b < ends[-1]
-    block_seq = jnp.where(live, seq, -1)
-    block_index = jnp.where(live, b - (ends[seq] - counts[seq]), 0)
-    return block_seq.astype(jnp.int32), block_index.astype(jnp.int32)
+    return work_items(jnp.where(prefill, pl.cdiv(q_lens, rows), 0), num_blocks)
 
 
 def _prefill(
-    inputs: AttentionInputs, cfg: KernelConfig, block_sizes: BlockSizes, interpret: bool
+    inputs: AttentionInputs,
+    out: jax.Array,
+    cfg: KernelConfig,
+    block_sizes: BlockSizes,
+    interpret: bool,
 ) -> jax.Array:
-    """Prefill attention `[T, Hq, D]`, valid for rows of sequences with q_len > 1 only."""
-    q, shapes = inputs.q, inputs.shapes
+    """`out` [T, Hq, D] with the rows of sequences with q_len > 1 written."""
+    shapes = inputs.shapes
     rows = prefill_tile_tokens(block_sizes, cfg.group_padded)
     t = shapes.num_tokens
     # Prefill sequences have q_len >= 2, so there are at most T // 2 of them, and each
@@ -452,14 +566,16 @@ def _prefill(
     block_seq, block_index = prefill_blocks(inputs.cu_q_lens, inputs.num_seqs, rows, num_blocks)
     return pl.pallas_call(
         functools.partial(prefill_kernel, cfg=cfg, rows=rows),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         grid=(num_blocks, shapes.num_kv_heads),
+        input_output_aliases={0: 0},
         compiler_params=plgpu.CompilerParams(
             num_warps=block_sizes.prefill_num_warps, num_stages=block_sizes.num_stages
         ),
         interpret=interpret,
         name="ragged_paged_attention_prefill",
     )(
+        out,
         block_seq,
         block_index,
         inputs.kv_lens,

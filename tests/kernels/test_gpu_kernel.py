@@ -17,10 +17,16 @@ from attention_cases import GRID, TOLERANCES, GridPoint, make_case
 
 from paxkv.pallas_kernels import AttentionShapes
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
+from paxkv.pallas_kernels.contract import attention_inputs
 from paxkv.pallas_kernels.gpu import BlockSizes, ragged_paged_attention_gpu
 from paxkv.pallas_kernels.gpu.jax_compat import triton_kernels_in, triton_lowering_target
-from paxkv.pallas_kernels.gpu.kernel import KernelConfig, visible_range
-from paxkv.pallas_kernels.gpu.ragged_paged_attention import combine_splits
+from paxkv.pallas_kernels.gpu.kernel import KernelConfig, interior_blocks, visible_range
+from paxkv.pallas_kernels.gpu.ragged_paged_attention import (
+    TARGET_DECODE_PROGRAMS,
+    combine_splits,
+    decode_items,
+    decode_plan,
+)
 
 # float16 is not in the shared table: 4x its output rounding (2^-11), as bf16's 2e-2 is of
 # bf16's 2^-8 rounding.
@@ -59,7 +65,9 @@ def test_matches_reference_over_grid(point):
 
 
 # Shapes the shared grid does not reach: a group of 3 (padded to 4), head_dim 256, pages
-# larger than a KV block, e5m2 and float16 pages, and q and pages of different dtypes.
+# larger than a KV block, e5m2 and float16 pages, q and pages of different dtypes, and
+# prefill tiles with mask-free interior KV blocks between a window edge and the causal
+# edge (bf16 tiles of 64 tokens, a window of 200).
 EXTRA = [
     GridPoint("mixed-gqa3-d256-p64-e5m2-window", (1, 3, 70), (90, 3, 200), 6, 2, 256, 64,
               page_dtype="float8_e5m2", sliding_window=100),
@@ -67,6 +75,8 @@ EXTRA = [
               dtype="float16", soft_cap=15.0),
     GridPoint("mixed-mha-d64-p8-bf16q-f32pages", (1, 9, 17), (33, 9, 40), 2, 2, 64, 8,
               dtype="bfloat16", page_dtype="float32"),
+    GridPoint("mixed-gqa2-d128-p16-bf16-softcap-window200", (1, 300, 130), (700, 600, 130), 4,
+              2, 128, 16, dtype="bfloat16", soft_cap=20.0, sliding_window=200),
 ]  # fmt: skip
 
 
@@ -97,6 +107,11 @@ def test_block_sizes_do_not_change_the_result(name, block_sizes):
     _check(_POINTS[name], block_sizes=block_sizes)
 
 
+def test_interior_and_edge_blocks_with_small_kv_blocks():
+    # KV blocks of 16 tokens: many mask-free blocks per tile, with window and soft cap.
+    _check(EXTRA[3], block_sizes=BlockSizes(decode_kv_block=16, prefill_kv_block=16))
+
+
 @pytest.mark.parametrize(
     "name, splits",
     # decode-mha has sequences of 1 to 3 KV blocks, so most of its 8 splits have none;
@@ -111,25 +126,130 @@ def test_split_counts_agree(name, splits):
     np.testing.assert_allclose(many, one, rtol=2e-6, atol=2e-6)
 
 
-def test_default_block_sizes_fit_the_call():
-    def shapes(head_dim, max_num_seqs, num_kv_heads, pages_per_seq=2048):
-        return AttentionShapes(
-            num_tokens=max_num_seqs, num_q_heads=4 * num_kv_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, num_pages=10_000, page_size=16, max_num_seqs=max_num_seqs,
-            pages_per_seq=pages_per_seq, quantized=False,
-        )  # fmt: skip
+def _shapes(head_dim, max_num_seqs, num_kv_heads, pages_per_seq=2048, quantized=False):
+    return AttentionShapes(
+        num_tokens=max_num_seqs, num_q_heads=4 * num_kv_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, num_pages=10_000, page_size=16, max_num_seqs=max_num_seqs,
+        pages_per_seq=pages_per_seq, quantized=quantized,
+    )  # fmt: skip
 
-    def resolved(*args, dtype=jnp.bfloat16, **kwargs):
-        r = BlockSizes(**kwargs).resolve(shapes(*args), dtype, dtype)
+
+def test_default_block_sizes_fit_the_call():
+    def resolved(*args, dtype=jnp.bfloat16, page_dtype=None, **kwargs):
+        shapes = _shapes(*args, quantized=page_dtype is not None)
+        r = BlockSizes(**kwargs).resolve(shapes, dtype, page_dtype or dtype)
         return r.decode_kv_block, r.prefill_kv_block, r.num_splits
 
-    assert resolved(128, 1, 8) == (128, 64, 33)  # one long sequence: split it
-    assert resolved(128, 256, 8) == (128, 64, 1)  # 2048 programs already
-    assert resolved(256, 4, 2, dtype=jnp.float32) == (32, 32, 33)  # f32 tiles: smaller blocks
-    assert resolved(64, 1, 1) == (128, 64, 64)  # at most MAX_SPLITS
+    # num_splits caps the splits of one sequence; the plan picks them from the live work.
+    assert resolved(128, 1, 8) == (64, 64, 64)
+    assert resolved(128, 256, 8) == (64, 64, 64)
+    assert resolved(256, 4, 2, dtype=jnp.float32) == (32, 32, 64)  # f32 tiles: smaller blocks
+    assert resolved(128, 4, 2, page_dtype=jnp.int8) == (32, 64, 64)  # dequantized tiles
     assert resolved(128, 1, 1, decode_kv_block=16, num_splits=3) == (16, 64, 3)
-    small = shapes(128, 1, 1, pages_per_seq=4)
+    small = _shapes(128, 1, 1, pages_per_seq=4)
     assert BlockSizes().resolve(small, jnp.bfloat16, jnp.bfloat16).num_splits == 1
+
+
+@pytest.mark.parametrize(
+    "head_dim, dtype, tiles",
+    [
+        # (prefill_block_m, decode warps, prefill warps): 128-row prefill tiles with 8
+        # warps for 16-bit dots up to head_dim 128; 64 rows (8 warps) at head_dim 256.
+        (64, jnp.bfloat16, (128, 4, 8)),
+        (128, jnp.bfloat16, (128, 4, 8)),
+        (256, jnp.bfloat16, (64, 8, 8)),
+        (128, jnp.float32, (64, 4, 4)),
+    ],
+)
+def test_default_tiles_and_warps(head_dim, dtype, tiles):
+    r = BlockSizes().resolve(_shapes(head_dim, 8, 2), dtype, dtype)
+    assert (r.prefill_block_m, r.decode_num_warps, r.prefill_num_warps) == tiles
+
+
+def _decode_inputs(kv_lens, max_num_seqs, num_kv_heads=2, q_lens=None, page_size=16):
+    """Length arrays of a batch padded to max_num_seqs (padding rows hold junk lengths)."""
+    n = len(kv_lens)
+    q_lens = np.ones(n, np.int32) if q_lens is None else np.asarray(q_lens, np.int32)
+    pages_per_seq = -(-max(kv_lens) // page_size)
+    cu_q_lens = np.full(max_num_seqs + 1, q_lens.sum(), np.int32)
+    cu_q_lens[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    lens = np.full(max_num_seqs, pages_per_seq * page_size, np.int32)
+    lens[:n] = kv_lens
+    return attention_inputs(
+        jnp.zeros((int(q_lens.sum()), 4 * num_kv_heads, 64), jnp.bfloat16),
+        *[jnp.zeros((8, num_kv_heads, page_size, 64), jnp.bfloat16)] * 2,
+        jnp.asarray(lens),
+        jnp.ones((max_num_seqs, pages_per_seq), jnp.int32),
+        jnp.asarray(cu_q_lens),
+        jnp.asarray([n], jnp.int32),
+        sm_scale=0.125,
+    )
+
+
+def _plan(inputs, num_splits=64, kv_block=64):
+    cfg = KernelConfig(
+        num_q_heads=inputs.shapes.num_q_heads, group_size=4, group_padded=4,
+        page_size=inputs.shapes.page_size, kv_block=kv_block, sm_scale=0.125, soft_cap=None,
+        sliding_window=None, compute_dtype=jnp.dtype(jnp.bfloat16), quantized=False,
+    )  # fmt: skip
+    item_seq, lo, hi, split = (np.asarray(x) for x in decode_plan(inputs, cfg, num_splits))
+    assert len(item_seq) == decode_items(inputs.shapes, num_splits)
+    return item_seq, lo, hi, split
+
+
+def _shares(item_seq, lo, hi, seq):
+    return [(int(a), int(b)) for a, b in zip(lo[item_seq == seq], hi[item_seq == seq], strict=True)]
+
+
+def test_split_plan_follows_the_live_decodes_not_the_padding():
+    # One live sequence of 4096 tokens (64 blocks) in a batch padded to 256 sequences:
+    # the static split count from the padded capacity gave it 1 program per KV head;
+    # the plan cuts it into TARGET_DECODE_PROGRAMS / Hkv shares of 1 block each (at most
+    # num_splits), whatever the padding rows' lengths.
+    item_seq, lo, hi, split = _plan(_decode_inputs([4096], 256))
+    assert TARGET_DECODE_PROGRAMS // 2 >= 64
+    assert _shares(item_seq, lo, hi, 0) == [(b, b + 1) for b in range(64)]
+    assert split.tolist() == [True] + [False] * 255
+    assert np.all(item_seq[64:] == -1)
+    # num_splits caps the shares per sequence.
+    item_seq, lo, hi, _ = _plan(_decode_inputs([4096], 256), num_splits=5)
+    assert _shares(item_seq, lo, hi, 0) == [(0, 13), (13, 26), (26, 39), (39, 52), (52, 64)]
+
+
+def test_split_plan_leaves_a_full_batch_whole():
+    # 256 live decodes of 32 blocks: 8192 blocks already make about 30 waves; each
+    # sequence is one item, written by the kernel directly.
+    item_seq, lo, hi, split = _plan(_decode_inputs([2048] * 256, 256))
+    assert not split.any()
+    assert item_seq[:256].tolist() == list(range(256)) and np.all(item_seq[256:] == -1)
+    assert np.all(lo[:256] == 0) and np.all(hi[:256] == 32)
+
+
+def test_split_plan_mixed_lengths_and_prefills():
+    # Chunks of cdiv(total, target) = 2 blocks, or 3 for the 192-block sequence (at most
+    # 64 shares); the 1-block sequence stays whole, and the prefill chunk (q_len 5) and
+    # the empty sequence get no item.
+    kv_lens, q_lens = [64 * 64 * 3, 5, 64, 0, 640], [1, 5, 1, 0, 1]
+    item_seq, lo, hi, split = _plan(_decode_inputs(kv_lens, 6, q_lens=q_lens), num_splits=64)
+    assert -(-(192 + 1 + 10) // (TARGET_DECODE_PROGRAMS // 2)) == 2
+    assert _shares(item_seq, lo, hi, 0) == [(b, b + 3) for b in range(0, 192, 3)]
+    assert _shares(item_seq, lo, hi, 2) == [(0, 1)]
+    assert _shares(item_seq, lo, hi, 4) == [(b, b + 2) for b in range(0, 10, 2)]
+    assert _shares(item_seq, lo, hi, 1) == [] and _shares(item_seq, lo, hi, 3) == []
+    assert split.tolist() == [True, False, False, False, True, False]
+
+
+def test_one_live_decode_in_a_padded_batch_matches_the_reference():
+    # 1 live decode (with window and soft cap) among 40 padded sequences whose lengths
+    # and tables are junk: split into one share per KV block, merged, and nothing read
+    # from the padding.
+    case = make_case(0, q_lens=(1,), kv_lens=(700,), num_q_heads=4, num_kv_heads=2,
+                     head_dim=64, page_size=16, pad_seqs=39)  # fmt: skip
+    kwargs = dict(sm_scale=case.sm_scale, soft_cap=20.0, sliding_window=300)
+    out = np.asarray(kernel(*case.args(), **kwargs, decode_only=True))
+    assert np.all(np.isfinite(out)) and np.all(out[1:] == 0)
+    expected = np.asarray(reference(*case.args(), **kwargs))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_combine_splits_matches_one_softmax():
@@ -150,14 +270,24 @@ def test_combine_splits_matches_one_softmax():
         accs.append(p @ values[lo:hi])
         maxes.append(row_max)
         denoms.append(p.sum(axis=1))
+    # The shares of segment 1, after a share of segment 0 and before two shares no
+    # segment owns (-1 and past the end), whose NaN must not be read.
+    nan_acc, nan_row = np.full((2, 8), np.nan, np.float32), np.full(2, np.nan, np.float32)
+    accs = [accs[0] * 3, *accs, nan_acc, nan_acc]
+    maxes = [maxes[0], *maxes, nan_row, nan_row]
+    denoms = [denoms[0], *denoms, nan_row, nan_row]
+    segment = jnp.asarray([0, 1, 1, 1, -1, 3], jnp.int32)
     out = np.asarray(
         combine_splits(
-            jnp.asarray(np.stack(accs)), jnp.asarray(np.stack(maxes)), jnp.asarray(np.stack(denoms))
+            *(jnp.asarray(np.stack(x)) for x in (accs, maxes, denoms)), segment, num_segments=3
         )
     )
     weights = np.exp(logits[0] - logits[0].max())
-    np.testing.assert_allclose(out[0], weights @ values / weights.sum(), rtol=1e-6)
-    assert np.all(out[1] == 0)
+    np.testing.assert_allclose(out[1, 0], weights @ values / weights.sum(), rtol=1e-6)
+    assert np.all(out[1, 1] == 0)
+    np.testing.assert_allclose(out[0, 0], 3 * accs[1][0] / denoms[1][0], rtol=1e-6)
+    assert np.all(out[0, 1] == 0)
+    assert np.all(out[2] == 0)  # no share
 
 
 def test_decode_only_hint():
@@ -260,6 +390,20 @@ def test_window_loop_starts_at_first_visible_page(window, kv_block, page_size):
         assert start // page_size == lo // page_size, "the loop must start in the page holding lo"
         assert start <= lo and start % min(kv_block, page_size) == 0
         assert start + (num_blocks - 1) * kv_block <= hi < start + num_blocks * kv_block
+
+        # Interior blocks: exactly those whose every position every row sees.
+        full_lo, full_hi = (
+            int(x)
+            for x in interior_blocks(
+                jnp.int32(first_pos), jnp.int32(last_pos), jnp.int32(start),
+                jnp.int32(num_blocks), cfg,
+            )
+        )  # fmt: skip
+        rows = np.arange(first_pos, last_pos + 1)[:, None]
+        for block in range(num_blocks):
+            j = start + block * kv_block + np.arange(kv_block)[None, :]
+            seen = (j <= rows) & (window is None or j > rows - window)
+            assert (full_lo <= block < full_hi) == bool(seen.all()), (first_pos, last_pos, block)
 
 
 def _valid_args():
