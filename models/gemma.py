@@ -106,6 +106,7 @@ class GemmaForCausalLM(nnx.Module):
         table: PageTable,
         *,
         attention_backend: str = "auto",
+        decode_only: bool = False,
     ) -> tuple[jax.Array, PagedKVCache]:  # [T, hidden], new cache
         """One paged step over packed rows, as `LlamaForCausalLM.__call__`; each layer
         attends with its own window (`config.layer_sliding_windows`)."""
@@ -128,6 +129,7 @@ class GemmaForCausalLM(nnx.Module):
                 num_kv_heads=c.num_kv_heads,
                 mesh=self.mesh,
                 backend=attention_backend,
+                decode_only=decode_only,
             )
             x = layer.finish(x, attn)
         return self.norm(x), kv_cache

@@ -287,6 +287,7 @@ class LlamaForCausalLM(nnx.Module):
         table: PageTable,
         *,
         attention_backend: str = "auto",
+        decode_only: bool = False,
     ) -> tuple[jax.Array, PagedKVCache]:  # [T, hidden], new cache
         """One paged step over packed rows: writes their K/V and returns final-norm hidden states.
 
@@ -294,7 +295,8 @@ class LlamaForCausalLM(nnx.Module):
         absolute position (`kv_len - q_len + i`), which RoPE uses, while the cache
         write and the attention mask take positions from the table. Padding rows
         (token 0, position 0) are dropped by the write, attend to nothing, and give
-        finite hidden states that the caller ignores.
+        finite hidden states that the caller ignores. `decode_only`: a static promise
+        that every sequence has at most one new row (the GPU kernel then skips prefill).
         """
         c = self.config
         inv_freq = self.inv_freq
@@ -314,6 +316,7 @@ class LlamaForCausalLM(nnx.Module):
                 num_kv_heads=c.num_kv_heads,
                 mesh=self.mesh,
                 backend=attention_backend,
+                decode_only=decode_only,
             )
             x = layer.finish(x, attn)
         return self.norm(x), kv_cache
@@ -391,6 +394,7 @@ def paged_attention(
     num_kv_heads: int,
     mesh: Any,
     backend: str,
+    decode_only: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:  # [T, Hq, D], new cache
     """Writes `layer`'s new K/V into the cache and attends over it: every model's one
     per-layer call into the paged cache.
@@ -412,6 +416,7 @@ def paged_attention(
             soft_cap=soft_cap,
             sliding_window=sliding_window,
             backend=backend,
+            decode_only=decode_only,
         )
         return attn, kv_cache
 

@@ -42,12 +42,13 @@ def ragged_paged_attention(
     backend: Backend = "auto",
     interpret: Any = False,
     block_sizes: Any = None,
+    decode_only: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on the chosen backend; semantics of the reference.
 
     Called as `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables,
     cu_q_lens, num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, k_scales=None,
-    v_scales=None, backend="auto", interpret=False, block_sizes=None)`.
+    v_scales=None, backend="auto", interpret=False, block_sizes=None, decode_only=False)`.
 
     Every backend computes exactly what `ragged_paged_attention_reference` documents.
     `backend="auto"` picks the platform's kernel (the "xla" loop on the CPU);
@@ -55,6 +56,8 @@ def ragged_paged_attention(
     "gpu" force a kernel, and with `interpret=` (True, or `pltpu.InterpretParams()` for
     the TPU kernel) run it in the Pallas interpreter on any platform. `block_sizes` is
     the kernel's `BlockSizes` (None: its defaults); the reference takes none.
+    `decode_only` is a static promise that every live sequence has at most one query
+    row: the GPU kernel then launches no prefill grid; the other backends ignore it.
     """
     name = resolve_backend(backend)
     if name in ("reference", "xla"):
@@ -66,4 +69,6 @@ def ragged_paged_attention(
     module, fn = _KERNELS[name]
     kernel = getattr(importlib.import_module(module, __package__), fn)
     tunables = {} if block_sizes is None else {"block_sizes": block_sizes}
+    if name == "gpu":
+        tunables["decode_only"] = decode_only
     return kernel.impl(inputs, **tunables, interpret=interpret)

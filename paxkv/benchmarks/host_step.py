@@ -66,6 +66,12 @@ _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at 
 _MAX_TOKENS = flags.DEFINE_integer("max_num_batched_tokens", 8192, "Tokens per step.")
 _CACHING = flags.DEFINE_bool("enable_prefix_caching", True, "Prefix caching.")
 _ASYNC = flags.DEFINE_bool("async_scheduling", False, "The async pipeline's host path.")
+_WINDOWS = flags.DEFINE_list(
+    "layer_windows",
+    ["global"],
+    "The fake model's layers by attention window ('global' or a token count), e.g. "
+    "128,128,128,128,128,global for Gemma 3's pattern: the KV-cache groups to keep.",
+)
 
 PARTS = ("schedule", "layout", "record", "outputs")
 
@@ -134,7 +140,8 @@ class _Clock:
 
 def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
     """Replays `trace` through an engine over the fake runner; returns the results."""
-    engine = Engine(None, config, runner=lambda c: FakeRunner(VOCAB, c))
+    windows = tuple(None if w == "global" else int(w) for w in _WINDOWS.value)
+    engine = Engine(None, config, runner=lambda c: FakeRunner(VOCAB, c, layer_windows=windows))
     clock = _Clock()
     # Instrument the parts of a step on this engine's objects only.
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)

@@ -48,7 +48,8 @@ class Engine:
     Args:
       model: an NNX causal LM with a `config` (num_layers, num_kv_heads, head_dim,
         vocab_size, dtype, eos_token_ids), `__call__(tokens, positions, kv_cache, table,
-        attention_backend=)` and `logits(hidden)`, like `paxkv.models.LlamaForCausalLM`.
+        attention_backend=)` (and `decode_only=True` in multi-step decode, a promise of
+        one row per sequence) and `logits(hidden)`, like `paxkv.models.LlamaForCausalLM`.
       config: serving limits (`EngineConfig`; None: its defaults).
       tokenizer: optional, with `encode(str) -> list[int]` and `decode(list[int]) -> str`.
       mesh: a `jax.sharding.Mesh` of one replica (see `paxkv.sharding.shardings`) to

@@ -94,11 +94,14 @@ def forward_logits(
     rows: jax.Array | None,  # i32[S]: the packed rows to take logits of; None: every row
     *,
     attention_backend: str,
+    decode_only: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:
     """The model over a packed batch: writes its K/V, attends, and returns the logits
-    (f32[S, V], or [T, V] for every row) with the updated cache."""
+    (f32[S, V], or [T, V] for every row) with the updated cache. `decode_only` (static):
+    every sequence has at most one row, which the model is told (`decode_only=True`)."""
+    extra = {"decode_only": True} if decode_only else {}
     hidden, kv_cache = model(
-        tokens, positions, kv_cache, table, attention_backend=attention_backend
+        tokens, positions, kv_cache, table, attention_backend=attention_backend, **extra
     )
     return model.logits(hidden if rows is None else hidden[rows]), kv_cache
 
@@ -114,10 +117,18 @@ def forward_sample(
     *,
     attention_backend: str,
     num_logprobs: int = 0,
+    decode_only: bool = False,
 ) -> tuple[Sampled, PagedKVCache]:
     """`forward_logits`, then one sampled token per row (`sample`), and the cache."""
     logits, kv_cache = forward_logits(
-        model, tokens, positions, kv_cache, table, rows, attention_backend=attention_backend
+        model,
+        tokens,
+        positions,
+        kv_cache,
+        table,
+        rows,
+        attention_backend=attention_backend,
+        decode_only=decode_only,
     )
     return sample(logits, sampling, num_logprobs=num_logprobs), kv_cache
 
@@ -235,6 +246,7 @@ def decode_loop(
             sampling.advanced(i),
             attention_backend=attention_backend,
             num_logprobs=num_logprobs,
+            decode_only=True,  # every sequence decodes one token an iteration
         )
         new = sampled.tokens
         stop = jnp.any(new[:, None] == limits.stop_ids, axis=1) | (i + 1 >= limits.remaining)

@@ -161,6 +161,7 @@ def run_setup(
     next_req = 0
     done: dict[str, Any] = {}
     util_used = util_reserved = 0
+    running_time = busy_time = 0.0  # sequences running x step seconds, step seconds
     start = time.monotonic()
     n = len(order)
     while len(done) < n:
@@ -180,12 +181,17 @@ def run_setup(
         if not engine.has_unfinished():
             time.sleep(min(0.01, max(0.0, workload.arrivals[order[next_req]] - now)))
             continue
-        for out in engine.step():
+        step_start = time.monotonic()
+        step_outputs = engine.step()
+        step_time = time.monotonic() - step_start
+        for out in step_outputs:
             if out.finished:
                 done[out.request_id] = out
                 if progress is not None:
                     progress(len(done), n)
         kv = engine.scheduler.kv_usage()
+        running_time += len(engine.scheduler.running) * step_time
+        busy_time += step_time
         util_used += kv["token_slots_used"]
         util_reserved += kv["token_slots_reserved"]
     elapsed = time.monotonic() - start
@@ -212,6 +218,7 @@ def run_setup(
         "tpot_s": tpot.summary(),
         "ttft_p50_s": ttft.summary()["p50"],
         "peak_concurrency": stats["peak_num_requests_running"],
+        "mean_concurrency": running_time / busy_time if busy_time else 0.0,
         "kv_utilization": util_used / util_reserved if util_reserved else 0.0,
         "preemptions": stats["num_preemptions"],
         "recomputed_tokens": stats["num_recomputed_tokens"],
@@ -240,6 +247,7 @@ def format_table(results: dict[str, Any]) -> str:
     """A markdown table of the setups side by side."""
     rows = [
         ("peak concurrent sequences", "peak_concurrency", "{:d}"),
+        ("mean concurrent sequences (over step time)", "mean_concurrency", "{:.1f}"),
         ("output tok/s", "output_tok_per_s", "{:.1f}"),
         ("req/s", "req_per_s", "{:.2f}"),
         ("TTFT p50 / p90 / p99 (s)", "ttft_s", None),

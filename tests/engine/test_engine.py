@@ -377,3 +377,28 @@ def test_async_abort_in_flight(tiny):
     assert outs["a"].outputs[0].finish_reason == "abort"
     assert outs["b"].outputs[0].token_ids == _dense_greedy(model, [4, 5], GREEDY.max_tokens)[0]
     assert engine.pool.num_in_use == 0
+
+
+def test_multi_step_decode_promises_one_row_per_sequence(tiny, monkeypatch):
+    """The N-step loop tells the attention call every sequence decodes one token
+    (`decode_only=True`, which lets the GPU kernel skip its prefill grid); one-step
+    calls, which may hold prefill chunks, do not."""
+    from paxkv.models import llama
+
+    seen = []
+    attention = llama.ragged_paged_attention
+
+    def spy(*args, decode_only=False, **kw):
+        seen.append(decode_only)
+        return attention(*args, decode_only=decode_only, **kw)
+
+    monkeypatch.setattr(llama, "ragged_paged_attention", spy)
+    config, model, _ = tiny
+    # Shapes no other test compiles, so both steps are traced here (with the spy).
+    engine = _engine(model, num_decode_steps=3, page_size=16, page_buckets=(8,))
+    prompts = _prompts(config.vocab_size)[:4]
+    outs = _run(engine, prompts)
+    assert engine.stats()["num_decode_loops"] > 0
+    assert True in seen and False in seen
+    expected = [_dense_greedy(model, p, GREEDY.max_tokens)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == expected
