@@ -81,6 +81,12 @@ class KVCacheManager:
             g.window if self.reservation.shares_pages else None for g in self.layout.groups
         )
         self.sliding = any(w is not None for w in self.windows)
+        # (window, its groups) for each window size: `slide` tests each size once.
+        sizes: dict[int, list[int]] = {}
+        for g, w in enumerate(self.windows):
+            if w is not None:
+                sizes.setdefault(w, []).append(g)
+        self._window_sizes = tuple((w, tuple(gs)) for w, gs in sizes.items())
         self.max_chunk_tokens = max_chunk_tokens or max_model_len
         # Every change to a sequence's pages goes through this object, which mirrors it
         # in the sequence's row of the persistent batch.
@@ -188,22 +194,37 @@ class KVCacheManager:
             for g, k in enumerate(skip):
                 if freed[g] >= n:  # the new NULL entries continue the leading run
                     freed[g] = k
+            seq.slide_at = 0
         self.rows.append(seq, new[0], new[1:])
         return True
 
     def slide(self, seq: SequenceState, start: int) -> None:
         """Gives back the pages of window groups that a chunk from token `start` (and
-        every later one) cannot read; they keep their prefix-cache keys."""
-        freed = self._freed(seq)
-        let_go = []
-        for g, table in enumerate(self.tables(seq)):
-            first = min(self.first_needed(g, start), len(table))
-            for i in range(freed[g], first):
-                if table[i] != NULL_PAGE:
-                    let_go.append(table[i])
-                    table[i] = NULL_PAGE
-                    self.rows.clear(seq, g, i)
-            freed[g] = max(freed[g], first)
+        every later one) cannot read; they keep their prefix-cache keys. Costs a
+        comparison per window size unless a page falls behind a window."""
+        freed = seq.window_freed
+        if len(freed) != self.num_groups:
+            freed = self._freed(seq)
+        ps = self.page_size
+        let_go = None
+        next_at = None
+        for window, groups in self._window_sizes:
+            first = (start - window + 1) // ps  # the first page this window reads
+            for g in groups:
+                if first > freed[g]:
+                    table = self.tables(seq)[g]
+                    stop = min(first, len(table))
+                    for i in range(freed[g], stop):
+                        if table[i] != NULL_PAGE:
+                            let_go = let_go or []
+                            let_go.append(table[i])
+                            table[i] = NULL_PAGE
+                            self.rows.clear(seq, g, i)
+                    freed[g] = max(freed[g], stop)
+                # `first` passes freed[g] from this start on:
+                at = (freed[g] + 1) * ps + window - 1
+                next_at = at if next_at is None or at < next_at else next_at
+        seq.slide_at = next_at or 0
         if let_go:
             self.pool.free(let_go)
 
@@ -236,6 +257,7 @@ class KVCacheManager:
         if self.sliding:
             freed = self._freed(seq)
             freed[:] = [min(f, num_pages) for f in freed]
+            seq.slide_at = 0
         self.rows.truncate(seq, num_pages)
 
     def free(self, seq: SequenceState) -> None:
@@ -245,6 +267,7 @@ class KVCacheManager:
         seq.pages = []
         seq.group_pages = []
         seq.window_freed = []
+        seq.slide_at = 0
         self.rows.release(seq)
 
     def preempt(self, seq: SequenceState) -> None:
@@ -310,6 +333,7 @@ class KVCacheManager:
         seq.group_pages = [list(t) for t in hits[1:]]
         h = len(seq.pages)
         if self.sliding:
+            seq.slide_at = 0
             seq.window_freed = [
                 min(self.first_needed(g, h * self.page_size), h) for g in range(self.num_groups)
             ]

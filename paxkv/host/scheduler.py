@@ -149,7 +149,7 @@ class Scheduler:
                 continue
             try:
                 if outputs and end <= len(seq.pages) * ps:  # the common decode: no new page
-                    if sliding:
+                    if sliding and end > seq.slide_at:  # a page falls behind a window
                         self.kv_cache.slide(seq, end - 1)
                     chunk = ScheduledChunk(
                         seq, end - 1, 1, True, (outputs[-1],), seq.row, -(-end // ps), len(outputs)

@@ -52,6 +52,9 @@ class SequenceState:
     # took) because they fell behind its window.
     group_pages: list[list[int]] = dataclasses.field(default_factory=list)
     window_freed: list[int] = dataclasses.field(default_factory=list)
+    # The first chunk start at which a window group has a page to let go of (a cache of
+    # `KVCacheManager.slide`'s test, so a decode that frees nothing skips the call).
+    slide_at: int = 0
     row: int | None = None  # its row of the persistent batch while it holds pages
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
