@@ -138,10 +138,16 @@ class _Clock:
                 d[k] = 0
 
 
-def run(trace: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
-    """Replays `trace` through an engine over the fake runner; returns the results."""
-    windows = tuple(None if w == "global" else int(w) for w in _WINDOWS.value)
-    engine = Engine(None, config, runner=lambda c: FakeRunner(VOCAB, c, layer_windows=windows))
+def run(
+    trace: dict[str, Any],
+    config: EngineConfig,
+    layer_windows: tuple[int | None, ...] = (None,),
+) -> dict[str, Any]:
+    """Replays `trace` through an engine over the fake runner, whose layers have
+    `layer_windows` (None: global); returns the results."""
+    engine = Engine(
+        None, config, runner=lambda c: FakeRunner(VOCAB, c, layer_windows=layer_windows)
+    )
     clock = _Clock()
     # Instrument the parts of a step on this engine's objects only.
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
@@ -287,7 +293,8 @@ def main(argv: list[str]) -> None:
         num_decode_steps=1,
         log_stats_interval_s=0.0,
     )
-    result = run(trace, config)
+    windows = tuple(None if w == "global" else int(w) for w in _WINDOWS.value)
+    result = run(trace, config, windows)
     print(
         f"steps {result['steps']}, preemptions {result['preemptions']}, peak running "
         f"{result['peak_running']}, prefix hit rate {result['prefix_hit_rate']:.1%}, "
