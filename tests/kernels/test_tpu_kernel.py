@@ -326,6 +326,7 @@ import jax, numpy as np, ml_dtypes
 from jax.experimental import topologies
 from paxkv.pallas_kernels import attention_inputs
 from paxkv.pallas_kernels.tpu import BlockSizes
+from paxkv.pallas_kernels.tpu.block_sizes import chip_info
 from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention
 
 CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
@@ -335,6 +336,10 @@ CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
     ("bfloat16", "int8", 16, 128, 8, 2, BlockSizes(4, 16, 1), 30.0, 64),
     ("float32", "float8_e4m3fn", 128, 256, 8, 1, BlockSizes(2, 8, 1), None, None),
     ("bfloat16", "float8_e5m2", 256, 128, 6, 2, BlockSizes(2, 5, 2), None, 300),
+] + [  # the defaults (BlockSizes() resolved for the shapes) at head_dim 128 and 256
+    ("bfloat16", pages, 16, d, 8, 2, BlockSizes(), None, None)
+    for pages in ("bfloat16", "int8", "float8_e4m3fn")
+    for d in (128, 256)
 ]
 dtype = lambda name: np.dtype(getattr(ml_dtypes, name, None) or name)
 for chip in sys.argv[1:]:
@@ -349,10 +354,13 @@ for chip in sys.argv[1:]:
                 spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
                 spec((1,), "int32")]
         args += [spec((p, hkv, ps), "float32")] * 2 if quantized else [None, None]
-        fn = lambda *a: _ragged_paged_attention(
-            attention_inputs(*a[:7], k_scales=a[7], v_scales=a[8], sm_scale=0.1,
-                             soft_cap=cap, sliding_window=win),
-            block_sizes=bs, vmem_limit_bytes=32 * 2**20, interpret=False)
+        def fn(*a, bs=bs, cap=cap, win=win, qd=qd, pd=pd):
+            inputs = attention_inputs(*a[:7], k_scales=a[7], v_scales=a[8], sm_scale=0.1,
+                                      soft_cap=cap, sliding_window=win)
+            # Defaults resolve as off a TPU (the fallback chip figures): compile-only.
+            bs = bs.resolve(inputs.shapes, dtype(qd), dtype(pd), chip=chip_info(True))
+            return _ragged_paged_attention(
+                inputs, block_sizes=bs, vmem_limit_bytes=32 * 2**20, interpret=False)
         with jax.sharding.set_mesh(mesh):
             jax.jit(fn).lower(*args).compile()
         print("compiled", chip, qd, pd, ps, d, bs, flush=True)
@@ -384,4 +392,4 @@ def test_compiles_for_tpu_deviceless():
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 6 * len(chips)
+    assert result.stdout.count("compiled") == 12 * len(chips)
