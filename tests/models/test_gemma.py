@@ -339,3 +339,32 @@ def test_hybrid_multi_step_and_async_match_dense(mode):
         assert got == expected, kw
         assert engine.pool.num_in_use == 0
     assert engine.stats()["num_preemptions"] > 0
+
+
+def test_planner_pages_match_what_the_engine_holds():
+    """`paxkv-plan`'s pages per sequence over the groups (`group_pages_held`) are what a
+    decoding sequence of tiny Gemma 3 holds in the engine, step after step."""
+    from paxkv.tools.capacity import group_pages_held
+
+    engine = _engine(
+        perturbed_model(TINY_GEMMA3),
+        page_size=16,
+        max_model_len=512,
+        num_pages=256,
+        page_buckets=(32,),
+    )
+    layout = engine.scheduler.kv_cache.layout
+    prompt = np.random.default_rng(5).integers(0, 256, 200).tolist()
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=80))
+    (seq,) = engine.requests.get("r").seqs
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        if seq.status.value != "running" or seq.num_computed_tokens < len(prompt):
+            continue
+        held = sum(g["pages_held"] for g in engine.stats()["kv_groups"])
+        # The step just run computed the sequence's last token so far, at L - 1.
+        length = seq.num_computed_tokens
+        assert held == int(group_pages_held(layout, np.array([length]), 16)[0]), length
+        checked += 1
+    assert checked > 60
