@@ -1,6 +1,7 @@
 """Ragged paged attention on NVIDIA GPUs: Pallas kernels with the Triton lowering.
 
-One call serves any mixed batch by composing two kernels (bodies in `kernel.py`):
+One call serves any mixed batch by composing two kernels (bodies in `kernel.py`, block
+sizes and the shared-memory estimate in `block_sizes.py`):
 
 * decode sequences (q_len == 1) go to a split-K decode kernel, grid
   `(work items, Hkv)`: each program reads a contiguous share of one sequence's pages
@@ -30,7 +31,6 @@ more registers per program than the defaults are tuned for.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -43,263 +43,17 @@ from ..contract import (
     AttentionShapes,
     attention_op,
     compute_dtype,
-    is_quantized,
 )
 from ..layout import cdiv
+from .block_sizes import (
+    TARGET_DECODE_PROGRAMS,
+    BlockSizes,
+    check_kernel_limits,
+    next_power_of_two,
+    prefill_tile_tokens,
+)
 from .jax_compat import plgpu
-from .kernel import KernelConfig, decode_kernel, decode_tile_rows, prefill_kernel, visible_range
-
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-MIN_BLOCK = 16  # smallest M, N and K of a Triton tensor-core dot
-MAX_KV_BLOCK = 512
-MAX_SPLITS = 64
-# The split plan aims for this many decode programs: two waves on an H100/H200 (132
-# SMs), so a batch of a few long sequences still fills the GPU.
-TARGET_DECODE_PROGRAMS = 2 * 132
-# Shared memory the default KV blocks may fill with their pipelined K and V tiles: about
-# half of an H100/H200's 228 KiB, leaving room for the Q tile and the dots' staging.
-KV_TILE_BUDGET_BYTES = 128 * 1024
-# Dynamic shared memory one CUDA block may use on an H100/H200 (sm_90: 227 KiB opt-in).
-SHARED_MEMORY_LIMIT_BYTES = 227 * 1024
-# Smallest M of Hopper's warpgroup dot (wgmma), which Triton uses for 16-bit dots on sm_90.
-WGMMA_MIN_ROWS = 64
-
-
-def _is_power_of_two(x) -> bool:
-    return isinstance(x, int) and x > 0 and not x & (x - 1)
-
-
-def _next_power_of_two(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _floor_power_of_two(x: int) -> int:
-    return 1 << max(0, x.bit_length() - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Static tunables of `ragged_paged_attention_gpu`; None picks a default for the call.
-
-    Hashable and validated on construction; `resolve` fills in the defaults for a call's
-    shapes. A KV block is the number of cached tokens one inner-loop step reads: `kv_block //
-    page_size` whole pages when pages are smaller than the block, a slice of one page when
-    they are larger. Every block size is a power of two (Triton tensors must be).
-
-    Attributes:
-      decode_kv_block: KV tokens per step of the decode kernel, in [16, 512]. Default:
-        64 tokens (int8/fp8 pages: 4096 / head_dim tokens), halved until `num_stages`
-        buffered K and V tiles fit KV_TILE_BUDGET_BYTES of shared memory. Larger blocks
-        cost registers (the gathered tiles' addresses, and the dequantized tiles): bf16,
-        head_dim 128 compiles to 112-128 registers at 128 tokens, 80 at 64; int8 to 232
-        at 64 tokens, 130 at 32; and int8 at head_dim 256 spills at 32.
-      num_splits: most KV splits of one decode sequence (split-K), in [1, 64]; the
-        split plan cuts the live decodes' KV blocks into about TARGET_DECODE_PROGRAMS
-        programs each call, never more than this many per sequence (1: no split, no
-        combine). Default: 64, or the KV blocks of the longest sequence the table holds.
-      prefill_block_m: rows of a prefill tile, in (query token, query head) pairs: a
-        tile holds `max(1, prefill_block_m // Gp)` tokens of one sequence, Gp being G
-        rounded up to a power of two. A power of two >= 16. Default: 128 for 16-bit dots
-        with head_dim <= 128, else 64.
-      prefill_kv_block: KV tokens per step of the prefill kernel, in [16, 512]. Default:
-        as decode_kv_block, at most 64.
-      decode_num_warps, prefill_num_warps: Triton warps per program (1 to 16, powers of
-        two). Default: 8 for tiles of 128 rows or more, or whose f32 accumulator
-        (rows x head_dim) or K/V block (kv_block x head_dim) holds 128 x 128 values or
-        more; else 4 (where 4 warps spill or come close, in the compiled figures).
-      num_stages: Triton software-pipelining stages of both kernels' KV loops (>= 1).
-      check_shared_memory: reject, in `resolve` (not when interpreting), block sizes whose
-        kernels' estimated shared memory (`shared_memory_bytes`) exceeds
-        SHARED_MEMORY_LIMIT_BYTES. False only for compiling such configurations anyway
-        (`paxkv.tools.kernel_compile`): they compile, but a GPU refuses to launch them.
-    """
-
-    decode_kv_block: int | None = None
-    num_splits: int | None = None
-    prefill_block_m: int | None = None
-    prefill_kv_block: int | None = None
-    decode_num_warps: int | None = None
-    prefill_num_warps: int | None = None
-    num_stages: int = 2
-    check_shared_memory: bool = True
-
-    def __post_init__(self):
-        for name in ("decode_kv_block", "prefill_kv_block"):
-            value = getattr(self, name)
-            if value is not None and (
-                not _is_power_of_two(value) or not MIN_BLOCK <= value <= MAX_KV_BLOCK
-            ):
-                raise ValueError(
-                    f"BlockSizes.{name}={value!r} must be None or a power of two in "
-                    f"[{MIN_BLOCK}, {MAX_KV_BLOCK}]"
-                )
-        if self.prefill_block_m is not None and (
-            not _is_power_of_two(self.prefill_block_m) or self.prefill_block_m < MIN_BLOCK
-        ):
-            raise ValueError(
-                f"BlockSizes.prefill_block_m={self.prefill_block_m!r} must be None or a power "
-                f"of two >= {MIN_BLOCK}"
-            )
-        if self.num_splits is not None and (
-            not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= MAX_SPLITS
-        ):
-            raise ValueError(
-                f"BlockSizes.num_splits={self.num_splits!r} must be None or an int in [1, {MAX_SPLITS}]"
-            )
-        for name in ("decode_num_warps", "prefill_num_warps"):
-            value = getattr(self, name)
-            if value is not None and (not _is_power_of_two(value) or value > 16):
-                raise ValueError(
-                    f"BlockSizes.{name}={value!r} must be None or a power of two in [1, 16]"
-                )
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
-        if not isinstance(self.check_shared_memory, bool):
-            raise ValueError(
-                f"BlockSizes.check_shared_memory={self.check_shared_memory!r} must be a bool"
-            )
-
-    def resolve(
-        self, shapes: AttentionShapes, q_dtype, page_dtype, *, interpret: bool = False
-    ) -> BlockSizes:
-        """These block sizes with every None replaced by its default for `shapes`.
-
-        Raises ValueError, before anything is compiled, if a kernel's estimated shared
-        memory exceeds SHARED_MEMORY_LIMIT_BYTES, unless `check_shared_memory` is False or
-        the kernels run in the interpreter (`interpret`), which has no shared memory.
-        """
-        itemsize = compute_dtype(q_dtype, page_dtype).itemsize
-        tile_bytes = self.num_stages * 2 * shapes.head_dim * itemsize
-        fitting = max(MIN_BLOCK, _floor_power_of_two(KV_TILE_BUDGET_BYTES // tile_bytes))
-        # Quantized pages: K/V blocks of 4096 values, whose dequantized copies the
-        # registers hold (64, 32, 16 tokens at head_dim 64, 128, 256).
-        decode_default = 4096 // shapes.head_dim if shapes.quantized else 64
-        decode_kv_block = self.decode_kv_block or min(decode_default, fitting)
-        max_blocks = cdiv(shapes.pages_per_seq * shapes.page_size, decode_kv_block)
-        gp = _next_power_of_two(shapes.group_size)
-        block_m = self.prefill_block_m or (128 if itemsize == 2 and shapes.head_dim <= 128 else 64)
-        prefill_rows = max(1, block_m // gp) * gp
-        prefill_kv_block = self.prefill_kv_block or min(64, fitting)
-        resolved = dataclasses.replace(
-            self,
-            decode_kv_block=decode_kv_block,
-            num_splits=self.num_splits or max(1, min(max_blocks, MAX_SPLITS)),
-            prefill_block_m=block_m,
-            prefill_kv_block=prefill_kv_block,
-            decode_num_warps=self.decode_num_warps
-            or _default_warps(decode_tile_rows(gp), decode_kv_block, shapes.head_dim),
-            prefill_num_warps=self.prefill_num_warps
-            or _default_warps(prefill_rows, prefill_kv_block, shapes.head_dim),
-        )
-        if self.check_shared_memory and not interpret:
-            _check_shared_memory(shapes, resolved, q_dtype, page_dtype)
-        return resolved
-
-
-def _default_warps(rows: int, kv_block: int, head_dim: int) -> int:
-    """Warps of a tile of `rows` query rows over KV blocks of `kv_block` tokens: 8 from
-    128 rows, or from 128 x 128 values in the accumulator or a K/V block, else 4."""
-    return 8 if rows >= 128 or max(rows, kv_block) * head_dim >= 128 * 128 else 4
-
-
-def kernel_tiles(shapes: AttentionShapes, bs: BlockSizes) -> dict[str, tuple[int, int, int]]:
-    """`(kv_block, rows, num_warps)` of the decode and the prefill kernel's tiles for
-    resolved block sizes `bs`: rows is M, the query rows of one program's tile."""
-    gp = _next_power_of_two(shapes.group_size)
-    return {
-        "decode": (bs.decode_kv_block, decode_tile_rows(gp), bs.decode_num_warps),
-        "prefill": (bs.prefill_kv_block, prefill_tile_tokens(bs, gp) * gp, bs.prefill_num_warps),
-    }
-
-
-def prefill_tile_tokens(bs: BlockSizes, group_padded: int) -> int:
-    """Query tokens of one prefill tile: `prefill_block_m` rows of `group_padded` heads."""
-    return max(1, bs.prefill_block_m // group_padded)
-
-
-def shared_memory_bytes(
-    kernel: str,
-    *,
-    kv_block: int,
-    rows: int,
-    head_dim: int,
-    q_dtype,
-    page_dtype,
-    num_stages: int,
-    num_warps: int,
-) -> int:
-    """Estimated dynamic shared memory of one program of `kernel` ("decode" or "prefill"),
-    in bytes, as Triton allocates it for sm_90.
-
-    A tile of `rows` query rows meets KV blocks of `kv_block` tokens; q_dtype and
-    page_dtype give the dots' operand dtype (`contract.compute_dtype`). The terms are the
-    buffers the compiled kernels hold in shared memory, read off the compiled figures of
-    `paxkv.tools.kernel_compile` (committed in `paxkv/tools/gpu_kernel_resources.json`,
-    against which the estimate is tested: never under them, at most 25% over):
-
-    * num_stages 1 (no pipelining): the K and V tiles as stored, and with quantized
-      pages their dequantized copies (two float32 tiles for float32 dots; for 16-bit
-      dots a term fitted to the figures: up to 4 KiB in decode, half the stored tiles
-      in prefill);
-    * 16-bit dots on tiles of at least WGMMA_MIN_ROWS rows (Hopper's wgmma): the K and
-      V tiles double-buffered (Triton pipelines those loads at most two deep here,
-      whatever num_stages >= 2), the Q tile and 512 bytes; the probabilities stay in
-      registers;
-    * smaller tiles (mma.sync) and float32 dots (FMA): one K and one V tile, the Q tile
-      and the probabilities in the operand dtype, and with quantized float32 dots one
-      dequantized float32 tile;
-    * quantized pages: their K and V scales; 1 KiB of reduction scratch per kernel
-      body with more than 4 warps; and on wgmma tiles with KV blocks of 16 tokens, the
-      dequantized K and V tiles (int8 and fp8 at head_dim 256, G=64: 64 KiB compiled
-      where the terms above give 48).
-
-    Calibrated on decode tiles of 16 and 64 rows and prefill tiles of 16 to 128 rows.
-    """
-    compute = compute_dtype(q_dtype, page_dtype)
-    quantized = is_quantized(page_dtype)
-    page_bytes, compute_bytes = np.dtype(page_dtype).itemsize, compute.itemsize
-    kv = 2 * kv_block * head_dim * page_bytes
-    f32_tile = kv_block * head_dim * 4
-    if num_stages == 1:
-        if not quantized:
-            return kv
-        if compute_bytes == 4:
-            return kv + 2 * f32_tile + 1024
-        return kv + (min(kv, 4096) if kernel == "decode" else kv // 2)
-    q_tile, p_tile = rows * head_dim * compute_bytes, rows * kv_block * compute_bytes
-    scales = 2 * kv_block * 4 if quantized else 0
-    dequantized = f32_tile if quantized and compute_bytes == 4 else 0
-    scratch = 1024 if num_warps > 4 else 0
-    if compute_bytes == 2 and rows >= WGMMA_MIN_ROWS:
-        staged = 2 * kv_block * head_dim * compute_bytes if quantized and kv_block < 32 else 0
-        return 2 * kv + q_tile + scales + staged + 2 * scratch + 512
-    return kv + q_tile + p_tile + scales + dequantized + scratch
-
-
-def _check_shared_memory(shapes: AttentionShapes, bs: BlockSizes, q_dtype, page_dtype) -> None:
-    for kernel, (kv_block, rows, num_warps) in kernel_tiles(shapes, bs).items():
-        estimate = shared_memory_bytes(
-            kernel, kv_block=kv_block, rows=rows, head_dim=shapes.head_dim, q_dtype=q_dtype,
-            page_dtype=page_dtype, num_stages=bs.num_stages, num_warps=num_warps,
-        )  # fmt: skip
-        if estimate > SHARED_MEMORY_LIMIT_BYTES:
-            raise ValueError(
-                f"{bs} needs about {estimate / 1024:.0f} KiB of shared memory in the {kernel} "
-                f"kernel (kv_block={kv_block}, {rows} rows, head_dim={shapes.head_dim}, "
-                f"{np.dtype(page_dtype).name} pages, num_stages={bs.num_stages}) but a GPU block "
-                f"may use {SHARED_MEMORY_LIMIT_BYTES // 1024} KiB; lower the kv block, num_stages "
-                f"or prefill_block_m"
-            )
-
-
-def check_kernel_limits(shapes: AttentionShapes) -> None:
-    """Limits of the GPU kernels beyond the shared input contract (which already requires
-    a power-of-two page size in [8, 1024]): head_dim in SUPPORTED_HEAD_DIMS. Pages of 8
-    tokens are read several per KV block, so every dot keeps dims >= 16."""
-    if shapes.head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim={shapes.head_dim} must be one of {SUPPORTED_HEAD_DIMS} for the GPU kernel"
-        )
+from .kernel import KernelConfig, decode_kernel, prefill_kernel, visible_range
 
 
 def _decode_only_check(cu_q_lens, num_seqs) -> None:
@@ -316,7 +70,7 @@ def _decode_only_check(cu_q_lens, num_seqs) -> None:
 def ragged_paged_attention_gpu(
     inputs: AttentionInputs,
     *,
-    block_sizes: BlockSizes = BlockSizes(),
+    block_sizes: BlockSizes = BlockSizes(),  # noqa: B008 - frozen: one shared default is safe
     decode_only: bool = False,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
@@ -378,7 +132,7 @@ def _ragged_paged_attention_gpu(
         return KernelConfig(
             num_q_heads=shapes.num_q_heads,
             group_size=group,
-            group_padded=_next_power_of_two(group),
+            group_padded=next_power_of_two(group),
             page_size=shapes.page_size,
             kv_block=kv_block,
             sm_scale=inputs.sm_scale,

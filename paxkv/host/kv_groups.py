@@ -141,10 +141,6 @@ class KVGroupLayout:
                 out[layer] = i
         return tuple(out)
 
-    def layer_bytes_fraction(self) -> float:
-        """Bytes of one page here over one page of a uniform cache (slots / layers)."""
-        return self.num_slots / self.num_layers
-
     def describe(self) -> str:
         """One line: the groups by window, their layer counts, and the slots."""
         by_window: dict[int | None, list[int]] = {}

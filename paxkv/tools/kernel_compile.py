@@ -251,7 +251,7 @@ def compile_case(case: CompileCase) -> list[KernelResources]:
     from paxkv.kv_layout import resolve_kv_cache_dtype
     from paxkv.pallas_kernels.contract import AttentionShapes
     from paxkv.pallas_kernels.gpu import BlockSizes
-    from paxkv.pallas_kernels.gpu.ragged_paged_attention import kernel_tiles, shared_memory_bytes
+    from paxkv.pallas_kernels.gpu.block_sizes import kernel_tiles, shared_memory_bytes
 
     q_dtype = np.dtype(jnp.dtype(case.q_dtype))
     page_dtype = resolve_kv_cache_dtype(case.kv_cache_dtype, q_dtype)
@@ -347,7 +347,7 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
     """Compiles the chosen configurations and prints the markdown table."""
     del argv
-    from paxkv.pallas_kernels.gpu.ragged_paged_attention import SHARED_MEMORY_LIMIT_BYTES
+    from paxkv.pallas_kernels.gpu.block_sizes import SHARED_MEMORY_LIMIT_BYTES
 
     cases = grid() if flags.FLAGS.subset == "grid" else ci_subset()
     start = time.perf_counter()

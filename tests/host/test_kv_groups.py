@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_prefix_cache import _step
 
 from paxkv.host.batch import Buckets, build_host_batch
 from paxkv.host.kv_groups import KVCacheGroup, KVGroupLayout
@@ -44,13 +45,6 @@ def _sched(layout, num_pages=64, budget=64, max_model_len=64, page_size=PS, **kw
         layout=layout,
         **kw,
     )
-
-
-def _step(s, token=99):
-    out = s.schedule()
-    s.update(out, [(token, 0.0) if c.samples else None for c in out.chunks])
-    s.pool.check_invariants()
-    return out
 
 
 # One global layer and one window-8 layer.

@@ -15,7 +15,7 @@ import pytest
 
 from paxkv.pallas_kernels import AttentionShapes
 from paxkv.pallas_kernels.gpu import BlockSizes
-from paxkv.pallas_kernels.gpu.ragged_paged_attention import (
+from paxkv.pallas_kernels.gpu.block_sizes import (
     SHARED_MEMORY_LIMIT_BYTES,
     shared_memory_bytes,
 )

@@ -19,10 +19,10 @@ from paxkv.pallas_kernels import AttentionShapes
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
 from paxkv.pallas_kernels.contract import attention_inputs
 from paxkv.pallas_kernels.gpu import BlockSizes, ragged_paged_attention_gpu
+from paxkv.pallas_kernels.gpu.block_sizes import TARGET_DECODE_PROGRAMS
 from paxkv.pallas_kernels.gpu.jax_compat import triton_kernels_in, triton_lowering_target
 from paxkv.pallas_kernels.gpu.kernel import KernelConfig, interior_blocks, visible_range
 from paxkv.pallas_kernels.gpu.ragged_paged_attention import (
-    TARGET_DECODE_PROGRAMS,
     combine_splits,
     decode_items,
     decode_plan,
