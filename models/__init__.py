@@ -73,6 +73,7 @@ def load_model(
     dtype: str | None = None,
     seed: int = 0,
     mesh: Any = None,
+    scan_layers: bool | None = None,
 ) -> tuple[ModelConfig, Model, Tokenizer | None]:
     """`(config, model, tokenizer or None)` from a preset name or a local directory.
 
@@ -82,7 +83,8 @@ def load_model(
     A directory is a Hugging Face checkpoint, or an orbax checkpoint from `save_params`
     (`config.json` and `params/`); its tokenizer is its `tokenizer.json`, if any, or the
     `ByteTokenizer` its `tokenizer_config.json` declares.
-    `dtype` overrides the parameter dtype. With a `mesh` (`paxkv.sharding`) the weights
+    `dtype` overrides the parameter dtype, `scan_layers` how the layers are held and
+    run (`paxkv.models.layer_stack`; None: the config's, off). With a `mesh` (`paxkv.sharding`) the weights
     are created in their shardings from the start (no device holds more than its shard).
 
     A damaged checkpoint raises ValueError naming the file and the field or tensor: an
@@ -91,8 +93,9 @@ def load_model(
     cannot be opened.
     """
     name = os.fspath(name_or_path)
+    overrides = {k: v for k, v in (("dtype", dtype), ("scan_layers", scan_layers)) if v is not None}
     if name in PRESETS:
-        config = PRESETS[name] if dtype is None else PRESETS[name].replace(dtype=dtype)
+        config = PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
         tokenizer = ByteTokenizer() if name in BYTE_LEVEL_PRESETS else None
         return config, init_model(config, seed, mesh=mesh), tokenizer
     if name in CHECKPOINTS:
@@ -102,19 +105,17 @@ def load_model(
                 f"the {name} checkpoint is missing from {path}: train it with `paxkv-train` "
                 "(a few minutes on a CPU)"
             )
-        return load_model(path, dtype=dtype, mesh=mesh)
+        return load_model(path, dtype=dtype, mesh=mesh, scan_layers=scan_layers)
     if not os.path.isdir(name):
         raise ValueError(
             f"{name!r} is neither a preset ({', '.join(PRESETS)}), a trained checkpoint "
             f"({', '.join(CHECKPOINTS)}) nor an existing directory"
         )
     if os.path.isdir(os.path.join(name, ORBAX_PARAMS_DIR)):
-        config = read_hf_config(name)
-        if dtype is not None:
-            config = config.replace(dtype=dtype)
+        config = read_hf_config(name).replace(**overrides)
         model = restore_params(config, name, mesh=mesh)
     else:
-        config, model = load_hf_checkpoint(name, dtype=dtype, mesh=mesh)
+        config, model = load_hf_checkpoint(name, dtype=dtype, mesh=mesh, scan_layers=scan_layers)
     tokenizer = load_tokenizer(name)
     if tokenizer is None and _declares_byte_tokenizer(name):
         tokenizer = ByteTokenizer()

@@ -42,7 +42,8 @@ class LlamaConfig:
     head (one weight per projection, shared by its heads), after the projection and
     before RoPE. `sliding_window=W` lets each token see itself and the W - 1 tokens
     before it (Mistral); None attends to the whole prefix. `dtype` is the parameter
-    and activation dtype. `eos_token_id` is an int or a tuple of ints (Llama 3 has
+    and activation dtype; `scan_layers` how the layers run (`paxkv.models.layer_stack`).
+    `eos_token_id` is an int or a tuple of ints (Llama 3 has
     several); `eos_token_ids` always gives the tuple.
     """
 
@@ -64,6 +65,10 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # How the layers are held and run, not what they compute (not in config.json):
+    # True stacks each parameter over the layers ([L, ...]) and runs them as one
+    # `lax.scan` over a cache stacked the same way, so a step compiles one layer, not L.
+    scan_layers: bool = False
 
     def __post_init__(self):
         hf_fields.check_shared_fields(self)

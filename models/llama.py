@@ -22,6 +22,7 @@ from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.pallas_kernels import ragged_paged_attention
 from paxkv.sharding import shardings
 
+from . import layer_stack
 from .config import Llama3RopeScaling, LlamaConfig, ModelConfig
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for these models
@@ -262,7 +263,9 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = embedding(config, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        layers = [DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
+        # One module with [L, ...] arrays, scanned; or a module per layer, looped.
+        self.layers = layer_stack.stack(layers) if config.scan_layers else nnx.List(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
         self.lm_head = lm_head(config, rngs=rngs)
         # A jax Mesh (static): attention runs per shard of its `model` axis. Set by
@@ -300,8 +303,9 @@ class LlamaForCausalLM(nnx.Module):
         """
         c = self.config
         inv_freq = self.inv_freq
-        x = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
+
+        def body(layer, i, carry):
+            x, kv_cache = carry
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             attn, kv_cache = paged_attention(
                 i,
@@ -318,7 +322,10 @@ class LlamaForCausalLM(nnx.Module):
                 backend=attention_backend,
                 decode_only=decode_only,
             )
-            x = layer.finish(x, attn)
+            return layer.finish(x, attn), kv_cache
+
+        carry = (self.embed_tokens(tokens), kv_cache)
+        x, kv_cache = layer_stack.run(self.layers, carry, body, scanned=c.scan_layers)
         return self.norm(x), kv_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -331,19 +338,18 @@ class LlamaForCausalLM(nnx.Module):
         The oracle for the paged path: the same weights and RoPE, but no cache, no page
         table and no attention kernel.
         """
+        c = self.config
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
         inv_freq = self.inv_freq
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
+
+        def body(layer, i, x):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             attn = dense_causal_attention(
-                q,
-                k,
-                v,
-                sm_scale=self.config.head_dim**-0.5,
-                sliding_window=self.config.sliding_window,
+                q, k, v, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
             )
-            x = layer.finish(x, attn)
+            return layer.finish(x, attn)
+
+        x = layer_stack.run(self.layers, self.embed_tokens(tokens), body, scanned=c.scan_layers)
         return self.logits(self.norm(x))
 
 
@@ -366,22 +372,26 @@ def duplicate_kv_heads(model: Any, factor: int) -> None:
             "query heads: the query heads must divide evenly among the KV heads"
         )
     d = c.head_dim
-    for layer in model.layers:
+    layers = [model.layers] if getattr(c, "scan_layers", False) else model.layers
+    for layer in layers:
         attn = layer.self_attn
         for proj in (attn.k_proj, attn.v_proj):
-            kernel = proj.kernel.get_value()  # [h, Hkv * D]
-            h = kernel.shape[0]
-            heads = kernel.reshape(h, c.num_kv_heads, d)
-            proj.kernel.set_value(jnp.repeat(heads, factor, axis=1).reshape(h, -1))
+            kernel = proj.kernel.get_value()  # [h, Hkv * D], stacked: [L, h, Hkv * D]
+            lead = kernel.shape[:-1]
+            heads = kernel.reshape(*lead, c.num_kv_heads, d)
+            proj.kernel.set_value(jnp.repeat(heads, factor, axis=-2).reshape(*lead, -1))
             if proj.bias is not None:
-                bias = proj.bias.get_value().reshape(c.num_kv_heads, d)
-                proj.bias.set_value(jnp.repeat(bias, factor, axis=0).reshape(-1))
+                bias = proj.bias.get_value()  # [Hkv * D], stacked: [L, Hkv * D]
+                heads = bias.reshape(*bias.shape[:-1], c.num_kv_heads, d)
+                proj.bias.set_value(
+                    jnp.repeat(heads, factor, axis=-2).reshape(*bias.shape[:-1], -1)
+                )
         attn.num_kv_heads = c.num_kv_heads * factor
     model.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
 
 
 def paged_attention(
-    layer: int,
+    layer: int | jax.Array,
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
@@ -399,15 +409,17 @@ def paged_attention(
     """Writes `layer`'s new K/V into the cache and attends over it: every model's one
     per-layer call into the paged cache.
 
-    `sliding_window` and `soft_cap` are this layer's (see `ragged_paged_attention`). The
-    layer's pages and page table are those of its KV-cache group (`PagedKVCache.slot`,
-    `PagedKVCache.group`; one group unless the model mixes windows).
+    `layer` is an int, or a traced i32 scalar inside a scan over stacked layers (the
+    cache is then stacked, `PagedKVCache.slot_pages`). `sliding_window` and `soft_cap`
+    are this layer's (see `ragged_paged_attention`). The layer's pages and page table
+    are those of its KV-cache group (`PagedKVCache.slot`, `PagedKVCache.group`; one
+    group unless the model mixes windows).
     On a `mesh` each device writes and reads only its own KV heads' slice of every page
     and attends with its own q heads (the heads of q, k, v and the pages share one
     spec); the page table is replicated, so no data crosses devices here.
     """
 
-    def attend(q, k, v, kv_cache, table):
+    def attend(q, k, v, kv_cache, table, layer):
         kv_cache = kv_cache.write(layer, k, v, table)
         attn = ragged_paged_attention(
             q,
@@ -421,14 +433,16 @@ def paged_attention(
         return attn, kv_cache
 
     if mesh is None:
-        return attend(q, k, v, kv_cache, table)
+        return attend(q, k, v, kv_cache, table, layer)
     heads = shardings.kv_head_spec(num_kv_heads, mesh)
-    return shardings.shard_map(
-        attend,
-        mesh,
-        in_specs=(heads, heads, heads, heads, shardings.REPLICATED),
-        out_specs=(heads, heads),
-    )(q, k, v, kv_cache, table)
+    if isinstance(layer, int):  # static: closed over, not an argument
+        per_shard = lambda q, k, v, kv_cache, table: attend(q, k, v, kv_cache, table, layer)
+        args, specs = (q, k, v, kv_cache, table), (heads, heads, heads, heads, shardings.REPLICATED)
+    else:
+        per_shard = attend
+        args = (q, k, v, kv_cache, table, layer)
+        specs = (heads, heads, heads, heads, shardings.REPLICATED, shardings.REPLICATED)
+    return shardings.shard_map(per_shard, mesh, in_specs=specs, out_specs=(heads, heads))(*args)
 
 
 def init_cache(

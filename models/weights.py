@@ -3,7 +3,10 @@
 Hugging Face names map onto the NNX parameter paths by one rule (`hf_name`): the
 path joined with dots under `model.` (`lm_head` at the top level), `kernel` read as a
 transposed `weight` (HF Linear weights are `[out, in]`) and `embedding` as `weight`.
-Nothing here touches the network.
+A parameter of stacked layers (`scan_layers`, `[L, ...]`) is the L tensors of
+`model.layers.{l}....` stacked on axis 0 (`layer_stack.layer_names`), read slice by
+slice into its sharding like any other; orbax checkpoints hold the layers one by one
+either way. Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import struct
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import layer_stack
 from .config import ModelConfig, config_from_hf
 from .registry import Model, model_class
 
@@ -50,10 +54,21 @@ def _abstract_model(config: ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
 
 
-def _hf_params(state) -> Iterator[tuple[str, bool, nnx.Variable]]:
+class _Param(NamedTuple):
+    names: tuple[str, ...]  # its Hugging Face tensor, or each layer's when stacked
+    transpose: bool  # stored transposed in the file (per layer)
+    stacked: bool  # `[L, ...]`: names[l] is layer l's tensor
+    path: tuple  # the NNX path
+    var: nnx.Variable
+
+
+def _hf_params(state, num_layers: int) -> Iterator[_Param]:
+    """Every parameter of `state` with the Hugging Face tensors it is made of."""
     for path, var in nnx.to_flat_state(state):
-        name, transpose = hf_name(path)
-        yield name, transpose, var
+        per_layer = layer_stack.layer_names(tuple(str(p) for p in path), num_layers)
+        stacked = per_layer is not None
+        names = tuple(hf_name(p)[0] for p in per_layer) if stacked else (hf_name(path)[0],)
+        yield _Param(names, hf_name(path)[1], stacked, path, var)
 
 
 def read_json(file: str) -> dict[str, Any]:
@@ -163,10 +178,13 @@ def load_hf_checkpoint(
     dtype: str | None = None,
     mesh: Any = None,
     stats: dict[str, int] | None = None,
+    scan_layers: bool | None = None,
 ) -> tuple[ModelConfig, Model]:
     """Loads a local Hugging Face checkpoint directory (single-file or sharded safetensors).
 
-    The parameters are cast to `dtype` (default: the config's `torch_dtype`). With a
+    The parameters are cast to `dtype` (default: the config's `torch_dtype`);
+    `scan_layers=True` loads the layers stacked (`[L, ...]` per parameter, each layer's
+    tensor read into its place: nothing is loaded twice). With a
     `mesh` (`paxkv.sharding`), every parameter is created in its sharding from the
     start: each device's slice is read from the file on its own (safetensors'
     `get_slice`), checked and cast, so no device holds more than its shard, the host
@@ -182,58 +200,72 @@ def load_hf_checkpoint(
     config = read_hf_config(path)
     if dtype is not None:
         config = config.replace(dtype=dtype)
+    if scan_layers is not None:
+        config = config.replace(scan_layers=scan_layers)
     files = _tensor_files(path)
     found = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
     graphdef, state = _abstract_model(config)
-    params = list(_hf_params(state))
-    expected = {name for name, _, _ in params}
+    params = list(_hf_params(state, config.num_layers))
+    expected = {name for param in params for name in param.names}
     if missing := sorted(expected - found):
         raise ValueError(f"checkpoint {path} is missing tensors: {missing}")
     if unexpected := sorted(found - expected):
         hint = " (config has tie_word_embeddings=True)" if "lm_head.weight" in unexpected else ""
         raise ValueError(f"checkpoint {path} has unexpected tensors{hint}: {unexpected}")
-    by_file: dict[str, list] = {}
-    for param in params:
-        by_file.setdefault(files[param[0]], []).append(param)
     nonfinite: dict[str, list[str]] = {}
     stats = {} if stats is None else stats
-    paths = {hf_name(p)[0]: p for p, _ in nnx.to_flat_state(state)}
     stats.setdefault("bytes_read", 0)
-    for file, file_params in by_file.items():
-        with _open_safetensors(file) as f:
-            stored = set(f.keys())
-            for name, transpose, var in file_params:
-                if name not in stored:
-                    raise ValueError(f"tensor {name} is indexed in {file} but not stored there")
-                want = var.get_value().shape
-                want_hf = want[::-1] if transpose else want
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, tuple[Any, set[str]]] = {}
+
+        def handle(name: str) -> tuple[Any, str]:
+            # The open file holding tensor `name` (a stacked parameter's layers may
+            # lie in several shards), checked to store it.
+            file = files[name]
+            if file not in opened:
+                f = stack.enter_context(_open_safetensors(file))
+                opened[file] = f, set(f.keys())
+            f, stored = opened[file]
+            if name not in stored:
+                raise ValueError(f"tensor {name} is indexed in {file} but not stored there")
+            return f, file
+
+        def read(name: str, transpose: bool, index: tuple = ()) -> np.ndarray:
+            # Slice `index` (of the model's layout) of tensor `name`, counted and checked.
+            f, file = handle(name)
+            part = np.asarray(_read_slice(f, file, name)[index[::-1] if transpose else index])
+            stats["bytes_read"] += part.nbytes
+            stats[name] = stats.get(name, 0) + part.nbytes
+            if not np.isfinite(part).all():  # on the host, before the cast
+                nonfinite.setdefault(file, []).append(name)
+            return (part.T if transpose else part).astype(config.dtype, copy=False)
+
+        for names, transpose, stacked, var_path, var in params:
+            want = var.get_value().shape
+            layer_shape = want[1:] if stacked else want
+            want_hf = layer_shape[::-1] if transpose else layer_shape
+            for name in names:
+                f, file = handle(name)
                 shape = tuple(_read_slice(f, file, name).get_shape())
                 if shape != want_hf:
                     raise ValueError(
                         f"{file}: tensor {name} has shape {shape}, expected {want_hf} "
                         "from the config"
                     )
-                if mesh is None:
-                    array = _read_tensor(f, file, name)
-                    stats["bytes_read"] += array.nbytes
-                    stats[name] = stats.get(name, 0) + array.nbytes
-                    if not np.isfinite(array).all():  # on the host, before the cast
-                        nonfinite.setdefault(file, []).append(name)
-                    var.set_value(jnp.asarray(array.T if transpose else array, config.dtype))
-                    continue
-                sharding = _sharding_of(var, paths[name], config, mesh)
 
-                def read(index, f=f, file=file, name=name, transpose=transpose):
-                    # Device slice `index` of the model's layout; the file is transposed.
-                    part = _read_slice(f, file, name)[index[::-1] if transpose else index]
-                    part = np.asarray(part)
-                    stats["bytes_read"] += part.nbytes
-                    stats[name] = stats.get(name, 0) + part.nbytes
-                    if not np.isfinite(part).all():
-                        nonfinite.setdefault(file, []).append(name)
-                    return (part.T if transpose else part).astype(config.dtype, copy=False)
+            def part(index, names=names, transpose=transpose, stacked=stacked):
+                # Device slice `index` of the parameter: of each layer's tensor in turn
+                # when stacked (index[0] picks the layers), else of its one tensor.
+                if not stacked:
+                    return read(names[0], transpose, tuple(index))
+                layers, rest = index[0], tuple(index[1:])
+                return np.stack([read(n, transpose, rest) for n in names[layers]])
 
-                var.set_value(jax.make_array_from_callback(want, sharding, read))
+            if mesh is None:
+                var.set_value(jnp.asarray(part((slice(None),) * len(want))))
+                continue
+            sharding = _sharding_of(var, var_path, config, mesh)
+            var.set_value(jax.make_array_from_callback(want, sharding, part))
     if nonfinite:
         raise _nonfinite_error({f: sorted(set(n)) for f, n in nonfinite.items()})
     return config, nnx.merge(graphdef, state)
@@ -275,9 +307,12 @@ def save_hf_checkpoint(
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(model.config.to_hf(), f, indent=2)
     tensors = {}
-    for name, transpose, var in _hf_params(nnx.state(model, nnx.Param)):
+    for names, transpose, stacked, _, var in _hf_params(
+        nnx.state(model, nnx.Param), model.config.num_layers
+    ):
         array = np.asarray(var.get_value())
-        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+        for name, tensor in zip(names, array if stacked else array[None], strict=True):
+            tensors[name] = np.ascontiguousarray(tensor.T if transpose else tensor)
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})
         return
@@ -313,8 +348,10 @@ def save_params(model: Model, path: str | os.PathLike) -> None:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(model.config.to_hf(), f, indent=2)
+    # One layout on disk: the layers one by one, however the model holds them.
+    state = nnx.state(layer_stack.with_scan_layers(model, False), nnx.Param)
     with _quiet_info_logs(), ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.join(path, ORBAX_PARAMS_DIR), nnx.state(model, nnx.Param))
+        checkpointer.save(os.path.join(path, ORBAX_PARAMS_DIR), state)
 
 
 def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh: Any = None) -> Model:
@@ -330,7 +367,7 @@ def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh: Any = 
     import orbax.checkpoint as ocp
 
     params_dir = os.path.join(os.path.abspath(os.fspath(path)), ORBAX_PARAMS_DIR)
-    graphdef, abstract = _abstract_model(config)
+    graphdef, abstract = _abstract_model(config.replace(scan_layers=False))  # as saved
     # Restored to the host (NumPy targets), checked there, then put on the device.
     on_host = jax.tree.map(lambda leaf: np.empty(leaf.shape, leaf.dtype), abstract)
     try:
@@ -349,6 +386,9 @@ def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh: Any = 
     ]
     if bad:
         raise _nonfinite_error({params_dir: bad})
+    if config.scan_layers:  # stacked on the host, then placed
+        stacked = layer_stack.with_scan_layers(nnx.merge(graphdef, state), True)
+        graphdef, state = nnx.split(stacked)
     if mesh is None:
         return nnx.merge(graphdef, jax.device_put(state))
     from paxkv.sharding import shardings

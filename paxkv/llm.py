@@ -35,6 +35,8 @@ class LLM:
       model: a preset name of `paxkv.models` (e.g. "tiny"), or a local Hugging Face
         checkpoint directory (config.json + safetensors). Nothing is downloaded.
       dtype: parameter dtype ("float32", "bfloat16"); None keeps the model's.
+      scan_layers: hold the layers stacked and run them as one scan, so each step
+        shape compiles one layer rather than all of them (deep models); None: off.
       seed: seed of random initialisation (presets), and with `config=None` of requests
         without a seed (a given `config` carries its own).
       mesh: a `jax.sharding.Mesh` of one replica to shard the model and cache over
@@ -56,6 +58,7 @@ class LLM:
         dtype: str | None = None,
         seed: int = 0,
         mesh: Any = None,
+        scan_layers: bool | None = None,
         config: EngineConfig | None = None,
         warmup: bool = True,
         **engine_kwargs: Any,
@@ -74,7 +77,7 @@ class LLM:
         # On a mesh the weights are loaded straight into their shardings.
         mesh = mesh if mesh is not None else shardings.default_mesh()
         model_config, module, tokenizer = models.load_model(
-            model, dtype=dtype, seed=seed, mesh=mesh
+            model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
         )
         if config is None:
             max_len = min(model_config.max_position_embeddings, 2048)

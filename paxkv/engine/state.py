@@ -13,6 +13,12 @@ Quantized caches (int8, fp8) hold `f32[P, Hkv, ps]` scales per layer beside the 
 With KV-cache groups (`paxkv.host.kv_groups`, hybrid models), the arrays are slots
 shared by one layer of each group: layer l reads and writes slot `layer_slots[l]` at the
 page ids of its group's table, `table.for_group(layer_groups[l])`.
+
+Stacked (`slot_pages=P`, for a model whose layers run as one scan): the slots are one
+array `[num_slots * P, Hkv, ps, D]`, slot i's pages at rows `i * P .. (i + 1) * P - 1`.
+A layer, even one known only by a traced index, reaches its pages by adding `i * P` to
+its page table: the kernels and the write see one larger page pool, and nothing is
+sliced or copied (a slice of a scan's carry would be).
 """
 
 from __future__ import annotations
@@ -118,7 +124,9 @@ class PagedKVCache:
     """The paged K/V of every layer: `k[l]`, `v[l]` are `[P, Hkv, ps, D]`.
 
     `k_scales[l]`/`v_scales[l]` (`f32[P, Hkv, ps]`) are present exactly when the pages
-    are quantized. Page `NULL_PAGE` is never allocated by the host pool.
+    are quantized. Page `NULL_PAGE` is never allocated by the host pool. Stacked
+    (`slot_pages=P`): `k`, `v` (and the scales) are one array each,
+    `[num_slots * P, Hkv, ps, D]` (see the module's docstring).
     """
 
     k: tuple[jax.Array, ...]
@@ -128,6 +136,8 @@ class PagedKVCache:
     # KV-cache groups: each layer's slot and group; None: slot l is layer l, one group.
     layer_slots: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
     layer_groups: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
+    # Stacked: the pages per slot P, the slots being row blocks of one array; None: a tuple.
+    slot_pages: int | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -141,24 +151,30 @@ class PagedKVCache:
         dtype=jnp.bfloat16,
         kv_cache_dtype: str = "auto",
         layout: KVGroupLayout | None = None,
+        stacked: bool = False,
     ) -> PagedKVCache:
         """A zero-filled cache; `kv_cache_dtype` "int8"/"fp8" stores pages quantized.
-        With a `layout` of several groups, `layout.num_slots` arrays shared by groups."""
+        With a `layout` of several groups, `layout.num_slots` arrays shared by groups.
+        `stacked`: the slots as one array (`slot_pages`), for scanned layers."""
         page_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-        shape = (num_pages, num_kv_heads, page_size, head_dim)
-        groups = {}
+        static = {}
         num_arrays = num_layers
         if layout is not None and layout.hybrid:
             if layout.num_layers != num_layers:
                 raise ValueError(f"{layout.num_layers=} != {num_layers=}")
-            groups = {"layer_slots": layout.layer_slot, "layer_groups": layout.layer_group}
+            static = {"layer_slots": layout.layer_slot, "layer_groups": layout.layer_group}
             num_arrays = layout.num_slots
+        rows = num_pages
+        if stacked:
+            static["slot_pages"] = num_pages
+            rows, num_arrays = num_arrays * num_pages, 1
+        shape = (rows, num_kv_heads, page_size, head_dim)
         k = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
         v = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
         if kv_cache_dtype == "auto":
-            return cls(k=k, v=v, **groups)
+            return cls(k=k, v=v, **static)
         ones = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(num_arrays))
-        return cls(k=k, v=v, k_scales=ones(), v_scales=ones(), **groups)
+        return cls(k=k, v=v, k_scales=ones(), v_scales=ones(), **static)
 
     @classmethod
     def for_model(
@@ -170,7 +186,8 @@ class PagedKVCache:
         layout: KVGroupLayout | None = None,
     ) -> PagedKVCache:
         """A zero-filled cache for a model with `model_config`'s num_layers, num_kv_heads,
-        head_dim and dtype, laid out for the KV-cache groups `layout` (None: one)."""
+        head_dim and dtype, laid out for the KV-cache groups `layout` (None: one), and
+        stacked when the model's layers are (`scan_layers`)."""
         mc = model_config
         return cls.create(
             num_layers=mc.num_layers,
@@ -181,30 +198,46 @@ class PagedKVCache:
             dtype=mc.dtype,
             kv_cache_dtype=kv_cache_dtype,
             layout=layout,
+            stacked=getattr(mc, "scan_layers", False),
         )
 
     @property
     def num_layers(self) -> int:
         """Layers the cache serves."""
-        return len(self.k) if self.layer_slots is None else len(self.layer_slots)
+        return self.num_slots if self.layer_slots is None else len(self.layer_slots)
 
     @property
     def num_slots(self) -> int:
-        """Per-layer arrays (layers, or slots shared by the groups' layers)."""
+        """Per-layer page pools (layers, or slots shared by the groups' layers)."""
+        if self.slot_pages is not None:
+            return self.k[0].shape[0] // self.slot_pages
         return len(self.k)
 
-    def slot(self, layer: int) -> int:
-        """The array that holds `layer`'s pages."""
-        return layer if self.layer_slots is None else self.layer_slots[layer]
+    @property
+    def stacked(self) -> bool:
+        """Whether the slots are row blocks of one array (scanned layers)."""
+        return self.slot_pages is not None
 
-    def group(self, layer: int) -> int:
-        """The KV-cache group (page table) of `layer`."""
-        return 0 if self.layer_groups is None else self.layer_groups[layer]
+    def slot(self, layer: int | jax.Array) -> int | jax.Array:
+        """The page pool that holds `layer`'s pages (traced for a traced `layer`)."""
+        if self.layer_slots is None:
+            return layer
+        if isinstance(layer, int):
+            return self.layer_slots[layer]
+        return jnp.asarray(self.layer_slots, jnp.int32)[layer]
+
+    def group(self, layer: int | jax.Array) -> int | jax.Array:
+        """The KV-cache group (page table) of `layer` (traced for a traced `layer`)."""
+        if self.layer_groups is None:
+            return 0
+        if isinstance(layer, int):
+            return self.layer_groups[layer]
+        return jnp.asarray(self.layer_groups, jnp.int32)[layer]
 
     @property
     def num_pages(self) -> int:
         """P, pages per layer (page 0 included)."""
-        return self.k[0].shape[0]
+        return self.slot_pages if self.stacked else self.k[0].shape[0]
 
     @property
     def page_size(self) -> int:
@@ -222,38 +255,58 @@ class PagedKVCache:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
     def layer(self, layer: int) -> dict[str, jax.Array]:
-        """Keyword arguments of the attention call for `layer`: pages and, if quantized, scales."""
-        i = self.slot(layer)
+        """Keyword arguments of the attention call for `layer`: pages and, if quantized,
+        scales. Not for a stacked cache, whose layers share arrays: `attention_kwargs`."""
+        if self.stacked:
+            raise ValueError("a stacked cache's layers share arrays: use attention_kwargs")
+        return self._pools(self.slot(layer))
+
+    def _pools(self, i: int) -> dict[str, jax.Array]:
         args = {"k_pages": self.k[i], "v_pages": self.v[i]}
         if self.quantized:
             args |= {"k_scales": self.k_scales[i], "v_scales": self.v_scales[i]}
         return args
 
-    def attention_kwargs(self, layer: int, table: PageTable) -> dict[str, jax.Array]:
+    def layer_table(self, layer: int | jax.Array, table: PageTable) -> PageTable:
+        """`table` as `layer` uses it: its group's table, with page ids made row ids of
+        the stacked array when the cache is stacked. `layer` may be traced (stacked)."""
+        group = self.group(layer)
+        if not self.stacked:
+            return table.for_group(group)
+        tables = table.block_tables
+        if tables.ndim == 3:
+            tables = tables[group]
+        offset = self.slot(layer) * self.slot_pages  # the first row of the layer's slot
+        return table.replace(block_tables=tables + jnp.asarray(offset, jnp.int32))
+
+    def attention_kwargs(self, layer: int | jax.Array, table: PageTable) -> dict[str, jax.Array]:
         """Keyword arguments of the attention call for `layer`: its pages (and scales)
-        and its group's page table."""
-        return self.layer(layer) | table.for_group(self.group(layer)).kernel_kwargs()
+        and its group's page table (`layer_table`)."""
+        pools = self._pools(0) if self.stacked else self.layer(layer)
+        return pools | self.layer_table(layer, table).kernel_kwargs()
 
     def write(
         self,
-        layer: int,
+        layer: int | jax.Array,
         new_k: jax.Array,  # [T, Hkv, D]
         new_v: jax.Array,  # [T, Hkv, D]
         table: PageTable,
     ) -> PagedKVCache:
         """Returns the cache with this step's new K/V of `layer` written into their slots
-        (of its group's pages)."""
+        (of its group's pages). `layer` may be traced when the cache is stacked."""
         if table.page_size != self.page_size:
             raise ValueError(
                 f"table.page_size={table.page_size} != cache page_size={self.page_size}"
             )
-        i = self.slot(layer)
+        if not self.stacked and not isinstance(layer, int):
+            raise ValueError("a traced layer index needs a stacked cache (slot_pages)")
+        i = 0 if self.stacked else self.slot(layer)
         k, v, ks, vs = write_kv_pages(
             self.k[i],
             self.v[i],
             new_k,
             new_v,
-            *table.for_group(self.group(layer)).kernel_args(),
+            *self.layer_table(layer, table).kernel_args(),
             k_scales=self.k_scales[i] if self.quantized else None,
             v_scales=self.v_scales[i] if self.quantized else None,
         )

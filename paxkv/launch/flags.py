@@ -34,6 +34,12 @@ MODEL_DIR = flags.DEFINE_string(
     "or random ones (tiny).",
 )
 DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter dtype; unset: the model's.")
+SCAN_LAYERS = flags.DEFINE_bool(
+    "scan_layers",
+    None,
+    "Hold the layers stacked and run them as one scan: each step shape compiles one "
+    "layer, not all of them (deep models compile in seconds); unset: off.",
+)
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
 
 
@@ -173,6 +179,8 @@ def serving_setup() -> ServingSetup:
             )
     if DTYPE.value is not None:
         model = model.replace(dtype=DTYPE.value)
+    if SCAN_LAYERS.value is not None:
+        model = model.replace(scan_layers=SCAN_LAYERS.value)
     overrides = {name: f.value for name, f in _ENGINE_FLAGS.items() if f.value is not None}
     engine = dataclasses.replace(setup.engine, seed=SEED.value, **overrides)
     if engine.max_model_len > model.max_position_embeddings:
@@ -202,7 +210,9 @@ def build_model(setup: ServingSetup) -> Any:
     checkpoint, or random ones where allowed."""
     from paxkv.models import load_model
 
-    _, model, _ = load_model(_model_source(setup), dtype=DTYPE.value, seed=SEED.value)
+    _, model, _ = load_model(
+        _model_source(setup), dtype=DTYPE.value, seed=SEED.value, scan_layers=SCAN_LAYERS.value
+    )
     return model
 
 
@@ -215,6 +225,7 @@ def build_llm(setup: ServingSetup, *, warmup: bool = False) -> LLM:
         _model_source(setup),
         dtype=DTYPE.value,
         seed=SEED.value,
+        scan_layers=SCAN_LAYERS.value,
         config=setup.engine,
         warmup=warmup,
     )

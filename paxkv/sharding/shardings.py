@@ -188,7 +188,12 @@ _COLUMN, _ROW = P(None, MODEL_AXIS), P(MODEL_AXIS, None)
 def param_spec(
     path: tuple[str, ...], shape: tuple[int, ...], config: Any, mesh: Mesh | AbstractMesh
 ) -> P:
-    """The spec of the parameter at `path` (names as in `nnx.split`'s state), by the rules above."""
+    """The spec of the parameter at `path` (names as in `nnx.split`'s state), by the rules
+    above; a parameter of stacked layers (`config.scan_layers`: `layers` not followed by
+    a layer number, `[L, ...]`) has its layer's spec after an unsplit layer axis."""
+    stacked = len(path) > 1 and path[0] == "layers" and not path[1].isdigit()
+    if stacked and getattr(config, "scan_layers", False):
+        return P(None, *param_spec((path[0], "0", *path[1:]), shape[1:], config, mesh))
     m = serving_mesh(mesh)
     names = set(path)
     leaf = path[-1]

@@ -1,0 +1,207 @@
+"""Scanned layers (`scan_layers`): the same model held stacked and run as one `lax.scan`.
+
+The scanned model is checked against the looped one it was stacked from: dense logits,
+the engine's greedy tokens (against the dense forward pass), quantized pages, multi-step
+and async decoding, preemption; checkpoints read and written in either layout; and
+the compiled program no larger for a deeper model.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from paxkv import SamplingParams
+from paxkv.engine import Engine, EngineConfig
+from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.engine.step import MODEL_STEP, StepBatch
+from paxkv.models import (
+    PRESETS,
+    init_model,
+    layer_stack,
+    load_hf_checkpoint,
+    restore_params,
+    save_hf_checkpoint,
+    save_params,
+)
+
+PS = 8
+
+
+@pytest.fixture(scope="module")
+def models():
+    loop = init_model(PRESETS["tiny"].replace(dtype="float32"), seed=0)
+    return loop, layer_stack.with_scan_layers(loop, True)
+
+
+def _params(model):
+    """Every parameter as NumPy, the layers one by one, keyed by path."""
+    state = nnx.state(layer_stack.with_scan_layers(model, False), nnx.Param)
+    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state)}
+
+
+def _assert_same_params(a, b):
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    for path in pa:
+        np.testing.assert_array_equal(pa[path], pb[path], err_msg=str(path))
+
+
+def test_stacking_keeps_every_parameter(models):
+    loop, scan = models
+    layers = scan.layers
+    assert scan.config.scan_layers and not loop.config.scan_layers
+    assert layers.self_attn.q_proj.kernel.get_value().shape == (2, 128, 256)
+    _assert_same_params(loop, scan)
+    back = layer_stack.with_scan_layers(scan, False)
+    assert isinstance(back.layers, nnx.List) and len(back.layers) == 2
+    _assert_same_params(back, loop)
+
+
+def test_dense_logits_match_the_loop(models):
+    loop, scan = models
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, 40), jnp.int32)
+    np.testing.assert_allclose(scan.dense_logits(tokens), loop.dense_logits(tokens), atol=2e-5)
+
+
+def test_stacked_cache_writes_where_the_per_layer_cache_does(models):
+    loop, scan = models
+    rng = np.random.default_rng(1)
+    table = PageTable.from_host(
+        [[3, 1], [2]], [13, 5], [6, 5], page_size=PS, max_num_seqs=3, pages_per_seq=4
+    )
+    new = [jnp.asarray(rng.normal(size=(11, 2, 64)), jnp.float32) for _ in range(4)]
+    for kv_dtype in ("auto", "int8"):
+        flat = PagedKVCache.for_model(loop.config, 5, PS, kv_dtype)
+        stacked = PagedKVCache.for_model(scan.config, 5, PS, kv_dtype)
+        assert stacked.stacked and stacked.k[0].shape == (10, 2, PS, 64)
+        assert (stacked.num_pages, stacked.num_slots, stacked.num_layers) == (5, 2, 2)
+        for layer in (0, 1):
+            flat = flat.write(layer, new[2 * layer], new[2 * layer + 1], table)
+            # A traced layer index, as inside the scan.
+            write = jax.jit(lambda c, i, k, v: c.write(i, k, v, table))
+            stacked = write(stacked, jnp.int32(layer), new[2 * layer], new[2 * layer + 1])
+        for name in ("k", "v") + (("k_scales", "v_scales") if flat.quantized else ()):
+            per_layer = np.concatenate([np.asarray(x) for x in getattr(flat, name)])
+            np.testing.assert_array_equal(per_layer, np.asarray(getattr(stacked, name)[0]))
+        kw = stacked.attention_kwargs(1, table)
+        np.testing.assert_array_equal(kw["block_tables"], np.asarray(table.block_tables) + 5)
+
+
+def _engine(model, **kw):
+    cfg = dict(
+        num_pages=64,
+        page_size=PS,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        token_buckets=(16, 64),
+        seq_buckets=(8,),
+        page_buckets=(16,),
+    )
+    return Engine(model, EngineConfig(**(cfg | kw)))
+
+
+def _run(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = engine.run_until_done()
+    assert engine.pool.num_in_use == 0
+    engine.pool.check_invariants()
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def _dense_greedy(model, prompt, n):
+    step = jax.jit(model.dense_logits)
+    tokens = list(prompt)
+    for _ in range(n):
+        padded = np.zeros(128, np.int32)
+        padded[: len(tokens)] = tokens
+        tokens.append(int(np.argmax(step(padded)[len(tokens) - 1])))
+    return tokens[len(prompt) :]
+
+
+def test_engine_greedy_matches_dense_forward(models):
+    loop, scan = models
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 7, 8, 9, 90, 25)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [_dense_greedy(loop, p, 10) for p in prompts]
+    for kw in ({}, {"num_decode_steps": 4}, {"enable_prefix_caching": False}):
+        assert _run(_engine(scan, **kw), prompts, params) == expected, kw
+    # 14 usable pages: each sequence fits alone, together they need 31 by the end.
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (17, 20, 9, 25, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [_dense_greedy(loop, p, 24) for p in prompts]
+    for kw in ({}, {"num_decode_steps": 4}, {"async_scheduling": True}):
+        engine = _engine(scan, num_pages=15, **kw)
+        assert _run(engine, prompts, params) == expected, kw
+        assert engine.stats()["num_preemptions"] > 0
+
+
+def test_quantized_pages_give_the_loops_tokens(models):
+    loop, scan = models
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 33, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for kv_dtype in ("int8", "fp8"):
+        want = _run(_engine(loop, kv_cache_dtype=kv_dtype), prompts, params)
+        assert _run(_engine(scan, kv_cache_dtype=kv_dtype), prompts, params) == want
+
+
+def test_checkpoints_load_and_save_in_either_layout(models, tmp_path):
+    loop, scan = models
+    # Shards of ~100 KB: the layers of one stacked parameter lie in several files.
+    save_hf_checkpoint(loop, tmp_path / "hf", max_shard_bytes=100_000)
+    stats = {}
+    config, stacked = load_hf_checkpoint(tmp_path / "hf", scan_layers=True, stats=stats)
+    assert config.scan_layers and stacked.layers.mlp.up_proj.kernel.get_value().shape[0] == 2
+    _assert_same_params(stacked, loop)
+    # Every tensor read once, whole.
+    on_disk = sum(x.nbytes for x in _params(loop).values())
+    assert stats["bytes_read"] == on_disk
+    save_hf_checkpoint(scan, tmp_path / "hf_from_scan")
+    _, again = load_hf_checkpoint(tmp_path / "hf_from_scan")
+    _assert_same_params(again, loop)
+    save_params(scan, tmp_path / "orbax")
+    for scan_layers in (True, False):
+        restored = restore_params(loop.config.replace(scan_layers=scan_layers), tmp_path / "orbax")
+        assert restored.config.scan_layers == scan_layers
+        _assert_same_params(restored, loop)
+
+
+def _lowered_step(config, num_pages=64):
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(config)))
+    cache = jax.eval_shape(lambda: PagedKVCache.for_model(config, num_pages, PS))
+    batch = jax.eval_shape(lambda: StepBatch.empty(16, 8, 4, PS))
+    ids = jax.ShapeDtypeStruct((16,), jnp.int32)
+    return MODEL_STEP.trace(
+        graphdef, params, cache, batch, ids, ids, attention_backend="auto"
+    ).lower()
+
+
+def test_a_deeper_model_lowers_to_the_same_program():
+    # The program's text, not a timing: scanned, 2 and 12 layers lower to one body
+    # (the same size up to the constants' digits); looped, the body is repeated.
+    tiny = PRESETS["tiny"]
+    size = lambda layers, scan: len(
+        _lowered_step(tiny.replace(num_layers=layers, scan_layers=scan)).as_text()
+    )
+    assert abs(size(12, True) - size(2, True)) < 0.02 * size(2, True)
+    assert size(12, False) > 2 * size(2, False)
+
+
+def test_step_updates_the_stacked_cache_in_place():
+    config = PRESETS["tiny"].replace(scan_layers=True)
+    compiled = _lowered_step(config, num_pages=4096).compile()
+    cache_bytes = PagedKVCache.for_model(config, 4096, PS).nbytes
+    memory = compiled.memory_analysis()
+    # A copy of the cache (or of one layer's pages) would show as temporary memory.
+    assert memory.temp_size_in_bytes < cache_bytes / 16, (memory.temp_size_in_bytes, cache_bytes)
+    assert memory.alias_size_in_bytes >= cache_bytes  # donated: the output is the input
+
+
+def test_gemma_refuses_scanned_layers():
+    with pytest.raises(ValueError, match="scan_layers=True is not supported for Gemma"):
+        PRESETS["tiny-gemma3"].replace(scan_layers=True)
