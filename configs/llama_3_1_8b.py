@@ -8,7 +8,7 @@ from paxkv.models.config import LLAMA_3_1_8B
 # --config=llama-3.1-8b --device=H100` gives the pages that fit there.
 SETUP = ServingSetup(
     name="llama-3.1-8b",
-    model=LLAMA_3_1_8B,
+    model=LLAMA_3_1_8B.replace(scan_layers=True),  # compiles one layer per shape
     engine=EngineConfig(
         num_pages=24576,
         page_size=16,

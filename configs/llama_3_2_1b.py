@@ -8,7 +8,7 @@ from paxkv.models.config import LLAMA_3_2_1B
 # --config=llama-3.2-1b --device=v5e` gives the pages that fit there.
 SETUP = ServingSetup(
     name="llama-3.2-1b",
-    model=LLAMA_3_2_1B,
+    model=LLAMA_3_2_1B.replace(scan_layers=True),  # compiles one layer per shape
     engine=EngineConfig(
         num_pages=16384,
         page_size=16,

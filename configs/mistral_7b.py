@@ -9,7 +9,7 @@ from paxkv.models.config import MISTRAL_7B
 # (`paxkv.host.kv_groups`; `hybrid_kv_cache=False` keeps every token resident).
 SETUP = ServingSetup(
     name="mistral-7b",
-    model=MISTRAL_7B,
+    model=MISTRAL_7B.replace(scan_layers=True),  # compiles one layer per shape
     engine=EngineConfig(
         num_pages=24576,
         page_size=16,

@@ -7,7 +7,7 @@ from paxkv.models.config import QWEN2_5_7B
 # Four KV heads, 28 layers: 56 KiB of KV per token, so 49152 pages of 16 tokens are 42 GiB.
 SETUP = ServingSetup(
     name="qwen2.5-7b",
-    model=QWEN2_5_7B,
+    model=QWEN2_5_7B.replace(scan_layers=True),  # compiles one layer per shape
     engine=EngineConfig(
         num_pages=49152,
         page_size=16,

@@ -8,7 +8,7 @@ from paxkv.models.config import QWEN3_8B
 # 24576 pages of 16 tokens are 54 GiB.
 SETUP = ServingSetup(
     name="qwen3-8b",
-    model=QWEN3_8B,
+    model=QWEN3_8B.replace(scan_layers=True),  # compiles one layer per shape
     engine=EngineConfig(
         num_pages=24576,
         page_size=16,

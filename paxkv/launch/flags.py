@@ -38,7 +38,8 @@ SCAN_LAYERS = flags.DEFINE_bool(
     "scan_layers",
     None,
     "Hold the layers stacked and run them as one scan: each step shape compiles one "
-    "layer, not all of them (deep models compile in seconds); unset: off.",
+    "layer, not all of them (deep models compile in seconds); unset: the set-up's "
+    "(on for the real-size Llama-family set-ups).",
 )
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
 
@@ -177,6 +178,8 @@ def serving_setup() -> ServingSetup:
                 setup.name,
                 ", ".join(differ),
             )
+        if setup.model.scan_layers:  # how the set-up runs its layers, not a shape
+            model = model.replace(scan_layers=True)
     if DTYPE.value is not None:
         model = model.replace(dtype=DTYPE.value)
     if SCAN_LAYERS.value is not None:
@@ -211,7 +214,10 @@ def build_model(setup: ServingSetup) -> Any:
     from paxkv.models import load_model
 
     _, model, _ = load_model(
-        _model_source(setup), dtype=DTYPE.value, seed=SEED.value, scan_layers=SCAN_LAYERS.value
+        _model_source(setup),
+        dtype=DTYPE.value,
+        seed=SEED.value,
+        scan_layers=setup.model.scan_layers,
     )
     return model
 
@@ -225,7 +231,7 @@ def build_llm(setup: ServingSetup, *, warmup: bool = False) -> LLM:
         _model_source(setup),
         dtype=DTYPE.value,
         seed=SEED.value,
-        scan_layers=SCAN_LAYERS.value,
+        scan_layers=setup.model.scan_layers,
         config=setup.engine,
         warmup=warmup,
     )

@@ -85,7 +85,9 @@ class CompileCase:
 
     The shapes around them are fixed (8 sequences, 2 KV heads, G = group_size query heads
     per KV head, pages of 16 tokens): shared memory and registers depend on the tiles
-    (G sets the decode tile's rows), not on the array sizes.
+    (G sets the decode tile's rows), and on the page arrays' size only past 4 GiB, where
+    Pallas's Triton lowering switches their offsets to 64 bits (`num_pages`, default
+    8 x 64 + 1: a stacked cache of scanned layers is one array for all layers).
     """
 
     q_dtype: str
@@ -93,12 +95,14 @@ class CompileCase:
     head_dim: int
     blocks: str  # a BLOCK_VARIANTS name
     group_size: int = 4
+    num_pages: int | None = None
 
     @property
     def name(self) -> str:
         """A label such as `bfloat16/int8/d128/default`."""
         group = "" if self.group_size == 4 else f"/g{self.group_size}"
-        return f"{self.q_dtype}/{self.kv_cache_dtype}/d{self.head_dim}/{self.blocks}{group}"
+        pages = "" if self.num_pages is None else f"/p{self.num_pages}"
+        return f"{self.q_dtype}/{self.kv_cache_dtype}/d{self.head_dim}/{self.blocks}{group}{pages}"
 
 
 def grid() -> list[CompileCase]:
@@ -156,12 +160,12 @@ def _inputs(case: CompileCase):
     import jax
     import jax.numpy as jnp
 
-    from paxkv.kv_layout import resolve_kv_cache_dtype
+    from paxkv.kv_layout import SCALE_DTYPE, resolve_kv_cache_dtype
 
     q_dtype = np.dtype(jnp.dtype(case.q_dtype))
     page_dtype = resolve_kv_cache_dtype(case.kv_cache_dtype, q_dtype)
     seqs, hkv, ps, pages_per_seq = 8, 2, 16, 64
-    num_pages, tokens = seqs * pages_per_seq + 1, 64
+    num_pages, tokens = case.num_pages or seqs * pages_per_seq + 1, 64
     s = jax.ShapeDtypeStruct
     i32 = np.dtype(np.int32)
     args = (
@@ -175,9 +179,7 @@ def _inputs(case: CompileCase):
     )
     scales = {}
     if case.kv_cache_dtype != "auto":
-        scales = {
-            k: s((num_pages, hkv, ps), np.dtype(np.float32)) for k in ("k_scales", "v_scales")
-        }
+        scales = {k: s((num_pages, hkv, ps), SCALE_DTYPE) for k in ("k_scales", "v_scales")}
     return args, scales
 
 
@@ -340,6 +342,9 @@ def define_flags() -> None:
     """Defines the command's flags; called only when run as a script, so that importing
     this module (the tests do) defines no global absl flags."""
     flags.DEFINE_enum("subset", "grid", ["grid", "ci"], "Which configurations to compile.")
+    flags.DEFINE_integer(
+        "num_pages", None, "Pages of the (abstract) page arrays; unset: 513 (8 x 64 + 1)."
+    )
     flags.DEFINE_integer("workers", 2, "Processes compiling in parallel.")
     flags.DEFINE_string("json_out", None, "Also write the figures as JSON to this path.")
 
@@ -350,6 +355,8 @@ def main(argv: list[str]) -> None:
     from paxkv.pallas_kernels.gpu.block_sizes import SHARED_MEMORY_LIMIT_BYTES
 
     cases = grid() if flags.FLAGS.subset == "grid" else ci_subset()
+    if flags.FLAGS.num_pages is not None:
+        cases = [dataclasses.replace(c, num_pages=flags.FLAGS.num_pages) for c in cases]
     start = time.perf_counter()
     results = compile_cases(cases, flags.FLAGS.workers)
     logging.info("compiled %d kernels in %.0f s", len(results), time.perf_counter() - start)

@@ -205,3 +205,38 @@ def test_step_updates_the_stacked_cache_in_place():
 def test_gemma_refuses_scanned_layers():
     with pytest.raises(ValueError, match="scan_layers=True is not supported for Gemma"):
         PRESETS["tiny-gemma3"].replace(scan_layers=True)
+
+
+_CACHED_WARMUP = """
+import sys, jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None
+)
+from paxkv.engine import Engine, EngineConfig
+from paxkv.models import load_model
+_, model, _ = load_model("tiny", dtype="float32", scan_layers=True)
+config = EngineConfig(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+                      max_model_len=64, token_buckets=(16,), seq_buckets=(4,), page_buckets=(8,))
+Engine(model, config).warmup()
+print("hits", len(hits))
+"""
+
+
+def test_scanned_steps_load_from_the_compilation_cache(tmp_path):
+    # Two processes: the second finds the scanned step in the persistent cache.
+    import subprocess
+    import sys
+
+    run = lambda: subprocess.run(
+        [sys.executable, "-c", _CACHED_WARMUP, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout.split()[-1]
+    assert int(run()) == 0
+    assert any(tmp_path.iterdir())
+    assert int(run()) > 0
