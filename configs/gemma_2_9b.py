@@ -13,7 +13,7 @@ from paxkv.models.gemma_config import GEMMA_2_9B
 # 20480 pages are 52.5 GiB.
 SETUP = ServingSetup(
     name="gemma-2-9b",
-    model=GEMMA_2_9B,
+    model=GEMMA_2_9B.replace(scan_layers=True),  # compiles one period per shape
     engine=EngineConfig(
         num_pages=20480,
         page_size=16,

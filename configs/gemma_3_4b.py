@@ -14,7 +14,7 @@ from paxkv.models.gemma_config import GEMMA_3_4B
 # 196608 pages are 60 GiB.
 SETUP = ServingSetup(
     name="gemma-3-4b",
-    model=GEMMA_3_4B,
+    model=GEMMA_3_4B.replace(scan_layers=True),  # compiles one period per shape
     engine=EngineConfig(
         num_pages=196608,
         page_size=16,

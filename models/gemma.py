@@ -17,6 +17,7 @@ from flax import nnx
 
 from paxkv.engine.state import PagedKVCache, PageTable
 
+from . import layer_stack
 from .gemma_config import ACTIVATION, GemmaConfig
 from .llama import (
     MLP,
@@ -72,9 +73,9 @@ class GemmaForCausalLM(nnx.Module):
     def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = embedding(config, rngs=rngs)
-        self.layers = nnx.List(
-            [GemmaDecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
-        )
+        layers = [GemmaDecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
+        # Stacked by kind and scanned over periods (`LayerStack`), or looped.
+        self.layers = layer_stack.hold(layers, config)
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
         self.lm_head = lm_head(config, rngs=rngs)
         # A jax Mesh (static), as `LlamaForCausalLM.mesh`.
@@ -111,10 +112,12 @@ class GemmaForCausalLM(nnx.Module):
         """One paged step over packed rows, as `LlamaForCausalLM.__call__`; each layer
         attends with its own window (`config.layer_sliding_windows`)."""
         c = self.config
-        x = self._embed(tokens)
-        for i, layer in enumerate(self.layers):
+
+        def body(layer, i, kind, carry):
+            # `kind`: a static layer number with this layer's window and RoPE.
+            x, kv_cache = carry
             q, k, v = layer.self_attn.qkv(
-                layer.input_layernorm(x), positions, self.layer_inv_freq(i)
+                layer.input_layernorm(x), positions, self.layer_inv_freq(kind)
             )
             attn, kv_cache = paged_attention(
                 i,
@@ -124,14 +127,17 @@ class GemmaForCausalLM(nnx.Module):
                 kv_cache,
                 table,
                 sm_scale=c.query_pre_attn_scalar**-0.5,
-                sliding_window=c.layer_sliding_windows[i],
+                sliding_window=c.layer_sliding_windows[kind],
                 soft_cap=c.attn_logit_softcapping,
                 num_kv_heads=c.num_kv_heads,
                 mesh=self.mesh,
                 backend=attention_backend,
                 decode_only=decode_only,
             )
-            x = layer.finish(x, attn)
+            return layer.finish(x, attn), kv_cache
+
+        carry = (self._embed(tokens), kv_cache)
+        x, kv_cache = layer_stack.run(self.layers, carry, body, scanned=c.scan_layers)
         return self.norm(x), kv_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -145,18 +151,20 @@ class GemmaForCausalLM(nnx.Module):
         attention with each layer's window; the oracle for the paged path."""
         c = self.config
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        x = self._embed(tokens)
-        for i, layer in enumerate(self.layers):
+
+        def body(layer, i, kind, x):
             q, k, v = layer.self_attn.qkv(
-                layer.input_layernorm(x), positions, self.layer_inv_freq(i)
+                layer.input_layernorm(x), positions, self.layer_inv_freq(kind)
             )
             attn = dense_causal_attention(
                 q,
                 k,
                 v,
                 sm_scale=c.query_pre_attn_scalar**-0.5,
-                sliding_window=c.layer_sliding_windows[i],
+                sliding_window=c.layer_sliding_windows[kind],
                 soft_cap=c.attn_logit_softcapping,
             )
-            x = layer.finish(x, attn)
+            return layer.finish(x, attn)
+
+        x = layer_stack.run(self.layers, self._embed(tokens), body, scanned=c.scan_layers)
         return self.logits(self.norm(x))

@@ -55,16 +55,11 @@ class GemmaConfig:
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
-    # As `LlamaConfig.scan_layers`; not yet for Gemma, whose layers differ in window.
+    # As `LlamaConfig.scan_layers`: scanned over the period of `layer_types`.
     scan_layers: bool = False
 
     def __post_init__(self):
         hf_fields.check_shared_fields(self)
-        if self.scan_layers:
-            raise ValueError(
-                "scan_layers=True is not supported for Gemma yet: its layers alternate "
-                "sliding and global attention, so one scanned layer body does not fit them"
-            )
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive")
         if isinstance(self.layer_types, list):

@@ -264,8 +264,8 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.embed_tokens = embedding(config, rngs=rngs)
         layers = [DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
-        # One module with [L, ...] arrays, scanned; or a module per layer, looped.
-        self.layers = layer_stack.stack(layers) if config.scan_layers else nnx.List(layers)
+        # Stacked and scanned (`LayerStack`), or a module per layer, looped.
+        self.layers = layer_stack.hold(layers, config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
         self.lm_head = lm_head(config, rngs=rngs)
         # A jax Mesh (static): attention runs per shard of its `model` axis. Set by
@@ -304,7 +304,7 @@ class LlamaForCausalLM(nnx.Module):
         c = self.config
         inv_freq = self.inv_freq
 
-        def body(layer, i, carry):
+        def body(layer, i, kind, carry):
             x, kv_cache = carry
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             attn, kv_cache = paged_attention(
@@ -342,7 +342,7 @@ class LlamaForCausalLM(nnx.Module):
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
         inv_freq = self.inv_freq
 
-        def body(layer, i, x):
+        def body(layer, i, kind, x):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             attn = dense_causal_attention(
                 q, k, v, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
@@ -372,8 +372,7 @@ def duplicate_kv_heads(model: Any, factor: int) -> None:
             "query heads: the query heads must divide evenly among the KV heads"
         )
     d = c.head_dim
-    layers = [model.layers] if getattr(c, "scan_layers", False) else model.layers
-    for layer in layers:
+    for layer in layer_stack.layer_modules(model):
         attn = layer.self_attn
         for proj in (attn.k_proj, attn.v_proj):
             kernel = proj.kernel.get_value()  # [h, Hkv * D], stacked: [L, h, Hkv * D]

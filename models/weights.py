@@ -4,7 +4,7 @@ Hugging Face names map onto the NNX parameter paths by one rule (`hf_name`): the
 path joined with dots under `model.` (`lm_head` at the top level), `kernel` read as a
 transposed `weight` (HF Linear weights are `[out, in]`) and `embedding` as `weight`.
 A parameter of stacked layers (`scan_layers`, `[L, ...]`) is the L tensors of
-`model.layers.{l}....` stacked on axis 0 (`layer_stack.layer_names`), read slice by
+`model.layers.{l}....` stacked on axis 0 (`layer_stack.layer_paths`), read slice by
 slice into its sharding like any other; orbax checkpoints hold the layers one by one
 either way. Nothing here touches the network.
 """
@@ -62,13 +62,13 @@ class _Param(NamedTuple):
     var: nnx.Variable
 
 
-def _hf_params(state, num_layers: int) -> Iterator[_Param]:
-    """Every parameter of `state` with the Hugging Face tensors it is made of."""
+def _hf_params(state, config: ModelConfig) -> Iterator[_Param]:
+    """Every parameter of `state` (of a model of `config`) with the Hugging Face
+    tensors it is made of."""
     for path, var in nnx.to_flat_state(state):
-        per_layer = layer_stack.layer_names(tuple(str(p) for p in path), num_layers)
-        stacked = per_layer is not None
-        names = tuple(hf_name(p)[0] for p in per_layer) if stacked else (hf_name(path)[0],)
-        yield _Param(names, hf_name(path)[1], stacked, path, var)
+        held = layer_stack.layer_paths(tuple(str(p) for p in path), config)
+        paths, stacked = ([path], False) if held is None else held
+        yield _Param(tuple(hf_name(p)[0] for p in paths), hf_name(path)[1], stacked, path, var)
 
 
 def read_json(file: str) -> dict[str, Any]:
@@ -205,7 +205,7 @@ def load_hf_checkpoint(
     files = _tensor_files(path)
     found = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
     graphdef, state = _abstract_model(config)
-    params = list(_hf_params(state, config.num_layers))
+    params = list(_hf_params(state, config))
     expected = {name for param in params for name in param.names}
     if missing := sorted(expected - found):
         raise ValueError(f"checkpoint {path} is missing tensors: {missing}")
@@ -307,9 +307,7 @@ def save_hf_checkpoint(
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(model.config.to_hf(), f, indent=2)
     tensors = {}
-    for names, transpose, stacked, _, var in _hf_params(
-        nnx.state(model, nnx.Param), model.config.num_layers
-    ):
+    for names, transpose, stacked, _, var in _hf_params(nnx.state(model, nnx.Param), model.config):
         array = np.asarray(var.get_value())
         for name, tensor in zip(names, array if stacked else array[None], strict=True):
             tensors[name] = np.ascontiguousarray(tensor.T if transpose else tensor)

@@ -39,7 +39,7 @@ SCAN_LAYERS = flags.DEFINE_bool(
     None,
     "Hold the layers stacked and run them as one scan: each step shape compiles one "
     "layer, not all of them (deep models compile in seconds); unset: the set-up's "
-    "(on for the real-size Llama-family set-ups).",
+    "(on for the real-size set-ups).",
 )
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
 

@@ -189,11 +189,14 @@ def param_spec(
     path: tuple[str, ...], shape: tuple[int, ...], config: Any, mesh: Mesh | AbstractMesh
 ) -> P:
     """The spec of the parameter at `path` (names as in `nnx.split`'s state), by the rules
-    above; a parameter of stacked layers (`config.scan_layers`: `layers` not followed by
-    a layer number, `[L, ...]`) has its layer's spec after an unsplit layer axis."""
-    stacked = len(path) > 1 and path[0] == "layers" and not path[1].isdigit()
-    if stacked and getattr(config, "scan_layers", False):
-        return P(None, *param_spec((path[0], "0", *path[1:]), shape[1:], config, mesh))
+    above. Scanned layers (`paxkv.models.layer_stack.LayerStack`): a parameter of a
+    stacked block (`layers.blocks.j...`, `[R, ...]`) has its layer's spec after an
+    unsplit layer axis, one of the tail (`layers.tail.t...`) its layer's spec."""
+    if len(path) > 2 and path[0] == "layers" and path[1] in ("blocks", "tail"):
+        layer = (path[0], "0", *path[3:])  # as one layer's parameter
+        if path[1] == "tail":
+            return param_spec(layer, shape, config, mesh)
+        return P(None, *param_spec(layer, shape[1:], config, mesh))
     m = serving_mesh(mesh)
     names = set(path)
     leaf = path[-1]

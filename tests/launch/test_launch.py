@@ -268,7 +268,7 @@ def test_configs(name):
     setup = get_config(name)
     assert isinstance(setup, ServingSetup) and setup.name == name
     preset = "tiny" if setup.checkpoint == "tiny-py" else name
-    # The preset's value (not a copy of its fields); a real-size Llama-family set-up
+    # The preset's value (not a copy of its fields); a real-size set-up
     # only changes how the layers run.
     model = setup.model
     if model.scan_layers:

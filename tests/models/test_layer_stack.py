@@ -25,6 +25,7 @@ from paxkv.models import (
     save_hf_checkpoint,
     save_params,
 )
+from paxkv.models.gemma_config import every_nth_full
 
 PS = 8
 
@@ -52,7 +53,8 @@ def test_stacking_keeps_every_parameter(models):
     loop, scan = models
     layers = scan.layers
     assert scan.config.scan_layers and not loop.config.scan_layers
-    assert layers.self_attn.q_proj.kernel.get_value().shape == (2, 128, 256)
+    assert (layers.period, layers.repeats, len(layers.tail)) == (1, 2, 0)
+    assert layers.blocks[0].self_attn.q_proj.kernel.get_value().shape == (2, 128, 256)
     _assert_same_params(loop, scan)
     back = layer_stack.with_scan_layers(scan, False)
     assert isinstance(back.layers, nnx.List) and len(back.layers) == 2
@@ -156,7 +158,9 @@ def test_checkpoints_load_and_save_in_either_layout(models, tmp_path):
     save_hf_checkpoint(loop, tmp_path / "hf", max_shard_bytes=100_000)
     stats = {}
     config, stacked = load_hf_checkpoint(tmp_path / "hf", scan_layers=True, stats=stats)
-    assert config.scan_layers and stacked.layers.mlp.up_proj.kernel.get_value().shape[0] == 2
+    assert (
+        config.scan_layers and stacked.layers.blocks[0].mlp.up_proj.kernel.get_value().shape[0] == 2
+    )
     _assert_same_params(stacked, loop)
     # Every tensor read once, whole.
     on_disk = sum(x.nbytes for x in _params(loop).values())
@@ -202,9 +206,47 @@ def test_step_updates_the_stacked_cache_in_place():
     assert memory.alias_size_in_bytes >= cache_bytes  # donated: the output is the input
 
 
-def test_gemma_refuses_scanned_layers():
-    with pytest.raises(ValueError, match="scan_layers=True is not supported for Gemma"):
-        PRESETS["tiny-gemma3"].replace(scan_layers=True)
+def test_period_of_the_layer_kinds():
+    assert layer_stack.period([None] * 5) == 1
+    assert layer_stack.period([4, None] * 3) == 2
+    assert layer_stack.period([4] * 5 + [None] + [4] * 2) == 6  # Gemma 3, cut short
+    assert layer_stack.period([4, None, None]) == 3
+
+
+def _gemma(name, **changes):
+    config = PRESETS[name].replace(dtype="float32", **changes)
+    loop = init_model(config, seed=1)
+    return loop, layer_stack.with_scan_layers(loop, True)
+
+
+@pytest.mark.parametrize(
+    "name, layers, shape",
+    [
+        ("tiny-gemma2", 5, (2, 2, 1)),  # sliding, full: period 2, twice, then one
+        ("tiny-gemma3", 6, (6, 1, 0)),  # five sliding to one full: period 6
+        ("tiny-gemma3", 8, (6, 1, 2)),  # one period of six scanned, then two looped
+    ],
+)
+def test_gemma_scans_over_the_period_of_its_windows(name, layers, shape):
+    n = PRESETS[name].layer_types.index("full_attention") + 1
+    # A window of 16 tokens, which the prompts outgrow.
+    loop, scan = _gemma(
+        name, num_layers=layers, layer_types=every_nth_full(layers, n), sliding_window=16
+    )
+    layers = scan.layers
+    assert (layers.period, layers.repeats, len(layers.tail)) == shape
+    _assert_same_params(loop, scan)
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(0, 256, 70), jnp.int32)
+    np.testing.assert_allclose(scan.dense_logits(tokens), loop.dense_logits(tokens), atol=2e-5)
+    # Hybrid pages (window groups let pages go) and uniform pages.
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (3, 20, 41, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [_dense_greedy(loop, p, 8) for p in prompts]
+    for kw in ({}, {"hybrid_kv_cache": False}, {"num_decode_steps": 4}):
+        engine = _engine(scan, num_pages=128, **kw)
+        assert engine.kv_cache.stacked
+        assert _run(engine, prompts, params) == expected, kw
 
 
 _CACHED_WARMUP = """
