@@ -14,7 +14,7 @@ Page layout: one layer's K (and V) pages are `[P, Hkv, ps, D]`. A page is one
 contiguous block covering every KV head of the layer, so moving a page between
 HBM and on-chip memory is a single DMA, and the per-head slice `[ps, D]` is the
 tile the matrix unit consumes. Quantized pages carry per-token-per-head scales
-`f32[P, Hkv, ps]` beside them.
+`bf16[P, Hkv, ps]` beside them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .layout import (
     MAX_PAGE_SIZE,
     MIN_PAGE_SIZE,
     QUANTIZED_PAGE_DTYPES,
+    SCALE_DTYPE,
     cdiv,
     is_quantized,
 )
@@ -75,8 +76,8 @@ class AttentionInputs:
     block_tables: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[1]
-    k_scales: jax.Array | None  # f32[P, Hkv, ps], quantized pages only
-    v_scales: jax.Array | None  # f32[P, Hkv, ps], quantized pages only
+    k_scales: jax.Array | None  # bf16[P, Hkv, ps], quantized pages only
+    v_scales: jax.Array | None  # bf16[P, Hkv, ps], quantized pages only
     sm_scale: float = dataclasses.field(metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(metadata=dict(static=True))
@@ -117,8 +118,8 @@ def attention_inputs(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+    k_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
+    v_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
 ) -> AttentionInputs:
     """Validates the arguments of a ragged paged attention call and bundles them.
 
@@ -174,8 +175,8 @@ def attention_inputs(
                     f"{name}.shape={scales.shape} must be [P, Hkv, page_size]="
                     f"{(num_pages, num_kv_heads, page_size)}"
                 )
-            if scales.dtype != jnp.float32:
-                raise ValueError(f"{name}.dtype={scales.dtype} must be float32")
+            if scales.dtype != SCALE_DTYPE:
+                raise ValueError(f"{name}.dtype={scales.dtype} must be {SCALE_DTYPE}")
     elif k_scales is not None or v_scales is not None:
         raise ValueError(
             f"k_scales/v_scales were given but k_pages.dtype={page_dtype} is not quantized"

@@ -20,8 +20,8 @@ def write_kv_pages(
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
     *,
-    k_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
-    v_scales: jax.Array | None = None,  # f32[P, Hkv, ps]
+    k_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
+    v_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """Writes each live query row's K/V into its cache slot and returns the new pages.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from paxkv.pallas_kernels.layout import page_bytes
+from paxkv.pallas_kernels.layout import SCALE_DTYPE, page_bytes
 
 # kv_cache_dtype -> the dtype pages are stored in; "auto" stores them in the model dtype.
 QUANTIZED_KV_CACHE_DTYPES: dict[str, np.dtype] = {
@@ -42,6 +42,7 @@ def kv_page_bytes(
 __all__ = [
     "KV_CACHE_DTYPES",
     "QUANTIZED_KV_CACHE_DTYPES",
+    "SCALE_DTYPE",
     "kv_page_bytes",
     "page_bytes",
     "resolve_kv_cache_dtype",

@@ -21,10 +21,10 @@ from paxkv import kv_layout
 @pytest.mark.parametrize("page_size", [8, 16, 256])
 @pytest.mark.parametrize("heads, dim", [(1, 64), (8, 128)])
 def test_page_bytes_by_hand(page_dtype, itemsize, page_size, heads, dim):
-    # K and V: heads x page_size x dim entries each; quantized pages add one float32
+    # K and V: heads x page_size x dim entries each; quantized pages add one bfloat16
     # scale per token per head, for K and for V.
     entries = 2 * heads * page_size * dim * itemsize
-    scales = 2 * heads * page_size * 4 if itemsize == 1 else 0
+    scales = 2 * heads * page_size * 2 if itemsize == 1 else 0
     kw = dict(num_kv_heads=heads, page_size=page_size, head_dim=dim)
     assert kv_layout.page_bytes(**kw, page_dtype=page_dtype) == entries + scales
     assert kv_layout.page_bytes(**kw, page_dtype=np.dtype(page_dtype)) == entries + scales
@@ -34,11 +34,11 @@ def test_page_bytes_by_hand(page_dtype, itemsize, page_size, heads, dim):
 
 
 def test_page_bytes_of_named_pages():
-    # tiny: 2 KV heads x 64, 16 tokens a page: float32 16384 bytes, int8 4096 + 256 of scales.
+    # tiny: 2 KV heads x 64, 16 tokens a page: float32 16384 bytes, int8 4096 + 128 of scales.
     kw = dict(num_kv_heads=2, page_size=16, head_dim=64)
     assert kv_layout.page_bytes(**kw, page_dtype="float32") == 2 * 2 * 16 * 64 * 4 == 16384
-    assert kv_layout.page_bytes(**kw, page_dtype="int8") == 2 * 2 * 16 * 64 + 2 * 2 * 16 * 4
-    assert kv_layout.page_bytes(**kw, page_dtype=ml_dtypes.float8_e5m2) == 4096 + 256
+    assert kv_layout.page_bytes(**kw, page_dtype="int8") == 2 * 2 * 16 * 64 + 2 * 2 * 16 * 2
+    assert kv_layout.page_bytes(**kw, page_dtype=ml_dtypes.float8_e5m2) == 4096 + 128
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from ..contract import (
     compute_dtype,
     is_quantized,
 )
-from ..layout import cdiv
+from ..layout import SCALE_DTYPE, cdiv
 from .kernel import decode_tile_rows
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -239,7 +239,7 @@ def shared_memory_bytes(
             return kv + 2 * f32_tile + 1024
         return kv + (min(kv, 4096) if kernel == "decode" else kv // 2)
     q_tile, p_tile = rows * head_dim * compute_bytes, rows * kv_block * compute_bytes
-    scales = 2 * kv_block * 4 if quantized else 0
+    scales = 2 * kv_block * SCALE_DTYPE.itemsize if quantized else 0
     dequantized = f32_tile if quantized and compute_bytes == 4 else 0
     scratch = 1024 if num_warps > 4 else 0
     if compute_bytes == 2 and rows >= WGMMA_MIN_ROWS:

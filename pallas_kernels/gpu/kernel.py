@@ -79,8 +79,8 @@ class KvRefs(NamedTuple):
     block_tables: object  # i32[S, pages_per_seq]
     k_pages: object  # [P, Hkv, ps, D]
     v_pages: object  # [P, Hkv, ps, D]
-    k_scales: object | None  # f32[P, Hkv, ps]
-    v_scales: object | None  # f32[P, Hkv, ps]
+    k_scales: object | None  # bf16[P, Hkv, ps]
+    v_scales: object | None  # bf16[P, Hkv, ps]
 
 
 def decode_tile_rows(group_padded: int) -> int:
@@ -183,7 +183,7 @@ def _attend_kv_blocks(
 
         s = _dot(q, k, contract_b=1, precision=cfg.precision) * cfg.sm_scale  # f32[M, bk]
         if cfg.quantized:  # per-token K scales scale the logit columns
-            s = s * kv.k_scales[page, kv_head, offset][None, :]
+            s = s * kv.k_scales[page, kv_head, offset].astype(jnp.float32)[None, :]
         if cfg.soft_cap is not None:
             s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
         if masked:
@@ -205,7 +205,7 @@ def _attend_kv_blocks(
         alpha = jnp.exp(row_max - max_safe)
         denom = alpha * denom + jnp.sum(p, axis=1)
         if cfg.quantized:  # per-token V scales weight the rows of V: fold them into p
-            v_scale = kv.v_scales[page, kv_head, offset]
+            v_scale = kv.v_scales[page, kv_head, offset].astype(jnp.float32)
             p = p * (jnp.where(kv_ok, v_scale, 0.0) if masked else v_scale)[None, :]
         v = v.astype(cfg.compute_dtype)
         pv = _dot(p.astype(cfg.compute_dtype), v, contract_b=0, precision=cfg.precision)

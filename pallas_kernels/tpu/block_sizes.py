@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from ..contract import AttentionShapes, compute_dtype
-from ..layout import cdiv
+from ..layout import SCALE_DTYPE, cdiv
 from .kernel import STATS_LANES
 
 # VMEM and SMEM of the smallest supported TensorCore (v4: 16 MiB, 1 MiB); used when no
@@ -164,7 +164,11 @@ def vmem_bytes(shapes: AttentionShapes, bs: BlockSizes, q_dtype, page_dtype) -> 
     parts = {
         "K/V page buffers": 2 * _vmem_array_bytes((2, ppb, hb, ps, d), page_dtype),
         "scale buffers": (
-            2 * _vmem_array_bytes((2, ppb, hb, ps), jnp.float32) if shapes.quantized else 0
+            # Every KV head of a page, as stored and widened to float32 (see `kernel.py`).
+            2 * _vmem_array_bytes((2, ppb, shapes.num_kv_heads, ps), SCALE_DTYPE)
+            + 2 * _vmem_array_bytes((ppb, shapes.num_kv_heads, ps), jnp.float32)
+            if shapes.quantized
+            else 0
         ),
         # q in, out: each double-buffered by the Pallas pipeline.
         "q/out blocks": 2 * 2 * _vmem_array_bytes((hb, rows, d), q_dtype),

@@ -12,6 +12,11 @@ The pages the item needs, `[first_page, end_page)`, are walked in blocks of
 (and, for 8-bit pages, one more DMA per scale array); the copies of block `i + 1`
 are in flight while block `i` is computed. Pages outside that range (past the
 item's last row, or before its sliding window) are never fetched.
+
+The bfloat16 scales are copied for every KV head of the page, and widened to float32
+in VMEM once the block has landed: bfloat16 packs two heads' rows into one sublane,
+so Mosaic can neither copy nor load one head's row of them at a head index it cannot
+prove even.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def page_copy(
     """DMA of one page's `heads` KV heads from `head_start` into a VMEM buffer slot.
 
     The same copy serves pages (`[P, Hkv, ps, D]` -> `[2, ppb, hb, ps, D]`) and their
-    scales (`[P, Hkv, ps]` -> `[2, ppb, hb, ps]`): the page lands at `[slot, index]`.
+    scales (`[P, Hkv, ps]` -> `[2, ppb, Hkv, ps]`, every head): the page lands at
+    `[slot, index]`.
     """
     return pltpu.make_async_copy(
         src_hbm.at[page, pl.ds(head_start, heads)], dst_vmem.at[slot, index], sem
@@ -86,16 +92,18 @@ def _visible(cfg: KernelConfig, shape, col_start, first_pos, num_rows):
 
 
 def _attend_block(
-    cfg: KernelConfig, bufs, stats, slot, col_start, first_pos, num_rows, hi, *, masked
+    cfg: KernelConfig, bufs, stats, slot, head_start, col_start, first_pos, num_rows, hi, *, masked
 ):
     """Online-softmax update of every head's (m, l, acc) with one block of pages.
 
     `masked=False` is the fast path for blocks every row sees in full (no causal,
     window or length boundary inside): no mask is built. `hi` is one past the item's
     last position; columns at or past it may be stale or poisoned, so in the masked
-    path their values are removed with `where`, never by multiplying by zero.
+    path their values are removed with `where`, never by multiplying by zero. The
+    widened scales (`f32[1, ppb, Hkv, ps]`) hold every KV head, so head `h` of the block
+    reads them at `head_start + h`.
     """
-    q_ref, kbuf, vbuf, ksbuf, vsbuf = bufs
+    q_ref, kbuf, vbuf, k_scales, v_scales = bufs
     m_ref, l_ref, acc_ref = stats
     rows, n = cfg.rows, cfg.block_tokens
     mm = cfg.compute_dtype
@@ -113,7 +121,7 @@ def _attend_block(
         k = kbuf[slot, :, h].reshape(n, -1).astype(mm)  # [ppb, ps, D] -> [N, D]
         s = dot(q, k, (((1,), (1,)), ((), ())))  # [M, N] f32
         if cfg.quantized:  # dequantize through the logits: q . (k * s_j) = (q . k) * s_j
-            s = s * (ksbuf[slot, :, h].reshape(1, n) * cfg.sm_scale)
+            s = s * (k_scales[0, :, head_start + h].reshape(1, n) * cfg.sm_scale)
         else:
             s = s * cfg.sm_scale
         if cfg.soft_cap is not None:
@@ -129,7 +137,7 @@ def _attend_block(
         l_new = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
         v = vbuf[slot, :, h].reshape(n, -1)  # [N, D]
         if cfg.quantized:
-            v_scale = vsbuf[slot, :, h].reshape(1, n)  # [ppb, ps] -> [1, N]
+            v_scale = v_scales[0, :, head_start + h].reshape(1, n)  # [ppb, ps] -> [1, N]
             if masked:
                 v_scale = jnp.where(live_row, v_scale, 0.0)
             p = p * v_scale
@@ -157,7 +165,7 @@ def ragged_paged_attention_kernel(
     q_ref,  # [hb, M, D] VMEM block of this item
     k_hbm,  # [P, Hkv, ps, D] HBM
     v_hbm,  # [P, Hkv, ps, D] HBM
-    *refs,  # ([k_scales_hbm, v_scales_hbm] f32[P, Hkv, ps]), o_ref, scratch...
+    *refs,  # ([k_scales_hbm, v_scales_hbm] bf16[P, Hkv, ps]), o_ref, scratch...
     cfg: KernelConfig,
 ) -> None:
     """Grid step `(kv head block, work item)`: attention of one item's rows for `hb` heads.
@@ -167,14 +175,19 @@ def ragged_paged_attention_kernel(
     for rows that see nothing (padding items and slots).
     """
     if cfg.quantized:
-        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems, m_ref, l_ref, acc_ref = refs
-        streams = ((k_hbm, kbuf), (v_hbm, vbuf), (ks_hbm, ksbuf), (vs_hbm, vsbuf))
+        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, *refs = refs
+        k_scales, v_scales, sems, m_ref, l_ref, acc_ref = refs
     else:
         o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref = refs
-        ksbuf = vsbuf = None
-        streams = ((k_hbm, kbuf), (v_hbm, vbuf))
+        k_scales = v_scales = None
     ps, ppb, pps = cfg.page_size, cfg.pages_per_block, cfg.pages_per_seq
-    head_start = pl.program_id(0) * cfg.kv_heads_per_block
+    hb = cfg.kv_heads_per_block
+    head_start = pl.program_id(0) * hb
+    # (source, VMEM buffer, first head, heads) of each stream a page is copied in.
+    streams = [(k_hbm, kbuf, head_start, hb), (v_hbm, vbuf, head_start, hb)]
+    if cfg.quantized:
+        hkv = ks_hbm.shape[1]
+        streams += [(ks_hbm, ksbuf, 0, hkv), (vs_hbm, vsbuf, 0, hkv)]
     item = pl.program_id(1)
 
     seq = item_seq_ref[item]
@@ -196,7 +209,7 @@ def ragged_paged_attention_kernel(
 
         def one_page(i, carry):
             page = block_tables_ref[seq * pps + block_first + i]
-            for stream, (src, dst) in enumerate(streams):
+            for stream, (src, dst, first_head, heads) in enumerate(streams):
                 copy = page_copy(
                     src,
                     dst,
@@ -204,8 +217,8 @@ def ragged_paged_attention_kernel(
                     page=page,
                     slot=slot,
                     index=i,
-                    head_start=head_start,
-                    heads=cfg.kv_heads_per_block,
+                    head_start=first_head,
+                    heads=heads,
                 )
                 action(copy)
             return carry
@@ -221,7 +234,7 @@ def ragged_paged_attention_kernel(
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    bufs = (q_ref, kbuf, vbuf, ksbuf, vsbuf)
+    bufs = (q_ref, kbuf, vbuf, k_scales, v_scales)
     stats = (m_ref, l_ref, acc_ref)
 
     @pl.when(num_blocks > 0)
@@ -236,13 +249,16 @@ def ragged_paged_attention_kernel(
             start(block + 1, 1 - slot)
 
         wait(block, slot)
+        if cfg.quantized:
+            k_scales[0] = ksbuf[slot].astype(jnp.float32)
+            v_scales[0] = vsbuf[slot].astype(jnp.float32)
         col_start = (first_page + block * ppb) * ps
         # Every row sees every column: all columns at or before the first row's
         # position and, with a window, inside the last row's window.
         inside = col_start + cfg.block_tokens <= first_pos + 1
         if cfg.sliding_window is not None:
             inside &= col_start > hi - 1 - cfg.sliding_window
-        args = (cfg, bufs, stats, slot, col_start, first_pos, num_rows, hi)
+        args = (cfg, bufs, stats, slot, head_start, col_start, first_pos, num_rows, hi)
         lax.cond(
             inside,
             lambda: _attend_block(*args, masked=False),

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..contract import AttentionInputs, AttentionShapes, attention_op, compute_dtype, token_layout
+from ..layout import SCALE_DTYPE
 from .block_sizes import BlockSizes, ChipInfo, chip_info, tile_rows, vmem_bytes
 from .kernel import STATS_LANES, KernelConfig, ragged_paged_attention_kernel
 
@@ -154,7 +155,12 @@ def _ragged_paged_attention(
     ppb = bs.pages_per_block
     scratch = [pltpu.VMEM((2, ppb, hb, page_size, head_dim), k_pages.dtype)] * 2
     if quantized:
-        scratch += [pltpu.VMEM((2, ppb, hb, page_size), jnp.float32)] * 2
+        # Every KV head of a page: as stored (double-buffered), then widened to float32
+        # (see kernel.py). The widened buffer's leading unit axis is there for Mosaic: it
+        # reshapes one head's `[ppb, ps]` scales to `[1, N]` when loaded from a rank-4
+        # buffer, and rejects the same reshape from a rank-3 one.
+        scratch += [pltpu.VMEM((2, ppb, num_kv_heads, page_size), SCALE_DTYPE)] * 2
+        scratch += [pltpu.VMEM((1, ppb, num_kv_heads, page_size), jnp.float32)] * 2
     scratch += [
         pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
         pltpu.VMEM((hb, rows, STATS_LANES), jnp.float32),  # running max m

@@ -39,7 +39,7 @@ from absl import app, flags, logging
 
 from paxkv.benchmarks.timing import median_seconds
 from paxkv.kv_layout import page_bytes
-from paxkv.pallas_kernels import quantize
+from paxkv.pallas_kernels import dequantize, quantize
 from paxkv.pallas_kernels.layout import cdiv
 
 IMPLS = ("paxkv", "jax-pallas", "xla-dense")
@@ -118,7 +118,7 @@ class Inputs:
     q: jax.Array  # [T, Hq, D]
     k_pages: jax.Array  # [P, Hkv, ps, D]
     v_pages: jax.Array
-    k_scales: jax.Array | None  # f32[P, Hkv, ps]
+    k_scales: jax.Array | None  # bf16[P, Hkv, ps]
     v_scales: jax.Array | None
     kv_lens: jax.Array  # i32[S]
     block_tables: jax.Array  # i32[S, pages_per_seq]
@@ -217,8 +217,8 @@ def _dequantized(inputs: Inputs) -> tuple[jax.Array, jax.Array]:
     if inputs.k_scales is None:
         return k, v
     return (
-        (k.astype(jnp.float32) * inputs.k_scales[..., None]).astype(inputs.q.dtype),
-        (v.astype(jnp.float32) * inputs.v_scales[..., None]).astype(inputs.q.dtype),
+        dequantize(k, inputs.k_scales).astype(inputs.q.dtype),
+        dequantize(v, inputs.v_scales).astype(inputs.q.dtype),
     )
 
 

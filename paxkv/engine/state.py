@@ -32,7 +32,7 @@ from flax import struct
 
 from paxkv.host.batch import pad_page_table
 from paxkv.host.kv_groups import KVGroupLayout
-from paxkv.kv_layout import resolve_kv_cache_dtype
+from paxkv.kv_layout import SCALE_DTYPE, resolve_kv_cache_dtype
 from paxkv.pallas_kernels import write_kv_pages
 
 
@@ -173,7 +173,7 @@ class PagedKVCache:
         v = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
         if kv_cache_dtype == "auto":
             return cls(k=k, v=v, **static)
-        ones = lambda: tuple(jnp.ones(shape[:3], jnp.float32) for _ in range(num_arrays))
+        ones = lambda: tuple(jnp.ones(shape[:3], SCALE_DTYPE) for _ in range(num_arrays))
         return cls(k=k, v=v, k_scales=ones(), v_scales=ones(), **static)
 
     @classmethod

@@ -29,7 +29,7 @@ class Case:
     block_tables: np.ndarray  # i32[S, pages_per_seq]
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
-    k_scales: np.ndarray | None  # f32[P, Hkv, ps]
+    k_scales: np.ndarray | None  # bf16[P, Hkv, ps]
     v_scales: np.ndarray | None
     sm_scale: float
 
@@ -58,10 +58,11 @@ def _quantize_np(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
     dtype = np.dtype(dtype)
     qmax = 127.0 if dtype == np.int8 else float(ml_dtypes.finfo(dtype).max)
     amax = np.abs(x).max(axis=-1)
-    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
-    y = x / scale[..., None]
+    # Rounded to the stored scale dtype before dividing, as the KV write does.
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(ml_dtypes.bfloat16)
+    y = np.clip(x / scale[..., None].astype(np.float32), -qmax, qmax)
     if dtype == np.int8:
-        y = np.clip(np.round(y), -127, 127)
+        y = np.round(y)
     return y.astype(dtype), scale
 
 

@@ -325,6 +325,7 @@ import sys
 import jax, numpy as np, ml_dtypes
 from jax.experimental import topologies
 from paxkv.pallas_kernels import attention_inputs
+from paxkv.pallas_kernels.layout import SCALE_DTYPE
 from paxkv.pallas_kernels.tpu import BlockSizes
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info
 from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention
@@ -353,7 +354,7 @@ for chip in sys.argv[1:]:
         args = [spec((t, hq, d), qd), spec((p, hkv, ps, d), pd), spec((p, hkv, ps, d), pd),
                 spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
                 spec((1,), "int32")]
-        args += [spec((p, hkv, ps), "float32")] * 2 if quantized else [None, None]
+        args += [spec((p, hkv, ps), SCALE_DTYPE.name)] * 2 if quantized else [None, None]
         def fn(*a, bs=bs, cap=cap, win=win, qd=qd, pd=pd):
             inputs = attention_inputs(*a[:7], k_scales=a[7], v_scales=a[8], sm_scale=0.1,
                                       soft_cap=cap, sliding_window=win)
