@@ -18,6 +18,7 @@ from .kernel import STATS_LANES
 FALLBACK_VMEM_CAPACITY_BYTES = 16 * 1024 * 1024
 FALLBACK_SMEM_CAPACITY_BYTES = 1024 * 1024
 FALLBACK_MXU_WIDTH = 128
+FALLBACK_NUM_CORES = 1
 # Share of VMEM / SMEM the kernel's buffers may take; the rest is left to Mosaic's
 # internal scratch and spills.
 BUDGET_FRACTION = 0.75
@@ -33,6 +34,7 @@ class ChipInfo:
     vmem_capacity_bytes: int
     smem_capacity_bytes: int
     mxu_width: int
+    num_cores: int = FALLBACK_NUM_CORES  # TensorCores per device (a megacore's 2)
 
     @property
     def vmem_budget_bytes(self) -> int:
@@ -55,7 +57,10 @@ def chip_info(interpret) -> ChipInfo:
         if is_tpu:
             info = pltpu.get_tpu_info()
             return ChipInfo(
-                info.vmem_capacity_bytes, info.smem_capacity_bytes, info.mxu_column_size
+                info.vmem_capacity_bytes,
+                info.smem_capacity_bytes,
+                info.mxu_column_size,
+                getattr(info, "num_cores", FALLBACK_NUM_CORES),
             )
     return ChipInfo(FALLBACK_VMEM_CAPACITY_BYTES, FALLBACK_SMEM_CAPACITY_BYTES, FALLBACK_MXU_WIDTH)
 
@@ -99,6 +104,8 @@ class BlockSizes:
       decode: pick the defaults for decode batches (every q_len 1): one query token per
         step, so no rows are spent on other sequences' queries, and larger page blocks.
         Exact for any batch; prefill chunks just cost one step per token.
+      num_cores: TensorCores the work items are dealt to, round robin (the grid's
+        parallel axis). Default: the attached TPU's (2 on a megacore: v4, v5p), 1 off-TPU.
 
     Defaults are halved, heads first, until the buffers fit the VMEM budget; fields
     given explicitly are kept as they are.
@@ -108,9 +115,10 @@ class BlockSizes:
     queries_per_block: int | None = None
     kv_heads_per_block: int | None = None
     decode: bool = False
+    num_cores: int | None = None
 
     def __post_init__(self):
-        for name in ("pages_per_block", "queries_per_block", "kv_heads_per_block"):
+        for name in ("pages_per_block", "queries_per_block", "kv_heads_per_block", "num_cores"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"BlockSizes.{name}={value!r} must be None or a positive int")
@@ -140,7 +148,11 @@ class BlockSizes:
         heads = self.kv_heads_per_block or hkv
         while True:
             bs = dataclasses.replace(
-                self, pages_per_block=pages, queries_per_block=queries, kv_heads_per_block=heads
+                self,
+                pages_per_block=pages,
+                queries_per_block=queries,
+                kv_heads_per_block=heads,
+                num_cores=self.num_cores or chip.num_cores,
             )
             error = _vmem_error(shapes, bs, q_dtype, page_dtype, chip.vmem_budget_bytes)
             if error is None:

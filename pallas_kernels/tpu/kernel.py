@@ -1,6 +1,7 @@
 """Kernel body of the TPU ragged paged attention: it sees only refs.
 
-One grid step `(kv head block, work item)` computes one chunk of at most
+One grid step `(core, kv head block, w)` computes work item `core_item(core, w)`: one
+chunk of at most
 `queries_per_block` query rows of one sequence against that sequence's pages, for
 `kv_heads_per_block` KV heads. The wrapper (`ragged_paged_attention.py`) builds the
 work items and lays the query rows out so that each KV head's rows form one
@@ -10,8 +11,11 @@ group, so GQA/MQA groups share every K/V tile on the matrix unit.
 The pages the item needs, `[first_page, end_page)`, are walked in blocks of
 `pages_per_block`. Each page is one DMA from HBM into a double-buffered VMEM slot
 (and, for 8-bit pages, one more DMA per scale array); the copies of block `i + 1`
-are in flight while block `i` is computed. Pages outside that range (past the
-item's last row, or before its sliding window) are never fetched.
+are in flight while block `i` is computed, and during an item's last block the copies
+of the first block of the core's next grid step (next item, or first item of the next
+head block), so no item starts with a cold copy (RPA v2/v3 overlap the same way). Pages
+outside that range (past the item's last row, or before its sliding window) are never
+fetched.
 
 The bfloat16 scales are copied for every KV head of the page, and widened to float32
 in VMEM once the block has landed: bfloat16 packs two heads' rows into one sublane,
@@ -58,6 +62,12 @@ class KernelConfig:
     def block_tokens(self) -> int:
         """KV positions covered by one block of pages (N)."""
         return self.pages_per_block * self.page_size
+
+
+def core_item(core, step: Any, num_cores: int) -> Any:
+    """The work item a core's `step`-th item step computes: items are dealt round robin
+    (`c, c + cores, ...`), so a batch of two short decodes gives each core one."""
+    return step * num_cores + core
 
 
 def page_copy(
@@ -168,7 +178,7 @@ def ragged_paged_attention_kernel(
     *refs,  # ([k_scales_hbm, v_scales_hbm] bf16[P, Hkv, ps]), o_ref, scratch...
     cfg: KernelConfig,
 ) -> None:
-    """Grid step `(kv head block, work item)`: attention of one item's rows for `hb` heads.
+    """Grid step `(core, kv head block, w)`: attention of one item's rows for `hb` heads.
 
     Writes `o_ref [hb, M, D]`: the item's query tile against the pages of its sequence
     from the first one its window can see to the one holding its last row, exact zeros
@@ -176,34 +186,45 @@ def ragged_paged_attention_kernel(
     """
     if cfg.quantized:
         ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, *refs = refs
-        k_scales, v_scales, sems, m_ref, l_ref, acc_ref = refs
+        k_scales, v_scales, sems, slot_ref, m_ref, l_ref, acc_ref = refs
     else:
-        o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref = refs
+        o_ref, kbuf, vbuf, sems, slot_ref, m_ref, l_ref, acc_ref = refs
         k_scales = v_scales = None
     ps, ppb, pps = cfg.page_size, cfg.pages_per_block, cfg.pages_per_seq
     hb = cfg.kv_heads_per_block
-    head_start = pl.program_id(0) * hb
-    # (source, VMEM buffer, first head, heads) of each stream a page is copied in.
-    streams = [(k_hbm, kbuf, head_start, hb), (v_hbm, vbuf, head_start, hb)]
-    if cfg.quantized:
-        hkv = ks_hbm.shape[1]
-        streams += [(ks_hbm, ksbuf, 0, hkv), (vs_hbm, vsbuf, 0, hkv)]
-    item = pl.program_id(1)
+    # Grid step (core, head block, w): item `core_item(core, w)`. One core runs its steps
+    # in order, head block by head block, so each step may start the next one's copies.
+    core, head_block, w = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_cores, num_head_blocks, per_core = (
+        pl.num_programs(0),
+        pl.num_programs(1),
+        pl.num_programs(2),
+    )
 
-    seq = item_seq_ref[item]
-    num_rows = item_rows_ref[item]
-    live = (num_rows > 0) & (seq < num_seqs_ref[0])
-    q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
-    first_pos = kv_lens_ref[seq] - q_len + item_start_ref[item]  # position of row 0
-    hi = first_pos + num_rows  # one past the last row's position
-    lo = 0 if cfg.sliding_window is None else jnp.maximum(first_pos - cfg.sliding_window + 1, 0)
-    # Truncating division: the operands of a live item are non-negative.
-    first_page = lax.div(lo, ps)
-    end_page = pl.cdiv(hi, ps)
-    num_blocks = jnp.where(live, pl.cdiv(end_page - first_page, ppb), 0)
+    def geometry(item):
+        """(seq, rows, first position, one past the last, first page, end page, blocks)."""
+        seq = item_seq_ref[item]
+        num_rows = item_rows_ref[item]
+        live = (num_rows > 0) & (seq < num_seqs_ref[0])
+        q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
+        first_pos = kv_lens_ref[seq] - q_len + item_start_ref[item]  # position of row 0
+        hi = first_pos + num_rows  # one past the last row's position
+        lo = first_pos - cfg.sliding_window + 1 if cfg.sliding_window is not None else 0
+        # Truncating division: the operands of a live item are non-negative.
+        first_page = lax.div(jnp.maximum(lo, 0), ps)
+        end_page = pl.cdiv(hi, ps)
+        num_blocks = jnp.where(live, pl.cdiv(end_page - first_page, ppb), 0)
+        return seq, num_rows, first_pos, hi, first_page, end_page, num_blocks
 
-    def for_each_page_copy(block, slot, action):
-        """Applies `action` to the copy of every stream of every page the block needs."""
+    def for_each_page_copy(geo, head_start, block, slot, action):
+        """Applies `action` to the copy of every stream of every page block `block` of
+        the item of geometry `geo` needs, for the KV heads from `head_start`."""
+        seq, _, _, _, first_page, end_page, _ = geo
+        # (source, VMEM buffer, first head, heads) of each stream a page is copied in.
+        streams = [(k_hbm, kbuf, head_start, hb), (v_hbm, vbuf, head_start, hb)]
+        if cfg.quantized:
+            hkv = ks_hbm.shape[1]
+            streams += [(ks_hbm, ksbuf, 0, hkv), (vs_hbm, vsbuf, 0, hkv)]
         block_first = first_page + block * ppb
         num_pages = jnp.minimum(ppb, end_page - block_first)  # the last block may be short
 
@@ -225,11 +246,43 @@ def ragged_paged_attention_kernel(
 
         lax.fori_loop(0, num_pages, one_page, 0)
 
+    head_start = head_block * hb
+    geo = geometry(core_item(core, w, num_cores))
+    _, num_rows, first_pos, hi, first_page, _, num_blocks = geo
+    # The core's next step, whose first block this one starts during its last.
+    step = head_block * per_core + w
+    has_next = step + 1 < num_head_blocks * per_core
+    next_w = jnp.where(w + 1 < per_core, w + 1, 0)
+    next_head_block = jnp.where(w + 1 < per_core, head_block, head_block + 1)
+    next_geo = geometry(jnp.where(has_next, core_item(core, next_w, num_cores), 0))
+    prefetch_next = has_next & (next_geo[-1] > 0)
+
     def start(block, slot):
-        for_each_page_copy(block, slot, lambda copy: copy.start())
+        for_each_page_copy(geo, head_start, block, slot, lambda copy: copy.start())
 
     def wait(block, slot):
-        for_each_page_copy(block, slot, lambda copy: copy.wait())
+        for_each_page_copy(geo, head_start, block, slot, lambda copy: copy.wait())
+
+    def start_next(slot):
+        head = next_head_block * hb
+        for_each_page_copy(next_geo, head, 0, slot, lambda copy: copy.start())
+
+    # Block b of this step is in slot (base + b) % 2. The core's first step starts its
+    # own first block; every later one finds it started by the step before, in the
+    # slot that step left in `slot_ref` (SMEM scratch persists across grid steps).
+    @pl.when(step == 0)
+    def _():
+        slot_ref[0] = 0
+
+        @pl.when(num_blocks > 0)
+        def _():
+            start(0, 0)
+
+    base = slot_ref[0]
+
+    @pl.when((num_blocks == 0) & prefetch_next)
+    def _():  # nothing of its own to overlap: the next step's block goes into `base`
+        start_next(base)
 
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -237,16 +290,16 @@ def ragged_paged_attention_kernel(
     bufs = (q_ref, kbuf, vbuf, k_scales, v_scales)
     stats = (m_ref, l_ref, acc_ref)
 
-    @pl.when(num_blocks > 0)
-    def _():
-        start(0, 0)
-
     def body(block, carry):
-        slot = lax.rem(block, 2)
+        slot = lax.rem(base + block, 2)
 
         @pl.when(block + 1 < num_blocks)
         def _():
             start(block + 1, 1 - slot)
+
+        @pl.when((block + 1 == num_blocks) & prefetch_next)
+        def _():  # the last block: the next step's first block, into the other slot
+            start_next(1 - slot)
 
         wait(block, slot)
         if cfg.quantized:
@@ -267,6 +320,7 @@ def ragged_paged_attention_kernel(
         return carry
 
     lax.fori_loop(0, num_blocks, body, 0)
+    slot_ref[0] = lax.rem(base + num_blocks, 2)  # where the next step's first block is
 
     denom = l_ref[...][:, :, :1]  # [hb, M, 1]
     # Rows that saw nothing (padding) have denom 0: exact zeros, never 0 / 0.

@@ -5,9 +5,12 @@ is in `kernel.py`, the block sizes and the VMEM budget they must fit in `block_s
 
 Layout. The batch is cut into work items: live sequence s with `q_len` new tokens
 becomes `ceil(q_len / queries_per_block)` items of at most `queries_per_block`
-consecutive rows. The grid is `(Hkv / kv_heads_per_block, NB)`, with `NB` a static
-bound on the number of items; both dimensions are parallel (every step is
-independent, so a megacore splits them freely). Before the kernel the query rows are
+consecutive rows. The grid is `(cores, Hkv / kv_heads_per_block, NB / cores)`, with `NB`
+a static bound on the number of items (rounded up to a multiple of the cores): core c
+runs items `c, c + cores, c + 2 cores, ...` (so two short decodes land on different
+TensorCores of a megacore), head block by head block, in order, and each of its steps
+starts the DMA of the next step's first KV block during its own last one, so no item
+begins with a cold copy. Only the core axis is parallel. Before the kernel the query rows are
 gathered into item slots `[Hkv, NB, M, D]`, where the `M` rows of a slot are the
 item's tokens x the `G = Hq / Hkv` query heads of one KV head (zero-padded); the
 kernel's output slots are scattered back to `[T, Hq, D]` after it. Both moves fuse
@@ -31,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..contract import AttentionInputs, AttentionShapes, attention_op, compute_dtype, token_layout
 from ..layout import SCALE_DTYPE
 from .block_sizes import BlockSizes, ChipInfo, chip_info, tile_rows, vmem_bytes
-from .kernel import STATS_LANES, KernelConfig, ragged_paged_attention_kernel
+from .kernel import STATS_LANES, KernelConfig, core_item, ragged_paged_attention_kernel
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -40,8 +43,9 @@ def check_smem(shapes: AttentionShapes, bs: BlockSizes, chip: ChipInfo) -> None:
     """Raises ValueError if the scalar-prefetched arrays overflow SMEM: the block table
     (S x pages_per_seq int32) is by far the largest."""
     s = shapes.max_num_seqs
-    items = num_work_items(shapes.num_tokens, s, bs.queries_per_block)
-    needed = 4 * (s + s * shapes.pages_per_seq + s + 1 + 1 + 3 * items)
+    cores = bs.num_cores or 1
+    items = pl.cdiv(num_work_items(shapes.num_tokens, s, bs.queries_per_block), cores) * cores
+    needed = 4 * (s + s * shapes.pages_per_seq + s + 1 + 1 + 3 * items + 1)
     if needed > chip.smem_budget_bytes:
         raise ValueError(
             f"the scalar-prefetched block table (S={s} x pages_per_seq={shapes.pages_per_seq} "
@@ -124,7 +128,8 @@ def _ragged_paged_attention(
     bs = block_sizes
     bq, hb = bs.queries_per_block, bs.kv_heads_per_block
     rows = tile_rows(bq, g)
-    num_items = num_work_items(num_tokens, max_num_seqs, bq)
+    cores = bs.num_cores
+    num_items = pl.cdiv(num_work_items(num_tokens, max_num_seqs, bq), cores) * cores
     item_seq, item_start, item_rows, first_item = _work_items(cu_q_lens, num_seqs, num_items, bq)
 
     # Query rows into item slots [Hkv, NB, M, D]: slot row r = token r // G, head r % G.
@@ -149,7 +154,9 @@ def _ragged_paged_attention(
         quantized=quantized,
         compute_dtype=compute_dtype(q.dtype, k_pages.dtype),
     )
-    item_block = pl.BlockSpec((hb, None, rows, head_dim), lambda h, b, *_: (h, b, 0, 0))
+    item_block = pl.BlockSpec(
+        (hb, None, rows, head_dim), lambda c, h, w, *_: (h, core_item(c, w, cores), 0, 0)
+    )
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = [item_block, hbm, hbm] + ([hbm, hbm] if quantized else [])
     ppb = bs.pages_per_block
@@ -163,13 +170,14 @@ def _ragged_paged_attention(
         scratch += [pltpu.VMEM((1, ppb, num_kv_heads, page_size), jnp.float32)] * 2
     scratch += [
         pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
+        pltpu.SMEM((1,), jnp.int32),  # the slot of the next step's first block
         pltpu.VMEM((hb, rows, STATS_LANES), jnp.float32),  # running max m
         pltpu.VMEM((hb, rows, STATS_LANES), jnp.float32),  # running sum l
         pltpu.VMEM((hb, rows, head_dim), jnp.float32),  # accumulator
     ]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
-        grid=(num_kv_heads // hb, num_items),
+        grid=(cores, num_kv_heads // hb, num_items // cores),
         in_specs=in_specs,
         out_specs=item_block,
         scratch_shapes=scratch,
@@ -180,7 +188,7 @@ def _ragged_paged_attention(
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL),
+            dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY, pltpu.ARBITRARY),
             vmem_limit_bytes=vmem_limit_bytes,
         ),
         interpret=interpret,

@@ -30,6 +30,7 @@ from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
 from paxkv.pallas_kernels.tpu import BlockSizes, ragged_paged_attention_tpu
 from paxkv.pallas_kernels.tpu import ragged_paged_attention as rpa_module
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info
+from paxkv.pallas_kernels.tpu.kernel import core_item
 
 INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
 POINTS = {p.name: p for p in GRID}
@@ -97,16 +98,31 @@ def test_decode_path(name):
 
 
 def test_no_race_on_two_cores():
-    point = POINTS["mixed-gqa2-d64-p8-int8"]  # Hkv = 2: grid (2, items), both parallel
+    # Grid (2 cores, 2 head blocks, items / 2): each core's steps start the next one's
+    # copies; the cores share nothing but the inputs.
+    point = POINTS["mixed-gqa2-d64-p8-int8"]
     case = point.case(seed=3)
     params = pltpu.InterpretParams(
         detect_races=True, num_cores_or_threads=2, random_seed=7, uninitialized_memory="nan"
     )
-    out = _run(ragged_paged_attention_tpu, point, case, block_sizes=SMALL, interpret=params)
+    two_cores = dataclasses.replace(SMALL, num_cores=2)
+    out = _run(ragged_paged_attention_tpu, point, case, block_sizes=two_cores, interpret=params)
     out = jax.block_until_ready(out)
     assert interpret_pallas_call.races is not None, "the race detector did not run"
     assert not interpret_pallas_call.races.races_found
     _check(point, case, out)
+
+
+def test_two_short_decodes_go_to_both_cores():
+    # Two live decodes in a batch padded to 8 sequences: item slots for 2 cores, and
+    # each core's items (dealt round robin) hold one live decode.
+    cu_q_lens = jnp.asarray([0, 1, 2, 2, 2, 2, 2, 2, 2], jnp.int32)
+    items = rpa_module.num_work_items(8, 8, 1)
+    _, _, rows, _ = rpa_module._work_items(cu_q_lens, jnp.asarray([2]), items, 1)
+    live = {
+        core: [w for w in range(items // 2) if rows[core_item(core, w, 2)] > 0] for core in (0, 1)
+    }
+    assert live == {0: [0], 1: [0]}
 
 
 def test_race_detector_sees_a_planted_race():
@@ -328,6 +344,7 @@ from paxkv.pallas_kernels import attention_inputs
 from paxkv.pallas_kernels.layout import SCALE_DTYPE
 from paxkv.pallas_kernels.tpu import BlockSizes
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info
+from paxkv.pallas_kernels.tpu.kernel import core_item
 from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention
 
 CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
@@ -337,6 +354,9 @@ CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
     ("bfloat16", "int8", 16, 128, 8, 2, BlockSizes(4, 16, 1), 30.0, 64),
     ("float32", "float8_e4m3fn", 128, 256, 8, 1, BlockSizes(2, 8, 1), None, None),
     ("bfloat16", "float8_e5m2", 256, 128, 6, 2, BlockSizes(2, 5, 2), None, 300),
+    # Work items dealt to two TensorCores (a megacore), decode and quantized prefill.
+    ("bfloat16", "bfloat16", 16, 128, 8, 2, BlockSizes(8, 1, 2, True, 2), None, None),
+    ("bfloat16", "int8", 16, 128, 8, 2, BlockSizes(4, 16, 1, False, 2), 30.0, 64),
 ] + [  # the defaults (BlockSizes() resolved for the shapes) at head_dim 128 and 256
     ("bfloat16", pages, 16, d, 8, 2, BlockSizes(), None, None)
     for pages in ("bfloat16", "int8", "float8_e4m3fn")
@@ -393,4 +413,4 @@ def test_compiles_for_tpu_deviceless():
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 12 * len(chips)
+    assert result.stdout.count("compiled") == 14 * len(chips)
