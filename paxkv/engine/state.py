@@ -8,7 +8,7 @@ Page layout (per layer): K and V pages are `[P, Hkv, ps, D]`, so one page is one
 contiguous block covering every KV head; moving it between HBM and on-chip memory is a
 single DMA, and the per-head `[ps, D]` tile is what the matrix unit consumes. Layers are
 separate arrays (a tuple), so a layer's pages are handed to a kernel without a copy.
-Quantized caches (int8, fp8) hold `f32[P, Hkv, ps]` scales per layer beside the pages.
+Quantized caches (int8, fp8) hold `bf16[P, Hkv, ps]` scales per layer beside the pages.
 
 With KV-cache groups (`paxkv.host.kv_groups`, hybrid models), the arrays are slots
 shared by one layer of each group: layer l reads and writes slot `layer_slots[l]` at the
@@ -123,7 +123,7 @@ class PageTable:
 class PagedKVCache:
     """The paged K/V of every layer: `k[l]`, `v[l]` are `[P, Hkv, ps, D]`.
 
-    `k_scales[l]`/`v_scales[l]` (`f32[P, Hkv, ps]`) are present exactly when the pages
+    `k_scales[l]`/`v_scales[l]` (`bf16[P, Hkv, ps]`, `SCALE_DTYPE`) are present exactly when the pages
     are quantized. Page `NULL_PAGE` is never allocated by the host pool. Stacked
     (`slot_pages=P`): `k`, `v` (and the scales) are one array each,
     `[num_slots * P, Hkv, ps, D]` (see the module's docstring).

@@ -136,7 +136,7 @@ def test_pages_per_device_budget():
     assert pages(model=2, data=4) == 96  # per replica
     assert plan.num_pages_for_budget(
         TINY, kv_budget_bytes=budget, page_size=8, kv_cache_dtype="int8"
-    ) == budget // (2 * 2 * 2 * 8 * (64 + 4))
+    ) == budget // (2 * 2 * 2 * 8 * (64 + 2))  # int8 entries and a bf16 scale per token-head
 
 
 def test_capacity_per_device_and_in_total():
