@@ -10,7 +10,14 @@ from flax import nnx
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
-from paxkv.models import PRESETS, init_model, layer_stack, save_hf_checkpoint
+from paxkv.models import (
+    PRESETS,
+    init_model,
+    layer_stack,
+    restore_params,
+    save_hf_checkpoint,
+    save_params,
+)
 from paxkv.models.weights import hf_name, load_hf_checkpoint
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
@@ -119,3 +126,23 @@ def test_greedy_outputs_match_the_looped_model_on_one_device(checkpoint, one_dev
     pages = engine.kv_cache.k[0]
     local = heads // 2 if shape == "model:2" else 1 if shape == "model:4" else heads
     assert {s.data.shape[1] for s in pages.addressable_shards} == {local}
+
+
+def test_orbax_params_restore_into_stacked_shardings(one_device, tmp_path):
+    # Saved layer by layer (either way); restored stacked on the host, then placed.
+    loop, _ = one_device
+    save_params(loop, tmp_path)
+    mesh = shardings.make_mesh(MeshShape.parse("model:2"))
+    config = loop.config.replace(scan_layers=True)
+    model = restore_params(config, tmp_path, mesh=mesh)
+    state = nnx.state(model)
+    want = shardings.param_shardings(state, config, mesh)
+    for (path, got), (_, sharding) in zip(
+        nnx.to_flat_state(state), nnx.to_flat_state(want), strict=True
+    ):
+        assert got.get_value().sharding == sharding.get_value(), path
+    back = layer_stack.with_scan_layers(model, False)
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(nnx.state(back)), nnx.to_flat_state(nnx.state(loop)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), path)
