@@ -41,9 +41,9 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 def check_smem(shapes: AttentionShapes, bs: BlockSizes, chip: ChipInfo) -> None:
     """Raises ValueError if the scalar-prefetched arrays overflow SMEM: the block table
-    (S x pages_per_seq int32) is by far the largest."""
+    (S x pages_per_seq int32) is by far the largest. `bs` is resolved."""
     s = shapes.max_num_seqs
-    cores = bs.num_cores or 1
+    cores = bs.num_cores
     items = pl.cdiv(num_work_items(shapes.num_tokens, s, bs.queries_per_block), cores) * cores
     needed = 4 * (s + s * shapes.pages_per_seq + s + 1 + 1 + 3 * items + 1)
     if needed > chip.smem_budget_bytes:
