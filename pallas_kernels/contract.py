@@ -10,11 +10,13 @@ Shape vocabulary (used in every shape comment in the project):
   Hq  query heads        Hkv  KV heads              D   head dim
   pages_per_seq  width of the block table
 
-Page layout: one layer's K (and V) pages are `[P, Hkv, ps, D]`. A page is one
-contiguous block covering every KV head of the layer, so moving a page between
-HBM and on-chip memory is a single DMA, and the per-head slice `[ps, D]` is the
-tile the matrix unit consumes. Quantized pages carry per-token-per-head scales
-`bf16[P, Hkv, ps]` beside them.
+Page layout: one layer's pages are one array `kv_pages [P, Hkv, 2 * ps, D]`: for each
+KV head a page holds its ps keys (rows `0 .. ps - 1`) followed by its ps values (rows
+`ps .. 2 ps - 1`), see `layout.py`. A page is one contiguous block holding K and V of
+every KV head of the layer, so moving a page (or a run of its heads) between HBM and
+on-chip memory is a single DMA, and the per-head slices `[ps, D]` are the tiles the
+matrix unit consumes. Quantized pages carry per-token-per-head scales
+`kv_scales bf16[P, Hkv, 2 * ps]` beside them, in the same rows.
 """
 
 from __future__ import annotations
@@ -70,14 +72,12 @@ class AttentionInputs:
     """
 
     q: jax.Array  # [T, Hq, D]
-    k_pages: jax.Array  # [P, Hkv, ps, D]
-    v_pages: jax.Array  # [P, Hkv, ps, D]
+    kv_pages: jax.Array  # [P, Hkv, 2 * ps, D]: K rows, then V rows
     kv_lens: jax.Array  # i32[S]
     block_tables: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[1]
-    k_scales: jax.Array | None  # bf16[P, Hkv, ps], quantized pages only
-    v_scales: jax.Array | None  # bf16[P, Hkv, ps], quantized pages only
+    kv_scales: jax.Array | None  # bf16[P, Hkv, 2 * ps], quantized pages only
     sm_scale: float = dataclasses.field(metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(metadata=dict(static=True))
@@ -85,8 +85,8 @@ class AttentionInputs:
 
     @property
     def scales(self) -> tuple[jax.Array, ...]:
-        """`(k_scales, v_scales)` for quantized pages, `()` for float pages."""
-        return (self.k_scales, self.v_scales) if self.shapes.quantized else ()
+        """`(kv_scales,)` for quantized pages, `()` for float pages."""
+        return (self.kv_scales,) if self.shapes.quantized else ()
 
 
 def compute_dtype(q_dtype, page_dtype) -> np.dtype:
@@ -108,8 +108,7 @@ def _is_concrete(x) -> bool:
 
 def attention_inputs(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, Hkv, ps, D]
-    v_pages: jax.Array,  # [P, Hkv, ps, D]
+    kv_pages: jax.Array,  # [P, Hkv, 2 * ps, D]
     kv_lens: jax.Array,  # i32[S]
     block_tables: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -118,8 +117,7 @@ def attention_inputs(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
-    v_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
+    kv_scales: jax.Array | None = None,  # bf16[P, Hkv, 2 * ps]
 ) -> AttentionInputs:
     """Validates the arguments of a ragged paged attention call and bundles them.
 
@@ -132,55 +130,48 @@ def attention_inputs(
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got q.shape={q.shape}")
-    if k_pages.ndim != 4:
+    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
         raise ValueError(
-            f"k_pages must be [P, Hkv, page_size, D], got k_pages.shape={k_pages.shape}"
+            f"kv_pages must be [P, Hkv, 2 * page_size, D] (each head's keys, then its "
+            f"values), got kv_pages.shape={kv_pages.shape}"
         )
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} differ")
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages.dtype={k_pages.dtype} and v_pages.dtype={v_pages.dtype} differ")
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, page_size, kv_head_dim = k_pages.shape
+    num_pages, num_kv_heads, kv_rows, kv_head_dim = kv_pages.shape
+    page_size = kv_rows // 2
     if kv_head_dim != head_dim:
-        raise ValueError(
-            f"head_dim mismatch: q has D={head_dim}, k_pages/v_pages have D={kv_head_dim}"
-        )
+        raise ValueError(f"head_dim mismatch: q has D={head_dim}, kv_pages has D={kv_head_dim}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads={num_q_heads} (q.shape[1]) must be a multiple of "
-            f"num_kv_heads={num_kv_heads} (k_pages.shape[1])"
+            f"num_kv_heads={num_kv_heads} (kv_pages.shape[1])"
         )
     if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE) or page_size & (page_size - 1):
         raise ValueError(
-            f"page_size={page_size} (k_pages.shape[2]) must be a power of two in "
+            f"page_size={page_size} (kv_pages.shape[2] // 2) must be a power of two in "
             f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]"
         )
     if jnp.dtype(q.dtype) not in FLOAT_PAGE_DTYPES:
         raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in FLOAT_PAGE_DTYPES]}")
-    page_dtype = jnp.dtype(k_pages.dtype)
+    page_dtype = jnp.dtype(kv_pages.dtype)
     quantized = page_dtype in QUANTIZED_PAGE_DTYPES
     if not quantized and page_dtype not in FLOAT_PAGE_DTYPES:
         raise ValueError(
-            f"k_pages.dtype={page_dtype} must be a float dtype "
+            f"kv_pages.dtype={page_dtype} must be a float dtype "
             f"{[str(d) for d in FLOAT_PAGE_DTYPES]} or a quantized dtype "
             f"{[str(d) for d in QUANTIZED_PAGE_DTYPES]}"
         )
     if quantized:
-        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if scales is None:
-                raise ValueError(f"k_pages.dtype={page_dtype} is quantized, so {name} is required")
-            if scales.shape != (num_pages, num_kv_heads, page_size):
-                raise ValueError(
-                    f"{name}.shape={scales.shape} must be [P, Hkv, page_size]="
-                    f"{(num_pages, num_kv_heads, page_size)}"
-                )
-            if scales.dtype != SCALE_DTYPE:
-                raise ValueError(f"{name}.dtype={scales.dtype} must be {SCALE_DTYPE}")
-    elif k_scales is not None or v_scales is not None:
-        raise ValueError(
-            f"k_scales/v_scales were given but k_pages.dtype={page_dtype} is not quantized"
-        )
+        if kv_scales is None:
+            raise ValueError(f"kv_pages.dtype={page_dtype} is quantized, so kv_scales is required")
+        if kv_scales.shape != kv_pages.shape[:3]:
+            raise ValueError(
+                f"kv_scales.shape={kv_scales.shape} must be [P, Hkv, 2 * page_size]="
+                f"{kv_pages.shape[:3]}"
+            )
+        if kv_scales.dtype != SCALE_DTYPE:
+            raise ValueError(f"kv_scales.dtype={kv_scales.dtype} must be {SCALE_DTYPE}")
+    elif kv_scales is not None:
+        raise ValueError(f"kv_scales was given but kv_pages.dtype={page_dtype} is not quantized")
 
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens must be i32[S], got kv_lens.shape={kv_lens.shape}")
@@ -228,14 +219,12 @@ def attention_inputs(
         )
     return AttentionInputs(
         q,
-        k_pages,
-        v_pages,
+        kv_pages,
         kv_lens,
         block_tables,
         cu_q_lens,
         num_seqs,
-        k_scales,
-        v_scales,
+        kv_scales,
         sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=sliding_window,
@@ -246,9 +235,9 @@ def attention_inputs(
 def attention_op(impl: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """Makes a backend that consumes `AttentionInputs` into a ragged paged attention op.
 
-    `impl(inputs, *, <tunables>)` becomes `op(q, k_pages, v_pages, kv_lens, block_tables,
-    cu_q_lens, num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, k_scales=None,
-    v_scales=None, <tunables>)`: the arguments of `attention_inputs`, then impl's own
+    `impl(inputs, *, <tunables>)` becomes `op(q, kv_pages, kv_lens, block_tables, cu_q_lens,
+    num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, kv_scales=None,
+    <tunables>)`: the arguments of `attention_inputs`, then impl's own
     keyword-only tunables. The op validates them with `attention_inputs` and calls impl
     with the bundle, so the signature and its validation exist once for every backend.
     `op.impl` is impl itself, for a caller that holds a validated bundle already.

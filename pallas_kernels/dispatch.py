@@ -46,9 +46,9 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on the chosen backend; semantics of the reference.
 
-    Called as `ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables,
-    cu_q_lens, num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, k_scales=None,
-    v_scales=None, backend="auto", interpret=False, block_sizes=None, decode_only=False)`.
+    Called as `ragged_paged_attention(q, kv_pages, kv_lens, block_tables, cu_q_lens,
+    num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, kv_scales=None,
+    backend="auto", interpret=False, block_sizes=None, decode_only=False)`.
 
     Every backend computes exactly what `ragged_paged_attention_reference` documents.
     `backend="auto"` picks the platform's kernel (the "xla" loop on the CPU);

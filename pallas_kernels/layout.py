@@ -1,11 +1,17 @@
 """The page layout the kernels read, as plain facts (NumPy and ml_dtypes, no JAX).
 
-One layer's K (or V) pages are `[P, Hkv, ps, D]`; quantized pages carry
-`SCALE_DTYPE[P, Hkv, ps]` scales beside them. The host imports this module to agree
+One layer's pages are one array `[P, Hkv, 2 * ps, D]`: for each KV head, a page's ps
+keys (rows `KEY * ps + j`) then its ps values (rows `VALUE * ps + j`). One page of a
+run of KV heads, K and V together, is then one contiguous block (one DMA), and the
+rows stay the second-minor axis, the one TPU memory tiles by. Quantized pages carry
+`SCALE_DTYPE[P, Hkv, 2 * ps]` scales beside them, in the same rows (the same memory
+order as `[P, Hkv, 2, ps]`, without tiling a size-2 axis). The host imports this module to agree
 with the kernels on these facts without importing JAX.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -13,6 +19,9 @@ import numpy as np
 # Never allocated by the host pool; padded block-table entries point here, and a kernel
 # reads it in place of any table entry that names no visible token.
 NULL_PAGE: int = 0
+
+# Which half of a head's 2 * ps rows holds the keys and which the values.
+KEY, VALUE = 0, 1
 
 MIN_PAGE_SIZE = 8
 MAX_PAGE_SIZE = 1024
@@ -50,6 +59,18 @@ def is_quantized(page_dtype) -> bool:
 def valid_page_size(page_size: int) -> bool:
     """Whether the kernels accept `page_size` tokens per page: a power of two in range."""
     return MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
+
+
+def kv_row(part: int, offset: Any, page_size: int) -> Any:
+    """Row of a page's head (axis 2 of the pages) that holds token `offset`'s key
+    (`part=KEY`) or value (`part=VALUE`); works on ints and arrays alike."""
+    return part * page_size + offset
+
+
+def kv_half(part: int, page_size: int) -> slice:
+    """The rows of a page's head (axis 2 of the pages) holding all its keys
+    (`part=KEY`) or all its values (`part=VALUE`)."""
+    return slice(part * page_size, (part + 1) * page_size)
 
 
 def page_bytes(*, num_kv_heads: int, page_size: int, head_dim: int, page_dtype) -> int:

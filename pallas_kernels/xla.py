@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .contract import AttentionInputs, attention_op, token_layout
-from .layout import NULL_PAGE, cdiv
+from .layout import KEY, NULL_PAGE, VALUE, cdiv, kv_half
 from .quantization import dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -26,11 +26,11 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 @functools.partial(jax.jit, static_argnames=("block_pages",))
 def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
-    q, k_pages, v_pages = inputs.q, inputs.k_pages, inputs.v_pages
-    k_scales, v_scales = inputs.k_scales, inputs.v_scales
+    q, kv_pages, kv_scales = inputs.q, inputs.kv_pages, inputs.kv_scales
     sm_scale, soft_cap, sliding_window = inputs.sm_scale, inputs.soft_cap, inputs.sliding_window
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    _, num_kv_heads, kv_rows, _ = kv_pages.shape
+    page_size = kv_rows // 2
     pages_per_seq = inputs.block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     block_len = block_pages * page_size
@@ -43,10 +43,10 @@ def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
         inputs.cu_q_lens, inputs.kv_lens, inputs.num_seqs, num_tokens
     )
 
-    def gather(pages_arr, scales, page_ids, keep):  # -> f32[Hkv, block_len, D]
-        x = pages_arr[page_ids]  # [block_pages, Hkv, ps, D]
-        if scales is not None:
-            x = dequantize(x, scales[page_ids])
+    def gather(part, page_ids, keep):  # KEY or VALUE -> f32[Hkv, block_len, D]
+        x = kv_pages[page_ids, :, kv_half(part, page_size)]  # [block_pages, Hkv, ps, D]
+        if kv_scales is not None:
+            x = dequantize(x, kv_scales[page_ids, :, kv_half(part, page_size)])
         x = x.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(num_kv_heads, block_len, head_dim)
         return jnp.where(keep[None, :, None], x, 0.0)
 
@@ -64,8 +64,8 @@ def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
             page_keep = jnp.any(keep.reshape(block_pages, page_size), axis=1)
             ids = jax.lax.dynamic_slice_in_dim(tables[seq], b * block_pages, block_pages)
             ids = jnp.where(page_keep, ids, NULL_PAGE)
-            k = gather(k_pages, k_scales, ids, keep)
-            v = gather(v_pages, v_scales, ids, keep)
+            k = gather(KEY, ids, keep)
+            v = gather(VALUE, ids, keep)
             s = jnp.einsum("kgd,kld->kgl", qg, k, precision=_HIGHEST) * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)

@@ -9,8 +9,10 @@ work items and lays the query rows out so that each KV head's rows form one
 group, so GQA/MQA groups share every K/V tile on the matrix unit.
 
 The pages the item needs, `[first_page, end_page)`, are walked in blocks of
-`pages_per_block`. Each page is one DMA from HBM into a double-buffered VMEM slot
-(and, for 8-bit pages, one more DMA per scale array); the copies of block `i + 1`
+`pages_per_block`. Each page is one DMA from HBM into a double-buffered VMEM slot, K and
+V of the block's KV heads together (the page layout `[P, Hkv, 2 * ps, D]` keeps them in
+one contiguous run), and for 8-bit pages one more DMA for its K and V scales; the
+copies of block `i + 1`
 are in flight while block `i` is computed, and during an item's last block the copies
 of the first block of the core's next grid step (next item, or first item of the next
 head block), so no item starts with a cold copy (RPA v2/v3 overlap the same way). Pages
@@ -18,9 +20,9 @@ outside that range (past the item's last row, or before its sliding window) are 
 fetched.
 
 The bfloat16 scales are copied for every KV head of the page, and widened to float32
-in VMEM once the block has landed: bfloat16 packs two heads' rows into one sublane,
-so Mosaic can neither copy nor load one head's row of them at a head index it cannot
-prove even.
+(K's and V's apart) in VMEM once the block has landed: bfloat16 packs two heads' rows
+into one sublane, so Mosaic can neither copy nor load one head's row of them at a head
+index it cannot prove even.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from ..layout import KEY, VALUE, kv_half
 
 # Finite, so a row that has seen nothing yet gives exp(MASK - MASK) = 1 (then zeroed
 # by `where`) rather than exp(-inf + inf) = NaN.
@@ -75,9 +79,9 @@ def page_copy(
 ) -> Any:  # pltpu.make_async_copy returns a descriptor JAX does not export
     """DMA of one page's `heads` KV heads from `head_start` into a VMEM buffer slot.
 
-    The same copy serves pages (`[P, Hkv, ps, D]` -> `[2, ppb, hb, ps, D]`) and their
-    scales (`[P, Hkv, ps]` -> `[2, ppb, Hkv, ps]`, every head): the page lands at
-    `[slot, index]`.
+    The same copy serves pages (`[P, Hkv, 2 * ps, D]` -> `[2, ppb, hb, 2 * ps, D]`, K and
+    V together) and their scales (`[P, Hkv, 2 * ps]` -> `[2, ppb, Hkv, 2 * ps]`, every
+    head): the page lands at `[slot, index]`.
     """
     return pltpu.make_async_copy(
         src_hbm.at[page, pl.ds(head_start, heads)], dst_vmem.at[slot, index], sem
@@ -113,7 +117,8 @@ def _attend_block(
     widened scales (`f32[1, ppb, Hkv, ps]`) hold every KV head, so head `h` of the block
     reads them at `head_start + h`.
     """
-    q_ref, kbuf, vbuf, k_scales, v_scales = bufs
+    q_ref, kvbuf, k_scales, v_scales = bufs
+    keys, values = kv_half(KEY, cfg.page_size), kv_half(VALUE, cfg.page_size)
     m_ref, l_ref, acc_ref = stats
     rows, n = cfg.rows, cfg.block_tokens
     mm = cfg.compute_dtype
@@ -128,7 +133,7 @@ def _attend_block(
 
     def head(h, carry):
         q = q_ref[h].astype(mm)  # [M, D]
-        k = kbuf[slot, :, h].reshape(n, -1).astype(mm)  # [ppb, ps, D] -> [N, D]
+        k = kvbuf[slot, :, h, keys].reshape(n, -1).astype(mm)  # [ppb, ps, D] -> [N, D]
         s = dot(q, k, (((1,), (1,)), ((), ())))  # [M, N] f32
         if cfg.quantized:  # dequantize through the logits: q . (k * s_j) = (q . k) * s_j
             s = s * (k_scales[0, :, head_start + h].reshape(1, n) * cfg.sm_scale)
@@ -145,7 +150,7 @@ def _attend_block(
             p = jnp.where(vis, p, 0.0)
         alpha = jnp.exp(m_prev - m_new)
         l_new = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-        v = vbuf[slot, :, h].reshape(n, -1)  # [N, D]
+        v = kvbuf[slot, :, h, values].reshape(n, -1)  # [N, D]
         if cfg.quantized:
             v_scale = v_scales[0, :, head_start + h].reshape(1, n)  # [ppb, ps] -> [1, N]
             if masked:
@@ -173,9 +178,8 @@ def ragged_paged_attention_kernel(
     item_rows_ref,  # i32[NB]  query rows of the item (0: padding item)
     # Inputs.
     q_ref,  # [hb, M, D] VMEM block of this item
-    k_hbm,  # [P, Hkv, ps, D] HBM
-    v_hbm,  # [P, Hkv, ps, D] HBM
-    *refs,  # ([k_scales_hbm, v_scales_hbm] bf16[P, Hkv, ps]), o_ref, scratch...
+    kv_hbm,  # [P, Hkv, 2 * ps, D] HBM
+    *refs,  # ([scales_hbm] bf16[P, Hkv, 2 * ps]), o_ref, scratch...
     cfg: KernelConfig,
 ) -> None:
     """Grid step `(core, kv head block, w)`: attention of one item's rows for `hb` heads.
@@ -185,11 +189,11 @@ def ragged_paged_attention_kernel(
     for rows that see nothing (padding items and slots).
     """
     if cfg.quantized:
-        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, *refs = refs
-        k_scales, v_scales, sems, slot_ref, m_ref, l_ref, acc_ref = refs
+        scales_hbm, o_ref, kvbuf, sbuf, k_scales, v_scales, *refs = refs
     else:
-        o_ref, kbuf, vbuf, sems, slot_ref, m_ref, l_ref, acc_ref = refs
+        o_ref, kvbuf, *refs = refs
         k_scales = v_scales = None
+    sems, slot_ref, m_ref, l_ref, acc_ref = refs
     ps, ppb, pps = cfg.page_size, cfg.pages_per_block, cfg.pages_per_seq
     hb = cfg.kv_heads_per_block
     # Grid step (core, head block, w): item `core_item(core, w)`. One core runs its steps
@@ -220,11 +224,11 @@ def ragged_paged_attention_kernel(
         """Applies `action` to the copy of every stream of every page block `block` of
         the item of geometry `geo` needs, for the KV heads from `head_start`."""
         seq, _, _, _, first_page, end_page, _ = geo
-        # (source, VMEM buffer, first head, heads) of each stream a page is copied in.
-        streams = [(k_hbm, kbuf, head_start, hb), (v_hbm, vbuf, head_start, hb)]
+        # (source, VMEM buffer, first head, heads) of each stream a page is copied in:
+        # its K and V, and its scales (every head's).
+        streams = [(kv_hbm, kvbuf, head_start, hb)]
         if cfg.quantized:
-            hkv = ks_hbm.shape[1]
-            streams += [(ks_hbm, ksbuf, 0, hkv), (vs_hbm, vsbuf, 0, hkv)]
+            streams.append((scales_hbm, sbuf, 0, scales_hbm.shape[1]))
         block_first = first_page + block * ppb
         num_pages = jnp.minimum(ppb, end_page - block_first)  # the last block may be short
 
@@ -287,7 +291,7 @@ def ragged_paged_attention_kernel(
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    bufs = (q_ref, kbuf, vbuf, k_scales, v_scales)
+    bufs = (q_ref, kvbuf, k_scales, v_scales)
     stats = (m_ref, l_ref, acc_ref)
 
     def body(block, carry):
@@ -303,8 +307,8 @@ def ragged_paged_attention_kernel(
 
         wait(block, slot)
         if cfg.quantized:
-            k_scales[0] = ksbuf[slot].astype(jnp.float32)
-            v_scales[0] = vsbuf[slot].astype(jnp.float32)
+            k_scales[0] = sbuf[slot, :, :, kv_half(KEY, ps)].astype(jnp.float32)
+            v_scales[0] = sbuf[slot, :, :, kv_half(VALUE, ps)].astype(jnp.float32)
         col_start = (first_page + block * ppb) * ps
         # Every row sees every column: all columns at or before the first row's
         # position and, with a window, inside the last row's window.

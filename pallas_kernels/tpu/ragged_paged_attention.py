@@ -75,7 +75,7 @@ def check_kernel_limits(shapes: AttentionShapes, q_dtype, page_dtype, *, interpr
     f16 = jnp.dtype(jnp.float16)
     if f16 in (jnp.dtype(q_dtype), jnp.dtype(page_dtype)):
         raise ValueError(
-            f"q.dtype={jnp.dtype(q_dtype)}, k_pages.dtype={jnp.dtype(page_dtype)}: float16 is not "
+            f"q.dtype={jnp.dtype(q_dtype)}, kv_pages.dtype={jnp.dtype(page_dtype)}: float16 is not "
             f"supported on TPU (Mosaic has no float16 vector loads); use bfloat16"
         )
 
@@ -118,10 +118,10 @@ def _ragged_paged_attention(
     vmem_limit_bytes: int,
     interpret: bool | pltpu.InterpretParams,
 ) -> jax.Array:
-    q, k_pages, cu_q_lens = inputs.q, inputs.k_pages, inputs.cu_q_lens
+    q, kv_pages, cu_q_lens = inputs.q, inputs.kv_pages, inputs.cu_q_lens
     kv_lens, num_seqs = inputs.kv_lens, inputs.num_seqs
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    num_kv_heads, page_size = inputs.shapes.num_kv_heads, inputs.shapes.page_size
     max_num_seqs, pages_per_seq = inputs.block_tables.shape
     quantized = inputs.shapes.quantized
     g = num_q_heads // num_kv_heads
@@ -152,24 +152,25 @@ def _ragged_paged_attention(
         soft_cap=inputs.soft_cap,
         sliding_window=inputs.sliding_window,
         quantized=quantized,
-        compute_dtype=compute_dtype(q.dtype, k_pages.dtype),
+        compute_dtype=compute_dtype(q.dtype, kv_pages.dtype),
     )
     item_block = pl.BlockSpec(
         (hb, None, rows, head_dim), lambda c, h, w, *_: (h, core_item(c, w, cores), 0, 0)
     )
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [item_block, hbm, hbm] + ([hbm, hbm] if quantized else [])
+    in_specs = [item_block, hbm] + ([hbm] if quantized else [])
     ppb = bs.pages_per_block
-    scratch = [pltpu.VMEM((2, ppb, hb, page_size, head_dim), k_pages.dtype)] * 2
+    # K and V of hb heads of ppb pages, double-buffered.
+    scratch = [pltpu.VMEM((2, ppb, hb, 2 * page_size, head_dim), kv_pages.dtype)]
     if quantized:
-        # Every KV head of a page: as stored (double-buffered), then widened to float32
-        # (see kernel.py). The widened buffer's leading unit axis is there for Mosaic: it
-        # reshapes one head's `[ppb, ps]` scales to `[1, N]` when loaded from a rank-4
-        # buffer, and rejects the same reshape from a rank-3 one.
-        scratch += [pltpu.VMEM((2, ppb, num_kv_heads, page_size), SCALE_DTYPE)] * 2
+        # Every KV head of a page: as stored (double-buffered), then K's and V's widened
+        # to float32 (see kernel.py). The widened buffers' leading unit axis is there for
+        # Mosaic: it reshapes one head's `[ppb, ps]` scales to `[1, N]` when loaded from a
+        # rank-4 buffer, and rejects the same reshape from a rank-3 one.
+        scratch += [pltpu.VMEM((2, ppb, num_kv_heads, 2 * page_size), SCALE_DTYPE)]
         scratch += [pltpu.VMEM((1, ppb, num_kv_heads, page_size), jnp.float32)] * 2
     scratch += [
-        pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
+        pltpu.SemaphoreType.DMA((2 if quantized else 1, 2)),
         pltpu.SMEM((1,), jnp.int32),  # the slot of the next step's first block
         pltpu.VMEM((hb, rows, STATS_LANES), jnp.float32),  # running max m
         pltpu.VMEM((hb, rows, STATS_LANES), jnp.float32),  # running sum l
@@ -201,8 +202,7 @@ def _ragged_paged_attention(
         item_start,
         item_rows,
         q_items,
-        k_pages,
-        inputs.v_pages,
+        kv_pages,
         *inputs.scales,
     )
 
@@ -238,7 +238,7 @@ def ragged_paged_attention_tpu(
         block sizes that do not divide the heads or whose buffers exceed the chip's
         VMEM budget; a block table too large for SMEM. All before compiling.
     """
-    shapes, q_dtype, page_dtype = inputs.shapes, inputs.q.dtype, inputs.k_pages.dtype
+    shapes, q_dtype, page_dtype = inputs.shapes, inputs.q.dtype, inputs.kv_pages.dtype
     check_kernel_limits(shapes, q_dtype, page_dtype, interpret=interpret)
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"{block_sizes=} must be a tpu.BlockSizes")

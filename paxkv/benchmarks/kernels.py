@@ -40,7 +40,7 @@ from absl import app, flags, logging
 from paxkv.benchmarks.timing import median_seconds
 from paxkv.kv_layout import page_bytes
 from paxkv.pallas_kernels import dequantize, quantize
-from paxkv.pallas_kernels.layout import cdiv
+from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_half
 
 IMPLS = ("paxkv", "jax-pallas", "xla-dense")
 
@@ -116,10 +116,8 @@ class Inputs:
     """One batch in paxkv's layout, on the device."""
 
     q: jax.Array  # [T, Hq, D]
-    k_pages: jax.Array  # [P, Hkv, ps, D]
-    v_pages: jax.Array
-    k_scales: jax.Array | None  # bf16[P, Hkv, ps]
-    v_scales: jax.Array | None
+    kv_pages: jax.Array  # [P, Hkv, 2 * ps, D]
+    kv_scales: jax.Array | None  # bf16[P, Hkv, 2 * ps]
     kv_lens: jax.Array  # i32[S]
     block_tables: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S + 1]
@@ -127,11 +125,10 @@ class Inputs:
     sm_scale: float
 
     def args(self) -> tuple[jax.Array, ...]:
-        """The kernels' positional arguments: q, K and V pages, lengths and tables."""
+        """The kernels' positional arguments: q, the pages, lengths and tables."""
         return (
             self.q,
-            self.k_pages,
-            self.v_pages,
+            self.kv_pages,
             self.kv_lens,
             self.block_tables,
             self.cu_q_lens,
@@ -140,9 +137,14 @@ class Inputs:
 
     def scales(self) -> dict:
         """The kernels' scale keyword arguments: none for unquantized pages."""
-        return (
-            {} if self.k_scales is None else {"k_scales": self.k_scales, "v_scales": self.v_scales}
-        )
+        return {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+
+    def split(self, part: int) -> tuple[jax.Array, jax.Array | None]:
+        """K (`part=KEY`) or V pages `[P, Hkv, ps, D]` and their scales, apart, for the
+        implementations that take them so (a copy)."""
+        rows = kv_half(part, self.kv_pages.shape[2] // 2)
+        scales = None if self.kv_scales is None else self.kv_scales[:, :, rows]
+        return self.kv_pages[:, :, rows], scales
 
 
 def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: int = 0) -> Inputs:
@@ -160,19 +162,16 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
         return jax.random.normal(key, shape, jnp.float32)
 
     k, v = pages(keys[1]), pages(keys[2])
-    k_scales = v_scales = None
+    kv, kv_scales = jnp.concatenate([k, v], axis=2), None  # each head's keys, then values
     if settings.page_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
-        (k, k_scales), (v, v_scales) = (
-            quantize(k, settings.page_dtype),
-            quantize(v, settings.page_dtype),
-        )
+        kv, kv_scales = quantize(kv, settings.page_dtype)
     else:
-        k, v = k.astype(settings.page_dtype), v.astype(settings.page_dtype)
+        kv = kv.astype(settings.page_dtype)
     q = jax.random.normal(
         keys[3], (batch * q_len, settings.num_q_heads, settings.head_dim), settings.dtype
     )
     return Inputs(
-        q=q, k_pages=k, v_pages=v, k_scales=k_scales, v_scales=v_scales,
+        q=q, kv_pages=kv, kv_scales=kv_scales,
         kv_lens=jnp.full((batch,), context, jnp.int32),
         block_tables=perm.reshape(batch, pages_per_seq),
         cu_q_lens=jnp.arange(0, batch * q_len + 1, q_len, dtype=jnp.int32),
@@ -183,9 +182,9 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
 
 def kv_bytes(inputs: Inputs, batch: int, context: int) -> int:
     """Bytes of K/V (and scales) that attention over `context` tokens per sequence must read."""
-    _, num_kv_heads, _, head_dim = inputs.k_pages.shape
+    _, num_kv_heads, _, head_dim = inputs.kv_pages.shape
     per_token = page_bytes(
-        num_kv_heads=num_kv_heads, page_size=1, head_dim=head_dim, page_dtype=inputs.k_pages.dtype
+        num_kv_heads=num_kv_heads, page_size=1, head_dim=head_dim, page_dtype=inputs.kv_pages.dtype
     )
     return batch * context * per_token
 
@@ -213,12 +212,12 @@ def matmul_rate(settings: Settings) -> float:
 
 
 def _dequantized(inputs: Inputs) -> tuple[jax.Array, jax.Array]:
-    k, v = inputs.k_pages, inputs.v_pages
-    if inputs.k_scales is None:
+    (k, k_scales), (v, v_scales) = inputs.split(KEY), inputs.split(VALUE)
+    if k_scales is None:
         return k, v
     return (
-        dequantize(k, inputs.k_scales).astype(inputs.q.dtype),
-        dequantize(v, inputs.v_scales).astype(inputs.q.dtype),
+        dequantize(k, k_scales).astype(inputs.q.dtype),
+        dequantize(v, v_scales).astype(inputs.q.dtype),
     )
 
 
@@ -272,7 +271,7 @@ def jax_pallas_fn(inputs: Inputs, *, decode: bool) -> Callable[[], jax.Array] | 
     """JAX's bundled Pallas paged attention on the same inputs (its layout is a copy made
     here, outside the timing), or a string saying why it cannot run."""
     backend = jax.default_backend()
-    if inputs.k_scales is not None:
+    if inputs.kv_scales is not None:
         return "n/a: quantized pages"
     if backend == "tpu":
         return _jax_tpu_ragged_fn(inputs)
@@ -285,8 +284,8 @@ def jax_pallas_fn(inputs: Inputs, *, decode: bool) -> Callable[[], jax.Array] | 
     # Its constraints: pages_per_seq divisible by k_splits, and the split by the block.
     k_splits = math.gcd(16, pages_per_seq)
     per_block = math.gcd(8, pages_per_seq // k_splits)
-    k = jnp.swapaxes(inputs.k_pages, 0, 1)  # [Hkv, P, ps, D]
-    v = jnp.swapaxes(inputs.v_pages, 0, 1)
+    k = jnp.swapaxes(inputs.split(KEY)[0], 0, 1)  # [Hkv, P, ps, D]
+    v = jnp.swapaxes(inputs.split(VALUE)[0], 0, 1)
     q = inputs.q * jnp.asarray(inputs.sm_scale, inputs.q.dtype)  # it applies no sm_scale
     fn = jax.jit(
         lambda q, k, v, tables, lens: module.paged_attention(
@@ -301,8 +300,8 @@ def jax_pallas_fn(inputs: Inputs, *, decode: bool) -> Callable[[], jax.Array] | 
 def _jax_tpu_ragged_fn(inputs: Inputs) -> Callable[[], jax.Array]:
     module = importlib.import_module("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
     # Its cache is [P, ps, 2 * Hkv, D] with K and V interleaved along the heads.
-    k = jnp.swapaxes(inputs.k_pages, 1, 2)
-    v = jnp.swapaxes(inputs.v_pages, 1, 2)
+    k = jnp.swapaxes(inputs.split(KEY)[0], 1, 2)
+    v = jnp.swapaxes(inputs.split(VALUE)[0], 1, 2)
     kv = jnp.stack([k, v], axis=3).reshape(*k.shape[:2], -1, k.shape[3])
     kv = jax.block_until_ready(kv)
     fn = jax.jit(lambda *a: module.ragged_paged_attention(*a, sm_scale=inputs.sm_scale))

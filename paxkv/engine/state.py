@@ -4,18 +4,19 @@ Both are immutable pytrees (`flax.struct.dataclass`, the one pytree mechanism in
 paxkv): an update returns a new value, e.g. `table.replace(kv_lens=table.kv_lens + 1)`.
 Under `jit` with the cache donated, the functional write updates the pages in place.
 
-Page layout (per layer): K and V pages are `[P, Hkv, ps, D]`, so one page is one
-contiguous block covering every KV head; moving it between HBM and on-chip memory is a
-single DMA, and the per-head `[ps, D]` tile is what the matrix unit consumes. Layers are
-separate arrays (a tuple), so a layer's pages are handed to a kernel without a copy.
-Quantized caches (int8, fp8) hold `bf16[P, Hkv, ps]` scales per layer beside the pages.
+Page layout (per layer): one array `[P, Hkv, 2 * ps, D]`, each head's ps keys then its
+ps values (`paxkv.pallas_kernels.layout`), so one page is one contiguous block covering
+K and V of every KV head; moving it between HBM and on-chip memory is a single DMA, and
+the per-head `[ps, D]` tiles are what the matrix unit consumes. Layers are separate
+arrays (a tuple), so a layer's pages are handed to a kernel without a copy. Quantized
+caches (int8, fp8) hold `bf16[P, Hkv, 2 * ps]` scales per layer beside the pages.
 
 With KV-cache groups (`paxkv.host.kv_groups`, hybrid models), the arrays are slots
 shared by one layer of each group: layer l reads and writes slot `layer_slots[l]` at the
 page ids of its group's table, `table.for_group(layer_groups[l])`.
 
 Stacked (`slot_pages=P`, for a model whose layers run as one scan): the slots are one
-array `[num_slots * P, Hkv, ps, D]`, slot i's pages at rows `i * P .. (i + 1) * P - 1`.
+array `[num_slots * P, Hkv, 2 * ps, D]`, slot i's pages at rows `i * P .. (i + 1) * P - 1`.
 A layer, even one known only by a traced index, reaches its pages by adding `i * P` to
 its page table: the kernels and the write see one larger page pool, and nothing is
 sliced or copied (a slice of a scan's carry would be).
@@ -121,18 +122,16 @@ class PageTable:
 
 @struct.dataclass
 class PagedKVCache:
-    """The paged K/V of every layer: `k[l]`, `v[l]` are `[P, Hkv, ps, D]`.
+    """The paged K/V of every layer: `kv[l]` is `[P, Hkv, 2 * ps, D]` (keys, then values).
 
-    `k_scales[l]`/`v_scales[l]` (`bf16[P, Hkv, ps]`, `SCALE_DTYPE`) are present exactly when the pages
-    are quantized. Page `NULL_PAGE` is never allocated by the host pool. Stacked
-    (`slot_pages=P`): `k`, `v` (and the scales) are one array each,
-    `[num_slots * P, Hkv, ps, D]` (see the module's docstring).
+    `kv_scales[l]` (`bf16[P, Hkv, 2 * ps]`, `SCALE_DTYPE`) is present exactly when the
+    pages are quantized. Page `NULL_PAGE` is never allocated by the host pool. Stacked
+    (`slot_pages=P`): `kv` (and the scales) is one array, `[num_slots * P, Hkv, 2 * ps, D]`
+    (see the module's docstring).
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    k_scales: tuple[jax.Array, ...] | None = None
-    v_scales: tuple[jax.Array, ...] | None = None
+    kv: tuple[jax.Array, ...]
+    kv_scales: tuple[jax.Array, ...] | None = None
     # KV-cache groups: each layer's slot and group; None: slot l is layer l, one group.
     layer_slots: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
     layer_groups: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
@@ -168,13 +167,12 @@ class PagedKVCache:
         if stacked:
             static["slot_pages"] = num_pages
             rows, num_arrays = num_arrays * num_pages, 1
-        shape = (rows, num_kv_heads, page_size, head_dim)
-        k = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
-        v = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
+        shape = (rows, num_kv_heads, 2 * page_size, head_dim)
+        kv = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
         if kv_cache_dtype == "auto":
-            return cls(k=k, v=v, **static)
-        ones = lambda: tuple(jnp.ones(shape[:3], SCALE_DTYPE) for _ in range(num_arrays))
-        return cls(k=k, v=v, k_scales=ones(), v_scales=ones(), **static)
+            return cls(kv=kv, **static)
+        scales = tuple(jnp.ones(shape[:3], SCALE_DTYPE) for _ in range(num_arrays))
+        return cls(kv=kv, kv_scales=scales, **static)
 
     @classmethod
     def for_model(
@@ -210,8 +208,8 @@ class PagedKVCache:
     def num_slots(self) -> int:
         """Per-layer page pools (layers, or slots shared by the groups' layers)."""
         if self.slot_pages is not None:
-            return self.k[0].shape[0] // self.slot_pages
-        return len(self.k)
+            return self.kv[0].shape[0] // self.slot_pages
+        return len(self.kv)
 
     @property
     def stacked(self) -> bool:
@@ -237,17 +235,17 @@ class PagedKVCache:
     @property
     def num_pages(self) -> int:
         """P, pages per layer (page 0 included)."""
-        return self.slot_pages if self.stacked else self.k[0].shape[0]
+        return self.slot_pages if self.stacked else self.kv[0].shape[0]
 
     @property
     def page_size(self) -> int:
         """Tokens per page."""
-        return self.k[0].shape[2]
+        return self.kv[0].shape[2] // 2
 
     @property
     def quantized(self) -> bool:
         """Whether pages are stored quantized, with scales."""
-        return self.k_scales is not None
+        return self.kv_scales is not None
 
     @property
     def nbytes(self) -> int:
@@ -262,9 +260,9 @@ class PagedKVCache:
         return self._pools(self.slot(layer))
 
     def _pools(self, i: int) -> dict[str, jax.Array]:
-        args = {"k_pages": self.k[i], "v_pages": self.v[i]}
+        args = {"kv_pages": self.kv[i]}
         if self.quantized:
-            args |= {"k_scales": self.k_scales[i], "v_scales": self.v_scales[i]}
+            args["kv_scales"] = self.kv_scales[i]
         return args
 
     def layer_table(self, layer: int | jax.Array, table: PageTable) -> PageTable:
@@ -301,21 +299,14 @@ class PagedKVCache:
         if not self.stacked and not isinstance(layer, int):
             raise ValueError("a traced layer index needs a stacked cache (slot_pages)")
         i = 0 if self.stacked else self.slot(layer)
-        k, v, ks, vs = write_kv_pages(
-            self.k[i],
-            self.v[i],
+        kv, scales = write_kv_pages(
+            self.kv[i],
             new_k,
             new_v,
             *self.layer_table(layer, table).kernel_args(),
-            k_scales=self.k_scales[i] if self.quantized else None,
-            v_scales=self.v_scales[i] if self.quantized else None,
+            kv_scales=self.kv_scales[i] if self.quantized else None,
         )
         put = lambda xs, x: (*xs[:i], x, *xs[i + 1 :])
         if not self.quantized:
-            return self.replace(k=put(self.k, k), v=put(self.v, v))
-        return self.replace(
-            k=put(self.k, k),
-            v=put(self.v, v),
-            k_scales=put(self.k_scales, ks),
-            v_scales=put(self.v_scales, vs),
-        )
+            return self.replace(kv=put(self.kv, kv))
+        return self.replace(kv=put(self.kv, kv), kv_scales=put(self.kv_scales, scales))

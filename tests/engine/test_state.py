@@ -41,27 +41,23 @@ def _expected_slots():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_write_sets_exactly_the_named_slots(dtype):
     rng = np.random.default_rng(0)
-    shape = (8, 2, PAGE, 64)
-    k0 = jnp.asarray(rng.standard_normal(shape), dtype)
-    v0 = jnp.asarray(rng.standard_normal(shape), dtype)
+    shape = (8, 2, 2 * PAGE, 64)  # each head's keys in rows 0..7, its values in 8..15
+    kv0 = jnp.asarray(rng.standard_normal(shape), dtype)
     new_k = jnp.asarray(rng.standard_normal((17, 2, 64)), dtype)
     new_v = jnp.asarray(rng.standard_normal((17, 2, 64)), dtype)
     table = _table()
-    k, v, ks, vs = write_kv_pages(k0, v0, new_k, new_v, *table.kernel_args())
-    assert ks is None and vs is None
-    k, v, k0, v0 = map(np.asarray, (k, v, k0, v0))
+    kv, scales = write_kv_pages(kv0, new_k, new_v, *table.kernel_args())
+    assert scales is None
+    kv, kv0 = np.asarray(kv), np.asarray(kv0)
     touched = np.zeros(shape[:1] + shape[2:3], bool)
     for t, (page, off) in enumerate(_expected_slots()):
-        np.testing.assert_array_equal(k[page, :, off], np.asarray(new_k[t]))
-        np.testing.assert_array_equal(v[page, :, off], np.asarray(new_v[t]))
-        touched[page, off] = True
-    # Every other slot, the null page included, is bit-for-bit unchanged; padding rows
+        np.testing.assert_array_equal(kv[page, :, off], np.asarray(new_k[t]))
+        np.testing.assert_array_equal(kv[page, :, PAGE + off], np.asarray(new_v[t]))
+        touched[page, [off, PAGE + off]] = True
+    # Every other row, the null page included, is bit-for-bit unchanged; padding rows
     # 15 and 16 went nowhere.
     np.testing.assert_array_equal(
-        k.transpose(0, 2, 1, 3)[~touched], k0.transpose(0, 2, 1, 3)[~touched]
-    )
-    np.testing.assert_array_equal(
-        v.transpose(0, 2, 1, 3)[~touched], v0.transpose(0, 2, 1, 3)[~touched]
+        kv.transpose(0, 2, 1, 3)[~touched], kv0.transpose(0, 2, 1, 3)[~touched]
     )
 
 
@@ -77,33 +73,34 @@ def test_quantized_write_round_trips_within_quantization_error(kv_cache_dtype):
         kv_cache_dtype=kv_cache_dtype,
     )
     new = jnp.asarray(rng.standard_normal((17, 2, 64)) * 3, jnp.float32)
-    assert all(s.dtype == SCALE_DTYPE for s in cache.k_scales + cache.v_scales)
+    assert all(s.dtype == SCALE_DTYPE for s in cache.kv_scales)
     out = cache.write(1, new, -new, _table())
-    assert all(s.dtype == SCALE_DTYPE for s in out.k_scales + out.v_scales)
+    assert all(s.dtype == SCALE_DTYPE for s in out.kv_scales)
     # Layer 0 untouched.
-    np.testing.assert_array_equal(np.asarray(out.k[0]), np.asarray(cache.k[0]))
+    np.testing.assert_array_equal(np.asarray(out.kv[0]), np.asarray(cache.kv[0]))
+    kv, scales = out.kv[1], out.kv_scales[1]
     for t, (page, off) in enumerate(_expected_slots()):
-        stored = dequantize(out.k[1][page, :, off], out.k_scales[1][page, :, off])
+        stored = dequantize(kv[page, :, off], scales[page, :, off])
         amax = np.abs(np.asarray(new[t])).max(axis=-1, keepdims=True)
         # The stored scale (max|x| / dtype_max rounded to bfloat16) is the step: int8
         # rounds to the nearest one (scale / 2). e4m3 keeps 3 mantissa bits (2^-4
         # relative) down to its subnormals, whose spacing is 2^-9 (in units of the scale).
-        scale = np.asarray(out.k_scales[1][page, :, off]).astype(np.float32)[:, None]
+        scale = np.asarray(scales[page, :, off]).astype(np.float32)[:, None]
         if kv_cache_dtype == "int8":
             bound = scale / 2
         else:
             bound = np.maximum(np.abs(np.asarray(new[t])) * 2.0**-4, scale * 2.0**-10)
         assert np.all(np.abs(np.asarray(stored) - np.asarray(new[t])) <= bound + 1e-7)
         np.testing.assert_array_equal(
-            np.asarray(out.k_scales[1][page, :, off]),
+            np.asarray(scales[page, :, off]),
             (amax[:, 0] / (127 if kv_cache_dtype == "int8" else 448)).astype(ml_dtypes.bfloat16),
         )
-        stored_v = dequantize(out.v[1][page, :, off], out.v_scales[1][page, :, off])
+        stored_v = dequantize(kv[page, :, PAGE + off], scales[page, :, PAGE + off])
         np.testing.assert_array_equal(np.asarray(stored_v), -np.asarray(stored))
-    untouched = np.ones((8, PAGE), bool)
+    untouched = np.ones((8, 2 * PAGE), bool)
     for page, off in _expected_slots():
-        untouched[page, off] = False
-    np.testing.assert_array_equal(np.asarray(out.k_scales[1]).transpose(0, 2, 1)[untouched], 1.0)
+        untouched[page, [off, PAGE + off]] = False
+    np.testing.assert_array_equal(np.asarray(scales).transpose(0, 2, 1)[untouched], 1.0)
 
 
 def test_donated_write_is_in_place():
@@ -119,7 +116,7 @@ def test_donated_write_is_in_place():
     assert all(x.is_deleted() for x in old_leaves), "the cache was not donated"
     after = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(out)]
     assert after == before, "the write copied the cache instead of updating it in place"
-    assert float(out.k[0][3, 0, 0, 0]) == 1.0
+    assert float(out.kv[0][3, 0, 0, 0]) == 1.0
 
 
 def test_written_cache_feeds_attention():
@@ -188,6 +185,6 @@ def test_page_bytes_and_nbytes_agree():
             num_layers=3, num_pages=5, num_kv_heads=2, page_size=16, head_dim=64, kv_cache_dtype=kv
         )
         per_page = page_bytes(
-            num_kv_heads=2, page_size=16, head_dim=64, page_dtype=cache.k[0].dtype
+            num_kv_heads=2, page_size=16, head_dim=64, page_dtype=cache.kv[0].dtype
         )
         assert cache.nbytes == 3 * 5 * per_page

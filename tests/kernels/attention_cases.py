@@ -23,14 +23,12 @@ TOLERANCES = {np.dtype(np.float32): 1e-5, np.dtype(ml_dtypes.bfloat16): 2e-2}
 @dataclasses.dataclass
 class Case:
     q: np.ndarray  # [T, Hq, D]
-    k_pages: np.ndarray  # [P, Hkv, ps, D]
-    v_pages: np.ndarray
+    kv_pages: np.ndarray  # [P, Hkv, 2 * ps, D]: each head's K rows, then its V rows
     kv_lens: np.ndarray  # i32[S]
     block_tables: np.ndarray  # i32[S, pages_per_seq]
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
-    k_scales: np.ndarray | None  # bf16[P, Hkv, ps]
-    v_scales: np.ndarray | None
+    kv_scales: np.ndarray | None  # bf16[P, Hkv, 2 * ps]
     sm_scale: float
 
     def args(self):
@@ -39,8 +37,7 @@ class Case:
             jnp.asarray(a)
             for a in (
                 self.q,
-                self.k_pages,
-                self.v_pages,
+                self.kv_pages,
                 self.kv_lens,
                 self.block_tables,
                 self.cu_q_lens,
@@ -48,10 +45,14 @@ class Case:
             )
         )
 
+    @property
+    def page_size(self) -> int:
+        return self.kv_pages.shape[2] // 2
+
     def scale_kwargs(self):
-        if self.k_scales is None:
+        if self.kv_scales is None:
             return {}
-        return {"k_scales": jnp.asarray(self.k_scales), "v_scales": jnp.asarray(self.v_scales)}
+        return {"kv_scales": jnp.asarray(self.kv_scales)}
 
 
 def _quantize_np(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -114,22 +115,18 @@ def make_case(
         for j in range(kv_lens[s]):
             live[pages[j // page_size], j % page_size] = True
 
-    shape = (num_pages, num_kv_heads, page_size, head_dim)
-    k = rng.standard_normal(shape, np.float32)
-    v = rng.standard_normal(shape, np.float32)
+    shape = (num_pages, num_kv_heads, 2 * page_size, head_dim)
+    kv = rng.standard_normal(shape, np.float32)
+    live = np.concatenate([live, live], axis=1)  # the same slots of the K rows and the V rows
     dead = ~live[:, None, :, None]
     if quantized:
-        k, k_scales = _quantize_np(k, page_dtype)
-        v, v_scales = _quantize_np(v, page_dtype)
-        for scales in (k_scales, v_scales):
-            scales[~np.broadcast_to(live[:, None, :], scales.shape)] = np.nan
+        kv, kv_scales = _quantize_np(kv, page_dtype)
+        kv_scales[~np.broadcast_to(live[:, None, :], kv_scales.shape)] = np.nan
         if page_dtype != np.int8:  # float8 can hold NaN itself
-            k = np.where(dead, np.nan, k.astype(np.float32)).astype(page_dtype)
-            v = np.where(dead, np.nan, v.astype(np.float32)).astype(page_dtype)
+            kv = np.where(dead, np.nan, kv.astype(np.float32)).astype(page_dtype)
     else:
-        k_scales = v_scales = None
-        k = np.where(dead, np.nan, k).astype(page_dtype)
-        v = np.where(dead, np.nan, v).astype(page_dtype)
+        kv_scales = None
+        kv = np.where(dead, np.nan, kv).astype(page_dtype)
 
     total_q = int(q_lens.sum())
     cu_q_lens = np.full(max_num_seqs + 1, total_q, np.int32)
@@ -141,14 +138,12 @@ def make_case(
     kv_lens_padded[n:] = rng.integers(0, pages_per_seq * page_size + 1, size=pad_seqs)
     return Case(
         q=q.astype(dtype),
-        k_pages=k,
-        v_pages=v,
+        kv_pages=kv,
         kv_lens=kv_lens_padded,
         block_tables=block_tables,
         cu_q_lens=cu_q_lens,
         num_seqs=np.array([n], np.int32),
-        k_scales=k_scales,
-        v_scales=v_scales,
+        kv_scales=kv_scales,
         sm_scale=1.0 / float(np.sqrt(head_dim)),
     )
 
@@ -157,24 +152,25 @@ def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.nda
     """Float64 loop over sequences, query tokens and heads. Returns `[T, Hq, D]` float64."""
     q = case.q.astype(np.float64)
     num_tokens, num_q_heads, head_dim = q.shape
-    page_size = case.k_pages.shape[2]
-    group = num_q_heads // case.k_pages.shape[1]
+    page_size = case.page_size
+    group = num_q_heads // case.kv_pages.shape[1]
     out = np.zeros((num_tokens, num_q_heads, head_dim))
     for s in range(int(case.num_seqs[0])):
         q_start, q_end = int(case.cu_q_lens[s]), int(case.cu_q_lens[s + 1])
         q_len, kv_len = q_end - q_start, int(case.kv_lens[s])
 
-        def gather(pages, scales, s=s, kv_len=kv_len):  # float64 [kv_len, Hkv, D], token by token
+        def gather(part, s=s, kv_len=kv_len):  # 0: K, 1: V; float64 [kv_len, Hkv, D]
             rows = []
             for j in range(kv_len):
                 page = case.block_tables[s, j // page_size]
-                x = pages[page, :, j % page_size].astype(np.float64)
-                if scales is not None:
-                    x = x * scales[page, :, j % page_size].astype(np.float64)[:, None]
+                row = part * page_size + j % page_size  # keys, then values, per head
+                x = case.kv_pages[page, :, row].astype(np.float64)
+                if case.kv_scales is not None:
+                    x = x * case.kv_scales[page, :, row].astype(np.float64)[:, None]
                 rows.append(x)
-            return np.stack(rows) if rows else np.zeros((0, pages.shape[1], pages.shape[3]))
+            return np.stack(rows) if rows else np.zeros((0, num_q_heads // group, head_dim))
 
-        keys, vals = gather(case.k_pages, case.k_scales), gather(case.v_pages, case.v_scales)
+        keys, vals = gather(0), gather(1)
         for i in range(q_len):
             pos = kv_len - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)

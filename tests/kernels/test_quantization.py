@@ -84,10 +84,10 @@ def test_zero_and_extreme_vectors_keep_a_finite_nonzero_scale(dtype):
 
 
 def test_attention_rejects_scales_of_another_dtype():
-    k = jnp.zeros((3, 1, 8, 64), jnp.int8)
-    scales = jnp.ones((3, 1, 8), jnp.float32)
+    kv = jnp.zeros((3, 1, 16, 64), jnp.int8)
+    scales = jnp.ones((3, 1, 16), jnp.float32)
     i32 = lambda *xs: jnp.asarray(xs, jnp.int32)
-    args = (jnp.ones((1, 1, 64), jnp.float32), k, k, i32(1), i32([1]), i32(0, 1), i32(1))
-    message = f"k_scales.dtype=float32 must be {SCALE_DTYPE}"
+    args = (jnp.ones((1, 1, 64), jnp.float32), kv, i32(1), i32([1]), i32(0, 1), i32(1))
+    message = f"kv_scales.dtype=float32 must be {SCALE_DTYPE}"
     with pytest.raises(ValueError, match=re.escape(message)):
-        reference(*args, sm_scale=1.0, k_scales=scales, v_scales=scales)
+        reference(*args, sm_scale=1.0, kv_scales=scales)

@@ -30,18 +30,14 @@ def test_reference_matches_naive_float64_loop(point):
 
 
 def test_hand_computed_two_tokens():
-    # One sequence, one head, D=2, page_size 8; kv = [k0, k1] in page 3.
-    # logits of row 1 are [0, ln 3] -> weights [1/4, 3/4].
+    # One sequence, one head, D=2, page_size 8; kv = [k0, k1] in page 3: keys in rows
+    # 0 and 1 of the head, values in rows 8 and 9. logits of row 1 are [0, ln 3] ->
+    # weights [1/4, 3/4].
     q = jnp.array([[[1.0, 0.0]], [[1.0, 0.0]]])  # [T=2, Hq=1, D=2]
-    k = (
-        jnp.full((4, 1, 8, 2), jnp.nan)
-        .at[3, 0, 0]
-        .set([0.0, 0.0])
-        .at[3, 0, 1]
-        .set([np.log(3.0), 0.0])
-    )
-    v = jnp.full((4, 1, 8, 2), jnp.nan).at[3, 0, 0].set([4.0, 0.0]).at[3, 0, 1].set([0.0, 8.0])
-    args = (q, k, v, _i32(2), _i32([3]), _i32(0, 2), _i32(1))
+    kv = jnp.full((4, 1, 16, 2), jnp.nan)
+    kv = kv.at[3, 0, 0].set([0.0, 0.0]).at[3, 0, 1].set([np.log(3.0), 0.0])
+    kv = kv.at[3, 0, 8].set([4.0, 0.0]).at[3, 0, 9].set([0.0, 8.0])
+    args = (q, kv, _i32(2), _i32([3]), _i32(0, 2), _i32(1))
     out = reference(*args, sm_scale=1.0)
     # Row 0 is causal: it sees only k0.
     np.testing.assert_allclose(out[:, 0], [[4.0, 0.0], [1.0, 6.0]], rtol=1e-6)
@@ -54,7 +50,7 @@ def test_hand_computed_two_tokens():
     out = reference(*args, sm_scale=1.0, soft_cap=c)
     np.testing.assert_allclose(out[1, 0], [4.0 * (1 - w1), 8.0 * w1], rtol=1e-6)
     # Decode of the second token alone (q_len 1, kv_len 2) matches row 1 of the prefill.
-    out = reference(q[1:], k, v, _i32(2), _i32([3]), _i32(0, 1), _i32(1), sm_scale=1.0)
+    out = reference(q[1:], kv, _i32(2), _i32([3]), _i32(0, 1), _i32(1), sm_scale=1.0)
     np.testing.assert_allclose(out[0, 0], [1.0, 6.0], rtol=1e-6)
 
 
@@ -75,10 +71,8 @@ def test_poisoned_pages_do_not_change_output(point):
     cleaned = dataclasses.replace(
         case,
         q=clean(case.q),
-        k_pages=clean(case.k_pages),
-        v_pages=clean(case.v_pages),
-        k_scales=clean(case.k_scales),
-        v_scales=clean(case.v_scales),
+        kv_pages=clean(case.kv_pages),
+        kv_scales=clean(case.kv_scales),
     )
     out = reference(*cleaned.args(), **point.attention_kwargs(cleaned))
     assert np.all(np.isfinite(np.asarray(poisoned)))
@@ -92,7 +86,7 @@ def test_empty_sequences_and_no_live_sequences_give_zeros():
     out = np.asarray(reference(*case.args(), sm_scale=case.sm_scale))
     assert np.all(out[1:] == 0) and np.all(np.isfinite(out))
     args = list(case.args())
-    args[6] = _i32(0)  # num_seqs = 0: every row is padding
+    args[5] = _i32(0)  # num_seqs = 0: every row is padding
     out = np.asarray(reference(*args, sm_scale=case.sm_scale))
     assert np.all(out == 0)
 
@@ -101,7 +95,7 @@ def test_reference_under_user_jit():
     point = GRID[7]
     case = point.case(seed=4)
     kwargs = point.attention_kwargs(case)
-    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales")}
+    scales = {"kv_scales": kwargs.pop("kv_scales")}
     fn = jax.jit(lambda *a, **s: reference(*a, **s, **kwargs))
     np.testing.assert_array_equal(
         np.asarray(fn(*case.args(), **scales)),
@@ -118,25 +112,22 @@ def _valid_args():
 
 _ARG = {
     "q": 0,
-    "k_pages": 1,
-    "v_pages": 2,
-    "kv_lens": 3,
-    "block_tables": 4,
-    "cu_q_lens": 5,
-    "num_seqs": 6,
+    "kv_pages": 1,
+    "kv_lens": 2,
+    "block_tables": 3,
+    "cu_q_lens": 4,
+    "num_seqs": 5,
 }
 _BAD_INPUTS = [
     # (replacements of named arguments, given the valid ones; expected message)
     (lambda a: {"q": a["q"][:, :3]}, "num_q_heads=3"),
     (lambda a: {"q": a["q"][:, :, :32]}, "head_dim mismatch"),
-    (lambda a: {"v_pages": a["v_pages"][:, :1]}, "v_pages.shape"),
+    (lambda a: {"kv_pages": a["kv_pages"][:, :, :15]}, "kv_pages.shape=(7, 2, 15, 64)"),
+    (lambda a: {"kv_pages": a["kv_pages"][:, :, :12]}, "page_size=6"),
+    (lambda a: {"kv_pages": jnp.zeros((7, 2, 24, 64))}, "page_size=12"),
     (
-        lambda a: {"k_pages": a["k_pages"][:, :, :6], "v_pages": a["v_pages"][:, :, :6]},
-        "page_size=6",
-    ),
-    (
-        lambda a: {"k_pages": jnp.zeros((7, 2, 12, 64)), "v_pages": jnp.zeros((7, 2, 12, 64))},
-        "page_size=12",
+        lambda a: {"kv_pages": a["kv_pages"][..., None]},
+        "kv_pages must be [P, Hkv, 2 * page_size, D]",
     ),
     (lambda a: {"block_tables": a["block_tables"][:, :1]}, "block_tables too narrow"),
     (lambda a: {"kv_lens": a["kv_lens"].astype(jnp.float32)}, "kv_lens.dtype"),
@@ -145,11 +136,8 @@ _BAD_INPUTS = [
     (lambda a: {"block_tables": a["block_tables"].at[0, 0].set(10_000)}, "outside [0, P="),
     (lambda a: {"num_seqs": _i32(7)}, "num_seqs=7"),
     (
-        lambda a: {
-            "k_pages": a["k_pages"].astype(jnp.int8),
-            "v_pages": a["v_pages"].astype(jnp.int8),
-        },
-        "k_scales is required",
+        lambda a: {"kv_pages": a["kv_pages"].astype(jnp.int8)},
+        "kv_scales is required",
     ),
 ]
 

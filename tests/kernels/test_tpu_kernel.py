@@ -28,6 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 from paxkv.pallas_kernels import AttentionShapes
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
 from paxkv.pallas_kernels.tpu import BlockSizes, ragged_paged_attention_tpu
+from paxkv.pallas_kernels.tpu import kernel as kernel_module
 from paxkv.pallas_kernels.tpu import ragged_paged_attention as rpa_module
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info
 from paxkv.pallas_kernels.tpu.kernel import core_item
@@ -125,6 +126,45 @@ def test_two_short_decodes_go_to_both_cores():
     assert live == {0: [0], 1: [0]}
 
 
+@pytest.mark.parametrize("page_dtype, copies", [(None, 64), (np.int8, 128)], ids=["bf16", "int8"])
+def test_one_dma_per_page_for_k_and_v(monkeypatch, page_dtype, copies):
+    # A decode over 1024 tokens at page size 16 (64 pages, one block): one copy per page
+    # for its K and V together, and one more for its scales when quantized (before the
+    # `[P, Hkv, 2 * ps, D]` layout: 128 and 256). Counted as the interpreter runs them.
+    started = []
+
+    class Counted:
+        def __init__(self, copy):
+            self.copy = copy
+
+        def start(self):
+            jax.debug.callback(lambda: started.append(1))
+            self.copy.start()
+
+        def wait(self):
+            self.copy.wait()
+
+    page_copy = kernel_module.page_copy
+    monkeypatch.setattr(kernel_module, "page_copy", lambda *a, **k: Counted(page_copy(*a, **k)))
+    rpa_module._ragged_paged_attention.clear_cache()  # retrace with the counting copies
+    case = make_case(
+        0, q_lens=(1,), kv_lens=(1024,), num_q_heads=2, num_kv_heads=1, head_dim=64,
+        page_size=16, dtype=jnp.bfloat16, page_dtype=page_dtype, pad_seqs=0, pad_tokens=0,
+    )  # fmt: skip
+    out = ragged_paged_attention_tpu(
+        *case.args(), sm_scale=case.sm_scale, **case.scale_kwargs(),
+        block_sizes=BlockSizes(64, 1, 1), interpret=INTERPRET,
+    )  # fmt: skip
+    jax.block_until_ready(out)
+    rpa_module._ragged_paged_attention.clear_cache()
+    assert len(started) == copies
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32),
+        np.asarray(reference(*case.args(), sm_scale=case.sm_scale, **case.scale_kwargs()), np.float32),
+        rtol=TOLERANCES[np.dtype(jnp.bfloat16)], atol=TOLERANCES[np.dtype(jnp.bfloat16)],
+    )  # fmt: skip
+
+
 def test_race_detector_sees_a_planted_race():
     # Guards the assertion above: two cores writing one output block is reported.
     def kernel(x_ref, o_ref):
@@ -151,9 +191,9 @@ def test_pages_outside_the_window_and_table_are_never_fetched():
     point = POINTS["long-mqa-d128-p16-int8-window"]
     case = point.case(seed=4)
     expected = reference(*case.args(), **point.attention_kwargs(case))
-    ps, window = case.k_pages.shape[2], point.sliding_window
+    ps, window = case.page_size, point.sliding_window
     tables = case.block_tables.copy()
-    bad = case.k_pages.shape[0] + 1000
+    bad = case.kv_pages.shape[0] + 1000
     for s in range(tables.shape[0]):
         if s >= case.num_seqs[0]:
             tables[s] = bad
@@ -191,7 +231,7 @@ def test_empty_sequences_and_no_live_sequences_give_zeros():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     assert np.all(out[1:] == 0) and np.all(np.isfinite(out))
     args = list(case.args())
-    args[6] = jnp.asarray([0], jnp.int32)  # num_seqs = 0: every row is padding
+    args[5] = jnp.asarray([0], jnp.int32)  # num_seqs = 0: every row is padding
     out = np.asarray(ragged_paged_attention_tpu(*args, sm_scale=case.sm_scale, interpret=INTERPRET))
     assert np.all(out == 0)
 
@@ -218,7 +258,7 @@ def test_head_dim_must_be_supported():
 
 def test_shared_validation_runs_first():
     args, sm_scale = _valid_args()
-    args[3] = args[3].at[1].set(2)
+    args[2] = args[2].at[1].set(2)  # kv_lens
     with pytest.raises(ValueError, match=re.escape("kv_len=2 is smaller than its q_len=3")):
         ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=INTERPRET)
 
@@ -238,7 +278,7 @@ def test_vmem_budget_is_checked_before_compiling(monkeypatch):
 
 def test_block_table_must_fit_smem():
     args, sm_scale = _valid_args()
-    args[4] = jnp.pad(args[4], ((0, 0), (0, 200_000 - args[4].shape[1])))
+    args[3] = jnp.pad(args[3], ((0, 0), (0, 200_000 - args[3].shape[1])))  # block_tables
     with pytest.raises(ValueError, match="bytes of SMEM but the budget is 786432"):
         ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=INTERPRET)
 
@@ -257,7 +297,7 @@ def test_bad_block_sizes():
 
 def test_float16_is_rejected_for_hardware_but_interpreted():
     args, sm_scale = _valid_args(dtype=np.float16)
-    args[1], args[2] = args[1].astype(jnp.float16), args[2].astype(jnp.float16)
+    args[1] = args[1].astype(jnp.float16)  # kv_pages
     with pytest.raises(ValueError, match="float16 is not supported on TPU"):
         ragged_paged_attention_tpu(*args, sm_scale=sm_scale)
     out = ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=INTERPRET)
@@ -290,7 +330,7 @@ def test_under_user_jit_matches_eager():
     point = POINTS["mixed-gqa2-d64-p8-int8"]
     case = point.case(seed=8)
     kwargs = point.attention_kwargs(case)
-    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales")}
+    scales = {"kv_scales": kwargs.pop("kv_scales")}
     fn = jax.jit(lambda *a, **s: ragged_paged_attention_tpu(*a, **s, **kwargs, interpret=INTERPRET))
     np.testing.assert_array_equal(
         np.asarray(fn(*case.args(), **scales)),
@@ -371,12 +411,12 @@ for chip in sys.argv[1:]:
         spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dtype(dt), sharding=sharding)
         t, s, p, pps = 40, 4, 64, 32
         quantized = pd in ("int8", "float8_e4m3fn", "float8_e5m2")
-        args = [spec((t, hq, d), qd), spec((p, hkv, ps, d), pd), spec((p, hkv, ps, d), pd),
+        args = [spec((t, hq, d), qd), spec((p, hkv, 2 * ps, d), pd),
                 spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
                 spec((1,), "int32")]
-        args += [spec((p, hkv, ps), SCALE_DTYPE.name)] * 2 if quantized else [None, None]
+        args += [spec((p, hkv, 2 * ps), SCALE_DTYPE.name) if quantized else None]
         def fn(*a, bs=bs, cap=cap, win=win, qd=qd, pd=pd):
-            inputs = attention_inputs(*a[:7], k_scales=a[7], v_scales=a[8], sm_scale=0.1,
+            inputs = attention_inputs(*a[:6], kv_scales=a[6], sm_scale=0.1,
                                       soft_cap=cap, sliding_window=win)
             # Defaults resolve as off a TPU (the fallback chip figures): compile-only.
             bs = bs.resolve(inputs.shapes, dtype(qd), dtype(pd), chip=chip_info(True))

@@ -77,14 +77,14 @@ def test_stacked_cache_writes_where_the_per_layer_cache_does(models):
     for kv_dtype in ("auto", "int8"):
         flat = PagedKVCache.for_model(loop.config, 5, PS, kv_dtype)
         stacked = PagedKVCache.for_model(scan.config, 5, PS, kv_dtype)
-        assert stacked.stacked and stacked.k[0].shape == (10, 2, PS, 64)
+        assert stacked.stacked and stacked.kv[0].shape == (10, 2, 2 * PS, 64)
         assert (stacked.num_pages, stacked.num_slots, stacked.num_layers) == (5, 2, 2)
         for layer in (0, 1):
             flat = flat.write(layer, new[2 * layer], new[2 * layer + 1], table)
             # A traced layer index, as inside the scan.
             write = jax.jit(lambda c, i, k, v: c.write(i, k, v, table))
             stacked = write(stacked, jnp.int32(layer), new[2 * layer], new[2 * layer + 1])
-        for name in ("k", "v") + (("k_scales", "v_scales") if flat.quantized else ()):
+        for name in ("kv",) + (("kv_scales",) if flat.quantized else ()):
             per_layer = np.concatenate([np.asarray(x) for x in getattr(flat, name)])
             np.testing.assert_array_equal(per_layer, np.asarray(getattr(stacked, name)[0]))
         kw = stacked.attention_kwargs(1, table)

@@ -174,11 +174,11 @@ def test_weights_per_device_are_the_plans(served, tiny, shape):
 def test_page_shardings(served, shape, spec, local_heads):
     s = served(shape)  # after its runs: the step's outputs keep the placement
     cache = s.engine.kv_cache
-    for pages in (*cache.k, *cache.v):
+    for pages in cache.kv:
         assert pages.sharding.spec == spec
         assert pages.sharding.mesh == s.mesh
         assert {shard.data.shape for shard in pages.addressable_shards} == {
-            (s.num_pages, local_heads, PS, 64)
+            (s.num_pages, local_heads, 2 * PS, 64)
         }
 
 
@@ -215,7 +215,7 @@ def test_data_parallel_replicas_serve_independently(tiny):
     halves = [PROMPTS[:4], PROMPTS[4:]]
     outputs = [_run(e, half) for e, half in zip(engines, halves, strict=True)]
     for e, r in zip(engines, replicas, strict=True):
-        assert e.kv_cache.k[0].sharding.mesh == r
+        assert e.kv_cache.kv[0].sharding.mesh == r
     expected = _served(model, config, None).outputs
     got = outputs[0] + outputs[1]
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
@@ -234,7 +234,7 @@ def test_launch_flags_set_the_default_mesh(served, tiny, tmp_path):
         assert jax.config.jax_compilation_cache_dir == str(tmp_path)
         engine = Engine(model, _config(split.num_pages))  # no mesh given: the flag's
         assert engine.mesh == split.mesh
-        assert engine.kv_cache.k[0].sharding == split.engine.kv_cache.k[0].sharding
+        assert engine.kv_cache.kv[0].sharding == split.engine.kv_cache.kv[0].sharding
         assert [c.token_ids for c in _run(engine, PROMPTS[:2])] == [
             c.token_ids for c in split.outputs[:2]
         ]
@@ -319,7 +319,7 @@ def test_kv_heads_repeated_when_the_model_axis_outnumbers_them(served, tiny):
     assert num_pages == 2 * one.num_pages  # half the heads per device: twice the pages
     engine = Engine(model, _config(num_pages), mesh=shardings.make_mesh(shape))
     assert engine.model_config.num_kv_heads == 4 and model.config.num_kv_heads == 2
-    for layer in engine.kv_cache.k:
+    for layer in engine.kv_cache.kv:
         assert layer.shape[1] == 4
         for shard in layer.addressable_shards:
             assert shard.data.shape[1] == 1

@@ -112,7 +112,7 @@ def test_greedy_outputs_match_the_looped_model_on_one_device(checkpoint, one_dev
     mesh = shardings.make_mesh(MeshShape.parse(shape))
     _, model = load_hf_checkpoint(checkpoint, mesh=mesh, scan_layers=True)
     engine = Engine(model, dataclasses.replace(CONFIG, **mode), mesh=mesh)
-    assert engine.kv_cache.stacked and len(engine.kv_cache.k) == 1
+    assert engine.kv_cache.stacked and len(engine.kv_cache.kv) == 1
     heads = engine.model_config.num_kv_heads  # 4 on model:4: each KV head repeated twice
     assert heads == (4 if shape == "model:4" else 2)
     engine.warmup()
@@ -123,7 +123,7 @@ def test_greedy_outputs_match_the_looped_model_on_one_device(checkpoint, one_dev
         assert b.token_ids == a.token_ids
         np.testing.assert_allclose(b.token_logprobs, a.token_logprobs, rtol=0, atol=1e-5)
     assert engine.num_compilations == warm
-    pages = engine.kv_cache.k[0]
+    pages = engine.kv_cache.kv[0]
     local = heads // 2 if shape == "model:2" else 1 if shape == "model:4" else heads
     assert {s.data.shape[1] for s in pages.addressable_shards} == {local}
 

@@ -83,8 +83,8 @@ def test_llm_on_a_mesh_loads_sharded_and_matches_one_device(checkpoint):
     for path, var in nnx.to_flat_state(meshed.engine.runner.params):
         assert len(var.get_value().sharding.device_set) == 2, path
     cache = meshed.engine.kv_cache
-    assert cache.k[0].sharding.spec == shardings.kv_head_spec(2, mesh)
-    for shard in cache.k[0].addressable_shards:
+    assert cache.kv[0].sharding.spec == shardings.kv_head_spec(2, mesh)
+    for shard in cache.kv[0].addressable_shards:
         assert shard.data.shape[1] == 1  # one of the 2 KV heads per device
     a = solo.generate(prompts, GREEDY, use_tqdm=False)
     b = meshed.generate(prompts, GREEDY, use_tqdm=False)
