@@ -10,13 +10,14 @@ Shape vocabulary (used in every shape comment in the project):
   Hq  query heads        Hkv  KV heads              D   head dim
   pages_per_seq  width of the block table
 
-Page layout: one layer's pages are one array `kv_pages [P, Hkv, 2 * ps, D]`: for each
-KV head a page holds its ps keys (rows `0 .. ps - 1`) followed by its ps values (rows
-`ps .. 2 ps - 1`), see `layout.py`. A page is one contiguous block holding K and V of
-every KV head of the layer, so moving a page (or a run of its heads) between HBM and
-on-chip memory is a single DMA, and the per-head slices `[ps, D]` are the tiles the
+Page layout: one layer's pages are one array `kv_pages [P, Hkv, ps, 2 * D]`: for KV
+head h, token j of a page is one row, its key in lanes `0 .. D - 1` and its value in
+lanes `D .. 2 D - 1` (see `layout.py`). A page is one contiguous block holding K and V
+of every KV head of the layer, so moving a page (or a run of its heads) between HBM
+and on-chip memory is a single DMA, and the per-head slices `[ps, D]` are the tiles the
 matrix unit consumes. Quantized pages carry per-token-per-head scales
-`kv_scales bf16[P, Hkv, 2 * ps]` beside them, in the same rows.
+`kv_scales bf16[P, Hkv, 2 * ps]` beside them: each head's ps key scales, then its ps
+value scales.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class AttentionInputs:
     """
 
     q: jax.Array  # [T, Hq, D]
-    kv_pages: jax.Array  # [P, Hkv, 2 * ps, D]: K rows, then V rows
+    kv_pages: jax.Array  # [P, Hkv, ps, 2 * D]: each token's key, then its value
     kv_lens: jax.Array  # i32[S]
     block_tables: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S + 1]
@@ -108,7 +109,7 @@ def _is_concrete(x) -> bool:
 
 def attention_inputs(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [P, Hkv, 2 * ps, D]
+    kv_pages: jax.Array,  # [P, Hkv, ps, 2 * D]
     kv_lens: jax.Array,  # i32[S]
     block_tables: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -130,16 +131,18 @@ def attention_inputs(
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got q.shape={q.shape}")
-    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
+    if kv_pages.ndim != 4:
         raise ValueError(
-            f"kv_pages must be [P, Hkv, 2 * page_size, D] (each head's keys, then its "
-            f"values), got kv_pages.shape={kv_pages.shape}"
+            f"kv_pages must be [P, Hkv, page_size, 2 * D] (each token's key, then its "
+            f"value), got kv_pages.shape={kv_pages.shape}"
         )
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, kv_rows, kv_head_dim = kv_pages.shape
-    page_size = kv_rows // 2
-    if kv_head_dim != head_dim:
-        raise ValueError(f"head_dim mismatch: q has D={head_dim}, kv_pages has D={kv_head_dim}")
+    num_pages, num_kv_heads, page_size, kv_lanes = kv_pages.shape
+    if kv_lanes != 2 * head_dim:
+        raise ValueError(
+            f"head_dim mismatch: q has D={head_dim}, so kv_pages.shape[3]={kv_lanes} must be "
+            f"2 * D={2 * head_dim} (a key and a value per row)"
+        )
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads={num_q_heads} (q.shape[1]) must be a multiple of "
@@ -147,7 +150,7 @@ def attention_inputs(
         )
     if not (MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE) or page_size & (page_size - 1):
         raise ValueError(
-            f"page_size={page_size} (kv_pages.shape[2] // 2) must be a power of two in "
+            f"page_size={page_size} (kv_pages.shape[2]) must be a power of two in "
             f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]"
         )
     if jnp.dtype(q.dtype) not in FLOAT_PAGE_DTYPES:
@@ -163,10 +166,10 @@ def attention_inputs(
     if quantized:
         if kv_scales is None:
             raise ValueError(f"kv_pages.dtype={page_dtype} is quantized, so kv_scales is required")
-        if kv_scales.shape != kv_pages.shape[:3]:
+        expected = (num_pages, num_kv_heads, 2 * page_size)
+        if kv_scales.shape != expected:
             raise ValueError(
-                f"kv_scales.shape={kv_scales.shape} must be [P, Hkv, 2 * page_size]="
-                f"{kv_pages.shape[:3]}"
+                f"kv_scales.shape={kv_scales.shape} must be [P, Hkv, 2 * page_size]={expected}"
             )
         if kv_scales.dtype != SCALE_DTYPE:
             raise ValueError(f"kv_scales.dtype={kv_scales.dtype} must be {SCALE_DTYPE}")

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 
 from .contract import token_layout
-from .layout import KEY, QUANTIZED_PAGE_DTYPES, VALUE, kv_row
+from .layout import KEY, QUANTIZED_PAGE_DTYPES, VALUE, scale_row
 from .quantization import quantize
 
 
 def write_kv_pages(
-    kv_pages: jax.Array,  # [P, Hkv, 2 * ps, D]
+    kv_pages: jax.Array,  # [P, Hkv, ps, 2 * D]
     new_k: jax.Array,  # [T, Hkv, D]
     new_v: jax.Array,  # [T, Hkv, D]
     kv_lens: jax.Array,  # i32[S]
@@ -24,17 +24,18 @@ def write_kv_pages(
     """Writes each live query row's K/V into its cache slot and returns the new pages.
 
     Row t of live sequence s (same packing as the attention call) is at position
-    `pos = kv_len - q_len + i`; its K and V go to page `block_tables[s, pos // ps]`, rows
-    `kv_row(KEY, pos % ps)` and `kv_row(VALUE, pos % ps)` of every head. Padding rows are
-    dropped. When the pages are quantized the entries are quantized
-    per token and head (see `quantization.quantize`) and their scales written to
-    `kv_scales` at the same place. Returns `(kv_pages, kv_scales)`.
+    `pos = kv_len - q_len + i`; its K and V go to page `block_tables[s, pos // ps]`, row
+    `pos % ps` of every head (the key, then the value). Padding rows are dropped. When
+    the pages are quantized the entries are quantized per token and head (see
+    `quantization.quantize`), K and V apart, and their scales written to `kv_scales` at
+    `scale_row(KEY, pos % ps)` and `scale_row(VALUE, pos % ps)`. Returns
+    `(kv_pages, kv_scales)`.
 
-    This is one scatter of K and V together (`2 T` rows): under `jit` with the pages donated, XLA
-    updates them in place, so its cost depends on T, not on the cache size.
+    This is one scatter of whole rows, K and V together: under `jit` with the pages
+    donated, XLA updates them in place, so its cost depends on T, not on the cache size.
     """
-    num_pages, num_kv_heads, kv_rows, head_dim = kv_pages.shape
-    page_size = kv_rows // 2
+    num_pages, num_kv_heads, page_size, kv_lanes = kv_pages.shape
+    head_dim = kv_lanes // 2
     if new_k.shape != new_v.shape or new_k.ndim != 3:
         raise ValueError(
             f"new_k.shape={new_k.shape} and new_v.shape={new_v.shape} must both be [T, Hkv, D]"
@@ -52,11 +53,16 @@ def write_kv_pages(
     page = block_tables[seq, pos // page_size]
     page = jnp.where(valid, page, num_pages)  # out of bounds: dropped by the scatter
     offset = pos % page_size
-    page = jnp.concatenate([page, page])  # i32[2T]: K rows, then V rows
-    row = jnp.concatenate([kv_row(KEY, offset, page_size), kv_row(VALUE, offset, page_size)])
-    new = jnp.concatenate([new_k, new_v])  # [2T, Hkv, D]
     if kv_scales is not None:
-        new, scales = quantize(new, kv_pages.dtype)
-        kv_scales = kv_scales.at[page, :, row].set(scales, mode="drop")
-    kv_pages = kv_pages.at[page, :, row].set(new.astype(kv_pages.dtype), mode="drop")
+        (new_k, k_scales), (new_v, v_scales) = (
+            quantize(new_k, kv_pages.dtype),
+            quantize(new_v, kv_pages.dtype),
+        )
+        rows = jnp.concatenate(
+            [scale_row(KEY, offset, page_size), scale_row(VALUE, offset, page_size)]
+        )
+        scales = jnp.concatenate([k_scales, v_scales])  # bf16[2T, Hkv]
+        kv_scales = kv_scales.at[jnp.concatenate([page, page]), :, rows].set(scales, mode="drop")
+    new = jnp.concatenate([new_k, new_v], axis=-1)  # [T, Hkv, 2 D]: key, then value
+    kv_pages = kv_pages.at[page, :, offset].set(new.astype(kv_pages.dtype), mode="drop")
     return kv_pages, kv_scales

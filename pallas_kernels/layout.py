@@ -1,12 +1,15 @@
 """The page layout the kernels read, as plain facts (NumPy and ml_dtypes, no JAX).
 
-One layer's pages are one array `[P, Hkv, 2 * ps, D]`: for each KV head, a page's ps
-keys (rows `KEY * ps + j`) then its ps values (rows `VALUE * ps + j`). One page of a
-run of KV heads, K and V together, is then one contiguous block (one DMA), and the
-rows stay the second-minor axis, the one TPU memory tiles by. Quantized pages carry
-`SCALE_DTYPE[P, Hkv, 2 * ps]` scales beside them, in the same rows (the same memory
-order as `[P, Hkv, 2, ps]`, without tiling a size-2 axis). The host imports this module to agree
-with the kernels on these facts without importing JAX.
+One layer's pages are one array `[P, Hkv, ps, 2 * D]`: for KV head h, token j of a page
+is one row holding its key (lanes `kv_lanes(KEY, D)`) then its value (lanes
+`kv_lanes(VALUE, D)`). A page of a run of KV heads, K and V together, is one contiguous
+block (one DMA). The minor axis is 2 D >= 128 for every supported head dim: TPU memory
+tiles the minor axis by 128 lanes, so head_dim 64 fills them instead of being padded,
+and XLA keeps the array row-major, the layout the kernels read (given a minor axis under
+128 lanes it picks a page-minor layout instead, and copies the cache into the kernel's
+before every call). Quantized pages carry `SCALE_DTYPE[P, Hkv, 2 * ps]` scales: for each
+head, the page's ps key scales (`scale_row(KEY, j, ps)`) then its ps value scales. The
+host imports this module to agree with the kernels on these facts without importing JAX.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 # reads it in place of any table entry that names no visible token.
 NULL_PAGE: int = 0
 
-# Which half of a head's 2 * ps rows holds the keys and which the values.
+# Which half of a token's row (and of a head's scales) is the key and which the value.
 KEY, VALUE = 0, 1
 
 MIN_PAGE_SIZE = 8
@@ -61,15 +64,21 @@ def valid_page_size(page_size: int) -> bool:
     return MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
 
 
-def kv_row(part: int, offset: Any, page_size: int) -> Any:
-    """Row of a page's head (axis 2 of the pages) that holds token `offset`'s key
-    (`part=KEY`) or value (`part=VALUE`); works on ints and arrays alike."""
+def kv_lanes(part: int, head_dim: int) -> slice:
+    """The lanes (axis 3 of the pages) of a token's key (`part=KEY`) or value
+    (`part=VALUE`)."""
+    return slice(part * head_dim, (part + 1) * head_dim)
+
+
+def scale_row(part: int, offset: Any, page_size: int) -> Any:
+    """The entry (axis 2 of the scales) of token `offset`'s key scale (`part=KEY`) or
+    value scale (`part=VALUE`); works on ints and arrays alike."""
     return part * page_size + offset
 
 
-def kv_half(part: int, page_size: int) -> slice:
-    """The rows of a page's head (axis 2 of the pages) holding all its keys
-    (`part=KEY`) or all its values (`part=VALUE`)."""
+def scale_rows(part: int, page_size: int) -> slice:
+    """The entries (axis 2 of the scales) of all of a page's key scales (`part=KEY`) or
+    value scales (`part=VALUE`)."""
     return slice(part * page_size, (part + 1) * page_size)
 
 

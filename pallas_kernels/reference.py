@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .contract import AttentionInputs, attention_op, token_layout
-from .layout import KEY, NULL_PAGE, VALUE, kv_half
+from .layout import KEY, NULL_PAGE, VALUE, kv_lanes, scale_rows
 from .quantization import dequantize
 
 # Bytes of gathered K/V one lax.map iteration may hold; bounds the reference's memory.
@@ -37,8 +37,7 @@ def _reference(inputs: AttentionInputs) -> jax.Array:
     q, kv_lens, block_tables = inputs.q, inputs.kv_lens, inputs.block_tables
     sm_scale, soft_cap, sliding_window = inputs.sm_scale, inputs.soft_cap, inputs.sliding_window
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, kv_rows, _ = inputs.kv_pages.shape
-    page_size = kv_rows // 2
+    _, num_kv_heads, page_size, _ = inputs.kv_pages.shape
     pages_per_seq = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     max_len = pages_per_seq * page_size
@@ -55,9 +54,11 @@ def _reference(inputs: AttentionInputs) -> jax.Array:
         pages = jnp.where(page_used, block_tables[seq], NULL_PAGE)  # i32[pages_per_seq]
 
         def gather(part):  # KEY or VALUE
-            x = inputs.kv_pages[pages, :, kv_half(part, page_size)]  # [pages_per_seq, Hkv, ps, D]
+            x = inputs.kv_pages[
+                pages, :, :, kv_lanes(part, head_dim)
+            ]  # [pages_per_seq, Hkv, ps, D]
             if inputs.kv_scales is not None:
-                x = dequantize(x, inputs.kv_scales[pages, :, kv_half(part, page_size)])
+                x = dequantize(x, inputs.kv_scales[pages, :, scale_rows(part, page_size)])
             x = x.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(num_kv_heads, max_len, head_dim)
             return jnp.where(mask[None, :, None], x, 0.0)  # a poisoned entry must not leak
 
@@ -98,10 +99,10 @@ def ragged_paged_attention_reference(inputs: AttentionInputs) -> jax.Array:  # [
       tokens; 1 for decode, more for prefill or a prefill chunk) and has `kv_lens[s]`
       tokens in the cache, counting those new tokens, so `q_len <= kv_len`.
     * Token j of sequence s lives in page `block_tables[s, j // ps]` at offset
-      `j % ps`: its key is `kv_pages[page, h, j % ps, :]` for KV head h and its value
-      `kv_pages[page, h, ps + j % ps, :]`. Quantized pages (int8, float8) are
-      dequantized as `kv_pages[page, h, r].astype(f32) * kv_scales[page, h, r]` (r
-      either of those rows).
+      `j % ps`: for KV head h its key is `kv_pages[page, h, j % ps, :D]` and its value
+      `kv_pages[page, h, j % ps, D:]`. Quantized pages (int8, float8) are dequantized
+      as `key.astype(f32) * kv_scales[page, h, j % ps]` and
+      `value.astype(f32) * kv_scales[page, h, ps + j % ps]`.
     * Query row i of sequence s (0-based within its chunk) is at position
       `p = kv_len - q_len + i` and attends to the kv positions j with `j <= p`; with
       `sliding_window=W` also `j > p - W` (itself and the W - 1 tokens before it).

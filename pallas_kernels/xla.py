@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .contract import AttentionInputs, attention_op, token_layout
-from .layout import KEY, NULL_PAGE, VALUE, cdiv, kv_half
+from .layout import KEY, NULL_PAGE, VALUE, cdiv, kv_lanes, scale_rows
 from .quantization import dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -29,8 +29,7 @@ def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
     q, kv_pages, kv_scales = inputs.q, inputs.kv_pages, inputs.kv_scales
     sm_scale, soft_cap, sliding_window = inputs.sm_scale, inputs.soft_cap, inputs.sliding_window
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, kv_rows, _ = kv_pages.shape
-    page_size = kv_rows // 2
+    _, num_kv_heads, page_size, _ = kv_pages.shape
     pages_per_seq = inputs.block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     block_len = block_pages * page_size
@@ -44,9 +43,9 @@ def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
     )
 
     def gather(part, page_ids, keep):  # KEY or VALUE -> f32[Hkv, block_len, D]
-        x = kv_pages[page_ids, :, kv_half(part, page_size)]  # [block_pages, Hkv, ps, D]
+        x = kv_pages[page_ids, :, :, kv_lanes(part, head_dim)]  # [block_pages, Hkv, ps, D]
         if kv_scales is not None:
-            x = dequantize(x, kv_scales[page_ids, :, kv_half(part, page_size)])
+            x = dequantize(x, kv_scales[page_ids, :, scale_rows(part, page_size)])
         x = x.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(num_kv_heads, block_len, head_dim)
         return jnp.where(keep[None, :, None], x, 0.0)
 

@@ -74,7 +74,8 @@ class BlockSizes:
         rounded up to a power of two. A power of two >= 16. Default: 128 for 16-bit dots
         with head_dim <= 128, else 64.
       prefill_kv_block: KV tokens per step of the prefill kernel, in [16, 512]. Default:
-        as decode_kv_block, at most 64.
+        64 tokens (int8/fp8 pages: 4096 / head_dim tokens, at least 32), halved as
+        decode_kv_block is; int8 and fp8 at head_dim 128 spill at 64 tokens, not at 32.
       decode_num_warps, prefill_num_warps: Triton warps per program (1 to 16, powers of
         two). Default: 8 for tiles of 128 rows or more, or whose f32 accumulator
         (rows x head_dim) or K/V block (kv_block x head_dim) holds 128 x 128 values or
@@ -151,7 +152,10 @@ class BlockSizes:
         gp = next_power_of_two(shapes.group_size)
         block_m = self.prefill_block_m or (128 if itemsize == 2 and shapes.head_dim <= 128 else 64)
         prefill_rows = max(1, block_m // gp) * gp
-        prefill_kv_block = self.prefill_kv_block or min(64, fitting)
+        # Quantized pages at head_dim >= 128: 32 tokens, as their dequantized tiles spill
+        # at 64 (int8 and fp8 prefill, head_dim 128, 8 warps: 4 to 20 bytes compiled).
+        prefill_default = max(32, 4096 // shapes.head_dim) if shapes.quantized else 64
+        prefill_kv_block = self.prefill_kv_block or min(prefill_default, fitting)
         resolved = dataclasses.replace(
             self,
             decode_kv_block=decode_kv_block,

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..layout import NULL_PAGE
+from ..layout import KEY, NULL_PAGE, VALUE
 from .jax_compat import plgpu
 
 
@@ -74,13 +74,28 @@ class KernelConfig:
 
 
 class KvRefs(NamedTuple):
-    """The paged cache of one layer, as the kernels see it."""
+    """The paged cache of one layer, as the kernels see it (`kv_views`): the key/value
+    half an axis of its own, indexed by `KEY` or `VALUE`."""
 
     block_tables: object  # i32[S, pages_per_seq]
-    k_pages: object  # [P, Hkv, ps, D]
-    v_pages: object  # [P, Hkv, ps, D]
-    k_scales: object | None  # bf16[P, Hkv, ps]
-    v_scales: object | None  # bf16[P, Hkv, ps]
+    pages: object  # [P, Hkv, ps, 2, D]: [..., KEY, :] a token's key, [..., VALUE, :] its value
+    scales: object | None  # bf16[P, Hkv, 2, ps]
+
+
+def kv_views(kv_pages: jax.Array, kv_scales: jax.Array | None) -> tuple[jax.Array, ...]:
+    """Pages `[P, Hkv, ps, 2 * D]` as `[P, Hkv, ps, 2, D]` and their scales `[P, Hkv,
+    2 * ps]` (if any) as `[P, Hkv, 2, ps]`: the same memory (free reshapes), with the
+    key/value half a scalar index.
+
+    A K tile and a V tile then differ only by a constant in their offsets. Selecting the
+    half with a computed index (`VALUE * ps + offset` rows, in the layout of rows) made
+    Triton build the V tile's 32-bit offsets as a second tensor (the sum cannot be split
+    from the sign-extended address): 104 registers in the bf16 decode kernel at head_dim
+    128, against 84 with the half as an axis (`paxkv.tools.kernel_compile`).
+    """
+    p, h, ps, lanes = kv_pages.shape
+    pages = kv_pages.reshape(p, h, ps, 2, lanes // 2)
+    return (pages,) if kv_scales is None else (pages, kv_scales.reshape(p, h, 2, ps))
 
 
 def decode_tile_rows(group_padded: int) -> int:
@@ -159,7 +174,7 @@ def _attend_kv_blocks(
     num_rows, head_dim = q.shape
     bk, ps = cfg.kv_block, cfg.page_size
     first_page, last_page = lax.div(lo, _i32(ps)), lax.div(hi, _i32(ps))
-    pages_per_seq, num_pages = kv.block_tables.shape[1], kv.k_pages.shape[0]
+    pages_per_seq, num_pages = kv.block_tables.shape[1], kv.pages.shape[0]
 
     def body(i, carry, *, masked: bool):
         acc, row_max, denom = carry
@@ -179,11 +194,11 @@ def _attend_kv_blocks(
             entry = kv.block_tables[seq, jnp.minimum(page_idx, pages_per_seq - 1)]
             page = jnp.clip(entry, 0, num_pages - 1)
         offset = lax.rem(j, _i32(ps))
-        k = kv.k_pages[page, kv_head, offset, :].astype(cfg.compute_dtype)  # [bk, D]
+        k = kv.pages[page, kv_head, offset, KEY, :].astype(cfg.compute_dtype)  # [bk, D]
 
         s = _dot(q, k, contract_b=1, precision=cfg.precision) * cfg.sm_scale  # f32[M, bk]
         if cfg.quantized:  # per-token K scales scale the logit columns
-            s = s * kv.k_scales[page, kv_head, offset].astype(jnp.float32)[None, :]
+            s = s * kv.scales[page, kv_head, KEY, offset].astype(jnp.float32)[None, :]
         if cfg.soft_cap is not None:
             s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
         if masked:
@@ -197,15 +212,15 @@ def _attend_kv_blocks(
             # A masked load rather than a `where` after it: Triton then feeds the loaded
             # tile straight to the dot (pipelined in shared memory in the dot's layout)
             # instead of copying it through registers.
-            v = _load_rows(kv.v_pages, (page, kv_head, offset), kv_ok)
+            v = _load_rows(kv.pages, (page, kv_head, offset, VALUE), kv_ok)
         else:  # every position is visible to every row: finite logits, nothing to mask
             max_next = max_safe = jnp.maximum(row_max, jnp.max(s, axis=1))
             p = jnp.exp(s - max_safe[:, None])
-            v = kv.v_pages[page, kv_head, offset, :]
+            v = kv.pages[page, kv_head, offset, VALUE, :]
         alpha = jnp.exp(row_max - max_safe)
         denom = alpha * denom + jnp.sum(p, axis=1)
         if cfg.quantized:  # per-token V scales weight the rows of V: fold them into p
-            v_scale = kv.v_scales[page, kv_head, offset].astype(jnp.float32)
+            v_scale = kv.scales[page, kv_head, VALUE, offset].astype(jnp.float32)
             p = p * (jnp.where(kv_ok, v_scale, 0.0) if masked else v_scale)[None, :]
         v = v.astype(cfg.compute_dtype)
         pv = _dot(p.astype(cfg.compute_dtype), v, contract_b=0, precision=cfg.precision)
@@ -269,14 +284,14 @@ def _store_rows(ref, index, value, row_ok):
 
 
 def _unpack(refs, quantized: bool, num_outputs: int):
-    """Splits a kernel's refs into `(inputs, k_scales, v_scales, outputs)`. The first
-    input, the output buffer the call aliases to its first output, is dropped: the kernel
-    writes it through the output ref."""
+    """Splits a kernel's refs into `(inputs, scales, outputs)`. The first input, the
+    output buffer the call aliases to its first output, is dropped: the kernel writes it
+    through the output ref."""
     inputs, outputs = refs[1 : len(refs) - num_outputs], refs[len(refs) - num_outputs :]
     if quantized:
-        *inputs, k_scales, v_scales = inputs
-        return inputs, k_scales, v_scales, outputs
-    return inputs, None, None, outputs
+        *inputs, scales = inputs
+        return inputs, scales, outputs
+    return inputs, None, outputs
 
 
 def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
@@ -286,19 +301,18 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
     Refs: the output buffer (aliased to `o`), item_seq i32[W] (the decode sequence of each
     work item, -1 for an idle one), item_lo, item_hi i32[W] (its KV blocks `[lo, hi)` of
     the loop `visible_range` describes), kv_lens, block_tables, cu_q_lens, q [T, Hq, D],
-    k_pages, v_pages, (k_scales, v_scales); outputs `o [T, Hq, D]` (q dtype) and, when
-    `split`, the partials `acc f32[W, Hq, D], row_max f32[W, Hq], denom f32[W, Hq]`. An
+    kv_pages [P, Hkv, ps, 2, D], (kv_scales [P, Hkv, 2, ps]) as in `kv_views`; outputs
+    `o [T, Hq, D]` (q dtype) and, when `split`, the partials `acc f32[W, Hq, D], row_max f32[W, Hq], denom f32[W, Hq]`. An
     item that covers its whole sequence writes the normalized row of `o` (the sequence's
     one query token) itself; an item that covers a share writes its partials, which
     `combine_splits` merges. Idle items read no KV block and store nothing.
     """
     (
-        (item_seq, item_lo, item_hi, kv_lens, block_tables, cu_q_lens, q_ref, k_pages, v_pages),
-        k_scales,
-        v_scales,
+        (item_seq, item_lo, item_hi, kv_lens, block_tables, cu_q_lens, q_ref, pages),
+        scales,
         outs,
     ) = _unpack(refs, cfg.quantized, 4 if split else 1)
-    kv = KvRefs(block_tables, k_pages, v_pages, k_scales, v_scales)
+    kv = KvRefs(block_tables, pages, scales)
     item, kv_head = pl.program_id(0), pl.program_id(1)
     # Idle items have an empty block range and masked rows, rather than a `pl.when`
     # around the body: the branch costs the compiled kernel 16 registers.
@@ -335,17 +349,16 @@ def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
 
     Refs: the output buffer (aliased to `o`), block_seq i32[NB] (the sequence of each
     query block, -1 past the last one), block_index i32[NB] (its index within the
-    sequence), kv_lens, block_tables, cu_q_lens, q [T, Hq, D], k_pages, v_pages,
-    (k_scales, v_scales); output o [T, Hq, D] (q dtype), of which the program writes its
+    sequence), kv_lens, block_tables, cu_q_lens, q [T, Hq, D], kv_pages, (kv_scales), viewed
+    as in `kv_views`; output o [T, Hq, D] (q dtype), of which the program writes its
     own rows only. Idle blocks exit at once.
     """
     (
-        (block_seq, block_index, kv_lens, block_tables, cu_q_lens, q_ref, k_pages, v_pages),
-        k_scales,
-        v_scales,
+        (block_seq, block_index, kv_lens, block_tables, cu_q_lens, q_ref, pages),
+        scales,
         (o_ref,),
     ) = _unpack(refs, cfg.quantized, 1)
-    kv = KvRefs(block_tables, k_pages, v_pages, k_scales, v_scales)
+    kv = KvRefs(block_tables, pages, scales)
     block, kv_head = pl.program_id(0), pl.program_id(1)
     seq = block_seq[block]
 

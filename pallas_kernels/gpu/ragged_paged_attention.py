@@ -53,7 +53,7 @@ from .block_sizes import (
     prefill_tile_tokens,
 )
 from .jax_compat import plgpu
-from .kernel import KernelConfig, decode_kernel, prefill_kernel, visible_range
+from .kernel import KernelConfig, decode_kernel, kv_views, prefill_kernel, visible_range
 
 
 def _decode_only_check(cu_q_lens, num_seqs) -> None:
@@ -77,9 +77,10 @@ def ragged_paged_attention_gpu(
     """Ragged paged attention with the semantics of `ragged_paged_attention_reference`.
 
     Same arguments, result and guarantees as the reference (see `attention_op` for the
-    calling convention), plus the keywords below. Pages `[P, Hkv, ps, D]` (float, or
-    int8/float8 with per-token-per-head scales `bf16[P, Hkv, ps]`, dequantized in the
-    kernel); packed ragged queries delimited by `cu_q_lens`; causal within each chunk,
+    calling convention), plus the keywords below. Pages `[P, Hkv, ps, 2 * D]`, each
+    token's key then its value (float, or int8/float8 with per-token-per-head scales
+    `bf16[P, Hkv, 2 * ps]`, each head's key scales then its value scales, dequantized in
+    the kernel); packed ragged queries delimited by `cu_q_lens`; causal within each chunk,
     optional sliding window (pages wholly before the window are skipped) and soft-cap;
     padding rows and rows that see nothing are exact zeros. Dots run in float32 (IEEE,
     never TF32) when q or the pages are float32 (or q and the pages are different 16-bit
@@ -110,7 +111,7 @@ def ragged_paged_attention_gpu(
     return _ragged_paged_attention_gpu(
         inputs,
         block_sizes=block_sizes.resolve(
-            shapes, inputs.q.dtype, inputs.k_pages.dtype, interpret=interpret
+            shapes, inputs.q.dtype, inputs.kv_pages.dtype, interpret=interpret
         ),
         decode_only=bool(decode_only),
         interpret=interpret,
@@ -138,7 +139,7 @@ def _ragged_paged_attention_gpu(
             sm_scale=inputs.sm_scale,
             soft_cap=inputs.soft_cap,
             sliding_window=inputs.sliding_window,
-            compute_dtype=compute_dtype(q.dtype, inputs.k_pages.dtype),
+            compute_dtype=compute_dtype(q.dtype, inputs.kv_pages.dtype),
             quantized=shapes.quantized,
         )
 
@@ -340,5 +341,6 @@ def _prefill(
 
 
 def _kv_refs(inputs: AttentionInputs) -> tuple[jax.Array, ...]:
-    """The operands both kernels take after their scalars: q, the pages, their scales."""
-    return (inputs.q, inputs.k_pages, inputs.v_pages, *inputs.scales)
+    """The operands both kernels take after their scalars: q, the pages and their scales
+    (in the kernels' view, `kv_views`)."""
+    return (inputs.q, *kv_views(inputs.kv_pages, inputs.kv_scales))

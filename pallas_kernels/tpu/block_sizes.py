@@ -174,7 +174,7 @@ def vmem_bytes(shapes: AttentionShapes, bs: BlockSizes, q_dtype, page_dtype) -> 
     rows = tile_rows(bs.queries_per_block, shapes.group_size)
     mm = compute_dtype(q_dtype, page_dtype)
     parts = {
-        "K/V page buffers": _vmem_array_bytes((2, ppb, hb, 2 * ps, d), page_dtype),
+        "K/V page buffers": _vmem_array_bytes((2, ppb, hb, ps, 2 * d), page_dtype),
         "scale buffers": (
             # Every KV head of a page, as stored and widened to float32 (see `kernel.py`).
             _vmem_array_bytes((2, ppb, shapes.num_kv_heads, 2 * ps), SCALE_DTYPE)

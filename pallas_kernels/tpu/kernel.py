@@ -10,7 +10,7 @@ group, so GQA/MQA groups share every K/V tile on the matrix unit.
 
 The pages the item needs, `[first_page, end_page)`, are walked in blocks of
 `pages_per_block`. Each page is one DMA from HBM into a double-buffered VMEM slot, K and
-V of the block's KV heads together (the page layout `[P, Hkv, 2 * ps, D]` keeps them in
+V of the block's KV heads together (the page layout `[P, Hkv, ps, 2 * D]` keeps them in
 one contiguous run), and for 8-bit pages one more DMA for its K and V scales; the
 copies of block `i + 1`
 are in flight while block `i` is computed, and during an item's last block the copies
@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..layout import KEY, VALUE, kv_half
+from ..layout import KEY, VALUE, kv_lanes, scale_rows
 
 # Finite, so a row that has seen nothing yet gives exp(MASK - MASK) = 1 (then zeroed
 # by `where`) rather than exp(-inf + inf) = NaN.
@@ -79,7 +79,7 @@ def page_copy(
 ) -> Any:  # pltpu.make_async_copy returns a descriptor JAX does not export
     """DMA of one page's `heads` KV heads from `head_start` into a VMEM buffer slot.
 
-    The same copy serves pages (`[P, Hkv, 2 * ps, D]` -> `[2, ppb, hb, 2 * ps, D]`, K and
+    The same copy serves pages (`[P, Hkv, ps, 2 * D]` -> `[2, ppb, hb, ps, 2 * D]`, K and
     V together) and their scales (`[P, Hkv, 2 * ps]` -> `[2, ppb, Hkv, 2 * ps]`, every
     head): the page lands at `[slot, index]`.
     """
@@ -118,7 +118,8 @@ def _attend_block(
     reads them at `head_start + h`.
     """
     q_ref, kvbuf, k_scales, v_scales = bufs
-    keys, values = kv_half(KEY, cfg.page_size), kv_half(VALUE, cfg.page_size)
+    d = kvbuf.shape[-1] // 2
+    keys, values = kv_lanes(KEY, d), kv_lanes(VALUE, d)
     m_ref, l_ref, acc_ref = stats
     rows, n = cfg.rows, cfg.block_tokens
     mm = cfg.compute_dtype
@@ -133,7 +134,7 @@ def _attend_block(
 
     def head(h, carry):
         q = q_ref[h].astype(mm)  # [M, D]
-        k = kvbuf[slot, :, h, keys].reshape(n, -1).astype(mm)  # [ppb, ps, D] -> [N, D]
+        k = kvbuf[slot, :, h, :, keys].reshape(n, -1).astype(mm)  # [ppb, ps, D] -> [N, D]
         s = dot(q, k, (((1,), (1,)), ((), ())))  # [M, N] f32
         if cfg.quantized:  # dequantize through the logits: q . (k * s_j) = (q . k) * s_j
             s = s * (k_scales[0, :, head_start + h].reshape(1, n) * cfg.sm_scale)
@@ -150,7 +151,7 @@ def _attend_block(
             p = jnp.where(vis, p, 0.0)
         alpha = jnp.exp(m_prev - m_new)
         l_new = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-        v = kvbuf[slot, :, h, values].reshape(n, -1)  # [N, D]
+        v = kvbuf[slot, :, h, :, values].reshape(n, -1)  # [N, D]
         if cfg.quantized:
             v_scale = v_scales[0, :, head_start + h].reshape(1, n)  # [ppb, ps] -> [1, N]
             if masked:
@@ -178,7 +179,7 @@ def ragged_paged_attention_kernel(
     item_rows_ref,  # i32[NB]  query rows of the item (0: padding item)
     # Inputs.
     q_ref,  # [hb, M, D] VMEM block of this item
-    kv_hbm,  # [P, Hkv, 2 * ps, D] HBM
+    kv_hbm,  # [P, Hkv, ps, 2 * D] HBM
     *refs,  # ([scales_hbm] bf16[P, Hkv, 2 * ps]), o_ref, scratch...
     cfg: KernelConfig,
 ) -> None:
@@ -307,8 +308,8 @@ def ragged_paged_attention_kernel(
 
         wait(block, slot)
         if cfg.quantized:
-            k_scales[0] = sbuf[slot, :, :, kv_half(KEY, ps)].astype(jnp.float32)
-            v_scales[0] = sbuf[slot, :, :, kv_half(VALUE, ps)].astype(jnp.float32)
+            k_scales[0] = sbuf[slot, :, :, scale_rows(KEY, ps)].astype(jnp.float32)
+            v_scales[0] = sbuf[slot, :, :, scale_rows(VALUE, ps)].astype(jnp.float32)
         col_start = (first_page + block * ppb) * ps
         # Every row sees every column: all columns at or before the first row's
         # position and, with a window, inside the last row's window.

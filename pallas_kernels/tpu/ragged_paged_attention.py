@@ -161,7 +161,7 @@ def _ragged_paged_attention(
     in_specs = [item_block, hbm] + ([hbm] if quantized else [])
     ppb = bs.pages_per_block
     # K and V of hb heads of ppb pages, double-buffered.
-    scratch = [pltpu.VMEM((2, ppb, hb, 2 * page_size, head_dim), kv_pages.dtype)]
+    scratch = [pltpu.VMEM((2, ppb, hb, page_size, 2 * head_dim), kv_pages.dtype)]
     if quantized:
         # Every KV head of a page: as stored (double-buffered), then K's and V's widened
         # to float32 (see kernel.py). The widened buffers' leading unit axis is there for

@@ -40,7 +40,7 @@ from absl import app, flags, logging
 from paxkv.benchmarks.timing import median_seconds
 from paxkv.kv_layout import page_bytes
 from paxkv.pallas_kernels import dequantize, quantize
-from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_half
+from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_lanes, scale_rows
 
 IMPLS = ("paxkv", "jax-pallas", "xla-dense")
 
@@ -116,7 +116,7 @@ class Inputs:
     """One batch in paxkv's layout, on the device."""
 
     q: jax.Array  # [T, Hq, D]
-    kv_pages: jax.Array  # [P, Hkv, 2 * ps, D]
+    kv_pages: jax.Array  # [P, Hkv, ps, 2 * D]
     kv_scales: jax.Array | None  # bf16[P, Hkv, 2 * ps]
     kv_lens: jax.Array  # i32[S]
     block_tables: jax.Array  # i32[S, pages_per_seq]
@@ -142,9 +142,10 @@ class Inputs:
     def split(self, part: int) -> tuple[jax.Array, jax.Array | None]:
         """K (`part=KEY`) or V pages `[P, Hkv, ps, D]` and their scales, apart, for the
         implementations that take them so (a copy)."""
-        rows = kv_half(part, self.kv_pages.shape[2] // 2)
+        _, _, page_size, lanes = self.kv_pages.shape
+        rows = scale_rows(part, page_size)
         scales = None if self.kv_scales is None else self.kv_scales[:, :, rows]
-        return self.kv_pages[:, :, rows], scales
+        return self.kv_pages[..., kv_lanes(part, lanes // 2)], scales
 
 
 def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: int = 0) -> Inputs:
@@ -162,11 +163,14 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
         return jax.random.normal(key, shape, jnp.float32)
 
     k, v = pages(keys[1]), pages(keys[2])
-    kv, kv_scales = jnp.concatenate([k, v], axis=2), None  # each head's keys, then values
+    kv_scales = None
     if settings.page_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
-        kv, kv_scales = quantize(kv, settings.page_dtype)
-    else:
-        kv = kv.astype(settings.page_dtype)
+        (k, k_scales), (v, v_scales) = (
+            quantize(k, settings.page_dtype),
+            quantize(v, settings.page_dtype),
+        )
+        kv_scales = jnp.concatenate([k_scales, v_scales], axis=2)  # key scales, then values'
+    kv = jnp.concatenate([k, v], axis=3).astype(settings.page_dtype)  # each row: key, value
     q = jax.random.normal(
         keys[3], (batch * q_len, settings.num_q_heads, settings.head_dim), settings.dtype
     )

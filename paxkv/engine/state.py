@@ -4,8 +4,8 @@ Both are immutable pytrees (`flax.struct.dataclass`, the one pytree mechanism in
 paxkv): an update returns a new value, e.g. `table.replace(kv_lens=table.kv_lens + 1)`.
 Under `jit` with the cache donated, the functional write updates the pages in place.
 
-Page layout (per layer): one array `[P, Hkv, 2 * ps, D]`, each head's ps keys then its
-ps values (`paxkv.pallas_kernels.layout`), so one page is one contiguous block covering
+Page layout (per layer): one array `[P, Hkv, ps, 2 * D]`, each token's key then its
+value in one row (`paxkv.pallas_kernels.layout`), so one page is one contiguous block covering
 K and V of every KV head; moving it between HBM and on-chip memory is a single DMA, and
 the per-head `[ps, D]` tiles are what the matrix unit consumes. Layers are separate
 arrays (a tuple), so a layer's pages are handed to a kernel without a copy. Quantized
@@ -16,7 +16,7 @@ shared by one layer of each group: layer l reads and writes slot `layer_slots[l]
 page ids of its group's table, `table.for_group(layer_groups[l])`.
 
 Stacked (`slot_pages=P`, for a model whose layers run as one scan): the slots are one
-array `[num_slots * P, Hkv, 2 * ps, D]`, slot i's pages at rows `i * P .. (i + 1) * P - 1`.
+array `[num_slots * P, Hkv, ps, 2 * D]`, slot i's pages at rows `i * P .. (i + 1) * P - 1`.
 A layer, even one known only by a traced index, reaches its pages by adding `i * P` to
 its page table: the kernels and the write see one larger page pool, and nothing is
 sliced or copied (a slice of a scan's carry would be).
@@ -122,11 +122,11 @@ class PageTable:
 
 @struct.dataclass
 class PagedKVCache:
-    """The paged K/V of every layer: `kv[l]` is `[P, Hkv, 2 * ps, D]` (keys, then values).
+    """The paged K/V of every layer: `kv[l]` is `[P, Hkv, ps, 2 * D]` (key, then value).
 
     `kv_scales[l]` (`bf16[P, Hkv, 2 * ps]`, `SCALE_DTYPE`) is present exactly when the
     pages are quantized. Page `NULL_PAGE` is never allocated by the host pool. Stacked
-    (`slot_pages=P`): `kv` (and the scales) is one array, `[num_slots * P, Hkv, 2 * ps, D]`
+    (`slot_pages=P`): `kv` (and the scales) is one array, `[num_slots * P, Hkv, ps, 2 * D]`
     (see the module's docstring).
     """
 
@@ -167,11 +167,12 @@ class PagedKVCache:
         if stacked:
             static["slot_pages"] = num_pages
             rows, num_arrays = num_arrays * num_pages, 1
-        shape = (rows, num_kv_heads, 2 * page_size, head_dim)
+        shape = (rows, num_kv_heads, page_size, 2 * head_dim)
         kv = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
+        scale_shape = (rows, num_kv_heads, 2 * page_size)
         if kv_cache_dtype == "auto":
             return cls(kv=kv, **static)
-        scales = tuple(jnp.ones(shape[:3], SCALE_DTYPE) for _ in range(num_arrays))
+        scales = tuple(jnp.ones(scale_shape, SCALE_DTYPE) for _ in range(num_arrays))
         return cls(kv=kv, kv_scales=scales, **static)
 
     @classmethod
@@ -240,7 +241,7 @@ class PagedKVCache:
     @property
     def page_size(self) -> int:
         """Tokens per page."""
-        return self.kv[0].shape[2] // 2
+        return self.kv[0].shape[2]
 
     @property
     def quantized(self) -> bool:

@@ -170,8 +170,7 @@ def _inputs(case: CompileCase):
     i32 = np.dtype(np.int32)
     args = (
         s((tokens, hkv * case.group_size, case.head_dim), q_dtype),
-        s((num_pages, hkv, ps, case.head_dim), page_dtype),
-        s((num_pages, hkv, ps, case.head_dim), page_dtype),
+        s((num_pages, hkv, ps, 2 * case.head_dim), page_dtype),  # each token's key, then value
         s((seqs,), i32),
         s((seqs, pages_per_seq), i32),
         s((seqs + 1,), i32),
@@ -179,7 +178,7 @@ def _inputs(case: CompileCase):
     )
     scales = {}
     if case.kv_cache_dtype != "auto":
-        scales = {k: s((num_pages, hkv, ps), SCALE_DTYPE) for k in ("k_scales", "v_scales")}
+        scales = {"kv_scales": s((num_pages, hkv, 2 * ps), SCALE_DTYPE)}
     return args, scales
 
 
@@ -257,11 +256,11 @@ def compile_case(case: CompileCase) -> list[KernelResources]:
 
     q_dtype = np.dtype(jnp.dtype(case.q_dtype))
     page_dtype = resolve_kv_cache_dtype(case.kv_cache_dtype, q_dtype)
-    args, _ = _inputs(case)
+    (q, kv_pages, kv_lens, block_tables, *_), _ = _inputs(case)
     shapes = AttentionShapes(
-        num_tokens=args[0].shape[0], num_q_heads=args[0].shape[1], num_kv_heads=args[1].shape[1],
-        head_dim=case.head_dim, num_pages=args[1].shape[0], page_size=args[1].shape[2],
-        max_num_seqs=args[3].shape[0], pages_per_seq=args[4].shape[1],
+        num_tokens=q.shape[0], num_q_heads=q.shape[1], num_kv_heads=kv_pages.shape[1],
+        head_dim=case.head_dim, num_pages=kv_pages.shape[0], page_size=kv_pages.shape[2],
+        max_num_seqs=kv_lens.shape[0], pages_per_seq=block_tables.shape[1],
         quantized=case.kv_cache_dtype != "auto",
     )  # fmt: skip
     resolved = BlockSizes(**BLOCK_VARIANTS[case.blocks], check_shared_memory=False).resolve(

@@ -41,7 +41,7 @@ def _expected_slots():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_write_sets_exactly_the_named_slots(dtype):
     rng = np.random.default_rng(0)
-    shape = (8, 2, 2 * PAGE, 64)  # each head's keys in rows 0..7, its values in 8..15
+    shape = (8, 2, PAGE, 2 * 64)  # each token's row: its key, then its value
     kv0 = jnp.asarray(rng.standard_normal(shape), dtype)
     new_k = jnp.asarray(rng.standard_normal((17, 2, 64)), dtype)
     new_v = jnp.asarray(rng.standard_normal((17, 2, 64)), dtype)
@@ -51,9 +51,9 @@ def test_write_sets_exactly_the_named_slots(dtype):
     kv, kv0 = np.asarray(kv), np.asarray(kv0)
     touched = np.zeros(shape[:1] + shape[2:3], bool)
     for t, (page, off) in enumerate(_expected_slots()):
-        np.testing.assert_array_equal(kv[page, :, off], np.asarray(new_k[t]))
-        np.testing.assert_array_equal(kv[page, :, PAGE + off], np.asarray(new_v[t]))
-        touched[page, [off, PAGE + off]] = True
+        np.testing.assert_array_equal(kv[page, :, off, :64], np.asarray(new_k[t]))
+        np.testing.assert_array_equal(kv[page, :, off, 64:], np.asarray(new_v[t]))
+        touched[page, off] = True
     # Every other row, the null page included, is bit-for-bit unchanged; padding rows
     # 15 and 16 went nowhere.
     np.testing.assert_array_equal(
@@ -80,7 +80,7 @@ def test_quantized_write_round_trips_within_quantization_error(kv_cache_dtype):
     np.testing.assert_array_equal(np.asarray(out.kv[0]), np.asarray(cache.kv[0]))
     kv, scales = out.kv[1], out.kv_scales[1]
     for t, (page, off) in enumerate(_expected_slots()):
-        stored = dequantize(kv[page, :, off], scales[page, :, off])
+        stored = dequantize(kv[page, :, off, :64], scales[page, :, off])
         amax = np.abs(np.asarray(new[t])).max(axis=-1, keepdims=True)
         # The stored scale (max|x| / dtype_max rounded to bfloat16) is the step: int8
         # rounds to the nearest one (scale / 2). e4m3 keeps 3 mantissa bits (2^-4
@@ -95,7 +95,7 @@ def test_quantized_write_round_trips_within_quantization_error(kv_cache_dtype):
             np.asarray(scales[page, :, off]),
             (amax[:, 0] / (127 if kv_cache_dtype == "int8" else 448)).astype(ml_dtypes.bfloat16),
         )
-        stored_v = dequantize(kv[page, :, PAGE + off], scales[page, :, PAGE + off])
+        stored_v = dequantize(kv[page, :, off, 64:], scales[page, :, PAGE + off])
         np.testing.assert_array_equal(np.asarray(stored_v), -np.asarray(stored))
     untouched = np.ones((8, 2 * PAGE), bool)
     for page, off in _expected_slots():

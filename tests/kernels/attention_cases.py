@@ -23,12 +23,12 @@ TOLERANCES = {np.dtype(np.float32): 1e-5, np.dtype(ml_dtypes.bfloat16): 2e-2}
 @dataclasses.dataclass
 class Case:
     q: np.ndarray  # [T, Hq, D]
-    kv_pages: np.ndarray  # [P, Hkv, 2 * ps, D]: each head's K rows, then its V rows
+    kv_pages: np.ndarray  # [P, Hkv, ps, 2 * D]: each token's key, then its value
     kv_lens: np.ndarray  # i32[S]
     block_tables: np.ndarray  # i32[S, pages_per_seq]
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
-    kv_scales: np.ndarray | None  # bf16[P, Hkv, 2 * ps]
+    kv_scales: np.ndarray | None  # bf16[P, Hkv, 2 * ps]: key scales, then value scales
     sm_scale: float
 
     def args(self):
@@ -47,7 +47,7 @@ class Case:
 
     @property
     def page_size(self) -> int:
-        return self.kv_pages.shape[2] // 2
+        return self.kv_pages.shape[2]
 
     def scale_kwargs(self):
         if self.kv_scales is None:
@@ -115,18 +115,22 @@ def make_case(
         for j in range(kv_lens[s]):
             live[pages[j // page_size], j % page_size] = True
 
-    shape = (num_pages, num_kv_heads, 2 * page_size, head_dim)
-    kv = rng.standard_normal(shape, np.float32)
-    live = np.concatenate([live, live], axis=1)  # the same slots of the K rows and the V rows
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    k = rng.standard_normal(shape, np.float32)
+    v = rng.standard_normal(shape, np.float32)
     dead = ~live[:, None, :, None]
     if quantized:
-        kv, kv_scales = _quantize_np(kv, page_dtype)
-        kv_scales[~np.broadcast_to(live[:, None, :], kv_scales.shape)] = np.nan
-        if page_dtype != np.int8:  # float8 can hold NaN itself
-            kv = np.where(dead, np.nan, kv.astype(np.float32)).astype(page_dtype)
+        (k, k_scales), (v, v_scales) = _quantize_np(k, page_dtype), _quantize_np(v, page_dtype)
+        kv_scales = np.concatenate([k_scales, v_scales], axis=2)  # key scales, then values'
+        kv_scales[~np.broadcast_to(np.concatenate([live, live], 1)[:, None], kv_scales.shape)] = (
+            np.nan
+        )
     else:
         kv_scales = None
-        kv = np.where(dead, np.nan, kv).astype(page_dtype)
+    kv = np.concatenate([k, v], axis=3)  # each token's row: its key, then its value
+    if page_dtype != np.int8:  # float pages (and float8) can hold NaN themselves
+        kv = np.where(dead, np.nan, kv.astype(np.float32))
+    kv = kv.astype(page_dtype)
 
     total_q = int(q_lens.sum())
     cu_q_lens = np.full(max_num_seqs + 1, total_q, np.int32)
@@ -163,9 +167,10 @@ def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.nda
             rows = []
             for j in range(kv_len):
                 page = case.block_tables[s, j // page_size]
-                row = part * page_size + j % page_size  # keys, then values, per head
-                x = case.kv_pages[page, :, row].astype(np.float64)
+                lanes = slice(part * head_dim, (part + 1) * head_dim)  # key, then value
+                x = case.kv_pages[page, :, j % page_size, lanes].astype(np.float64)
                 if case.kv_scales is not None:
+                    row = part * page_size + j % page_size  # key scales, then value scales
                     x = x * case.kv_scales[page, :, row].astype(np.float64)[:, None]
                 rows.append(x)
             return np.stack(rows) if rows else np.zeros((0, num_q_heads // group, head_dim))

@@ -144,7 +144,8 @@ def test_default_block_sizes_fit_the_call():
     assert resolved(128, 1, 8) == (64, 64, 64)
     assert resolved(128, 256, 8) == (64, 64, 64)
     assert resolved(256, 4, 2, dtype=jnp.float32) == (32, 32, 64)  # f32 tiles: smaller blocks
-    assert resolved(128, 4, 2, page_dtype=jnp.int8) == (32, 64, 64)  # dequantized tiles
+    assert resolved(128, 4, 2, page_dtype=jnp.int8) == (32, 32, 64)  # dequantized tiles
+    assert resolved(64, 4, 2, page_dtype=jnp.int8) == (64, 64, 64)
     assert resolved(128, 1, 1, decode_kv_block=16, num_splits=3) == (16, 64, 3)
     small = _shapes(128, 1, 1, pages_per_seq=4)
     assert BlockSizes().resolve(small, jnp.bfloat16, jnp.bfloat16).num_splits == 1
@@ -177,7 +178,7 @@ def _decode_inputs(kv_lens, max_num_seqs, num_kv_heads=2, q_lens=None, page_size
     lens[:n] = kv_lens
     return attention_inputs(
         jnp.zeros((int(q_lens.sum()), 4 * num_kv_heads, 64), jnp.bfloat16),
-        *[jnp.zeros((8, num_kv_heads, page_size, 64), jnp.bfloat16)] * 2,
+        jnp.zeros((8, num_kv_heads, page_size, 2 * 64), jnp.bfloat16),
         jnp.asarray(lens),
         jnp.ones((max_num_seqs, pages_per_seq), jnp.int32),
         jnp.asarray(cu_q_lens),
@@ -315,7 +316,7 @@ def test_poisoned_and_garbage_entries_do_not_change_output():
     # Finite garbage in place of NaN, and block-table entries past each sequence's pages
     # that name no page at all: neither may be read.
     tables = case.block_tables.copy()
-    needed = -(-case.kv_lens // case.k_pages.shape[2])
+    needed = -(-case.kv_lens // case.page_size)
     for s in range(tables.shape[0]):
         if s >= case.num_seqs[0]:
             tables[s] = 10**6
@@ -323,10 +324,8 @@ def test_poisoned_and_garbage_entries_do_not_change_output():
     cleaned = dataclasses.replace(
         case,
         q=clean(case.q),
-        k_pages=clean(case.k_pages),
-        v_pages=clean(case.v_pages),
-        k_scales=clean(case.k_scales),
-        v_scales=clean(case.v_scales),
+        kv_pages=clean(case.kv_pages),
+        kv_scales=clean(case.kv_scales),
         block_tables=tables,
     )
     out = np.asarray(kernel(*cleaned.args(), **point.attention_kwargs(cleaned)))
@@ -349,7 +348,7 @@ def test_empty_sequences_and_no_live_sequences_give_zeros():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     assert np.all(out[5:] == 0)
     args = list(case.args())
-    args[6] = jnp.asarray([0], jnp.int32)  # num_seqs = 0: every row is padding
+    args[5] = jnp.asarray([0], jnp.int32)  # num_seqs = 0: every row is padding
     assert np.all(np.asarray(kernel(*args, sm_scale=case.sm_scale)) == 0)
 
 
@@ -357,7 +356,7 @@ def test_under_user_jit():
     point = _POINTS["mixed-gqa2-d64-p8-int8"]
     case = point.case(seed=0)
     kwargs = point.attention_kwargs(case)
-    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales")}
+    scales = {"kv_scales": kwargs.pop("kv_scales")}
     fn = jax.jit(lambda *a, **s: kernel(*a, **s, **kwargs))
     tol = _TOLERANCES[np.dtype(case.q.dtype)]
     np.testing.assert_allclose(
@@ -415,7 +414,7 @@ def _valid_args():
 
 def _with_head_dim(args, head_dim):
     args[0] = jnp.zeros((*args[0].shape[:2], head_dim))
-    args[1] = args[2] = jnp.zeros((*args[1].shape[:3], head_dim))
+    args[1] = jnp.zeros((*args[1].shape[:3], 2 * head_dim))
 
 
 @pytest.mark.parametrize(
@@ -436,8 +435,8 @@ def _with_head_dim(args, head_dim):
         (None, {"block_sizes": dict(num_stages=0)}, "BlockSizes.num_stages=0"),
         (None, {"block_sizes": (64, 64)}, "block_sizes=(64, 64) must be a BlockSizes"),
         # The shared contract is checked first.
-        (lambda a: a.__setitem__(2, a[2][:, :1]), {}, "v_pages.shape"),
-        (lambda a: a.__setitem__(4, a[4][:, :1]), {}, "block_tables too narrow"),
+        (lambda a: a.__setitem__(1, a[1][..., 1:]), {}, "kv_pages.shape[3]"),
+        (lambda a: a.__setitem__(3, a[3][:, :1]), {}, "block_tables too narrow"),
     ],
 )
 def test_bad_input_names_the_argument(mutate, kwargs, message):
@@ -468,7 +467,7 @@ def test_lowers_to_triton(point, block_sizes):
     kwargs = point.attention_kwargs(case)
     if block_sizes is not None:
         kwargs["block_sizes"] = block_sizes
-    scales = {k: kwargs.pop(k) for k in ("k_scales", "v_scales") if k in kwargs}
+    scales = {k: kwargs.pop(k) for k in ("kv_scales",) if k in kwargs}
     fn = jax.jit(lambda *a, **s: ragged_paged_attention_gpu(*a, **s, **kwargs))
     args = case.args()  # made outside: no concrete array may be created under the abstract mesh
     with triton_lowering_target("NVIDIA H200"):

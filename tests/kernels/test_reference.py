@@ -30,13 +30,11 @@ def test_reference_matches_naive_float64_loop(point):
 
 
 def test_hand_computed_two_tokens():
-    # One sequence, one head, D=2, page_size 8; kv = [k0, k1] in page 3: keys in rows
-    # 0 and 1 of the head, values in rows 8 and 9. logits of row 1 are [0, ln 3] ->
-    # weights [1/4, 3/4].
+    # One sequence, one head, D=2, page_size 8; kv = [k0, k1] in page 3, rows 0 and 1,
+    # each row a key then a value. logits of row 1 are [0, ln 3] -> weights [1/4, 3/4].
     q = jnp.array([[[1.0, 0.0]], [[1.0, 0.0]]])  # [T=2, Hq=1, D=2]
-    kv = jnp.full((4, 1, 16, 2), jnp.nan)
-    kv = kv.at[3, 0, 0].set([0.0, 0.0]).at[3, 0, 1].set([np.log(3.0), 0.0])
-    kv = kv.at[3, 0, 8].set([4.0, 0.0]).at[3, 0, 9].set([0.0, 8.0])
+    kv = jnp.full((4, 1, 8, 4), jnp.nan)
+    kv = kv.at[3, 0, 0].set([0.0, 0.0, 4.0, 0.0]).at[3, 0, 1].set([np.log(3.0), 0.0, 0.0, 8.0])
     args = (q, kv, _i32(2), _i32([3]), _i32(0, 2), _i32(1))
     out = reference(*args, sm_scale=1.0)
     # Row 0 is causal: it sees only k0.
@@ -122,12 +120,12 @@ _BAD_INPUTS = [
     # (replacements of named arguments, given the valid ones; expected message)
     (lambda a: {"q": a["q"][:, :3]}, "num_q_heads=3"),
     (lambda a: {"q": a["q"][:, :, :32]}, "head_dim mismatch"),
-    (lambda a: {"kv_pages": a["kv_pages"][:, :, :15]}, "kv_pages.shape=(7, 2, 15, 64)"),
-    (lambda a: {"kv_pages": a["kv_pages"][:, :, :12]}, "page_size=6"),
-    (lambda a: {"kv_pages": jnp.zeros((7, 2, 24, 64))}, "page_size=12"),
+    (lambda a: {"kv_pages": a["kv_pages"][..., :127]}, "kv_pages.shape[3]=127 must be 2 * D=128"),
+    (lambda a: {"kv_pages": a["kv_pages"][:, :, :6]}, "page_size=6"),
+    (lambda a: {"kv_pages": jnp.zeros((7, 2, 12, 128))}, "page_size=12"),
     (
         lambda a: {"kv_pages": a["kv_pages"][..., None]},
-        "kv_pages must be [P, Hkv, 2 * page_size, D]",
+        "kv_pages must be [P, Hkv, page_size, 2 * D]",
     ),
     (lambda a: {"block_tables": a["block_tables"][:, :1]}, "block_tables too narrow"),
     (lambda a: {"kv_lens": a["kv_lens"].astype(jnp.float32)}, "kv_lens.dtype"),

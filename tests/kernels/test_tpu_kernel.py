@@ -411,7 +411,7 @@ for chip in sys.argv[1:]:
         spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dtype(dt), sharding=sharding)
         t, s, p, pps = 40, 4, 64, 32
         quantized = pd in ("int8", "float8_e4m3fn", "float8_e5m2")
-        args = [spec((t, hq, d), qd), spec((p, hkv, 2 * ps, d), pd),
+        args = [spec((t, hq, d), qd), spec((p, hkv, ps, 2 * d), pd),
                 spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
                 spec((1,), "int32")]
         args += [spec((p, hkv, 2 * ps), SCALE_DTYPE.name) if quantized else None]
@@ -423,7 +423,12 @@ for chip in sys.argv[1:]:
             return _ragged_paged_attention(
                 inputs, block_sizes=bs, vmem_limit_bytes=32 * 2**20, interpret=False)
         with jax.sharding.set_mesh(mesh):
-            jax.jit(fn).lower(*args).compile()
+            hlo = jax.jit(fn).lower(*args).compile().as_text()
+        # The pages reach the kernel in the layout XLA gives them: no relayout copy of
+        # the cache before the call (head_dim 64 at `[.., ps, D]` had one).
+        pages = f"[{p},{hkv},{ps},{2 * d}]"
+        copies = [l for l in hlo.splitlines() if " copy(" in l and pages in l.split("copy(")[0]]
+        assert not copies, copies
         print("compiled", chip, qd, pd, ps, d, bs, flush=True)
 """
 

@@ -77,7 +77,7 @@ def test_stacked_cache_writes_where_the_per_layer_cache_does(models):
     for kv_dtype in ("auto", "int8"):
         flat = PagedKVCache.for_model(loop.config, 5, PS, kv_dtype)
         stacked = PagedKVCache.for_model(scan.config, 5, PS, kv_dtype)
-        assert stacked.stacked and stacked.kv[0].shape == (10, 2, 2 * PS, 64)
+        assert stacked.stacked and stacked.kv[0].shape == (10, 2, PS, 128)
         assert (stacked.num_pages, stacked.num_slots, stacked.num_layers) == (5, 2, 2)
         for layer in (0, 1):
             flat = flat.write(layer, new[2 * layer], new[2 * layer + 1], table)

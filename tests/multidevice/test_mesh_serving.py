@@ -178,7 +178,7 @@ def test_page_shardings(served, shape, spec, local_heads):
         assert pages.sharding.spec == spec
         assert pages.sharding.mesh == s.mesh
         assert {shard.data.shape for shard in pages.addressable_shards} == {
-            (s.num_pages, local_heads, 2 * PS, 64)
+            (s.num_pages, local_heads, PS, 128)
         }
 
 
