@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from .layout import (
@@ -93,12 +94,18 @@ class AttentionInputs:
 def compute_dtype(q_dtype, page_dtype) -> np.dtype:
     """The operand dtype of the kernels' dots; they always accumulate in float32.
 
-    8-bit K/V values are exact in any float query dtype, so quantized pages meet the
-    query in its own dtype; float pages of the query's dtype too; any other mix (float32
-    pages under a 16-bit query, or two different 16-bit dtypes) goes through float32.
+    Quantized (8-bit) pages meet a 16-bit query in its own dtype (their values convert
+    exactly) and a float32 query in bfloat16: rounding q to bfloat16 (8 significant
+    bits) adds less error than the pages' own quantization (int8 keeps a step of
+    amax / 127, e4m3 four significant bits), and keeps the dots on the tensor cores and
+    the MXU instead of float32 FMA loops. Float pages of the query's dtype meet it in
+    that dtype; any other mix (float32 pages under a 16-bit query, or two different
+    16-bit dtypes) goes through float32.
     """
     q_dtype, page_dtype = np.dtype(q_dtype), np.dtype(page_dtype)
-    if is_quantized(page_dtype) or page_dtype == q_dtype:
+    if is_quantized(page_dtype):
+        return q_dtype if q_dtype.itemsize == 2 else np.dtype(ml_dtypes.bfloat16)
+    if page_dtype == q_dtype:
         return q_dtype
     return np.dtype(np.float32)
 

@@ -62,9 +62,10 @@ class BlockSizes:
       decode_kv_block: KV tokens per step of the decode kernel, in [16, 512]. Default:
         64 tokens (int8/fp8 pages: 4096 / head_dim tokens), halved until `num_stages`
         buffered K and V tiles fit KV_TILE_BUDGET_BYTES of shared memory. Larger blocks
-        cost registers (the gathered tiles' addresses, and the dequantized tiles): bf16,
-        head_dim 128 compiles to 112-128 registers at 128 tokens, 80 at 64; int8 to 232
-        at 64 tokens, 130 at 32; and int8 at head_dim 256 spills at 32.
+        cost registers (the gathered tiles' addresses, and the dequantized tiles); the
+        defaults compile without spills for bf16 queries (`paxkv.tools.kernel_compile
+        --subset=ci`: bf16 pages at head_dim 128, 83 registers with 4 warps; int8 and
+        fp8 pages at head_dim 128, 111 and 99 with 8 warps, where 4 warps spill).
       num_splits: most KV splits of one decode sequence (split-K), in [1, 64]; the
         split plan cuts the live decodes' KV blocks into about TARGET_DECODE_PROGRAMS
         programs each call, never more than this many per sequence (1: no split, no
@@ -79,7 +80,9 @@ class BlockSizes:
       decode_num_warps, prefill_num_warps: Triton warps per program (1 to 16, powers of
         two). Default: 8 for tiles of 128 rows or more, or whose f32 accumulator
         (rows x head_dim) or K/V block (kv_block x head_dim) holds 128 x 128 values or
-        more; else 4 (where 4 warps spill or come close, in the compiled figures).
+        more, or, with quantized pages (whose K/V blocks the registers also hold
+        dequantized), whose K/V block is at least 32 tokens x 128 dims; else 4 (where 4
+        warps spill or come close, in the compiled figures).
       num_stages: Triton software-pipelining stages of both kernels' KV loops (>= 1).
       check_shared_memory: reject, in `resolve` (not when interpreting), block sizes whose
         kernels' estimated shared memory (`shared_memory_bytes`) exceeds
@@ -163,19 +166,25 @@ class BlockSizes:
             prefill_block_m=block_m,
             prefill_kv_block=prefill_kv_block,
             decode_num_warps=self.decode_num_warps
-            or _default_warps(decode_tile_rows(gp), decode_kv_block, shapes.head_dim),
+            or _default_warps(
+                decode_tile_rows(gp), decode_kv_block, shapes.head_dim, shapes.quantized
+            ),
             prefill_num_warps=self.prefill_num_warps
-            or _default_warps(prefill_rows, prefill_kv_block, shapes.head_dim),
+            or _default_warps(prefill_rows, prefill_kv_block, shapes.head_dim, shapes.quantized),
         )
         if self.check_shared_memory and not interpret:
             _check_shared_memory(shapes, resolved, q_dtype, page_dtype)
         return resolved
 
 
-def _default_warps(rows: int, kv_block: int, head_dim: int) -> int:
+def _default_warps(rows: int, kv_block: int, head_dim: int, quantized: bool) -> int:
     """Warps of a tile of `rows` query rows over KV blocks of `kv_block` tokens: 8 from
-    128 rows, or from 128 x 128 values in the accumulator or a K/V block, else 4."""
-    return 8 if rows >= 128 or max(rows, kv_block) * head_dim >= 128 * 128 else 4
+    128 rows, or from 128 x 128 values in the accumulator or a K/V block, or (quantized
+    pages, whose K and V blocks the registers also hold dequantized) from a K/V block of
+    32 tokens x 128 dims; else 4."""
+    if rows >= 128 or max(rows, kv_block) * head_dim >= 128 * 128:
+        return 8
+    return 8 if quantized and kv_block >= 32 and head_dim >= 128 else 4
 
 
 def kernel_tiles(shapes: AttentionShapes, bs: BlockSizes) -> dict[str, tuple[int, int, int]]:
@@ -228,10 +237,21 @@ def shared_memory_bytes(
       body with more than 4 warps; and on wgmma tiles with KV blocks of 16 tokens, the
       dequantized K and V tiles (int8 and fp8 at head_dim 256, G=64: 64 KiB compiled
       where the terms above give 48).
+    * a float32 query met in a 16-bit dtype (quantized pages): at least the Q tile in
+      float32, up to 8 KiB per warp, which the conversion before the loop stages in
+      shared memory (the compiled figure is the larger of the two phases; the per-warp
+      cap is fitted: a 1-warp 16 x 256 tile stages 8 of its 16 KiB).
 
     Calibrated on decode tiles of 16 and 64 rows and prefill tiles of 16 to 128 rows.
     """
     compute = compute_dtype(q_dtype, page_dtype)
+    q_bytes = np.dtype(q_dtype).itemsize
+    if q_bytes > compute.itemsize:
+        loop = shared_memory_bytes(
+            kernel, kv_block=kv_block, rows=rows, head_dim=head_dim, q_dtype=compute,
+            page_dtype=page_dtype, num_stages=num_stages, num_warps=num_warps,
+        )  # fmt: skip
+        return max(loop, min(rows * head_dim * q_bytes, num_warps * 8192))
     quantized = is_quantized(page_dtype)
     page_bytes, compute_bytes = np.dtype(page_dtype).itemsize, compute.itemsize
     kv = 2 * kv_block * head_dim * page_bytes

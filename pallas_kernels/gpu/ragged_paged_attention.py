@@ -82,10 +82,10 @@ def ragged_paged_attention_gpu(
     `bf16[P, Hkv, 2 * ps]`, each head's key scales then its value scales, dequantized in
     the kernel); packed ragged queries delimited by `cu_q_lens`; causal within each chunk,
     optional sliding window (pages wholly before the window are skipped) and soft-cap;
-    padding rows and rows that see nothing are exact zeros. Dots run in float32 (IEEE,
-    never TF32) when q or the pages are float32 (or q and the pages are different 16-bit
-    dtypes), else in q's 16-bit dtype with float32 accumulation; quantized pages convert
-    exactly to q's dtype (`contract.compute_dtype`).
+    padding rows and rows that see nothing are exact zeros. Dots take the operand dtype
+    `contract.compute_dtype` gives, always with float32 accumulation: q's 16-bit dtype
+    for pages of that dtype or int8/float8 pages; bfloat16 for int8/float8 pages under a
+    float32 q; float32 (IEEE, never TF32) for every other mix.
 
     Args:
       block_sizes: static tunables; fields left None are picked for the call

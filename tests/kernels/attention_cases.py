@@ -16,8 +16,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from paxkv.pallas_kernels import compute_dtype
+
 # Relative tolerances keyed by the dtype of the output.
 TOLERANCES = {np.dtype(np.float32): 1e-5, np.dtype(ml_dtypes.bfloat16): 2e-2}
+
+
+def tolerance(q_dtype, page_dtype, table=TOLERANCES) -> float:
+    """A kernel's relative tolerance: that of its output dtype, or of its dots' operand
+    dtype (`compute_dtype`: bfloat16 for quantized pages under float32 queries) when
+    that is coarser."""
+    return max(table[np.dtype(q_dtype)], table[np.dtype(compute_dtype(q_dtype, page_dtype))])
 
 
 @dataclasses.dataclass

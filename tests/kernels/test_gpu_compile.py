@@ -117,4 +117,5 @@ def test_compiles_for_sm90_within_the_estimate(case):
     assert [r.kernel for r in results] == ["decode", "prefill"]
     for r in results:
         assert 0 < r.registers <= 255
+        assert r.spill_store_bytes == r.spill_load_bytes == 0, r  # the defaults never spill
         assert r.shared_bytes <= r.estimate_bytes <= SHARED_MEMORY_LIMIT_BYTES

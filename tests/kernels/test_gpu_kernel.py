@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import GRID, TOLERANCES, GridPoint, make_case
+from attention_cases import GRID, TOLERANCES, GridPoint, make_case, tolerance
 
-from paxkv.pallas_kernels import AttentionShapes
+from paxkv.pallas_kernels import AttentionShapes, compute_dtype
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
 from paxkv.pallas_kernels.contract import attention_inputs
 from paxkv.pallas_kernels.gpu import BlockSizes, ragged_paged_attention_gpu
@@ -51,7 +51,7 @@ def _check(point: GridPoint, seed: int = 0, **kwargs) -> np.ndarray:
         kernel(*case.args(), **point.attention_kwargs(case), **kwargs).astype(jnp.float32)
     )
     assert np.all(np.isfinite(out)), "poisoned pages or padding leaked into the output"
-    tol = _TOLERANCES[np.dtype(case.q.dtype)]
+    tol = tolerance(case.q.dtype, case.kv_pages.dtype, _TOLERANCES)
     np.testing.assert_allclose(out, _expected(point, seed), rtol=tol, atol=tol)
     assert np.all(out[int(case.cu_q_lens[case.num_seqs[0]]) :] == 0), (
         "padding rows must be exact zeros"
@@ -152,18 +152,25 @@ def test_default_block_sizes_fit_the_call():
 
 
 @pytest.mark.parametrize(
-    "head_dim, dtype, tiles",
+    "head_dim, dtype, page_dtype, tiles",
     [
         # (prefill_block_m, decode warps, prefill warps): 128-row prefill tiles with 8
         # warps for 16-bit dots up to head_dim 128; 64 rows (8 warps) at head_dim 256.
-        (64, jnp.bfloat16, (128, 4, 8)),
-        (128, jnp.bfloat16, (128, 4, 8)),
-        (256, jnp.bfloat16, (64, 8, 8)),
-        (128, jnp.float32, (64, 4, 4)),
+        (64, jnp.bfloat16, None, (128, 4, 8)),
+        (128, jnp.bfloat16, None, (128, 4, 8)),
+        (256, jnp.bfloat16, None, (64, 8, 8)),
+        (128, jnp.float32, None, (64, 4, 4)),
+        # Quantized pages: 8 decode warps for the dequantized 32 x 128 K/V blocks at
+        # head_dim 128 (4 warps spill there); 4 for the 64 x 64 and 16 x 256 blocks.
+        (64, jnp.bfloat16, jnp.int8, (128, 4, 8)),
+        (128, jnp.bfloat16, jnp.int8, (128, 8, 8)),
+        (128, jnp.bfloat16, jnp.float8_e4m3fn, (128, 8, 8)),
+        (256, jnp.bfloat16, jnp.int8, (64, 4, 8)),
     ],
 )
-def test_default_tiles_and_warps(head_dim, dtype, tiles):
-    r = BlockSizes().resolve(_shapes(head_dim, 8, 2), dtype, dtype)
+def test_default_tiles_and_warps(head_dim, dtype, page_dtype, tiles):
+    shapes = _shapes(head_dim, 8, 2, quantized=page_dtype is not None)
+    r = BlockSizes().resolve(shapes, dtype, page_dtype or dtype)
     assert (r.prefill_block_m, r.decode_num_warps, r.prefill_num_warps) == tiles
 
 
@@ -358,7 +365,7 @@ def test_under_user_jit():
     kwargs = point.attention_kwargs(case)
     scales = {"kv_scales": kwargs.pop("kv_scales")}
     fn = jax.jit(lambda *a, **s: kernel(*a, **s, **kwargs))
-    tol = _TOLERANCES[np.dtype(case.q.dtype)]
+    tol = tolerance(case.q.dtype, case.kv_pages.dtype, _TOLERANCES)
     np.testing.assert_allclose(
         np.asarray(fn(*case.args(), **scales)), _expected(point, 0), rtol=tol, atol=tol
     )
@@ -479,7 +486,7 @@ def test_lowers_to_triton(point, block_sizes):
     ]
     for module in modules:
         assert "tt.dot" in module
-        if case.q.dtype == np.float32:  # f32 dots must not be lowered to TF32
+        if compute_dtype(case.q.dtype, case.kv_pages.dtype) == np.float32:  # never TF32
             assert "inputPrecision = tf32" not in module
 
 
