@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import struct
 
 from paxkv.host.batch import pad_page_table
@@ -172,6 +173,15 @@ class PagedKVCache:
         scale_shape = (rows, num_kv_heads, 2 * page_size)
         if kv_cache_dtype == "auto":
             return cls(kv=kv, **static)
+        if jax.default_backend() == "tpu" and 2 * page_size < 128:
+            # The scales' minor axis is then under one vreg of lanes: XLA lays the array
+            # out page-minor and copies it to the kernel's row-major layout every call.
+            logging.warning(
+                "kv_cache_dtype=%r with page_size=%d on TPU: the %d-lane scales are relaid out "
+                "before every attention call; page_size >= 64 avoids the copy (with 2 or more "
+                "KV heads per device)",
+                kv_cache_dtype, page_size, 2 * page_size,
+            )  # fmt: skip
         scales = tuple(jnp.ones(scale_shape, SCALE_DTYPE) for _ in range(num_arrays))
         return cls(kv=kv, kv_scales=scales, **static)
 
