@@ -5,12 +5,13 @@ import functools
 import jax
 import numpy as np
 import pytest
+from engine_configs import PAGE_SIZE, small_config
 
 from paxkv import LLM, SamplingParams
-from paxkv.engine import Engine, EngineConfig
+from paxkv.engine import Engine
 from paxkv.engine.step import PLACEHOLDER_TOKEN as PLACEHOLDER
 
-PS = 8
+PS = PAGE_SIZE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 
 
@@ -25,18 +26,7 @@ def _dense_fn(model):
 
 
 def _engine(model, tokenizer=None, **kw):
-    cfg = dict(
-        num_pages=64,
-        page_size=PS,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=128,
-        token_buckets=(16, 64),
-        seq_buckets=(8,),
-        page_buckets=(16,),
-    )
-    cfg.update(kw)
-    return Engine(model, EngineConfig(**cfg), tokenizer=tokenizer)
+    return Engine(model, small_config(**({"num_pages": 64} | kw)), tokenizer=tokenizer)
 
 
 def _run(engine, prompts, params=GREEDY):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from engine_configs import SMALL
 from test_engine import _engine
 
 from paxkv import SamplingParams
@@ -9,16 +10,7 @@ from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.runner import FakeRunner, fake_token
 from paxkv.host.scheduler import Scheduler
 
-CONFIG = dict(
-    num_pages=24,  # tight: preemptions happen
-    page_size=8,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    max_model_len=128,
-    token_buckets=(16, 64),
-    seq_buckets=(8,),
-    page_buckets=(16,),
-)
+CONFIG = SMALL | dict(num_pages=24)  # tight: preemptions happen
 
 
 def _requests(vocab, seed=0):

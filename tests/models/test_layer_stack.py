@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_configs import PAGE_SIZE, small_config
 from flax import nnx
 
 from paxkv import SamplingParams
-from paxkv.engine import Engine, EngineConfig
+from paxkv.engine import Engine
 from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.engine.step import MODEL_STEP, StepBatch
 from paxkv.models import (
@@ -27,7 +28,7 @@ from paxkv.models import (
 )
 from paxkv.models.gemma_config import every_nth_full
 
-PS = 8
+PS = PAGE_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +93,7 @@ def test_stacked_cache_writes_where_the_per_layer_cache_does(models):
 
 
 def _engine(model, **kw):
-    cfg = dict(
-        num_pages=64,
-        page_size=PS,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=128,
-        token_buckets=(16, 64),
-        seq_buckets=(8,),
-        page_buckets=(16,),
-    )
-    return Engine(model, EngineConfig(**(cfg | kw)))
+    return Engine(model, small_config(**({"num_pages": 64} | kw)))
 
 
 def _run(engine, prompts, params):

@@ -6,10 +6,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from engine_configs import PAGE_SIZE, small_config
 from flax import nnx
 
 from paxkv import SamplingParams
-from paxkv.engine import Engine, EngineConfig
+from paxkv.engine import Engine
 from paxkv.models import (
     PRESETS,
     init_model,
@@ -22,18 +23,9 @@ from paxkv.models.weights import hf_name, load_hf_checkpoint
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 
-PS = 8
+PS = PAGE_SIZE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-CONFIG = EngineConfig(
-    num_pages=48,
-    page_size=PS,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    max_model_len=128,
-    token_buckets=(16, 64),
-    seq_buckets=(8,),
-    page_buckets=(16,),
-)
+CONFIG = small_config(48)
 PROMPTS = [np.random.default_rng(n).integers(1, 256, n).tolist() for n in (1, 8, 9, 17, 40)]
 
 
