@@ -16,6 +16,7 @@ _LAZY = {
     "attention_inputs": ".contract",
     "attention_op": ".contract",
     "compute_dtype": ".contract",
+    "pack_kv_pages": ".kv_write",
     "write_kv_pages": ".kv_write",
     "dequantize": ".quantization",
     "quantize": ".quantization",

@@ -1,4 +1,5 @@
-"""Functional write of new tokens' K/V into their paged slots."""
+"""Functional write of new tokens' K/V into their paged slots, and the page layout's
+assembly from separate K and V pages."""
 
 from __future__ import annotations
 
@@ -66,3 +67,26 @@ def write_kv_pages(
     new = jnp.concatenate([new_k, new_v], axis=-1)  # [T, Hkv, 2 D]: key, then value
     kv_pages = kv_pages.at[page, :, offset].set(new.astype(kv_pages.dtype), mode="drop")
     return kv_pages, kv_scales
+
+
+def pack_kv_pages(
+    k_pages: jax.Array,  # [P, Hkv, ps, D]
+    v_pages: jax.Array,  # [P, Hkv, ps, D]
+    k_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
+    v_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
+) -> tuple[jax.Array, jax.Array | None]:
+    """K and V pages held apart, as the kernels' one array: `(kv_pages [P, Hkv, ps, 2 * D],
+    kv_scales bf16[P, Hkv, 2 * ps] or None)`, each token's key then its value (and each
+    head's key scales, then its value scales). A copy: for caches made elsewhere, not
+    for a step's hot path."""
+    if k_pages.shape != v_pages.shape or k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} must both be "
+            f"[P, Hkv, ps, D]"
+        )
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales come together (quantized pages) or not at all")
+    kv_pages = jnp.concatenate([k_pages, v_pages], axis=3)  # KEY lanes, then VALUE lanes
+    if k_scales is None:
+        return kv_pages, None
+    return kv_pages, jnp.concatenate([k_scales, v_scales], axis=2)

@@ -39,7 +39,7 @@ from absl import app, flags, logging
 
 from paxkv.benchmarks.timing import median_seconds
 from paxkv.kv_layout import page_bytes
-from paxkv.pallas_kernels import dequantize, quantize
+from paxkv.pallas_kernels import dequantize, pack_kv_pages, quantize
 from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_lanes, scale_rows
 
 IMPLS = ("paxkv", "jax-pallas", "xla-dense")
@@ -163,14 +163,15 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
         return jax.random.normal(key, shape, jnp.float32)
 
     k, v = pages(keys[1]), pages(keys[2])
-    kv_scales = None
+    k_scales = v_scales = None
     if settings.page_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
         (k, k_scales), (v, v_scales) = (
             quantize(k, settings.page_dtype),
             quantize(v, settings.page_dtype),
         )
-        kv_scales = jnp.concatenate([k_scales, v_scales], axis=2)  # key scales, then values'
-    kv = jnp.concatenate([k, v], axis=3).astype(settings.page_dtype)  # each row: key, value
+    kv, kv_scales = pack_kv_pages(
+        k.astype(settings.page_dtype), v.astype(settings.page_dtype), k_scales, v_scales
+    )
     q = jax.random.normal(
         keys[3], (batch * q_len, settings.num_q_heads, settings.head_dim), settings.dtype
     )

@@ -130,7 +130,7 @@ def make_case(
     dead = ~live[:, None, :, None]
     if quantized:
         (k, k_scales), (v, v_scales) = _quantize_np(k, page_dtype), _quantize_np(v, page_dtype)
-        kv_scales = np.concatenate([k_scales, v_scales], axis=2)  # key scales, then values'
+        kv_scales = np.concatenate([k_scales, v_scales], axis=2)  # key scales, then value scales
         kv_scales[~np.broadcast_to(np.concatenate([live, live], 1)[:, None], kv_scales.shape)] = (
             np.nan
         )

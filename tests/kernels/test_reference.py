@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from attention_cases import GRID, TOLERANCES, make_case, naive_attention
 
+from paxkv.pallas_kernels import pack_kv_pages
 from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
 
 
@@ -156,3 +157,21 @@ def test_bad_window_and_softcap():
         reference(*args, sm_scale=sm_scale, sliding_window=0)
     with pytest.raises(ValueError, match=re.escape("soft_cap=-1.0")):
         reference(*args, sm_scale=sm_scale, soft_cap=-1.0)
+
+
+def test_pack_kv_pages_lays_out_separate_k_and_v():
+    # Separate K/V pages (and scales) pack into the one array the kernels read: token
+    # j's key then value in row j, each head's key scales then value scales.
+    case = GRID[7].case(seed=6)  # int8 pages
+    ps, d = case.page_size, case.q.shape[2]
+    k, v = case.kv_pages[..., :d], case.kv_pages[..., d:]
+    k_scales, v_scales = case.kv_scales[..., :ps], case.kv_scales[..., ps:]
+    kv, scales = pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)))
+    np.testing.assert_array_equal(np.asarray(kv), case.kv_pages)
+    np.testing.assert_array_equal(np.asarray(scales), case.kv_scales)
+    kv, scales = pack_kv_pages(jnp.asarray(k).astype(jnp.float32), jnp.asarray(v, jnp.float32))
+    assert scales is None and kv.shape == case.kv_pages.shape
+    with pytest.raises(ValueError, match=re.escape("k_pages.shape=(")):
+        pack_kv_pages(jnp.asarray(k), jnp.asarray(v)[:, :1])
+    with pytest.raises(ValueError, match="come together"):
+        pack_kv_pages(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_scales))
