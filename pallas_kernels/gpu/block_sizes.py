@@ -65,7 +65,7 @@ class BlockSizes:
         cost registers (the gathered tiles' addresses, and the dequantized tiles); the
         defaults compile without spills for bf16 queries (`paxkv.tools.kernel_compile
         --subset=ci`: bf16 pages at head_dim 128, 83 registers with 4 warps; int8 and
-        fp8 pages at head_dim 128, 111 and 99 with 8 warps, where 4 warps spill).
+        fp8 pages at head_dim 128, 111 and 99 with 8 warps; 4 warps spill there).
       num_splits: most KV splits of one decode sequence (split-K), in [1, 64]; the
         split plan cuts the live decodes' KV blocks into about TARGET_DECODE_PROGRAMS
         programs each call, never more than this many per sequence (1: no split, no
@@ -81,8 +81,8 @@ class BlockSizes:
         two). Default: 8 for tiles of 128 rows or more, or whose f32 accumulator
         (rows x head_dim) or K/V block (kv_block x head_dim) holds 128 x 128 values or
         more, or, with quantized pages (whose K/V blocks the registers also hold
-        dequantized), whose K/V block is at least 32 tokens x 128 dims; else 4 (where 4
-        warps spill or come close, in the compiled figures).
+        dequantized), whose K/V block holds at least 32 x 128 values; else 4 (see
+        `_default_warps` for the compiled figures behind the rule).
       num_stages: Triton software-pipelining stages of both kernels' KV loops (>= 1).
       check_shared_memory: reject, in `resolve` (not when interpreting), block sizes whose
         kernels' estimated shared memory (`shared_memory_bytes`) exceeds
@@ -181,10 +181,12 @@ def _default_warps(rows: int, kv_block: int, head_dim: int, quantized: bool) -> 
     """Warps of a tile of `rows` query rows over KV blocks of `kv_block` tokens: 8 from
     128 rows, or from 128 x 128 values in the accumulator or a K/V block, or (quantized
     pages, whose K and V blocks the registers also hold dequantized) from a K/V block of
-    32 tokens x 128 dims; else 4."""
+    32 x 128 values; else 4. The quantized default decode blocks (64 x 64, 32 x 128,
+    16 x 256) compile to fewer registers at 8 warps (119 -> 73, 128 -> 111, 142 -> 128
+    with bf16 queries), and 4 warps spill at head_dim 128 and, under float32 queries, 256."""
     if rows >= 128 or max(rows, kv_block) * head_dim >= 128 * 128:
         return 8
-    return 8 if quantized and kv_block >= 32 and head_dim >= 128 else 4
+    return 8 if quantized and kv_block * head_dim >= 32 * 128 else 4
 
 
 def kernel_tiles(shapes: AttentionShapes, bs: BlockSizes) -> dict[str, tuple[int, int, int]]:

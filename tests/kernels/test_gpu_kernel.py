@@ -160,12 +160,13 @@ def test_default_block_sizes_fit_the_call():
         (128, jnp.bfloat16, None, (128, 4, 8)),
         (256, jnp.bfloat16, None, (64, 8, 8)),
         (128, jnp.float32, None, (64, 4, 4)),
-        # Quantized pages: 8 decode warps for the dequantized 32 x 128 K/V blocks at
-        # head_dim 128 (4 warps spill there); 4 for the 64 x 64 and 16 x 256 blocks.
-        (64, jnp.bfloat16, jnp.int8, (128, 4, 8)),
+        # Quantized pages: 8 decode warps for the dequantized K/V blocks of 32 x 128
+        # values (64 x 64, 32 x 128, 16 x 256): 4 warps spill at head_dim 128, and at
+        # 256 under float32 queries.
+        (64, jnp.bfloat16, jnp.int8, (128, 8, 8)),
         (128, jnp.bfloat16, jnp.int8, (128, 8, 8)),
         (128, jnp.bfloat16, jnp.float8_e4m3fn, (128, 8, 8)),
-        (256, jnp.bfloat16, jnp.int8, (64, 4, 8)),
+        (256, jnp.bfloat16, jnp.int8, (64, 8, 8)),
     ],
 )
 def test_default_tiles_and_warps(head_dim, dtype, page_dtype, tiles):
