@@ -1,11 +1,26 @@
-"""The suite's collection: `multidevice/` runs in its own process (see test_multidevice.py).
+"""The suite's collection and its XLA settings.
 
-Those tests need 8 host devices, which XLA creates only when `XLA_FLAGS` is set
-before JAX starts, so this process leaves them to a child that sets it.
+`multidevice/` runs in its own process (see test_multidevice.py): those tests need 8 host
+devices, which XLA creates only when `XLA_FLAGS` is set before JAX starts, so this
+process leaves them to a child that sets it.
+
+Compiling is most of the suite's time (the models are tiny; a warm compilation cache runs
+the engine tests 4x faster), so XLA:CPU compiles its code here with LLVM at -O0 and
+without its expensive passes: the same HLO and IEEE semantics (fast-math stays off),
+less machine-code optimisation, so results may differ only in the last bits (fused
+multiply-adds). `PAXKV_TEST_XLA_OPT=1` runs the
+suite with XLA's default optimisation instead. Set before any test module imports JAX;
+child processes (the launch and multidevice tests) inherit it.
 """
 
 import os
 
 from multidevice_env import MULTIDEVICE_ENV
+
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+if os.environ.get("PAXKV_TEST_XLA_OPT") != "1":
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _FAST_COMPILE if f not in _flags])
 
 collect_ignore = [] if os.environ.get(MULTIDEVICE_ENV) else ["multidevice"]

@@ -138,9 +138,10 @@ def test_quantized_pages_give_the_loops_tokens(models):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 33, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for kv_dtype in ("int8", "fp8"):
-        want = _run(_engine(loop, kv_cache_dtype=kv_dtype), prompts, params)
-        assert _run(_engine(scan, kv_cache_dtype=kv_dtype), prompts, params) == want
+    # int8 only: fp8 differs in how a row is quantized, not in how scanned layers
+    # write and read the scales (fp8: the kernel tests and test_state's write round trip).
+    want = _run(_engine(loop, kv_cache_dtype="int8"), prompts, params)
+    assert _run(_engine(scan, kv_cache_dtype="int8"), prompts, params) == want
 
 
 def test_checkpoints_load_and_save_in_either_layout(models, tmp_path):
@@ -230,11 +231,15 @@ def test_gemma_scans_over_the_period_of_its_windows(name, layers, shape):
     rng = np.random.default_rng(4)
     tokens = jnp.asarray(rng.integers(0, 256, 70), jnp.int32)
     np.testing.assert_allclose(scan.dense_logits(tokens), loop.dense_logits(tokens), atol=2e-5)
-    # Hybrid pages (window groups let pages go) and uniform pages.
+    # Hybrid pages (window groups let pages go) for every shape; uniform pages and
+    # multi-step decode once (they do not depend on how the layers are grouped).
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (3, 20, 41, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [_dense_greedy(loop, p, 8) for p in prompts]
-    for kw in ({}, {"hybrid_kv_cache": False}, {"num_decode_steps": 4}):
+    engine_kwargs = [{}]
+    if shape == (2, 2, 1):
+        engine_kwargs += [{"hybrid_kv_cache": False}, {"num_decode_steps": 4}]
+    for kw in engine_kwargs:
         engine = _engine(scan, num_pages=128, **kw)
         assert engine.kv_cache.stacked
         assert _run(engine, prompts, params) == expected, kw
