@@ -17,7 +17,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_multidevice_suite():
     env = os.environ | {MULTIDEVICE_ENV: "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "tests/multidevice"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            "tests/multidevice",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
