@@ -16,8 +16,9 @@ lanes `D .. 2 D - 1` (see `layout.py`). A page is one contiguous block holding K
 of every KV head of the layer, so moving a page (or a run of its heads) between HBM
 and on-chip memory is a single DMA, and the per-head slices `[ps, D]` are the tiles the
 matrix unit consumes. Quantized pages carry per-token-per-head scales
-`kv_scales bf16[P, Hkv, 2 * ps]` beside them: each head's ps key scales, then its ps
-value scales.
+`kv_scales bf16[P, Hkv, 2, L]` beside them: `[p, h, KEY, j]` is token j's key scale,
+`[p, h, VALUE, j]` its value scale, and lanes `j >= ps` (L >= ps; on TPU ps rounded up
+to 128, see `layout.scale_lanes`) are padding, never read.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class AttentionShapes:
     max_num_seqs: int  # S
     pages_per_seq: int
     quantized: bool
+    scale_lanes: int = 0  # L of kv_scales [P, Hkv, 2, L] (>= ps); 0 for float pages
 
     @property
     def group_size(self) -> int:
@@ -79,7 +81,7 @@ class AttentionInputs:
     block_tables: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[1]
-    kv_scales: jax.Array | None  # bf16[P, Hkv, 2 * ps], quantized pages only
+    kv_scales: jax.Array | None  # bf16[P, Hkv, 2, L], quantized pages only
     sm_scale: float = dataclasses.field(metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(metadata=dict(static=True))
@@ -125,7 +127,7 @@ def attention_inputs(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    kv_scales: jax.Array | None = None,  # bf16[P, Hkv, 2 * ps]
+    kv_scales: jax.Array | None = None,  # bf16[P, Hkv, 2, L], L >= ps
 ) -> AttentionInputs:
     """Validates the arguments of a ragged paged attention call and bundles them.
 
@@ -173,10 +175,11 @@ def attention_inputs(
     if quantized:
         if kv_scales is None:
             raise ValueError(f"kv_pages.dtype={page_dtype} is quantized, so kv_scales is required")
-        expected = (num_pages, num_kv_heads, 2 * page_size)
-        if kv_scales.shape != expected:
+        expected = (num_pages, num_kv_heads, 2)
+        if kv_scales.ndim != 4 or kv_scales.shape[:3] != expected or kv_scales.shape[3] < page_size:
             raise ValueError(
-                f"kv_scales.shape={kv_scales.shape} must be [P, Hkv, 2 * page_size]={expected}"
+                f"kv_scales.shape={kv_scales.shape} must be [P, Hkv, 2, L]=({num_pages}, "
+                f"{num_kv_heads}, 2, L) with L >= page_size={page_size}"
             )
         if kv_scales.dtype != SCALE_DTYPE:
             raise ValueError(f"kv_scales.dtype={kv_scales.dtype} must be {SCALE_DTYPE}")
@@ -218,6 +221,7 @@ def attention_inputs(
         max_num_seqs=max_num_seqs,
         pages_per_seq=block_tables.shape[1],
         quantized=quantized,
+        scale_lanes=kv_scales.shape[3] if quantized else 0,
     )
     if all(_is_concrete(a) for a in (kv_lens, block_tables, cu_q_lens, num_seqs)):
         _check_lengths(

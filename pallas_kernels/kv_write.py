@@ -7,8 +7,13 @@ import jax
 import jax.numpy as jnp
 
 from .contract import token_layout
-from .layout import KEY, QUANTIZED_PAGE_DTYPES, VALUE, scale_row
+from .layout import QUANTIZED_PAGE_DTYPES
 from .quantization import quantize
+
+
+def _rows(k: jax.Array, v: jax.Array) -> jax.Array:  # [..., D] x 2 -> [..., 2 * D]
+    """Tokens' rows as the pages hold them: the key's lanes (`KEY`), then the value's."""
+    return jnp.concatenate([k, v], axis=-1)
 
 
 def write_kv_pages(
@@ -20,7 +25,7 @@ def write_kv_pages(
     cu_q_lens: jax.Array,  # i32[S + 1]
     num_seqs: jax.Array,  # i32[1]
     *,
-    kv_scales: jax.Array | None = None,  # bf16[P, Hkv, 2 * ps]
+    kv_scales: jax.Array | None = None,  # bf16[P, Hkv, 2, L]
 ) -> tuple[jax.Array, jax.Array | None]:
     """Writes each live query row's K/V into its cache slot and returns the new pages.
 
@@ -29,7 +34,7 @@ def write_kv_pages(
     `pos % ps` of every head (the key, then the value). Padding rows are dropped. When
     the pages are quantized the entries are quantized per token and head (see
     `quantization.quantize`), K and V apart, and their scales written to `kv_scales` at
-    `scale_row(KEY, pos % ps)` and `scale_row(VALUE, pos % ps)`. Returns
+    `[page, head, KEY, pos % ps]` and `[page, head, VALUE, pos % ps]`. Returns
     `(kv_pages, kv_scales)`.
 
     This is one scatter of whole rows, K and V together: under `jit` with the pages
@@ -59,12 +64,9 @@ def write_kv_pages(
             quantize(new_k, kv_pages.dtype),
             quantize(new_v, kv_pages.dtype),
         )
-        rows = jnp.concatenate(
-            [scale_row(KEY, offset, page_size), scale_row(VALUE, offset, page_size)]
-        )
-        scales = jnp.concatenate([k_scales, v_scales])  # bf16[2T, Hkv]
-        kv_scales = kv_scales.at[jnp.concatenate([page, page]), :, rows].set(scales, mode="drop")
-    new = jnp.concatenate([new_k, new_v], axis=-1)  # [T, Hkv, 2 D]: key, then value
+        scales = jnp.stack([k_scales, v_scales], axis=-1)  # bf16[T, Hkv, 2]: KEY, VALUE
+        kv_scales = kv_scales.at[page, :, :, offset].set(scales, mode="drop")
+    new = _rows(new_k, new_v)  # [T, Hkv, 2 D]
     kv_pages = kv_pages.at[page, :, offset].set(new.astype(kv_pages.dtype), mode="drop")
     return kv_pages, kv_scales
 
@@ -74,10 +76,13 @@ def pack_kv_pages(
     v_pages: jax.Array,  # [P, Hkv, ps, D]
     k_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
     v_scales: jax.Array | None = None,  # bf16[P, Hkv, ps]
+    *,
+    scale_lanes: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """K and V pages held apart, as the kernels' one array: `(kv_pages [P, Hkv, ps, 2 * D],
-    kv_scales bf16[P, Hkv, 2 * ps] or None)`, each token's key then its value (and each
-    head's key scales, then its value scales). A copy: for caches made elsewhere, not
+    kv_scales bf16[P, Hkv, 2, L] or None)`, each token's key then its value (and each
+    head's key scales, then its value scales, padded with ones to `scale_lanes` = L
+    lanes, default ps; see `layout.scale_lanes`). A copy: for caches made elsewhere, not
     for a step's hot path."""
     if k_pages.shape != v_pages.shape or k_pages.ndim != 4:
         raise ValueError(
@@ -86,7 +91,13 @@ def pack_kv_pages(
         )
     if (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales come together (quantized pages) or not at all")
-    kv_pages = jnp.concatenate([k_pages, v_pages], axis=3)  # KEY lanes, then VALUE lanes
+    kv_pages = _rows(k_pages, v_pages)
     if k_scales is None:
         return kv_pages, None
-    return kv_pages, jnp.concatenate([k_scales, v_scales], axis=2)
+    page_size = k_pages.shape[2]
+    lanes = page_size if scale_lanes is None else scale_lanes
+    if lanes < page_size:
+        raise ValueError(f"scale_lanes={scale_lanes} must be >= page_size={page_size}")
+    scales = jnp.stack([k_scales, v_scales], axis=2)  # [P, Hkv, 2, ps]: KEY, VALUE
+    pad = [(0, 0)] * 3 + [(0, lanes - page_size)]
+    return kv_pages, jnp.pad(scales, pad, constant_values=1)

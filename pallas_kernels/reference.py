@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .contract import AttentionInputs, attention_op, token_layout
-from .layout import KEY, NULL_PAGE, VALUE, kv_lanes, scale_rows
+from .layout import KEY, NULL_PAGE, VALUE, kv_lanes
 from .quantization import dequantize
 
 # Bytes of gathered K/V one lax.map iteration may hold; bounds the reference's memory.
@@ -58,7 +58,7 @@ def _reference(inputs: AttentionInputs) -> jax.Array:
                 pages, :, :, kv_lanes(part, head_dim)
             ]  # [pages_per_seq, Hkv, ps, D]
             if inputs.kv_scales is not None:
-                x = dequantize(x, inputs.kv_scales[pages, :, scale_rows(part, page_size)])
+                x = dequantize(x, inputs.kv_scales[pages, :, part, :page_size])
             x = x.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(num_kv_heads, max_len, head_dim)
             return jnp.where(mask[None, :, None], x, 0.0)  # a poisoned entry must not leak
 

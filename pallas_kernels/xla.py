@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .contract import AttentionInputs, attention_op, token_layout
-from .layout import KEY, NULL_PAGE, VALUE, cdiv, kv_lanes, scale_rows
+from .layout import KEY, NULL_PAGE, VALUE, cdiv, kv_lanes
 from .quantization import dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -45,7 +45,7 @@ def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
     def gather(part, page_ids, keep):  # KEY or VALUE -> f32[Hkv, block_len, D]
         x = kv_pages[page_ids, :, :, kv_lanes(part, head_dim)]  # [block_pages, Hkv, ps, D]
         if kv_scales is not None:
-            x = dequantize(x, kv_scales[page_ids, :, scale_rows(part, page_size)])
+            x = dequantize(x, kv_scales[page_ids, :, part, :page_size])
         x = x.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(num_kv_heads, block_len, head_dim)
         return jnp.where(keep[None, :, None], x, 0.0)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from paxkv.pallas_kernels.layout import SCALE_DTYPE, page_bytes
+from paxkv.pallas_kernels.layout import SCALE_DTYPE, page_bytes, scale_lanes
 
 # kv_cache_dtype -> the dtype pages are stored in; "auto" stores them in the model dtype.
 QUANTIZED_KV_CACHE_DTYPES: dict[str, np.dtype] = {
@@ -31,11 +31,22 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> np.dtype:
 
 
 def kv_page_bytes(
-    *, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, page_dtype
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    page_dtype,
+    platform: str | None = None,
 ) -> int:
-    """Device bytes of one page across every layer (K, V and their scales)."""
+    """Device bytes of one page across every layer (K, V and their scales, laid out for
+    `platform`: on "tpu" the scales are padded to 128 lanes, see `layout.scale_lanes`)."""
     return num_layers * page_bytes(
-        num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim, page_dtype=page_dtype
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        head_dim=head_dim,
+        page_dtype=page_dtype,
+        platform=platform,
     )
 
 
@@ -46,4 +57,5 @@ __all__ = [
     "kv_page_bytes",
     "page_bytes",
     "resolve_kv_cache_dtype",
+    "scale_lanes",
 ]

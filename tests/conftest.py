@@ -24,3 +24,9 @@ if os.environ.get("PAXKV_TEST_XLA_OPT") != "1":
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _FAST_COMPILE if f not in _flags])
 
 collect_ignore = [] if os.environ.get(MULTIDEVICE_ENV) else ["multidevice"]
+
+
+def pytest_collection_modifyitems(items):
+    """The longest test, the multidevice child suite (about 2 minutes), first: with a
+    worker per core (pytest-xdist) it then overlaps the rest instead of running last."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_multidevice.py::"))

@@ -41,6 +41,24 @@ def test_page_bytes_of_named_pages():
     assert kv_layout.page_bytes(**kw, page_dtype=ml_dtypes.float8_e5m2) == 4096 + 128
 
 
+def test_tpu_pads_the_scales_of_pages_of_64_to_128_lanes():
+    # Scales [P, Hkv, 2, L]: L is the page size, or on TPU 128 lanes for pages of 64 (a
+    # minor axis under 128 lanes makes XLA relay the array out every call; padding the
+    # smaller pages would cost too much of the pool).
+    sizes = (8, 16, 32, 64, 128, 256)
+    assert [kv_layout.scale_lanes(ps) for ps in sizes] == list(sizes)
+    assert [kv_layout.scale_lanes(ps, "gpu") for ps in sizes] == list(sizes)
+    assert [kv_layout.scale_lanes(ps, "tpu") for ps in sizes] == [8, 16, 32, 128, 128, 256]
+    kw = dict(num_kv_heads=2, page_size=64, head_dim=64, page_dtype="int8")
+    assert kv_layout.page_bytes(**kw, platform="tpu") == 2 * 2 * 64 * 64 + 2 * 2 * 128 * 2
+    assert kv_layout.page_bytes(**kw) == 2 * 2 * 64 * 64 + 2 * 2 * 64 * 2
+    assert kv_layout.page_bytes(**kw, platform="gpu") == kv_layout.page_bytes(**kw)
+    assert kv_layout.kv_page_bytes(num_layers=3, **kw, platform="tpu") == 3 * (16384 + 1024)
+    # Float pages carry no scales, so no padding.
+    kw["page_dtype"] = "bfloat16"
+    assert kv_layout.page_bytes(**kw, platform="tpu") == kv_layout.page_bytes(**kw) == 32768
+
+
 @pytest.mark.parametrize(
     "kv_cache_dtype, model_dtype, page_dtype",
     [

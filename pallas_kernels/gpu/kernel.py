@@ -79,13 +79,13 @@ class KvRefs(NamedTuple):
 
     block_tables: object  # i32[S, pages_per_seq]
     pages: object  # [P, Hkv, ps, 2, D]: [..., KEY, :] a token's key, [..., VALUE, :] its value
-    scales: object | None  # bf16[P, Hkv, 2, ps]
+    scales: object | None  # bf16[P, Hkv, 2, L]: [..., KEY, j] token j's key scale
 
 
 def kv_views(kv_pages: jax.Array, kv_scales: jax.Array | None) -> tuple[jax.Array, ...]:
-    """Pages `[P, Hkv, ps, 2 * D]` as `[P, Hkv, ps, 2, D]` and their scales `[P, Hkv,
-    2 * ps]` (if any) as `[P, Hkv, 2, ps]`: the same memory (free reshapes), with the
-    key/value half a scalar index.
+    """Pages `[P, Hkv, ps, 2 * D]` as `[P, Hkv, ps, 2, D]` (the same memory, a free
+    reshape), with the key/value half a scalar index as in the scales `[P, Hkv, 2, L]`
+    (passed as they are).
 
     A K tile and a V tile then differ only by a constant in their offsets. Selecting the
     half with a computed index (`VALUE * ps + offset` rows, in the layout of rows) made
@@ -95,7 +95,7 @@ def kv_views(kv_pages: jax.Array, kv_scales: jax.Array | None) -> tuple[jax.Arra
     """
     p, h, ps, lanes = kv_pages.shape
     pages = kv_pages.reshape(p, h, ps, 2, lanes // 2)
-    return (pages,) if kv_scales is None else (pages, kv_scales.reshape(p, h, 2, ps))
+    return (pages,) if kv_scales is None else (pages, kv_scales)
 
 
 def decode_tile_rows(group_padded: int) -> int:
@@ -301,7 +301,7 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
     Refs: the output buffer (aliased to `o`), item_seq i32[W] (the decode sequence of each
     work item, -1 for an idle one), item_lo, item_hi i32[W] (its KV blocks `[lo, hi)` of
     the loop `visible_range` describes), kv_lens, block_tables, cu_q_lens, q [T, Hq, D],
-    kv_pages [P, Hkv, ps, 2, D], (kv_scales [P, Hkv, 2, ps]) as in `kv_views`; outputs
+    kv_pages [P, Hkv, ps, 2, D], (kv_scales [P, Hkv, 2, L]) as in `kv_views`; outputs
     `o [T, Hq, D]` (q dtype) and, when `split`, the partials `acc f32[W, Hq, D], row_max f32[W, Hq], denom f32[W, Hq]`. An
     item that covers its whole sequence writes the normalized row of `o` (the sequence's
     one query token) itself; an item that covers a share writes its partials, which

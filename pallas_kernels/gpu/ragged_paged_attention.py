@@ -79,7 +79,7 @@ def ragged_paged_attention_gpu(
     Same arguments, result and guarantees as the reference (see `attention_op` for the
     calling convention), plus the keywords below. Pages `[P, Hkv, ps, 2 * D]`, each
     token's key then its value (float, or int8/float8 with per-token-per-head scales
-    `bf16[P, Hkv, 2 * ps]`, each head's key scales then its value scales, dequantized in
+    `bf16[P, Hkv, 2, L]`, each head's key scales then its value scales, dequantized in
     the kernel); packed ragged queries delimited by `cu_q_lens`; causal within each chunk,
     optional sliding window (pages wholly before the window are skipped) and soft-cap;
     padding rows and rows that see nothing are exact zeros. Dots take the operand dtype

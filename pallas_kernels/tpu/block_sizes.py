@@ -176,9 +176,9 @@ def vmem_bytes(shapes: AttentionShapes, bs: BlockSizes, q_dtype, page_dtype) -> 
     parts = {
         "K/V page buffers": _vmem_array_bytes((2, ppb, hb, ps, 2 * d), page_dtype),
         "scale buffers": (
-            # Every KV head of a page, as stored and widened to float32 (see `kernel.py`).
-            _vmem_array_bytes((2, ppb, shapes.num_kv_heads, 2 * ps), SCALE_DTYPE)
-            + 2 * _vmem_array_bytes((ppb, shapes.num_kv_heads, ps), jnp.float32)
+            # The block's heads of a page, as stored and widened to float32 (`kernel.py`).
+            _vmem_array_bytes((2, ppb, hb, 2, shapes.scale_lanes), SCALE_DTYPE)
+            + 2 * _vmem_array_bytes((ppb, hb, ps), jnp.float32)
             if shapes.quantized
             else 0
         ),

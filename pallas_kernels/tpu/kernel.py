@@ -11,18 +11,16 @@ group, so GQA/MQA groups share every K/V tile on the matrix unit.
 The pages the item needs, `[first_page, end_page)`, are walked in blocks of
 `pages_per_block`. Each page is one DMA from HBM into a double-buffered VMEM slot, K and
 V of the block's KV heads together (the page layout `[P, Hkv, ps, 2 * D]` keeps them in
-one contiguous run), and for 8-bit pages one more DMA for its K and V scales; the
-copies of block `i + 1`
-are in flight while block `i` is computed, and during an item's last block the copies
+one contiguous run), and for 8-bit pages one more DMA for their K and V scales; the
+copies of block `i + 1` are in flight while block `i` is computed, and during an item's last block the copies
 of the first block of the core's next grid step (next item, or first item of the next
 head block), so no item starts with a cold copy (RPA v2/v3 overlap the same way). Pages
 outside that range (past the item's last row, or before its sliding window) are never
 fetched.
 
-The bfloat16 scales are copied for every KV head of the page, and widened to float32
-(K's and V's apart) in VMEM once the block has landed: bfloat16 packs two heads' rows
-into one sublane, so Mosaic can neither copy nor load one head's row of them at a head
-index it cannot prove even.
+The bfloat16 scales (`[P, Hkv, 2, L]`: the head axis is untiled, so a run of heads is
+one DMA at any head index) are widened to float32, K's and V's apart, in VMEM once the
+block has landed.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..layout import KEY, VALUE, kv_lanes, scale_rows
+from ..layout import KEY, VALUE, kv_lanes
 
 # Finite, so a row that has seen nothing yet gives exp(MASK - MASK) = 1 (then zeroed
 # by `where`) rather than exp(-inf + inf) = NaN.
@@ -80,8 +78,8 @@ def page_copy(
     """DMA of one page's `heads` KV heads from `head_start` into a VMEM buffer slot.
 
     The same copy serves pages (`[P, Hkv, ps, 2 * D]` -> `[2, ppb, hb, ps, 2 * D]`, K and
-    V together) and their scales (`[P, Hkv, 2 * ps]` -> `[2, ppb, Hkv, 2 * ps]`, every
-    head): the page lands at `[slot, index]`.
+    V together) and their scales (`[P, Hkv, 2, L]` -> `[2, ppb, hb, 2, L]`): the page
+    lands at `[slot, index]`.
     """
     return pltpu.make_async_copy(
         src_hbm.at[page, pl.ds(head_start, heads)], dst_vmem.at[slot, index], sem
@@ -106,7 +104,7 @@ def _visible(cfg: KernelConfig, shape, col_start, first_pos, num_rows):
 
 
 def _attend_block(
-    cfg: KernelConfig, bufs, stats, slot, head_start, col_start, first_pos, num_rows, hi, *, masked
+    cfg: KernelConfig, bufs, stats, slot, col_start, first_pos, num_rows, hi, *, masked
 ):
     """Online-softmax update of every head's (m, l, acc) with one block of pages.
 
@@ -114,8 +112,7 @@ def _attend_block(
     window or length boundary inside): no mask is built. `hi` is one past the item's
     last position; columns at or past it may be stale or poisoned, so in the masked
     path their values are removed with `where`, never by multiplying by zero. The
-    widened scales (`f32[1, ppb, Hkv, ps]`) hold every KV head, so head `h` of the block
-    reads them at `head_start + h`.
+    widened scales are `f32[1, ppb, hb, ps]`, the block's heads.
     """
     q_ref, kvbuf, k_scales, v_scales = bufs
     d = kvbuf.shape[-1] // 2
@@ -137,7 +134,7 @@ def _attend_block(
         k = kvbuf[slot, :, h, :, keys].reshape(n, -1).astype(mm)  # [ppb, ps, D] -> [N, D]
         s = dot(q, k, (((1,), (1,)), ((), ())))  # [M, N] f32
         if cfg.quantized:  # dequantize through the logits: q . (k * s_j) = (q . k) * s_j
-            s = s * (k_scales[0, :, head_start + h].reshape(1, n) * cfg.sm_scale)
+            s = s * (k_scales[0, :, h].reshape(1, n) * cfg.sm_scale)
         else:
             s = s * cfg.sm_scale
         if cfg.soft_cap is not None:
@@ -153,7 +150,7 @@ def _attend_block(
         l_new = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
         v = kvbuf[slot, :, h, :, values].reshape(n, -1)  # [N, D]
         if cfg.quantized:
-            v_scale = v_scales[0, :, head_start + h].reshape(1, n)  # [ppb, ps] -> [1, N]
+            v_scale = v_scales[0, :, h].reshape(1, n)  # [ppb, ps] -> [1, N]
             if masked:
                 v_scale = jnp.where(live_row, v_scale, 0.0)
             p = p * v_scale
@@ -180,7 +177,7 @@ def ragged_paged_attention_kernel(
     # Inputs.
     q_ref,  # [hb, M, D] VMEM block of this item
     kv_hbm,  # [P, Hkv, ps, 2 * D] HBM
-    *refs,  # ([scales_hbm] bf16[P, Hkv, 2 * ps]), o_ref, scratch...
+    *refs,  # ([scales_hbm] bf16[P, Hkv, 2, L]), o_ref, scratch...
     cfg: KernelConfig,
 ) -> None:
     """Grid step `(core, kv head block, w)`: attention of one item's rows for `hb` heads.
@@ -225,17 +222,17 @@ def ragged_paged_attention_kernel(
         """Applies `action` to the copy of every stream of every page block `block` of
         the item of geometry `geo` needs, for the KV heads from `head_start`."""
         seq, _, _, _, first_page, end_page, _ = geo
-        # (source, VMEM buffer, first head, heads) of each stream a page is copied in:
-        # its K and V, and its scales (every head's).
-        streams = [(kv_hbm, kvbuf, head_start, hb)]
+        # (source, VMEM buffer) of each stream a page's heads are copied in: its K and
+        # V, and their scales.
+        streams = [(kv_hbm, kvbuf)]
         if cfg.quantized:
-            streams.append((scales_hbm, sbuf, 0, scales_hbm.shape[1]))
+            streams.append((scales_hbm, sbuf))
         block_first = first_page + block * ppb
         num_pages = jnp.minimum(ppb, end_page - block_first)  # the last block may be short
 
         def one_page(i, carry):
             page = block_tables_ref[seq * pps + block_first + i]
-            for stream, (src, dst, first_head, heads) in enumerate(streams):
+            for stream, (src, dst) in enumerate(streams):
                 copy = page_copy(
                     src,
                     dst,
@@ -243,8 +240,8 @@ def ragged_paged_attention_kernel(
                     page=page,
                     slot=slot,
                     index=i,
-                    head_start=first_head,
-                    heads=heads,
+                    head_start=head_start,
+                    heads=hb,
                 )
                 action(copy)
             return carry
@@ -308,15 +305,15 @@ def ragged_paged_attention_kernel(
 
         wait(block, slot)
         if cfg.quantized:
-            k_scales[0] = sbuf[slot, :, :, scale_rows(KEY, ps)].astype(jnp.float32)
-            v_scales[0] = sbuf[slot, :, :, scale_rows(VALUE, ps)].astype(jnp.float32)
+            k_scales[0] = sbuf[slot, :, :, KEY, :ps].astype(jnp.float32)
+            v_scales[0] = sbuf[slot, :, :, VALUE, :ps].astype(jnp.float32)
         col_start = (first_page + block * ppb) * ps
         # Every row sees every column: all columns at or before the first row's
         # position and, with a window, inside the last row's window.
         inside = col_start + cfg.block_tokens <= first_pos + 1
         if cfg.sliding_window is not None:
             inside &= col_start > hi - 1 - cfg.sliding_window
-        args = (cfg, bufs, stats, slot, head_start, col_start, first_pos, num_rows, hi)
+        args = (cfg, bufs, stats, slot, col_start, first_pos, num_rows, hi)
         lax.cond(
             inside,
             lambda: _attend_block(*args, masked=False),

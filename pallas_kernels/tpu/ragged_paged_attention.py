@@ -163,12 +163,13 @@ def _ragged_paged_attention(
     # K and V of hb heads of ppb pages, double-buffered.
     scratch = [pltpu.VMEM((2, ppb, hb, page_size, 2 * head_dim), kv_pages.dtype)]
     if quantized:
-        # Every KV head of a page: as stored (double-buffered), then K's and V's widened
-        # to float32 (see kernel.py). The widened buffers' leading unit axis is there for
-        # Mosaic: it reshapes one head's `[ppb, ps]` scales to `[1, N]` when loaded from a
-        # rank-4 buffer, and rejects the same reshape from a rank-3 one.
-        scratch += [pltpu.VMEM((2, ppb, num_kv_heads, 2 * page_size), SCALE_DTYPE)]
-        scratch += [pltpu.VMEM((1, ppb, num_kv_heads, page_size), jnp.float32)] * 2
+        # The block's heads of a page: as stored (double-buffered), then K's and V's
+        # widened to float32 (see kernel.py). The widened buffers' leading unit axis is
+        # there for Mosaic: it reshapes one head's `[ppb, ps]` scales to `[1, N]` when
+        # loaded from a rank-4 buffer, and rejects the same reshape from a rank-3 one.
+        lanes = inputs.shapes.scale_lanes
+        scratch += [pltpu.VMEM((2, ppb, hb, 2, lanes), SCALE_DTYPE)]
+        scratch += [pltpu.VMEM((1, ppb, hb, page_size), jnp.float32)] * 2
     scratch += [
         pltpu.SemaphoreType.DMA((2 if quantized else 1, 2)),
         pltpu.SMEM((1,), jnp.int32),  # the slot of the next step's first block

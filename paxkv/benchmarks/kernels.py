@@ -40,7 +40,7 @@ from absl import app, flags, logging
 from paxkv.benchmarks.timing import median_seconds
 from paxkv.kv_layout import page_bytes
 from paxkv.pallas_kernels import dequantize, pack_kv_pages, quantize
-from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_lanes, scale_rows
+from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_lanes, scale_lanes
 
 IMPLS = ("paxkv", "jax-pallas", "xla-dense")
 
@@ -117,7 +117,7 @@ class Inputs:
 
     q: jax.Array  # [T, Hq, D]
     kv_pages: jax.Array  # [P, Hkv, ps, 2 * D]
-    kv_scales: jax.Array | None  # bf16[P, Hkv, 2 * ps]
+    kv_scales: jax.Array | None  # bf16[P, Hkv, 2, L]
     kv_lens: jax.Array  # i32[S]
     block_tables: jax.Array  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array  # i32[S + 1]
@@ -143,8 +143,7 @@ class Inputs:
         """K (`part=KEY`) or V pages `[P, Hkv, ps, D]` and their scales, apart, for the
         implementations that take them so (a copy)."""
         _, _, page_size, lanes = self.kv_pages.shape
-        rows = scale_rows(part, page_size)
-        scales = None if self.kv_scales is None else self.kv_scales[:, :, rows]
+        scales = None if self.kv_scales is None else self.kv_scales[:, :, part, :page_size]
         return self.kv_pages[..., kv_lanes(part, lanes // 2)], scales
 
 
@@ -170,7 +169,11 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
             quantize(v, settings.page_dtype),
         )
     kv, kv_scales = pack_kv_pages(
-        k.astype(settings.page_dtype), v.astype(settings.page_dtype), k_scales, v_scales
+        k.astype(settings.page_dtype),
+        v.astype(settings.page_dtype),
+        k_scales,
+        v_scales,
+        scale_lanes=scale_lanes(ps, jax.default_backend()),  # as the engine's cache
     )
     q = jax.random.normal(
         keys[3], (batch * q_len, settings.num_q_heads, settings.head_dim), settings.dtype

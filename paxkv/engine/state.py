@@ -9,7 +9,8 @@ value in one row (`paxkv.pallas_kernels.layout`), so one page is one contiguous 
 K and V of every KV head; moving it between HBM and on-chip memory is a single DMA, and
 the per-head `[ps, D]` tiles are what the matrix unit consumes. Layers are separate
 arrays (a tuple), so a layer's pages are handed to a kernel without a copy. Quantized
-caches (int8, fp8) hold `bf16[P, Hkv, 2 * ps]` scales per layer beside the pages.
+caches (int8, fp8) hold `bf16[P, Hkv, 2, L]` scales per layer beside the pages
+(`[p, h, KEY, j]` token j's key scale; L = ps, or on TPU ps padded to 128 lanes).
 
 With KV-cache groups (`paxkv.host.kv_groups`, hybrid models), the arrays are slots
 shared by one layer of each group: layer l reads and writes slot `layer_slots[l]` at the
@@ -34,8 +35,9 @@ from flax import struct
 
 from paxkv.host.batch import pad_page_table
 from paxkv.host.kv_groups import KVGroupLayout
-from paxkv.kv_layout import SCALE_DTYPE, resolve_kv_cache_dtype
+from paxkv.kv_layout import SCALE_DTYPE, resolve_kv_cache_dtype, scale_lanes
 from paxkv.pallas_kernels import write_kv_pages
+from paxkv.pallas_kernels.layout import TPU_LANES
 
 
 @struct.dataclass
@@ -125,7 +127,7 @@ class PageTable:
 class PagedKVCache:
     """The paged K/V of every layer: `kv[l]` is `[P, Hkv, ps, 2 * D]` (key, then value).
 
-    `kv_scales[l]` (`bf16[P, Hkv, 2 * ps]`, `SCALE_DTYPE`) is present exactly when the
+    `kv_scales[l]` (`bf16[P, Hkv, 2, L]`, `SCALE_DTYPE`) is present exactly when the
     pages are quantized. Page `NULL_PAGE` is never allocated by the host pool. Stacked
     (`slot_pages=P`): `kv` (and the scales) is one array, `[num_slots * P, Hkv, ps, 2 * D]`
     (see the module's docstring).
@@ -152,10 +154,12 @@ class PagedKVCache:
         kv_cache_dtype: str = "auto",
         layout: KVGroupLayout | None = None,
         stacked: bool = False,
+        platform: str | None = None,
     ) -> PagedKVCache:
         """A zero-filled cache; `kv_cache_dtype` "int8"/"fp8" stores pages quantized.
         With a `layout` of several groups, `layout.num_slots` arrays shared by groups.
-        `stacked`: the slots as one array (`slot_pages`), for scanned layers."""
+        `stacked`: the slots as one array (`slot_pages`), for scanned layers. `platform`
+        (None: JAX's default backend) sets the scales' lanes (`layout.scale_lanes`)."""
         page_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         static = {}
         num_arrays = num_layers
@@ -170,18 +174,18 @@ class PagedKVCache:
             rows, num_arrays = num_arrays * num_pages, 1
         shape = (rows, num_kv_heads, page_size, 2 * head_dim)
         kv = tuple(jnp.zeros(shape, page_dtype) for _ in range(num_arrays))
-        scale_shape = (rows, num_kv_heads, 2 * page_size)
         if kv_cache_dtype == "auto":
             return cls(kv=kv, **static)
-        if jax.default_backend() == "tpu" and 2 * page_size < 128:
-            # The scales' minor axis is then under one vreg of lanes: XLA lays the array
-            # out page-minor and copies it to the kernel's row-major layout every call.
+        platform = platform or jax.default_backend()
+        lanes = scale_lanes(page_size, platform)
+        if platform == "tpu" and lanes < TPU_LANES:
             logging.warning(
-                "kv_cache_dtype=%r with page_size=%d on TPU: the %d-lane scales are relaid out "
-                "before every attention call; page_size >= 64 avoids the copy (with 2 or more "
-                "KV heads per device)",
-                kv_cache_dtype, page_size, 2 * page_size,
+                "kv_cache_dtype=%r with page_size=%d on TPU: the scales' %d lanes are relaid "
+                "out before every attention call (padding them to 128 would cost more of the "
+                "pool); page_size >= 64 avoids the copy",
+                kv_cache_dtype, page_size, lanes,
             )  # fmt: skip
+        scale_shape = (rows, num_kv_heads, 2, lanes)
         scales = tuple(jnp.ones(scale_shape, SCALE_DTYPE) for _ in range(num_arrays))
         return cls(kv=kv, kv_scales=scales, **static)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 from absl import app, flags
 
 from paxkv.host.kv_groups import KVGroupLayout
@@ -91,6 +92,7 @@ def _run() -> dict:
         page_size=engine_cfg.page_size,
         head_dim=model_cfg.head_dim,
         page_dtype=page_dtype,
+        platform=jax.default_backend(),
     )
     if launch_flags.NUM_PAGES.value is not None:
         num_pages = engine_cfg.num_pages

@@ -9,7 +9,7 @@ those. Within a replica, under `jit`, XLA's SPMD partitioner runs the model:
   the partial sums all-reduced); the embedding and the LM head are split over the
   vocabulary (a lookup is a masked local gather plus an all-reduce; logits come out
   vocab-sharded). Norms are replicated.
-- KV pages `[P, Hkv, 2 * ps, D]` and their scales `[P, Hkv, 2 * ps]` are split over KV heads
+- KV pages `[P, Hkv, ps, 2 * D]` and their scales `[P, Hkv, 2, L]` are split over KV heads
   (axis 1), so each device holds every page, and in it its own heads' tokens.
 - the paged write and the attention kernel run per shard under `shard_map`, on the
   shard's q heads and KV heads, with the page table replicated: a page id means the

@@ -47,6 +47,15 @@ DEVICE_HBM_GIB: dict[str, float] = {
     "H100": 80,
     "H200": 141,
 }
+# The platform of each device (the cache's layout differs on TPU: `layout.scale_lanes`).
+DEVICE_PLATFORM: dict[str, str] = {
+    "v5e": "tpu",
+    "v6e": "tpu",
+    "v5p": "tpu",
+    "A100": "gpu",
+    "H100": "gpu",
+    "H200": "gpu",
+}
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 BLOCK_TABLE_ENTRY_BYTES = 4  # block tables are int32
 
@@ -179,9 +188,11 @@ def num_pages_for_budget(
     mesh: MeshShape = ONE_DEVICE,
     kv_cache_dtype: str = "auto",
     dtype: str | None = None,
+    platform: str | None = None,
 ) -> int:
     """The page pool (`EngineConfig.num_pages`, the null page included) of one replica of
-    `mesh` whose every device spends `kv_budget_bytes` on KV pages of all layers.
+    `mesh` whose every device spends `kv_budget_bytes` on KV pages of all layers, with
+    the cache laid out for `platform` ("tpu" pads quantized pages' scales).
 
     Each device stores its share of every page's KV heads, so with the heads split the
     pool grows with the model axis at a fixed per-device budget.
@@ -192,6 +203,7 @@ def num_pages_for_budget(
         page_size=page_size,
         head_dim=model.head_dim,
         page_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dtype or model.dtype),
+        platform=platform,
     )
     return int(kv_budget_bytes // one_page)
 
@@ -338,12 +350,14 @@ def plan_capacity(
     kv_cache_dtype: str = "auto",
     dtype: str | None = None,
     mesh: MeshShape = ONE_DEVICE,
+    platform: str | None = None,
 ) -> CapacityPlan:
     """The capacity of `kv_budget_bytes` for sequences of final lengths `lengths` (i64[N]).
 
     The expectations are means over `lengths`: pass samples of a distribution, or one
     entry for a fixed length. `dtype` is the model dtype "auto" pages use (None: the
-    model's). A budget below `min_kv_budget_bytes` is not an error: the plan says so
+    model's). `platform` ("tpu", "gpu"; None: not TPU) is the layout the pages are
+    counted in: on TPU quantized pages' scales are padded to 128 lanes. A budget below `min_kv_budget_bytes` is not an error: the plan says so
     (`fits_one_sequence`), and its concurrencies may be 0. On a `mesh` the budget is
     per device and the plan per replica (see `CapacityPlan`).
     """
@@ -368,6 +382,7 @@ def plan_capacity(
         page_size=page_size,
         head_dim=model.head_dim,
         page_dtype=page_dtype,
+        platform=platform,
     )
     num_pages = num_pages_for_budget(
         model,
@@ -376,6 +391,7 @@ def plan_capacity(
         mesh=mesh,
         kv_cache_dtype=kv_cache_dtype,
         dtype=dtype,
+        platform=platform,
     )
     usable = max(num_pages - 1, 0)
     pages = cdiv(lengths, page_size)

@@ -18,6 +18,7 @@ import numpy as np
 from paxkv.kv_layout import KV_CACHE_DTYPES
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 from paxkv.tools.capacity import (
+    DEVICE_PLATFORM,
     GIB,
     CapacityPlan,
     KVBudget,
@@ -227,6 +228,7 @@ def build_report(
         max_model_len=max_model_len,
         dtype=dtype,
         mesh=mesh,
+        platform=DEVICE_PLATFORM.get(budget.device) if budget.device else None,
     )
     plans = {
         k: plan_capacity(model, page_size=page_size, kv_cache_dtype=k, **common)

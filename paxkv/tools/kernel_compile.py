@@ -178,7 +178,7 @@ def _inputs(case: CompileCase):
     )
     scales = {}
     if case.kv_cache_dtype != "auto":
-        scales = {"kv_scales": s((num_pages, hkv, 2 * ps), SCALE_DTYPE)}
+        scales = {"kv_scales": s((num_pages, hkv, 2, ps), SCALE_DTYPE)}
     return args, scales
 
 

@@ -16,6 +16,7 @@ from paxkv.pallas_kernels import (
     ragged_paged_attention_reference,
     write_kv_pages,
 )
+from paxkv.pallas_kernels.layout import KEY, VALUE
 
 PAGE = 8
 
@@ -80,27 +81,27 @@ def test_quantized_write_round_trips_within_quantization_error(kv_cache_dtype):
     np.testing.assert_array_equal(np.asarray(out.kv[0]), np.asarray(cache.kv[0]))
     kv, scales = out.kv[1], out.kv_scales[1]
     for t, (page, off) in enumerate(_expected_slots()):
-        stored = dequantize(kv[page, :, off, :64], scales[page, :, off])
+        stored = dequantize(kv[page, :, off, :64], scales[page, :, KEY, off])
         amax = np.abs(np.asarray(new[t])).max(axis=-1, keepdims=True)
         # The stored scale (max|x| / dtype_max rounded to bfloat16) is the step: int8
         # rounds to the nearest one (scale / 2). e4m3 keeps 3 mantissa bits (2^-4
         # relative) down to its subnormals, whose spacing is 2^-9 (in units of the scale).
-        scale = np.asarray(scales[page, :, off]).astype(np.float32)[:, None]
+        scale = np.asarray(scales[page, :, KEY, off]).astype(np.float32)[:, None]
         if kv_cache_dtype == "int8":
             bound = scale / 2
         else:
             bound = np.maximum(np.abs(np.asarray(new[t])) * 2.0**-4, scale * 2.0**-10)
         assert np.all(np.abs(np.asarray(stored) - np.asarray(new[t])) <= bound + 1e-7)
         np.testing.assert_array_equal(
-            np.asarray(scales[page, :, off]),
+            np.asarray(scales[page, :, KEY, off]),
             (amax[:, 0] / (127 if kv_cache_dtype == "int8" else 448)).astype(ml_dtypes.bfloat16),
         )
-        stored_v = dequantize(kv[page, :, off, 64:], scales[page, :, PAGE + off])
+        stored_v = dequantize(kv[page, :, off, 64:], scales[page, :, VALUE, off])
         np.testing.assert_array_equal(np.asarray(stored_v), -np.asarray(stored))
-    untouched = np.ones((8, 2 * PAGE), bool)
+    untouched = np.ones((8, 2, PAGE), bool)  # [page, KEY/VALUE, offset]
     for page, off in _expected_slots():
-        untouched[page, [off, PAGE + off]] = False
-    np.testing.assert_array_equal(np.asarray(scales).transpose(0, 2, 1)[untouched], 1.0)
+        untouched[page, :, off] = False
+    np.testing.assert_array_equal(np.asarray(scales).transpose(0, 2, 3, 1)[untouched], 1.0)
 
 
 def test_donated_write_is_in_place():
@@ -180,11 +181,33 @@ def test_write_rejects_mismatched_heads():
 
 
 def test_page_bytes_and_nbytes_agree():
-    for kv in ("auto", "int8"):
+    # On TPU the scales of pages of 64 are padded to 128 lanes (`layout.scale_lanes`),
+    # and counted.
+    cases = [("auto", None, 16), ("int8", None, 16), ("int8", "tpu", 16), ("int8", "cpu", 64)]
+    for kv, platform, ps in [*cases, ("int8", "tpu", 64)]:
         cache = PagedKVCache.create(
-            num_layers=3, num_pages=5, num_kv_heads=2, page_size=16, head_dim=64, kv_cache_dtype=kv
-        )
+            num_layers=3, num_pages=5, num_kv_heads=2, page_size=ps, head_dim=64,
+            kv_cache_dtype=kv, platform=platform,
+        )  # fmt: skip
         per_page = page_bytes(
-            num_kv_heads=2, page_size=16, head_dim=64, page_dtype=cache.kv[0].dtype
-        )
+            num_kv_heads=2, page_size=ps, head_dim=64, page_dtype=cache.kv[0].dtype,
+            platform=platform,
+        )  # fmt: skip
         assert cache.nbytes == 3 * 5 * per_page
+        if kv == "int8":
+            lanes = 128 if (platform, ps) == ("tpu", 64) else ps
+            assert cache.kv_scales[0].shape == (5, 2, 2, lanes)
+
+
+def test_tpu_cache_with_small_pages_warns_of_the_scales_copy(caplog):
+    # Under page size 64 a TPU cache keeps its scales unpadded, which XLA relays out
+    # before every attention call: said once, where the cache is made.
+    kw = dict(num_layers=1, num_pages=3, num_kv_heads=2, head_dim=64, kv_cache_dtype="int8")
+    with caplog.at_level("WARNING"):
+        PagedKVCache.create(**kw, page_size=16, platform="tpu")
+    assert any("page_size >= 64 avoids the copy" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        PagedKVCache.create(**kw, page_size=64, platform="tpu")
+        PagedKVCache.create(**kw, page_size=16, platform="cpu")
+    assert not any("avoids the copy" in r.getMessage() for r in caplog.records)

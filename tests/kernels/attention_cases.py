@@ -37,7 +37,7 @@ class Case:
     block_tables: np.ndarray  # i32[S, pages_per_seq]
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
-    kv_scales: np.ndarray | None  # bf16[P, Hkv, 2 * ps]: key scales, then value scales
+    kv_scales: np.ndarray | None  # bf16[P, Hkv, 2, L]: [.., 0, j] key scale, [.., 1, j] value
     sm_scale: float
 
     def args(self):
@@ -130,10 +130,12 @@ def make_case(
     dead = ~live[:, None, :, None]
     if quantized:
         (k, k_scales), (v, v_scales) = _quantize_np(k, page_dtype), _quantize_np(v, page_dtype)
-        kv_scales = np.concatenate([k_scales, v_scales], axis=2)  # key scales, then value scales
-        kv_scales[~np.broadcast_to(np.concatenate([live, live], 1)[:, None], kv_scales.shape)] = (
-            np.nan
-        )
+        kv_scales = np.stack([k_scales, v_scales], axis=2)  # [P, Hkv, 2, ps]: key, value
+        kv_scales[~np.broadcast_to(live[:, None, None], kv_scales.shape)] = np.nan
+        # Lanes past ps, padded to 128 (none from page size 128 up) and poisoned: every
+        # backend takes scales of any L >= ps and reads none of them.
+        pad = -page_size % 128
+        kv_scales = np.pad(kv_scales, [(0, 0)] * 3 + [(0, pad)], constant_values=np.nan)
     else:
         kv_scales = None
     kv = np.concatenate([k, v], axis=3)  # each token's row: its key, then its value
@@ -179,8 +181,8 @@ def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.nda
                 lanes = slice(part * head_dim, (part + 1) * head_dim)  # key, then value
                 x = case.kv_pages[page, :, j % page_size, lanes].astype(np.float64)
                 if case.kv_scales is not None:
-                    row = part * page_size + j % page_size  # key scales, then value scales
-                    x = x * case.kv_scales[page, :, row].astype(np.float64)[:, None]
+                    scale = case.kv_scales[page, :, part, j % page_size]  # [Hkv]
+                    x = x * scale.astype(np.float64)[:, None]
                 rows.append(x)
             return np.stack(rows) if rows else np.zeros((0, num_q_heads // group, head_dim))
 

@@ -161,14 +161,22 @@ def test_bad_window_and_softcap():
 
 def test_pack_kv_pages_lays_out_separate_k_and_v():
     # Separate K/V pages (and scales) pack into the one array the kernels read: token
-    # j's key then value in row j, each head's key scales then value scales.
+    # j's key then value in row j, each head's key scales then value scales, padded with
+    # ones to the lanes asked for.
     case = GRID[7].case(seed=6)  # int8 pages
-    ps, d = case.page_size, case.q.shape[2]
+    ps, d, lanes = case.page_size, case.q.shape[2], case.kv_scales.shape[3]
+    assert lanes > ps  # the case pads as a TPU cache does
     k, v = case.kv_pages[..., :d], case.kv_pages[..., d:]
-    k_scales, v_scales = case.kv_scales[..., :ps], case.kv_scales[..., ps:]
-    kv, scales = pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)))
+    k_scales, v_scales = case.kv_scales[:, :, 0, :ps], case.kv_scales[:, :, 1, :ps]
+    kv, scales = pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)), scale_lanes=lanes)
     np.testing.assert_array_equal(np.asarray(kv), case.kv_pages)
-    np.testing.assert_array_equal(np.asarray(scales), case.kv_scales)
+    assert scales.shape == case.kv_scales.shape
+    np.testing.assert_array_equal(np.asarray(scales)[..., :ps], case.kv_scales[..., :ps])
+    assert (np.asarray(scales)[..., ps:] == 1).all()
+    _, scales = pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)))
+    np.testing.assert_array_equal(np.asarray(scales), case.kv_scales[..., :ps])
+    with pytest.raises(ValueError, match=f"scale_lanes={ps - 1} must be >= page_size={ps}"):
+        pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)), scale_lanes=ps - 1)
     kv, scales = pack_kv_pages(jnp.asarray(k).astype(jnp.float32), jnp.asarray(v, jnp.float32))
     assert scales is None and kv.shape == case.kv_pages.shape
     with pytest.raises(ValueError, match=re.escape("k_pages.shape=(")):

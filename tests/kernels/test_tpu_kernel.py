@@ -129,8 +129,9 @@ def test_two_short_decodes_go_to_both_cores():
 @pytest.mark.parametrize("page_dtype, copies", [(None, 64), (np.int8, 128)], ids=["bf16", "int8"])
 def test_one_dma_per_page_for_k_and_v(monkeypatch, page_dtype, copies):
     # A decode over 1024 tokens at page size 16 (64 pages, one block): one copy per page
-    # for its K and V together, and one more for its scales when quantized (before the
-    # `[P, Hkv, 2 * ps, D]` layout: 128 and 256). Counted as the interpreter runs them.
+    # for its K and V together, and one more for its scales when quantized (with K and V
+    # apart, before the `[P, Hkv, ps, 2 * D]` layout: 128 and 256). Counted as the
+    # interpreter runs them.
     started = []
 
     class Counted:
@@ -381,7 +382,7 @@ import sys
 import jax, numpy as np, ml_dtypes
 from jax.experimental import topologies
 from paxkv.pallas_kernels import attention_inputs
-from paxkv.pallas_kernels.layout import SCALE_DTYPE
+from paxkv.pallas_kernels.layout import SCALE_DTYPE, scale_lanes
 from paxkv.pallas_kernels.tpu import BlockSizes
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info
 from paxkv.pallas_kernels.tpu.kernel import core_item
@@ -397,6 +398,8 @@ CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
     # Work items dealt to two TensorCores (a megacore), decode and quantized prefill.
     ("bfloat16", "bfloat16", 16, 128, 8, 2, BlockSizes(8, 1, 2, True, 2), None, None),
     ("bfloat16", "int8", 16, 128, 8, 2, BlockSizes(4, 16, 1, False, 2), 30.0, 64),
+    # One KV head per device (heads split over a mesh), pages of 64: scales [P, 1, 2, 128].
+    ("bfloat16", "int8", 64, 128, 8, 1, BlockSizes(2, 1, 1, True), None, None),
 ] + [  # the defaults (BlockSizes() resolved for the shapes) at head_dim 128 and 256
     ("bfloat16", pages, 16, d, 8, 2, BlockSizes(), None, None)
     for pages in ("bfloat16", "int8", "float8_e4m3fn")
@@ -414,7 +417,8 @@ for chip in sys.argv[1:]:
         args = [spec((t, hq, d), qd), spec((p, hkv, ps, 2 * d), pd),
                 spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
                 spec((1,), "int32")]
-        args += [spec((p, hkv, 2 * ps), SCALE_DTYPE.name) if quantized else None]
+        scales = (p, hkv, 2, scale_lanes(ps, "tpu"))  # as a TPU cache lays them out
+        args += [spec(scales, SCALE_DTYPE.name) if quantized else None]
         def fn(*a, bs=bs, cap=cap, win=win, qd=qd, pd=pd):
             inputs = attention_inputs(*a[:6], kv_scales=a[6], sm_scale=0.1,
                                       soft_cap=cap, sliding_window=win)
@@ -424,11 +428,14 @@ for chip in sys.argv[1:]:
                 inputs, block_sizes=bs, vmem_limit_bytes=32 * 2**20, interpret=False)
         with jax.sharding.set_mesh(mesh):
             hlo = jax.jit(fn).lower(*args).compile().as_text()
-        # The pages reach the kernel in the layout XLA gives them: no relayout copy of
-        # the cache before the call (head_dim 64 at `[.., ps, D]` had one).
-        pages = f"[{p},{hkv},{ps},{2 * d}]"
-        copies = [l for l in hlo.splitlines() if " copy(" in l and pages in l.split("copy(")[0]]
-        assert not copies, copies
+        # The pages reach the kernel in the layout XLA gives them: no relayout copy of the
+        # cache before the call (head_dim 64 at `[.., ps, D]` had one). Their scales
+        # too, unless their minor axis is under 128 lanes (page sizes under 64).
+        copied = lambda shape: any(" copy(" in l and shape in l.split("copy(")[0]
+                                   for l in hlo.splitlines())
+        assert not copied(f"[{p},{hkv},{ps},{2 * d}]")
+        if quantized:
+            assert copied("[" + ",".join(map(str, scales)) + "]") == (scales[3] < 128)
         print("compiled", chip, qd, pd, ps, d, bs, flush=True)
 """
 
@@ -458,4 +465,4 @@ def test_compiles_for_tpu_deviceless():
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 14 * len(chips)
+    assert result.stdout.count("compiled") == 15 * len(chips)
