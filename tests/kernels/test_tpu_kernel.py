@@ -377,15 +377,14 @@ def test_sweep_decode_path_and_races(point):
 # attached (deviceless, through libtpu's compile-only client). Needs the libtpu that
 # matches the installed jax (`jax[tpu]` pins it): importable, or installed with
 # `pip install --target DIR libtpu==...` and DIR given as PAXKV_LIBTPU_DIR.
-_DEVICELESS_COMPILE = """
-import sys
+_DEVICELESS_PRELUDE = """
+import re, sys
 import jax, numpy as np, ml_dtypes
 from jax.experimental import topologies
 from paxkv.pallas_kernels import attention_inputs
 from paxkv.pallas_kernels.layout import SCALE_DTYPE, scale_lanes
 from paxkv.pallas_kernels.tpu import BlockSizes
-from paxkv.pallas_kernels.tpu.block_sizes import chip_info
-from paxkv.pallas_kernels.tpu.kernel import core_item
+from paxkv.pallas_kernels.tpu.block_sizes import chip_info, vmem_bytes
 from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention
 
 CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
@@ -406,38 +405,107 @@ CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
     for d in (128, 256)
 ]
 dtype = lambda name: np.dtype(getattr(ml_dtypes, name, None) or name)
-for chip in sys.argv[1:]:
+
+
+# `(mesh, args, fn(limit), estimate)` for one config on `chip`: `fn(limit)` is the kernel
+# under that VMEM limit, with the defaults resolved as off a TPU (the fallback chip
+# figures); `estimate` gets `vmem_bytes`'s parts once it is traced.
+def build(chip, config):
+    qd, pd, ps, d, hq, hkv, bs, cap, win = config
     topo = topologies.get_topology_desc(topology_name=chip, platform="tpu")
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    for qd, pd, ps, d, hq, hkv, bs, cap, win in CONFIGS:
-        spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dtype(dt), sharding=sharding)
-        t, s, p, pps = 40, 4, 64, 32
-        quantized = pd in ("int8", "float8_e4m3fn", "float8_e5m2")
-        args = [spec((t, hq, d), qd), spec((p, hkv, ps, 2 * d), pd),
-                spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
-                spec((1,), "int32")]
-        scales = (p, hkv, 2, scale_lanes(ps, "tpu"))  # as a TPU cache lays them out
-        args += [spec(scales, SCALE_DTYPE.name) if quantized else None]
-        def fn(*a, bs=bs, cap=cap, win=win, qd=qd, pd=pd):
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dtype(dt), sharding=sharding)
+    t, s, p, pps = 40, 4, 64, 32
+    quantized = pd in ("int8", "float8_e4m3fn", "float8_e5m2")
+    args = [spec((t, hq, d), qd), spec((p, hkv, ps, 2 * d), pd),
+            spec((s,), "int32"), spec((s, pps), "int32"), spec((s + 1,), "int32"),
+            spec((1,), "int32")]
+    scales = (p, hkv, 2, scale_lanes(ps, "tpu"))  # as a TPU cache lays them out
+    args += [spec(scales, SCALE_DTYPE.name) if quantized else None]
+    estimate = {}
+
+    def fn(limit):
+        def kernel(*a):
             inputs = attention_inputs(*a[:6], kv_scales=a[6], sm_scale=0.1,
                                       soft_cap=cap, sliding_window=win)
-            # Defaults resolve as off a TPU (the fallback chip figures): compile-only.
-            bs = bs.resolve(inputs.shapes, dtype(qd), dtype(pd), chip=chip_info(True))
+            resolved = bs.resolve(inputs.shapes, dtype(qd), dtype(pd), chip=chip_info(True))
+            estimate.update(vmem_bytes(inputs.shapes, resolved, dtype(qd), dtype(pd)))
+            estimate["block_sizes"] = resolved
             return _ragged_paged_attention(
-                inputs, block_sizes=bs, vmem_limit_bytes=32 * 2**20, interpret=False)
+                inputs, block_sizes=resolved, vmem_limit_bytes=limit, interpret=False)
+        return kernel
+
+    return mesh, args, fn, estimate
+
+
+# The compiled HLO text (or the VMEM error's text when `limit` is too small), estimate.
+def compile_under(chip, config, limit):
+    mesh, args, fn, estimate = build(chip, config)
+    try:
         with jax.sharding.set_mesh(mesh):
-            hlo = jax.jit(fn).lower(*args).compile().as_text()
+            return jax.jit(fn(limit)).lower(*args).compile().as_text(), estimate
+    except Exception as e:  # Mosaic's "Scoped allocation with size ..." names the need
+        if "vmem" not in str(e).lower():
+            raise
+        return str(e), estimate
+
+
+# The size of the scoped VMEM allocation a too-small limit was refused for.
+def scoped_bytes(error):
+    m = re.search(r"Scoped allocation with size ([0-9.]+)([KMG]?)", error)
+    return float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
+
+
+SCRATCH = ("K/V page buffers", "scale buffers", "softmax state")
+"""
+
+_DEVICELESS_COMPILE = (
+    _DEVICELESS_PRELUDE
+    + """
+for i, chip in enumerate(sys.argv[1:]):
+    for config in CONFIGS:
+        qd, pd, ps, d, hq, hkv, bs, cap, win = config
+        hlo, estimate = compile_under(chip, config, 32 * 2**20)
         # The pages reach the kernel in the layout XLA gives them: no relayout copy of the
         # cache before the call (head_dim 64 at `[.., ps, D]` had one). Their scales
         # too, unless their minor axis is under 128 lanes (page sizes under 64).
         copied = lambda shape: any(" copy(" in l and shape in l.split("copy(")[0]
                                    for l in hlo.splitlines())
-        assert not copied(f"[{p},{hkv},{ps},{2 * d}]")
-        if quantized:
-            assert copied("[" + ",".join(map(str, scales)) + "]") == (scales[3] < 128)
-        print("compiled", chip, qd, pd, ps, d, bs, flush=True)
+        assert not copied(f"[64,{hkv},{ps},{2 * d}]")
+        lanes = scale_lanes(ps, "tpu")
+        if pd not in ("bfloat16", "float32"):
+            assert copied(f"[64,{hkv},2,{lanes}]") == (lanes < 128)
+        if i == 0:
+            # The estimate's scratch buffers are what Mosaic allocates (VMEM tiling is the
+            # same on every chip here): its error under a 4 KiB limit names the size.
+            error, _ = compile_under(chip, config, 4096)
+            scratch = sum(estimate[k] for k in SCRATCH)
+            assert abs(scratch - scoped_bytes(error)) <= 0.01 * scratch, (config, estimate, error[-300:])
+        print("compiled", chip, qd, pd, ps, d, estimate["block_sizes"], flush=True)
 """
+)
+
+# The least VMEM limit Mosaic compiles each config under (bisected to 4 KiB), against the
+# whole estimate. Slow (about a dozen compiles per config); run on demand.
+_VMEM_MINIMUM = (
+    _DEVICELESS_PRELUDE
+    + """
+CONFIGS += [(q, pd, 16, d, 8 * h, h, BlockSizes(decode=True), None, None)
+            for q, pd, d, h in [("bfloat16", "bfloat16", 64, 8), ("bfloat16", "int8", 64, 8),
+                                 ("float32", "float32", 128, 2), ("float32", "int8", 128, 2)]]
+CONFIGS += [("float32", pd, 16, 128, 8, 2, BlockSizes(), None, None) for pd in ("float32", "int8")]
+chip = sys.argv[1]
+for config in CONFIGS:
+    lo, hi = 4096, 64 * 2**20
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        text, estimate = compile_under(chip, config, mid)
+        lo, hi = (lo, mid) if "HloModule" in text else (mid, hi)
+    total = sum(v for k, v in estimate.items() if k != "block_sizes")
+    print(f"minimum {hi} estimate {total}", *config[:6], estimate["block_sizes"], flush=True)
+"""
+)
 
 
 def _libtpu_dir():
@@ -447,22 +515,50 @@ def _libtpu_dir():
     return None if spec is None else os.path.dirname(os.path.dirname(spec.origin))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_libtpu_dir() is None, reason="needs libtpu for a deviceless Mosaic compile")
-def test_compiles_for_tpu_deviceless():
+def _deviceless_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_libtpu_dir(), env.get("PYTHONPATH")]))
     # A single-host slice, so libtpu needs no metadata server.
     env.update(
         TPU_ACCELERATOR_TYPE="v5litepod-4", TPU_WORKER_HOSTNAMES="localhost", TPU_SKIP_MDS_QUERY="1"
     )
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_libtpu_dir() is None, reason="needs libtpu for a deviceless Mosaic compile")
+def test_compiles_for_tpu_deviceless():
     chips = ["v5e:2x2", "v6e:2x2", "v5p:2x2x1", "tpu7x:2x2x1"]
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_DEVICELESS_COMPILE), *chips],
-        env=env,
+        env=_deviceless_env(),
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("compiled") == 15 * len(chips)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_libtpu_dir() is None, reason="needs libtpu for a deviceless Mosaic compile")
+def test_vmem_estimate_covers_mosaics_minimum():
+    # `vmem_bytes` against the least limit Mosaic compiles under (v5e): never under it,
+    # and at most 25% over it where it is at least 900 KiB (the block sizes the budget
+    # decides). Smaller configs can be far over: Mosaic keeps their temporaries in the
+    # 256 KiB of vector registers.
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_VMEM_MINIMUM), "v5e:2x2"],
+        env=_deviceless_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("minimum")]
+    assert len(rows) == 21, result.stdout
+    for row in rows:
+        minimum, estimate = int(row[1]), int(row[3])
+        assert estimate >= minimum, row
+        if minimum >= 900 * 1024:
+            assert estimate <= 1.25 * minimum, row
