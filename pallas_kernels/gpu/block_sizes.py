@@ -183,7 +183,9 @@ def _default_warps(rows: int, kv_block: int, head_dim: int, quantized: bool) -> 
     pages, whose K and V blocks the registers also hold dequantized) from a K/V block of
     32 x 128 values; else 4. The quantized default decode blocks (64 x 64, 32 x 128,
     16 x 256) compile to fewer registers at 8 warps (119 -> 73, 128 -> 111, 142 -> 128
-    with bf16 queries), and 4 warps spill at head_dim 128 and, under float32 queries, 256."""
+    with bf16 queries; one-off compiles, the 8-warp figures are in
+    `paxkv/tools/gpu_kernel_resources.json`), and 4 warps spill at head_dim 128 and,
+    under float32 queries, 256."""
     if rows >= 128 or max(rows, kv_block) * head_dim >= 128 * 128:
         return 8
     return 8 if quantized and kv_block * head_dim >= 32 * 128 else 4
