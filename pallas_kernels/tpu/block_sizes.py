@@ -25,6 +25,8 @@ BUDGET_FRACTION = 0.75
 # Rows of one sublane tile for 32-bit data: the M dimension is padded to it.
 SUBLANES = 8
 LANES = 128
+# Decode items per grid step by default (`BlockSizes.items_per_step`).
+DECODE_ITEMS_PER_STEP = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +116,9 @@ class BlockSizes:
         Exact for any batch; prefill chunks just cost one step per token.
       num_cores: TensorCores the work items are dealt to, round robin (the grid's
         parallel axis). Default: the attached TPU's (2 on a megacore: v4, v5p), 1 off-TPU.
+      items_per_step: work items one grid step computes, one after the other (their
+        query tiles are one block): fewer grid steps, each with a fixed cost, for
+        batches of many short items. Default: 8 with `decode`, else 1.
 
     Defaults are halved, heads first, until the buffers fit the VMEM budget; fields
     given explicitly are kept as they are.
@@ -124,9 +129,11 @@ class BlockSizes:
     kv_heads_per_block: int | None = None
     decode: bool = False
     num_cores: int | None = None
+    items_per_step: int | None = None
 
     def __post_init__(self):
-        for name in ("pages_per_block", "queries_per_block", "kv_heads_per_block", "num_cores"):
+        names = ("pages_per_block", "queries_per_block", "kv_heads_per_block", "num_cores")
+        for name in (*names, "items_per_step"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"BlockSizes.{name}={value!r} must be None or a positive int")
@@ -161,6 +168,7 @@ class BlockSizes:
                 queries_per_block=queries,
                 kv_heads_per_block=heads,
                 num_cores=self.num_cores or chip.num_cores,
+                items_per_step=self.items_per_step or (DECODE_ITEMS_PER_STEP if self.decode else 1),
             )
             error = _vmem_error(shapes, bs, q_dtype, page_dtype, chip.vmem_budget_bytes)
             if error is None:
@@ -191,7 +199,7 @@ def vmem_bytes(shapes: AttentionShapes, bs: BlockSizes, q_dtype, page_dtype) -> 
             else 0
         ),
         # q in, out: each double-buffered by the Pallas pipeline.
-        "q/out blocks": 2 * 2 * _vmem_array_bytes((hb, rows, d), q_dtype),
+        "q/out blocks": 2 * 2 * bs.items_per_step * _vmem_array_bytes((hb, rows, d), q_dtype),
         "softmax state": 2 * _vmem_array_bytes((hb, rows, STATS_LANES), jnp.float32)
         + _vmem_array_bytes((hb, rows, d), jnp.float32),
         # Mosaic's internal scratch, one head at a time: logits and probabilities, the

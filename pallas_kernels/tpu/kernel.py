@@ -1,9 +1,10 @@
 """Kernel body of the TPU ragged paged attention: it sees only refs.
 
-One grid step `(core, kv head block, w)` computes work item `core_item(core, w)`: one
-chunk of at most
+One grid step `(core, kv head block, w)` computes `k = items_per_step` work items in
+turn, items `core_item(core, w * k + j)` for j < k; an item is one chunk of at most
 `queries_per_block` query rows of one sequence against that sequence's pages, for
-`kv_heads_per_block` KV heads. The wrapper (`ragged_paged_attention.py`) builds the
+`kv_heads_per_block` KV heads. Several items per step make fewer grid steps, each with a
+fixed cost, for decode batches of one-row items. The wrapper (`ragged_paged_attention.py`) builds the
 work items and lays the query rows out so that each KV head's rows form one
 `[M, D]` matrix: row `r` is token `r // G` of the item and query head `r % G` of the
 group, so GQA/MQA groups share every K/V tile on the matrix unit.
@@ -12,9 +13,10 @@ The pages the item needs, `[first_page, end_page)`, are walked in blocks of
 `pages_per_block`. Each page is one DMA from HBM into a double-buffered VMEM slot, K and
 V of the block's KV heads together (the page layout `[P, Hkv, ps, 2 * D]` keeps them in
 one contiguous run), and for 8-bit pages one more DMA for their K and V scales; the
-copies of block `i + 1` are in flight while block `i` is computed, and during an item's last block the copies
-of the first block of the core's next grid step (next item, or first item of the next
-head block), so no item starts with a cold copy (RPA v2/v3 overlap the same way). Pages
+copies of block `i + 1` are in flight while block `i` is computed, and during an item's
+last block the copies of the first block of the core's next item (in this grid step or
+the next, or the first item of the next head block), so no item starts with a cold copy
+(RPA v2/v3 overlap the same way). Pages
 outside that range (past the item's last row, or before its sliding window) are never
 fetched.
 
@@ -59,6 +61,7 @@ class KernelConfig:
     sliding_window: int | None
     quantized: bool
     compute_dtype: np.dtype  # operand dtype of both dots (`contract.compute_dtype`)
+    items_per_step: int = 1  # work items one grid step runs in turn
 
     @property
     def block_tokens(self) -> int:
@@ -175,14 +178,14 @@ def ragged_paged_attention_kernel(
     item_start_ref,  # i32[NB]  first query row of the item within its sequence's chunk
     item_rows_ref,  # i32[NB]  query rows of the item (0: padding item)
     # Inputs.
-    q_ref,  # [hb, M, D] VMEM block of this item
+    q_ref,  # [hb, k, M, D] VMEM block of this step's k items
     kv_hbm,  # [P, Hkv, ps, 2 * D] HBM
     *refs,  # ([scales_hbm] bf16[P, Hkv, 2, L]), o_ref, scratch...
     cfg: KernelConfig,
 ) -> None:
-    """Grid step `(core, kv head block, w)`: attention of one item's rows for `hb` heads.
+    """Grid step `(core, kv head block, w)`: attention of k items' rows for `hb` heads.
 
-    Writes `o_ref [hb, M, D]`: the item's query tile against the pages of its sequence
+    Writes `o_ref [hb, k, M, D]`: each item's query tile against the pages of its sequence
     from the first one its window can see to the one holding its last row, exact zeros
     for rows that see nothing (padding items and slots).
     """
@@ -194,14 +197,12 @@ def ragged_paged_attention_kernel(
     sems, slot_ref, m_ref, l_ref, acc_ref = refs
     ps, ppb, pps = cfg.page_size, cfg.pages_per_block, cfg.pages_per_seq
     hb = cfg.kv_heads_per_block
-    # Grid step (core, head block, w): item `core_item(core, w)`. One core runs its steps
-    # in order, head block by head block, so each step may start the next one's copies.
+    # Grid step (core, head block, w): items `core_item(core, w * k + j)`. One core runs
+    # its steps in order, head block by head block, so each item may start the next
+    # one's copies.
     core, head_block, w = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_cores, num_head_blocks, per_core = (
-        pl.num_programs(0),
-        pl.num_programs(1),
-        pl.num_programs(2),
-    )
+    num_cores, num_head_blocks = pl.num_programs(0), pl.num_programs(1)
+    per_core = pl.num_programs(2) * cfg.items_per_step  # items each core runs per head block
 
     def geometry(item):
         """(seq, rows, first position, one past the last, first page, end page, blocks)."""
@@ -249,82 +250,90 @@ def ragged_paged_attention_kernel(
         lax.fori_loop(0, num_pages, one_page, 0)
 
     head_start = head_block * hb
-    geo = geometry(core_item(core, w, num_cores))
-    _, num_rows, first_pos, hi, first_page, _, num_blocks = geo
-    # The core's next step, whose first block this one starts during its last.
-    step = head_block * per_core + w
-    has_next = step + 1 < num_head_blocks * per_core
-    next_w = jnp.where(w + 1 < per_core, w + 1, 0)
-    next_head_block = jnp.where(w + 1 < per_core, head_block, head_block + 1)
-    next_geo = geometry(jnp.where(has_next, core_item(core, next_w, num_cores), 0))
-    prefetch_next = has_next & (next_geo[-1] > 0)
 
-    def start(block, slot):
-        for_each_page_copy(geo, head_start, block, slot, lambda copy: copy.start())
+    def run_item(j, carry):
+        """The step's `j`-th item: its query tile against its pages, into its output."""
+        item_step = w * cfg.items_per_step + j  # this item's place in the core's order
+        q_item, o_item = q_ref.at[:, j], o_ref.at[:, j]  # [hb, M, D] each
+        geo = geometry(core_item(core, item_step, num_cores))
+        _, num_rows, first_pos, hi, first_page, _, num_blocks = geo
+        # The core's next item, whose first block this one starts during its last.
+        step = head_block * per_core + item_step
+        has_next = step + 1 < num_head_blocks * per_core
+        next_w = jnp.where(item_step + 1 < per_core, item_step + 1, 0)
+        next_head_block = jnp.where(item_step + 1 < per_core, head_block, head_block + 1)
+        next_geo = geometry(jnp.where(has_next, core_item(core, next_w, num_cores), 0))
+        prefetch_next = has_next & (next_geo[-1] > 0)
 
-    def wait(block, slot):
-        for_each_page_copy(geo, head_start, block, slot, lambda copy: copy.wait())
+        def start(block, slot):
+            for_each_page_copy(geo, head_start, block, slot, lambda copy: copy.start())
 
-    def start_next(slot):
-        head = next_head_block * hb
-        for_each_page_copy(next_geo, head, 0, slot, lambda copy: copy.start())
+        def wait(block, slot):
+            for_each_page_copy(geo, head_start, block, slot, lambda copy: copy.wait())
 
-    # Block b of this step is in slot (base + b) % 2. The core's first step starts its
-    # own first block; every later one finds it started by the step before, in the
-    # slot that step left in `slot_ref` (SMEM scratch persists across grid steps).
-    @pl.when(step == 0)
-    def _():
-        slot_ref[0] = 0
+        def start_next(slot):
+            head = next_head_block * hb
+            for_each_page_copy(next_geo, head, 0, slot, lambda copy: copy.start())
 
-        @pl.when(num_blocks > 0)
+        # Block b of this item is in slot (base + b) % 2. The core's first item starts its
+        # own first block; every later one finds it started by the item before, in the
+        # slot that item left in `slot_ref` (SMEM scratch persists across grid steps).
+        @pl.when(step == 0)
         def _():
-            start(0, 0)
+            slot_ref[0] = 0
 
-    base = slot_ref[0]
+            @pl.when(num_blocks > 0)
+            def _():
+                start(0, 0)
 
-    @pl.when((num_blocks == 0) & prefetch_next)
-    def _():  # nothing of its own to overlap: the next step's block goes into `base`
-        start_next(base)
+        base = slot_ref[0]
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    bufs = (q_ref, kvbuf, k_scales, v_scales)
-    stats = (m_ref, l_ref, acc_ref)
+        @pl.when((num_blocks == 0) & prefetch_next)
+        def _():  # nothing of its own to overlap: the next item's block goes into `base`
+            start_next(base)
 
-    def body(block, carry):
-        slot = lax.rem(base + block, 2)
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        bufs = (q_item, kvbuf, k_scales, v_scales)
+        stats = (m_ref, l_ref, acc_ref)
 
-        @pl.when(block + 1 < num_blocks)
-        def _():
-            start(block + 1, 1 - slot)
+        def body(block, carry):
+            slot = lax.rem(base + block, 2)
 
-        @pl.when((block + 1 == num_blocks) & prefetch_next)
-        def _():  # the last block: the next step's first block, into the other slot
-            start_next(1 - slot)
+            @pl.when(block + 1 < num_blocks)
+            def _():
+                start(block + 1, 1 - slot)
 
-        wait(block, slot)
-        if cfg.quantized:
-            k_scales[0] = sbuf[slot, :, :, KEY, :ps].astype(jnp.float32)
-            v_scales[0] = sbuf[slot, :, :, VALUE, :ps].astype(jnp.float32)
-        col_start = (first_page + block * ppb) * ps
-        # Every row sees every column: all columns at or before the first row's
-        # position and, with a window, inside the last row's window.
-        inside = col_start + cfg.block_tokens <= first_pos + 1
-        if cfg.sliding_window is not None:
-            inside &= col_start > hi - 1 - cfg.sliding_window
-        args = (cfg, bufs, stats, slot, col_start, first_pos, num_rows, hi)
-        lax.cond(
-            inside,
-            lambda: _attend_block(*args, masked=False),
-            lambda: _attend_block(*args, masked=True),
-        )
+            @pl.when((block + 1 == num_blocks) & prefetch_next)
+            def _():  # the last block: the next item's first block, into the other slot
+                start_next(1 - slot)
+
+            wait(block, slot)
+            if cfg.quantized:
+                k_scales[0] = sbuf[slot, :, :, KEY, :ps].astype(jnp.float32)
+                v_scales[0] = sbuf[slot, :, :, VALUE, :ps].astype(jnp.float32)
+            col_start = (first_page + block * ppb) * ps
+            # Every row sees every column: all columns at or before the first row's
+            # position and, with a window, inside the last row's window.
+            inside = col_start + cfg.block_tokens <= first_pos + 1
+            if cfg.sliding_window is not None:
+                inside &= col_start > hi - 1 - cfg.sliding_window
+            args = (cfg, bufs, stats, slot, col_start, first_pos, num_rows, hi)
+            lax.cond(
+                inside,
+                lambda: _attend_block(*args, masked=False),
+                lambda: _attend_block(*args, masked=True),
+            )
+            return carry
+
+        lax.fori_loop(0, num_blocks, body, 0)
+        slot_ref[0] = lax.rem(base + num_blocks, 2)  # where the next item's first block is
+
+        denom = l_ref[...][:, :, :1]  # [hb, M, 1]
+        # Rows that saw nothing (padding) have denom 0: exact zeros, never 0 / 0.
+        out = jnp.where(denom > 0, acc_ref[...] / jnp.where(denom > 0, denom, 1.0), 0.0)
+        o_item[...] = out.astype(o_item.dtype)
         return carry
 
-    lax.fori_loop(0, num_blocks, body, 0)
-    slot_ref[0] = lax.rem(base + num_blocks, 2)  # where the next step's first block is
-
-    denom = l_ref[...][:, :, :1]  # [hb, M, 1]
-    # Rows that saw nothing (padding) have denom 0: exact zeros, never 0 / 0.
-    out = jnp.where(denom > 0, acc_ref[...] / jnp.where(denom > 0, denom, 1.0), 0.0)
-    o_ref[...] = out.astype(o_ref.dtype)
+    lax.fori_loop(0, cfg.items_per_step, run_item, 0)

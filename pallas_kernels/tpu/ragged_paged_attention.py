@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..contract import AttentionInputs, AttentionShapes, attention_op, compute_dtype, token_layout
 from ..layout import SCALE_DTYPE
 from .block_sizes import BlockSizes, ChipInfo, chip_info, tile_rows, vmem_bytes
-from .kernel import STATS_LANES, KernelConfig, core_item, ragged_paged_attention_kernel
+from .kernel import STATS_LANES, KernelConfig, ragged_paged_attention_kernel
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -43,8 +43,9 @@ def check_smem(shapes: AttentionShapes, bs: BlockSizes, chip: ChipInfo) -> None:
     """Raises ValueError if the scalar-prefetched arrays overflow SMEM: the block table
     (S x pages_per_seq int32) is by far the largest. `bs` is resolved."""
     s = shapes.max_num_seqs
-    cores = bs.num_cores
-    items = pl.cdiv(num_work_items(shapes.num_tokens, s, bs.queries_per_block), cores) * cores
+    per_round = bs.num_cores * bs.items_per_step
+    items = pl.cdiv(num_work_items(shapes.num_tokens, s, bs.queries_per_block), per_round)
+    items *= per_round
     needed = 4 * (s + s * shapes.pages_per_seq + s + 1 + 1 + 3 * items + 1)
     if needed > chip.smem_budget_bytes:
         raise ValueError(
@@ -128,8 +129,9 @@ def _ragged_paged_attention(
     bs = block_sizes
     bq, hb = bs.queries_per_block, bs.kv_heads_per_block
     rows = tile_rows(bq, g)
-    cores = bs.num_cores
-    num_items = pl.cdiv(num_work_items(num_tokens, max_num_seqs, bq), cores) * cores
+    cores, k = bs.num_cores, bs.items_per_step
+    num_items = pl.cdiv(num_work_items(num_tokens, max_num_seqs, bq), cores * k) * cores * k
+    per_core = num_items // cores
     item_seq, item_start, item_rows, first_item = _work_items(cu_q_lens, num_seqs, num_items, bq)
 
     # Query rows into item slots [Hkv, NB, M, D]: slot row r = token r // G, head r % G.
@@ -140,6 +142,9 @@ def _ragged_paged_attention(
     q_items = q_items.reshape(num_items, bq, num_kv_heads, g, head_dim).transpose(2, 0, 1, 3, 4)
     q_items = q_items.reshape(num_kv_heads, num_items, bq * g, head_dim)
     q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, rows - bq * g), (0, 0)))
+    # Each core's items contiguous, in the order it runs them: [Hkv, cores, per_core, M, D],
+    # slot [c, w] holding item core_item(c, w) = w * cores + c; a step's k items are a block.
+    q_items = q_items.reshape(num_kv_heads, per_core, cores, rows, head_dim).swapaxes(1, 2)
 
     cfg = KernelConfig(
         page_size=page_size,
@@ -153,10 +158,9 @@ def _ragged_paged_attention(
         sliding_window=inputs.sliding_window,
         quantized=quantized,
         compute_dtype=compute_dtype(q.dtype, kv_pages.dtype),
+        items_per_step=k,
     )
-    item_block = pl.BlockSpec(
-        (hb, None, rows, head_dim), lambda c, h, w, *_: (h, core_item(c, w, cores), 0, 0)
-    )
+    item_block = pl.BlockSpec((hb, None, k, rows, head_dim), lambda c, h, w, *_: (h, c, w, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = [item_block, hbm] + ([hbm] if quantized else [])
     ppb = bs.pages_per_block
@@ -179,7 +183,7 @@ def _ragged_paged_attention(
     ]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
-        grid=(cores, num_kv_heads // hb, num_items // cores),
+        grid=(cores, num_kv_heads // hb, per_core // k),
         in_specs=in_specs,
         out_specs=item_block,
         scratch_shapes=scratch,
@@ -209,6 +213,7 @@ def _ragged_paged_attention(
 
     # Item slots back to packed rows: row t at offset o in sequence s sits in slot
     # first_item[s] * bq + o of the flattened items.
+    out_items = out_items.swapaxes(1, 2).reshape(num_kv_heads, num_items, rows, head_dim)
     out_items = out_items[:, :, : bq * g].reshape(num_kv_heads, num_items, bq, g, head_dim)
     out_rows = out_items.transpose(1, 2, 0, 3, 4).reshape(num_items * bq, num_q_heads, head_dim)
     seq, _, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)

@@ -42,7 +42,7 @@ from paxkv.kv_layout import page_bytes
 from paxkv.pallas_kernels import dequantize, pack_kv_pages, quantize
 from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_lanes, scale_lanes
 
-IMPLS = ("paxkv", "jax-pallas", "xla-dense")
+IMPLS = ("paxkv", "paxkv-1-item", "jax-pallas", "xla-dense")
 
 _BATCH_SIZES = flags.DEFINE_list(
     "batch_sizes", ["1", "8", "32", "128", "256"], "Decode batch sizes."
@@ -259,12 +259,22 @@ def dense_attention_fn(
     return lambda: attend(q, k, v)
 
 
-def paxkv_fn(inputs: Inputs, *, decode: bool) -> Callable[[], jax.Array]:
-    """Our kernel for the default backend (the GPU kernel, interpreted, on the CPU)."""
+def paxkv_fn(
+    inputs: Inputs, *, decode: bool, items_per_step: int | None = None
+) -> Callable[[], jax.Array] | str:
+    """Our kernel for the default backend (the GPU kernel, interpreted, on the CPU). On
+    TPU, decode rows use the decode block sizes; `items_per_step` (TPU only) sets how
+    many work items a grid step runs (`tpu.BlockSizes`)."""
     backend = jax.default_backend()
+    if items_per_step is not None and backend != "tpu":
+        return "n/a: TPU only (work items per grid step)"
+    if items_per_step is not None and not decode:
+        return "n/a: prefill runs one item per grid step by default"
     if backend == "tpu":
         module = importlib.import_module("paxkv.pallas_kernels.tpu.ragged_paged_attention")
-        kernel, extra = module.ragged_paged_attention_tpu, {}
+        tpu = importlib.import_module("paxkv.pallas_kernels.tpu")
+        block_sizes = tpu.BlockSizes(decode=decode, items_per_step=items_per_step)
+        kernel, extra = module.ragged_paged_attention_tpu, {"block_sizes": block_sizes}
     else:
         module = importlib.import_module("paxkv.pallas_kernels.gpu.ragged_paged_attention")
         kernel, extra = module.ragged_paged_attention_gpu, {"decode_only": decode}
@@ -344,6 +354,9 @@ def run_config(settings: Settings, kind: str, batch: int, context: int) -> list[
     )
     builders = {
         "paxkv": lambda x: paxkv_fn(x, decode=decode),
+        # The TPU kernel with one work item per grid step (the default decode runs 8):
+        # the fixed cost of a grid step, side by side.
+        "paxkv-1-item": lambda x: paxkv_fn(x, decode=decode, items_per_step=1),
         "jax-pallas": lambda x: jax_pallas_fn(x, decode=decode),
         "xla-dense": lambda x: dense_attention_fn(x, batch, context, q_len),
     }

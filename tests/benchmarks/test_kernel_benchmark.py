@@ -37,7 +37,7 @@ def test_tiny_run_prints_a_table_and_writes_json(tmp_path):
     assert {(r[0].strip(), r[3].strip()) for r in rows} == {
         (kind, impl)
         for kind in ("decode", "prefill")
-        for impl in ("paxkv", "jax-pallas", "xla-dense")
+        for impl in ("paxkv", "paxkv-1-item", "jax-pallas", "xla-dense")
     }
 
     report = json.loads(json_out.read_text())
@@ -53,3 +53,4 @@ def test_tiny_run_prints_a_table_and_writes_json(tmp_path):
         assert r["max_abs_diff_vs_dense"] < 1e-5  # same inputs, f32: the kernels agree with XLA
     assert "median_s" in by_impl[("decode", "xla-dense")]
     assert by_impl[("prefill", "jax-pallas")]["error"].startswith("n/a")
+    assert by_impl[("decode", "paxkv-1-item")]["error"].startswith("n/a: TPU only")

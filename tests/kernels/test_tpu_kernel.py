@@ -98,15 +98,29 @@ def test_decode_path(name):
     _check(point, case, _run(ragged_paged_attention_tpu, point, case, block_sizes=DECODE))
 
 
-def test_no_race_on_two_cores():
-    # Grid (2 cores, 2 head blocks, items / 2): each core's steps start the next one's
-    # copies; the cores share nothing but the inputs.
+@pytest.mark.parametrize(
+    "name",
+    ["mixed-gqa2-d64-p8-int8", "mixed-gqa8-d128-p16-softcap-window", "decode-mqa-d128-p8-softcap"],
+)
+def test_several_items_per_step(name):
+    # Three items a step (the step's last item starts the next step's first block;
+    # padding items fill the last step), small blocks: items of several page blocks.
+    point = POINTS[name]
+    case = point.case(seed=4)
+    three = dataclasses.replace(SMALL, items_per_step=3)
+    _check(point, case, _run(ragged_paged_attention_tpu, point, case, block_sizes=three))
+
+
+@pytest.mark.parametrize("items_per_step", [1, 3])
+def test_no_race_on_two_cores(items_per_step):
+    # Grid (2 cores, 2 head blocks, items / 2 / k): each core's items start the next
+    # one's copies; the cores share nothing but the inputs.
     point = POINTS["mixed-gqa2-d64-p8-int8"]
     case = point.case(seed=3)
     params = pltpu.InterpretParams(
         detect_races=True, num_cores_or_threads=2, random_seed=7, uninitialized_memory="nan"
     )
-    two_cores = dataclasses.replace(SMALL, num_cores=2)
+    two_cores = dataclasses.replace(SMALL, num_cores=2, items_per_step=items_per_step)
     out = _run(ragged_paged_attention_tpu, point, case, block_sizes=two_cores, interpret=params)
     out = jax.block_until_ready(out)
     assert interpret_pallas_call.races is not None, "the race detector did not run"
@@ -294,6 +308,8 @@ def test_bad_block_sizes():
         )
     with pytest.raises(ValueError, match=re.escape("BlockSizes.pages_per_block=0")):
         BlockSizes(0, 2, 1)
+    with pytest.raises(ValueError, match=re.escape("BlockSizes.items_per_step=0")):
+        BlockSizes(items_per_step=0)
 
 
 def test_float16_is_rejected_for_hardware_but_interpreted():
