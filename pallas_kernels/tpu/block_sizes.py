@@ -81,7 +81,7 @@ def _sublane_tile(dtype, rows: int) -> int:
     `rows`: the packing (1 row for 32-bit, 2 for 16-bit, 4 for 8-bit), doubled until it
     covers `rows` or reaches a full tile (8, 16, 32 rows). So `[.., 2, L]` bf16 scales
     take 2-row tiles and int8 pages of 16 rows 16-row ones (Mosaic's reported scoped
-    allocations agree: `test_vmem_scratch_estimate_is_mosaics`)."""
+    allocations agree: `test_compiles_for_tpu_deviceless` checks them)."""
     packing = max(1, 4 // jnp.dtype(dtype).itemsize)
     tile = packing
     while tile < min(rows, SUBLANES * packing):

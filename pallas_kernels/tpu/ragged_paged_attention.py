@@ -43,9 +43,7 @@ def check_smem(shapes: AttentionShapes, bs: BlockSizes, chip: ChipInfo) -> None:
     """Raises ValueError if the scalar-prefetched arrays overflow SMEM: the block table
     (S x pages_per_seq int32) is by far the largest. `bs` is resolved."""
     s = shapes.max_num_seqs
-    per_round = bs.num_cores * bs.items_per_step
-    items = pl.cdiv(num_work_items(shapes.num_tokens, s, bs.queries_per_block), per_round)
-    items *= per_round
+    items = num_item_slots(shapes.num_tokens, s, bs)
     needed = 4 * (s + s * shapes.pages_per_seq + s + 1 + 1 + 3 * items + 1)
     if needed > chip.smem_budget_bytes:
         raise ValueError(
@@ -111,6 +109,16 @@ def num_work_items(num_tokens: int, max_num_seqs: int, queries_per_block: int) -
     return max(1, min(num_tokens, (num_tokens + max_num_seqs * (bq - 1)) // bq))
 
 
+def num_item_slots(num_tokens: int, max_num_seqs: int, bs: BlockSizes) -> int:
+    """Item slots of the grid (NB): the bound on work items rounded up to whole grid
+    steps on every core (`num_cores x items_per_step` items a round); `bs` is resolved."""
+    per_round = bs.num_cores * bs.items_per_step
+    return (
+        pl.cdiv(num_work_items(num_tokens, max_num_seqs, bs.queries_per_block), per_round)
+        * per_round
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("block_sizes", "vmem_limit_bytes", "interpret"))
 def _ragged_paged_attention(
     inputs: AttentionInputs,
@@ -130,7 +138,7 @@ def _ragged_paged_attention(
     bq, hb = bs.queries_per_block, bs.kv_heads_per_block
     rows = tile_rows(bq, g)
     cores, k = bs.num_cores, bs.items_per_step
-    num_items = pl.cdiv(num_work_items(num_tokens, max_num_seqs, bq), cores * k) * cores * k
+    num_items = num_item_slots(num_tokens, max_num_seqs, bs)
     per_core = num_items // cores
     item_seq, item_start, item_rows, first_item = _work_items(cu_q_lens, num_seqs, num_items, bq)
 
