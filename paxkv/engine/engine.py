@@ -328,6 +328,9 @@ class Engine:
 
         A chunk whose layout fails fails its sequence (`Scheduler.fail`) and leaves the
         step: returns the plan without it, and None for the batch if no chunk is left.
+        A fault may show only on a later call (state a failed attempt left behind), so the
+        chunks left are laid out again until the batch builds, each round failing at least
+        one more chunk or raising (a fault no chunk shows alone is the step's).
         """
         build = functools.partial(
             build_host_batch,
@@ -337,21 +340,23 @@ class Engine:
             pending=pending,
             history_slack=self.config.num_decode_steps,
         )
-        try:
-            return plan, build(plan)
-        except Exception:
-            # Find the chunks that fail on their own; if none does, the fault is the step's.
-            bad = []
-            for c in plan.chunks:
-                try:
-                    build(SchedulerOutput((c,), ()))
-                except Exception as e:
-                    bad.append(c)
-                    self.scheduler.fail(c.seq, e)
-            if not bad:
-                raise
-            plan = self.scheduler.prune(plan)
-            return plan, build(plan) if plan.chunks else None
+        while True:
+            try:
+                return plan, build(plan)
+            except Exception:
+                # The chunks that fail on their own; if none does, the fault is the step's.
+                bad = []
+                for c in plan.chunks:
+                    try:
+                        build(SchedulerOutput((c,), ()))
+                    except Exception as e:
+                        bad.append(c)
+                        self.scheduler.fail(c.seq, e)
+                if not bad:
+                    raise
+                plan = self.scheduler.prune(plan)
+                if not plan.chunks:
+                    return plan, None
 
     def _on_finished(self, req: Request) -> None:
         for seq in req.seqs:

@@ -11,7 +11,7 @@ import collections
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_engine import _engine, _run
 
@@ -116,6 +116,16 @@ def _serve(model, mode, prompts, max_tokens, num_pages):
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(case=scenarios())
+# Found by CI: request 3's layout fails only on its second call, which came after request
+# 1's failure had been isolated, when the batch without it was laid out again.
+@example(
+    case=(
+        [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]],
+        [1, 1, 1, 1],
+        {"1": ("layout", 0), "2": ("admit", 0), "3": ("layout", 1)},
+        64,
+    )
+)
 def test_a_failing_request_never_takes_others_down(tiny, monkeypatch, mode, case):
     _, model, _ = tiny
     prompts, max_tokens, faults, num_pages = case
