@@ -574,6 +574,7 @@ def test_vmem_estimate_covers_mosaics_minimum():
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("minimum")]
     assert len(rows) == 21, result.stdout
     for row in rows:
+        print(" ".join(row))  # the README's table: `-s` shows them
         minimum, estimate = int(row[1]), int(row[3])
         assert estimate >= minimum, row
         if minimum >= 900 * 1024:
