@@ -1,10 +1,14 @@
-"""Serving set-ups, one file per model, each a `ServingSetup` value named `SETUP`.
+"""Serving set-ups by name: one for every preset and shipped checkpoint of `paxkv.models`.
 
-Installed as `paxkv.configs`. `get_config("llama-3.1-8b")` gives the set-up by name.
-The configs of real models are shapes and serving limits only: their weights come
-from a local Hugging Face checkpoint (`--model_dir`). A set-up with
-`random_weights=True` (the tiny toy) also runs with random weights, and one with a
-`checkpoint` (tiny-py, the tiny toy trained) with the weights shipped in the package.
+Installed as `paxkv.configs`. `get_config("llama-3.1-8b")` gives the set-up by name; the
+names are those `paxkv.LLM(model=...)` takes (`paxkv.models.PRESETS` and `CHECKPOINTS`),
+so the launch apps' `--config` and the Python API know the same list. A file here (a
+`ServingSetup` value named `SETUP`) tunes a model's limits for a device; a preset
+without one is served as `paxkv.LLM` serves it (`setup.preset_setup`). The set-ups of
+real models are shapes and serving limits only: their weights come from a local Hugging
+Face checkpoint (`--model_dir`). A set-up with `random_weights=True` (the byte-level
+toys) also runs with random weights, and one with a `checkpoint` (tiny-py, the tiny toy
+trained) with the weights shipped in the package.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from paxkv.configs import (
     tiny_gemma3,
     tiny_py,
 )
-from paxkv.configs.setup import ServingSetup
+from paxkv.configs.setup import ServingSetup, preset_setup
+from paxkv.models import CHECKPOINTS, PRESETS
 
-CONFIGS: dict[str, ServingSetup] = {
+_TUNED: dict[str, ServingSetup] = {
     m.SETUP.name: m.SETUP
     for m in (
         tiny,
@@ -37,6 +42,13 @@ CONFIGS: dict[str, ServingSetup] = {
         gemma_2_9b,
         gemma_3_4b,
     )
+}
+if unknown := sorted(set(_TUNED) - set(PRESETS) - set(CHECKPOINTS)):
+    raise ValueError(f"set-ups {unknown} name no preset or checkpoint of paxkv.models")
+if untuned := sorted(set(CHECKPOINTS) - set(_TUNED)):
+    raise ValueError(f"checkpoints {untuned} have no set-up file")
+CONFIGS: dict[str, ServingSetup] = _TUNED | {
+    name: preset_setup(name) for name in PRESETS if name not in _TUNED
 }
 NAMES = tuple(CONFIGS)
 

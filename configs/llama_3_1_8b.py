@@ -2,7 +2,7 @@
 
 from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
-from paxkv.models.config import LLAMA_3_1_8B
+from paxkv.models.llama_config import LLAMA_3_1_8B
 
 # 128 KiB of KV per token: 24576 pages of 16 tokens are 48 GiB. `paxkv-plan
 # --config=llama-3.1-8b --device=H100` gives the pages that fit there.

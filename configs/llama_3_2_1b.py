@@ -2,7 +2,7 @@
 
 from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
-from paxkv.models.config import LLAMA_3_2_1B
+from paxkv.models.llama_config import LLAMA_3_2_1B
 
 # 32 KiB of KV per token: 16384 pages of 16 tokens are 8 GiB. `paxkv-plan
 # --config=llama-3.2-1b --device=v5e` gives the pages that fit there.

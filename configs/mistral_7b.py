@@ -2,7 +2,7 @@
 
 from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
-from paxkv.models.config import MISTRAL_7B
+from paxkv.models.llama_config import MISTRAL_7B
 
 # 128 KiB of KV per token: 24576 pages of 16 tokens are 48 GiB. Every layer has the
 # 4096-token sliding window, so a sequence holds at most about 4096 tokens' pages

@@ -2,7 +2,7 @@
 
 from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
-from paxkv.models.config import QWEN2_5_7B
+from paxkv.models.llama_config import QWEN2_5_7B
 
 # Four KV heads, 28 layers: 56 KiB of KV per token, so 49152 pages of 16 tokens are 42 GiB.
 SETUP = ServingSetup(

@@ -2,7 +2,7 @@
 
 from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
-from paxkv.models.config import QWEN3_8B
+from paxkv.models.llama_config import QWEN3_8B
 
 # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 144 KiB of KV per token:
 # 24576 pages of 16 tokens are 54 GiB.

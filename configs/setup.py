@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from paxkv.engine import EngineConfig
-from paxkv.models.config import ModelConfig
+from paxkv.llm import default_engine_config
+from paxkv.models import BYTE_LEVEL_PRESETS, PRESETS
+from paxkv.models.family import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,3 +29,16 @@ class ServingSetup:
     def replace(self, **changes) -> ServingSetup:
         """A copy with `changes` applied (`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)
+
+
+def preset_setup(name: str) -> ServingSetup:
+    """The set-up of a preset of `paxkv.models` that has no file of its own: the engine
+    limits `paxkv.LLM(model=name)` serves it with (`default_engine_config`), random
+    weights for the byte-level presets, `--model_dir`'s for the others."""
+    model = PRESETS[name]
+    return ServingSetup(
+        name=name,
+        model=model,
+        engine=default_engine_config(model),
+        random_weights=name in BYTE_LEVEL_PRESETS,
+    )

@@ -2,7 +2,7 @@
 
 from paxkv.configs.setup import ServingSetup
 from paxkv.engine import EngineConfig
-from paxkv.models.config import TINY
+from paxkv.models.llama_config import TINY
 
 SETUP = ServingSetup(
     name="tiny",

@@ -1,22 +1,18 @@
-"""Models over the paged KV cache: the Llama and Gemma families, their configs, weights and tokenizers."""
+"""Models over the paged KV cache: the registered families (`registry.FAMILIES`: Llama, Gemma), their configs, presets, weights and tokenizers."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .config import (
-    BYTE_LEVEL_PRESETS,
-    PRESETS,
-    Llama3RopeScaling,
-    LlamaConfig,
-    ModelConfig,
-    config_from_hf,
-)
+from .family import Family, Model, ModelConfig
 from .gemma import GemmaForCausalLM
 from .gemma_config import GemmaConfig
-from .llama import LlamaForCausalLM, dense_causal_attention, init_cache
-from .registry import Model, init_model
+from .hf_fields import DTYPES
+from .layers import dense_causal_attention
+from .llama import LlamaForCausalLM
+from .llama_config import Llama3RopeScaling, LlamaConfig
+from .registry import BYTE_LEVEL_PRESETS, FAMILIES, PRESETS, config_from_hf, init_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .weights import (
     CONFIG_FILE,
@@ -40,10 +36,13 @@ __all__ = [
     "BYTE_LEVEL_PRESETS",
     "CHECKPOINTS",
     "CONFIG_FILE",
+    "DTYPES",
+    "FAMILIES",
     "ORBAX_PARAMS_DIR",
     "PRESETS",
     "TOKENIZER_CONFIG_FILE",
     "ByteTokenizer",
+    "Family",
     "GemmaConfig",
     "GemmaForCausalLM",
     "HFTokenizer",
@@ -55,7 +54,6 @@ __all__ = [
     "Tokenizer",
     "config_from_hf",
     "dense_causal_attention",
-    "init_cache",
     "init_model",
     "load_hf_checkpoint",
     "load_model",

@@ -1,9 +1,9 @@
 """The Gemma 2 and Gemma 3 (text) decoders in Flax NNX, over the paged KV cache.
 
 Parameter names follow Hugging Face's (`layers[i].pre_feedforward_layernorm`,
-`self_attn.q_norm`, ...) so `weights.py` maps checkpoints by the Llama family's rule;
-the projections, RoPE, MLP, attention oracle and `paged_attention` are the Llama
-family's (`llama.py`). What differs is in `GemmaConfig`'s docstring.
+`self_attn.q_norm`, ...) so checkpoints map by the shared rule (`family.hf_name`);
+the projections, RoPE, MLP and attention oracle are the shared layers (`layers.py`).
+What differs is in `GemmaConfig`'s docstring.
 """
 
 from __future__ import annotations
@@ -17,20 +17,22 @@ from flax import nnx
 
 from paxkv.engine.state import PagedKVCache, PageTable
 
-from . import layer_stack
+from . import gemma_config, layer_stack
+from .family import Family
 from .gemma_config import ACTIVATION, GemmaConfig
-from .llama import (
+from .layers import (
     MLP,
+    SHARDING_RULES,
     Attention,
     dense_causal_attention,
     duplicate_kv_heads,
     embedding,
     lm_head,
     output_logits,
-    paged_attention,
     rms_normalize,
     rope_inv_freq,
 )
+from .llama import paged_attention
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -82,7 +84,7 @@ class GemmaForCausalLM(nnx.Module):
         self.mesh = None
 
     def duplicate_kv_heads(self, factor: int) -> None:
-        """Repeats every KV head `factor` times, in place (see `llama.duplicate_kv_heads`)."""
+        """Repeats every KV head `factor` times, in place (see `layers.duplicate_kv_heads`)."""
         duplicate_kv_heads(self, factor)
 
     def layer_inv_freq(self, layer: int) -> np.ndarray:  # f64[D // 2]
@@ -168,3 +170,14 @@ class GemmaForCausalLM(nnx.Module):
 
         x = layer_stack.run(self.layers, self._embed(tokens), body, scanned=c.scan_layers)
         return self.logits(self.norm(x))
+
+
+FAMILY = Family(
+    name="gemma",
+    model_types=gemma_config.HF_MODEL_TYPES,
+    config_class=GemmaConfig,
+    model_class=GemmaForCausalLM,
+    presets=gemma_config.PRESETS,
+    byte_level_presets=gemma_config.BYTE_LEVEL_PRESETS,
+    sharding_rules=SHARDING_RULES,
+)

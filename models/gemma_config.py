@@ -402,3 +402,5 @@ PRESETS: dict[str, GemmaConfig] = {
     "tiny-gemma2": TINY_GEMMA2,
     "tiny-gemma3": TINY_GEMMA3,
 }
+# Presets whose ids are UTF-8 bytes: they come with the `ByteTokenizer`.
+BYTE_LEVEL_PRESETS = ("tiny-gemma2", "tiny-gemma3")

@@ -1,16 +1,13 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3) in Flax NNX, over the paged KV cache.
 
 Parameter names follow Hugging Face's (`embed_tokens`, `layers[i].self_attn.q_proj`,
-`mlp.gate_proj`, `input_layernorm`, ...) so `weights.py` maps checkpoints by rule.
-Linear kernels are stored `[in, out]` (NNX's layout), the transpose of Hugging Face's.
-The pieces other families share live here too: RoPE, the projections, the MLP, dense
-attention (the oracle) and `paged_attention`, the one per-layer call into the cache.
+`mlp.gate_proj`, `input_layernorm`, ...) so checkpoints map by rule (`family.hf_name`).
+The layers other families share are in `layers.py`; `paged_attention` here is the one
+per-layer call into the cache.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,218 +19,21 @@ from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.pallas_kernels import ragged_paged_attention
 from paxkv.sharding import shardings
 
-from . import layer_stack
-from .config import Llama3RopeScaling, LlamaConfig, ModelConfig
-
-INIT_STD = 0.02  # Hugging Face's initializer_range for these models
-# MLP activations by their Hugging Face names; gelu_pytorch_tanh is tanh-approximate.
-ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "silu": jax.nn.silu,
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-}
-
-
-def rope_inv_freq(
-    head_dim: int, rope_theta: float, rope_scaling: Llama3RopeScaling | None
-) -> np.ndarray:  # f64[D // 2]
-    """RoPE inverse frequencies `theta ** (-2i / D)`, with Llama 3.1's scaling when given.
-
-    Computed on the host in float64: they are constants of the model.
-    """
-    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if rope_scaling is None:
-        return inv_freq
-    s = rope_scaling
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    return np.where(
-        wavelen > low_freq_wavelen,
-        inv_freq / s.factor,
-        np.where(wavelen < high_freq_wavelen, inv_freq, interpolated),
-    )
-
-
-def apply_rope(
-    x: jax.Array,  # [T, H, D]
-    positions: jax.Array,  # i32[T]
-    inv_freq: np.ndarray,  # [D // 2]
-) -> jax.Array:  # [T, H, D], x.dtype
-    """Rotates x by its positions, Hugging Face's rotate-half convention.
-
-    Element i pairs with element i + D/2: `out[i] = x[i] cos(p f_i) - x[i + D/2] sin(p f_i)`
-    and `out[i + D/2] = x[i + D/2] cos(p f_i) + x[i] sin(p f_i)`. Computed in float32.
-    """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D // 2]
-    sin = jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def dense_causal_attention(
-    q: jax.Array,  # [L, Hq, D]
-    k: jax.Array,  # [L, Hkv, D]
-    v: jax.Array,  # [L, Hkv, D]
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None = None,
-) -> jax.Array:  # [L, Hq, D], q.dtype
-    """Plain causal softmax attention of one sequence, in float32 at HIGHEST precision.
-
-    Query i sees keys `j <= i`, and with a window W only `j > i - W`. Logits are
-    `sm_scale * q.k`, capped at `soft_cap * tanh(logits / soft_cap)` when it is set.
-    """
-    length, num_q_heads, _ = q.shape
-    group = num_q_heads // k.shape[1]
-    k = jnp.repeat(k.astype(jnp.float32), group, axis=1)
-    v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-    hi = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k, precision=hi) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    i = jnp.arange(length)[:, None]
-    j = jnp.arange(length)[None, :]
-    mask = j <= i
-    if sliding_window is not None:
-        mask &= j > i - sliding_window
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
-    return jnp.einsum("hqk,khd->qhd", p, v, precision=hi).astype(q.dtype)
-
-
-def _precision(config: ModelConfig) -> jax.lax.Precision:
-    # float32 models are the test dtype: keep their matmuls exact on TPU/GPU too.
-    if config.dtype == "float32":
-        return jax.lax.Precision.HIGHEST
-    return jax.lax.Precision.DEFAULT
-
-
-def linear(config: ModelConfig, d_in: int, d_out: int, *, bias: bool, rngs) -> nnx.Linear:
-    """A `[d_in, d_out]` projection in the config's dtype, normal(0.02) initialised."""
-    return nnx.Linear(
-        d_in,
-        d_out,
-        use_bias=bias,
-        dtype=config.dtype,
-        param_dtype=config.dtype,
-        precision=_precision(config),
-        kernel_init=nnx.initializers.normal(INIT_STD),
-        rngs=rngs,
-    )
-
-
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:  # f32, x's shape
-    """`x / sqrt(mean(x^2) + eps)` over the last axis, in float32."""
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-
-
-def embedding(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Embed:
-    """The token embedding `[vocab, hidden]`, normal(0.02) initialised."""
-    return nnx.Embed(
-        config.vocab_size,
-        config.hidden_size,
-        dtype=config.dtype,
-        param_dtype=config.dtype,
-        embedding_init=nnx.initializers.normal(INIT_STD),
-        rngs=rngs,
-    )
-
-
-def lm_head(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Linear | None:
-    """The output projection, or None when it is tied to the embedding."""
-    if config.tie_word_embeddings:
-        return None
-    return linear(config, config.hidden_size, config.vocab_size, bias=False, rngs=rngs)
-
-
-def output_logits(model: Any, hidden: jax.Array) -> jax.Array:
-    """`hidden [N, hidden]` -> `f32[N, vocab]` through `model.lm_head`, or its tied
-    `model.embed_tokens` when that is None."""
-    head = model.lm_head
-    w = model.embed_tokens.embedding[...].T if head is None else head.kernel[...]
-    return jnp.dot(
-        hidden.astype(w.dtype),
-        w,
-        precision=_precision(model.config),
-        preferred_element_type=jnp.float32,
-    )
-
-
-class RMSNorm(nnx.Module):
-    """`weight * (x / sqrt(mean(x^2) + eps))`, normalised in float32 (Hugging Face's order)."""
-
-    def __init__(self, size: int, *, eps: float, dtype: str):
-        self.weight = nnx.Param(jnp.ones((size,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Normalises the last axis (in f32) and scales it by the learned weight."""
-        return self.weight[...] * rms_normalize(x, self.eps).astype(x.dtype)
-
-
-class MLP(nnx.Module):
-    """A gated MLP, `down(act(gate(x)) * up(x))`: SwiGLU (silu) or GeGLU (gelu)."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, activation: str = "silu"):
-        h, m = config.hidden_size, config.intermediate_size
-        self.gate_proj = linear(config, h, m, bias=False, rngs=rngs)
-        self.up_proj = linear(config, h, m, bias=False, rngs=rngs)
-        self.down_proj = linear(config, m, h, bias=False, rngs=rngs)
-        self.activation = activation  # a name of ACTIVATIONS (static)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """`down(act(gate(x)) * up(x))`."""
-        act = ACTIVATIONS[self.activation]
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Attention(nnx.Module):
-    """GQA projections and RoPE; the attention itself is the caller's (paged or dense).
-
-    `bias` puts biases on q/k/v (Qwen2). `qk_norm`, when given, makes the norm of
-    every q and of every k head over the head dim (`q_norm`, `k_norm`: Qwen3, Gemma 3),
-    applied after the projection and before RoPE.
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        rngs: nnx.Rngs,
-        bias: bool = False,
-        qk_norm: Callable[[int], nnx.Module] | None = None,
-    ):
-        h, d = config.hidden_size, config.head_dim
-        self.q_proj = linear(config, h, config.num_heads * d, bias=bias, rngs=rngs)
-        self.k_proj = linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
-        self.v_proj = linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
-        self.o_proj = linear(config, config.num_heads * d, h, bias=False, rngs=rngs)
-        self.q_norm = None if qk_norm is None else qk_norm(d)
-        self.k_norm = None if qk_norm is None else qk_norm(d)
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-
-    def qkv(
-        self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`x [T, hidden]` -> q `[T, Hq, D]`, k and v `[T, Hkv, D]`, q and k rotated."""
-        t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-    def out(self, attn: jax.Array) -> jax.Array:
-        """`attn [T, Hq, D]` -> `[T, hidden]`."""
-        return self.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.head_dim))
+from . import layer_stack, llama_config
+from .family import Family
+from .layers import (
+    MLP,
+    SHARDING_RULES,
+    Attention,
+    RMSNorm,
+    dense_causal_attention,
+    duplicate_kv_heads,
+    embedding,
+    lm_head,
+    output_logits,
+    rope_inv_freq,
+)
+from .llama_config import LlamaConfig
 
 
 class DecoderLayer(nnx.Module):
@@ -353,40 +153,15 @@ class LlamaForCausalLM(nnx.Module):
         return self.logits(self.norm(x))
 
 
-def duplicate_kv_heads(model: Any, factor: int) -> None:
-    """Repeats every KV head of `model` `factor` times, in place: K/V projection j
-    becomes heads `j * factor .. (j + 1) * factor - 1`, so query head i still reads its
-    own KV head (i // (Hq / Hkv)) and the outputs do not change. `config.num_kv_heads`
-    becomes `num_kv_heads * factor`, which the KV cache is then sized by. For a model
-    axis that outnumbers (or does not divide) the KV heads: each device then holds
-    only the heads its query heads read (`paxkv.sharding.shardings.kv_head_factor`).
-    Any model whose layers hold an `Attention` as `self_attn` (a k norm is per head
-    dim, shared by the heads, so it stays).
-    """
-    c = model.config
-    if factor == 1:
-        return
-    if c.num_heads % (c.num_kv_heads * factor):
-        raise ValueError(
-            f"cannot duplicate {c.num_kv_heads} KV heads {factor}x for {c.num_heads} "
-            "query heads: the query heads must divide evenly among the KV heads"
-        )
-    d = c.head_dim
-    for layer in layer_stack.layer_modules(model):
-        attn = layer.self_attn
-        for proj in (attn.k_proj, attn.v_proj):
-            kernel = proj.kernel.get_value()  # [h, Hkv * D], stacked: [L, h, Hkv * D]
-            lead = kernel.shape[:-1]
-            heads = kernel.reshape(*lead, c.num_kv_heads, d)
-            proj.kernel.set_value(jnp.repeat(heads, factor, axis=-2).reshape(*lead, -1))
-            if proj.bias is not None:
-                bias = proj.bias.get_value()  # [Hkv * D], stacked: [L, Hkv * D]
-                heads = bias.reshape(*bias.shape[:-1], c.num_kv_heads, d)
-                proj.bias.set_value(
-                    jnp.repeat(heads, factor, axis=-2).reshape(*bias.shape[:-1], -1)
-                )
-        attn.num_kv_heads = c.num_kv_heads * factor
-    model.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
+FAMILY = Family(
+    name="llama",
+    model_types=llama_config.HF_MODEL_TYPES,
+    config_class=LlamaConfig,
+    model_class=LlamaForCausalLM,
+    presets=llama_config.PRESETS,
+    byte_level_presets=llama_config.BYTE_LEVEL_PRESETS,
+    sharding_rules=SHARDING_RULES,
+)
 
 
 def paged_attention(
@@ -442,10 +217,3 @@ def paged_attention(
         args = (q, k, v, kv_cache, table, layer)
         specs = (heads, heads, heads, heads, shardings.REPLICATED, shardings.REPLICATED)
     return shardings.shard_map(per_shard, mesh, in_specs=specs, out_specs=(heads, heads))(*args)
-
-
-def init_cache(
-    config: ModelConfig, *, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
-) -> PagedKVCache:
-    """A zeroed paged cache for every layer; "auto" pages are in `config.dtype`."""
-    return PagedKVCache.for_model(config, num_pages, page_size, kv_cache_dtype)

@@ -1,9 +1,7 @@
 """Model weights on disk: Hugging Face safetensors checkpoints and orbax parameter checkpoints.
 
-Hugging Face names map onto the NNX parameter paths by one rule (`hf_name`): the
-path joined with dots under `model.` (`lm_head` at the top level), `kernel` read as a
-transposed `weight` (HF Linear weights are `[out, in]`) and `embedding` as `weight`.
-A parameter of stacked layers (`scan_layers`, `[L, ...]`) is the L tensors of
+Hugging Face names map onto the NNX parameter paths by the family's rule
+(`Family.hf_name`; `family.hf_name` for the families here). A parameter of stacked layers (`scan_layers`, `[L, ...]`) is the L tensors of
 `model.layers.{l}....` stacked on axis 0 (`layer_stack.layer_paths`), read slice by
 slice into its sharding like any other; orbax checkpoints hold the layers one by one
 either way. Nothing here touches the network.
@@ -27,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from . import layer_stack
-from .config import ModelConfig, config_from_hf
-from .registry import Model, model_class
+from .family import Model, ModelConfig
+from .registry import config_from_hf, family_of, model_class
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -37,15 +35,6 @@ ORBAX_PARAMS_DIR = "params"
 
 # Buffers some older Llama checkpoints carry; derived from the config, so skipped.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """The Hugging Face tensor name of an NNX parameter path, and whether it is transposed."""
-    *modules, leaf = (str(p) for p in path)
-    transpose = leaf == "kernel"
-    leaf = "weight" if leaf in ("kernel", "embedding") else leaf
-    prefix = [] if modules[:1] == ["lm_head"] else ["model"]
-    return ".".join([*prefix, *modules, leaf]), transpose
 
 
 def _abstract_model(config: ModelConfig):
@@ -65,6 +54,7 @@ class _Param(NamedTuple):
 def _hf_params(state, config: ModelConfig) -> Iterator[_Param]:
     """Every parameter of `state` (of a model of `config`) with the Hugging Face
     tensors it is made of."""
+    hf_name = family_of(config).hf_name
     for path, var in nnx.to_flat_state(state):
         held = layer_stack.layer_paths(tuple(str(p) for p in path), config)
         paths, stacked = ([path], False) if held is None else held
@@ -85,7 +75,7 @@ def read_json(file: str) -> dict[str, Any]:
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
-    """The config (`LlamaConfig` or `GemmaConfig`, by model type) of checkpoint
+    """The config (of the family registered for its model type) of checkpoint
     directory `path`'s `config.json`.
 
     ValueError naming the file and the field for invalid JSON, a missing field or a

@@ -23,6 +23,13 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 UseTqdm = bool | Callable[..., Any]
 
 
+def default_engine_config(model_config: Any, seed: int = 0) -> EngineConfig:
+    """The engine limits a model is served with when none are given: `EngineConfig`'s
+    defaults, with `seed` and max_model_len = min(the model's positions, 2048)."""
+    max_len = min(model_config.max_position_embeddings, 2048)
+    return EngineConfig(seed=seed, max_model_len=max_len)
+
+
 class LLM:
     """Loads a model and serves batches of prompts through the paged engine.
 
@@ -80,8 +87,7 @@ class LLM:
             model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
         )
         if config is None:
-            max_len = min(model_config.max_position_embeddings, 2048)
-            config = EngineConfig(seed=seed, max_model_len=max_len)
+            config = default_engine_config(model_config, seed)
         config = dataclasses.replace(config, **engine_kwargs)
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._request_ids = itertools.count()

@@ -4,7 +4,7 @@ import pytest
 
 from paxkv import LLM, SamplingParams
 from paxkv.models import ByteTokenizer, init_model, save_hf_checkpoint
-from paxkv.models.config import TINY
+from paxkv.models.llama_config import TINY
 
 SMALL = dict(num_pages=64, page_size=8, max_num_seqs=4, max_num_batched_tokens=32)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

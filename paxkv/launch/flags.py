@@ -21,8 +21,7 @@ from absl import flags, logging
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.engine.config import EngineConfig
 from paxkv.llm import LLM
-from paxkv.models import CONFIG_FILE, LlamaConfig, read_hf_config
-from paxkv.models.config import DTYPES
+from paxkv.models import CONFIG_FILE, DTYPES, ModelConfig, read_hf_config
 from paxkv.sharding.mesh_shape import MeshShape
 
 CONFIG = flags.DEFINE_string("config", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
@@ -251,7 +250,7 @@ def list_in_help(app_module: str, doc: str | None) -> None:
         main.__doc__ = doc
 
 
-def _checkpoint_config(model_dir: str) -> LlamaConfig:
+def _checkpoint_config(model_dir: str) -> ModelConfig:
     if not os.path.isfile(os.path.join(model_dir, CONFIG_FILE)):
         raise ValueError(f"--model_dir={model_dir!r} holds no {CONFIG_FILE}")
     return read_hf_config(model_dir)

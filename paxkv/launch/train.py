@@ -29,7 +29,7 @@ from paxkv.models import (
     save_params,
 )
 from paxkv.models import train as training
-from paxkv.models.config import TINY
+from paxkv.models.llama_config import TINY
 
 _DEFAULTS = training.TrainConfig()
 _OUT_DIR = flags.DEFINE_string(

@@ -21,12 +21,14 @@ attention the unit is the KV head: with `num_kv_heads % model != 0` (e.g. 2 KV h
 the cache holds no more pages than on one device; the MLP and the vocabulary still split.
 
 Models opt in through a static `mesh` attribute that their `__call__` honours (as
-`paxkv.models.LlamaForCausalLM` does); the weight rules go by Hugging Face's parameter
-names, those of the Llama family.
+`paxkv.models.LlamaForCausalLM` does). The weight rules are data (`SplitRule`s by
+parameter names) that each model family's registry entry provides
+(`paxkv.models.registry`), registered here by config class (`register_param_rules`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -182,16 +184,58 @@ def sharded_cache(create: Callable[[], Any], num_kv_heads: int, mesh: Mesh | Non
 
 
 # Kernels are `[in, out]`: column-parallel ones split their outputs, row-parallel their inputs.
-_COLUMN, _ROW = P(None, MODEL_AXIS), P(MODEL_AXIS, None)
+COLUMN, ROW = "column", "row"
+_KERNEL_SPECS = {COLUMN: P(None, MODEL_AXIS), ROW: P(MODEL_AXIS, None)}
+_BIAS_SPECS = {COLUMN: P(MODEL_AXIS), ROW: P()}
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRule:
+    """The parameters whose path holds every name in `modules` are split over the
+    `model` axis as `parallel`, when the mesh splits the config's `divisor` field;
+    replicated otherwise.
+
+    COLUMN splits a `[in, out]` kernel's outputs and its bias, ROW a kernel's inputs
+    (an embedding `[V, h]` counts as one) and replicates its bias.
+    """
+
+    modules: tuple[str, ...]
+    parallel: str
+    divisor: str
+
+    def __post_init__(self):
+        if self.parallel not in _KERNEL_SPECS:
+            raise ValueError(f"parallel={self.parallel!r} must be {COLUMN!r} or {ROW!r}")
+
+
+_PARAM_RULES: dict[type, tuple[SplitRule, ...]] = {}
+
+
+def register_param_rules(config_class: type, rules: Sequence[SplitRule]) -> None:
+    """Makes `rules` the sharding rules of models whose config is a `config_class`
+    (`paxkv.models.registry` registers every family's)."""
+    _PARAM_RULES[config_class] = tuple(rules)
+
+
+def param_rules(config: Any) -> tuple[SplitRule, ...]:
+    """The sharding rules of `config`'s family; ValueError for an unregistered family."""
+    rules = _PARAM_RULES.get(type(config))
+    if rules is None:
+        raise ValueError(
+            f"no sharding rules for {type(config).__name__}: register its family in "
+            "paxkv.models.registry"
+        )
+    return rules
 
 
 def param_spec(
     path: tuple[str, ...], shape: tuple[int, ...], config: Any, mesh: Mesh | AbstractMesh
 ) -> P:
-    """The spec of the parameter at `path` (names as in `nnx.split`'s state), by the rules
-    above. Scanned layers (`paxkv.models.layer_stack.LayerStack`): a parameter of a
-    stacked block (`layers.blocks.j...`, `[R, ...]`) has its layer's spec after an
-    unsplit layer axis, one of the tail (`layers.tail.t...`) its layer's spec."""
+    """The spec of the parameter at `path` (names as in `nnx.split`'s state), by the
+    first of its family's rules that names it (`param_rules`); unnamed ones of at most
+    two dims are replicated. Scanned layers (`paxkv.models.layer_stack.LayerStack`): a
+    parameter of a stacked block (`layers.blocks.j...`, `[R, ...]`) has its layer's spec
+    after an unsplit layer axis, one of the tail (`layers.tail.t...`) its layer's spec."""
     if len(path) > 2 and path[0] == "layers" and path[1] in ("blocks", "tail"):
         layer = (path[0], "0", *path[3:])  # as one layer's parameter
         if path[1] == "tail":
@@ -199,24 +243,12 @@ def param_spec(
         return P(None, *param_spec(layer, shape[1:], config, mesh))
     m = serving_mesh(mesh)
     names = set(path)
-    leaf = path[-1]
-    if "self_attn" in names:
-        if not m.splits(config.num_kv_heads):
-            return P()
-        if names & {"q_proj", "k_proj", "v_proj"}:
-            return _COLUMN if leaf == "kernel" else P(MODEL_AXIS)  # kernel [h, H*D], bias [H*D]
-        if "o_proj" in names:
-            return _ROW if leaf == "kernel" else P()  # kernel [Hq*D, h]
-    if "mlp" in names and m.splits(config.intermediate_size):
-        if names & {"gate_proj", "up_proj"}:
-            return _COLUMN if leaf == "kernel" else P(MODEL_AXIS)
-        if "down_proj" in names:
-            return _ROW if leaf == "kernel" else P()
-    if m.splits(config.vocab_size):
-        if "embed_tokens" in names:
-            return _ROW  # embedding [V, h]
-        if "lm_head" in names:
-            return _COLUMN if leaf == "kernel" else P(MODEL_AXIS)  # kernel [h, V]
+    for rule in param_rules(config):
+        if names.issuperset(rule.modules):
+            if not m.splits(getattr(config, rule.divisor)):
+                return P()
+            specs = _BIAS_SPECS if path[-1] == "bias" else _KERNEL_SPECS
+            return specs[rule.parallel]
     if len(shape) > 2:
         raise ValueError(f"no sharding rule for the parameter {'.'.join(path)} of shape {shape}")
     return P()

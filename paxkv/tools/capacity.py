@@ -18,7 +18,7 @@ Capacities count every sequence at its final length, as the scheduler's admissio
 does (`prompt + max_tokens`). Page 0 is the null page and never holds a token, so a pool
 of `num_pages` pages has `num_pages - 1` to give out.
 
-    model = paxkv.models.config.PRESETS["llama-3.1-8b"]
+    model = paxkv.models.PRESETS["llama-3.1-8b"]
     lengths = paxkv.tools.workloads.Workload("sharegpt", 128, 128).lengths(8192)
     plan = plan_capacity(model, kv_budget_bytes=40 * GIB, page_size=16, lengths=lengths,
                          max_model_len=8192)

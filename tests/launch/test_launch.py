@@ -15,8 +15,8 @@ import pytest
 
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.launch import read_prompts
-from paxkv.models import CHECKPOINTS, init_model, save_hf_checkpoint
-from paxkv.models.config import PRESETS, TINY
+from paxkv.models import CHECKPOINTS, PRESETS, init_model, save_hf_checkpoint
+from paxkv.models.llama_config import TINY
 from paxkv.tools import capacity as plan
 
 # Small limits so that the tiny model compiles one step shape, once.

@@ -20,7 +20,7 @@ from paxkv.models import (
     save_hf_checkpoint,
     save_params,
 )
-from paxkv.models.config import TINY
+from paxkv.models.llama_config import TINY
 
 CONFIG = TINY.replace(num_layers=1)
 INDEX = "model.safetensors.index.json"

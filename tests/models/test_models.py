@@ -12,8 +12,8 @@ from flax import nnx
 
 from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.models import PRESETS, LlamaConfig, config_from_hf, init_model
-from paxkv.models.config import LLAMA_3_2_1B, MISTRAL_7B, QWEN2_5_7B, TINY, Llama3RopeScaling
-from paxkv.models.llama import apply_rope, rope_inv_freq
+from paxkv.models.layers import apply_rope, rope_inv_freq
+from paxkv.models.llama_config import LLAMA_3_2_1B, MISTRAL_7B, QWEN2_5_7B, TINY, Llama3RopeScaling
 
 PAGE = 8
 NUM_PAGES = 10

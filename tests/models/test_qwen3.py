@@ -10,7 +10,7 @@ from test_gemma import check_engine_matches_dense
 from test_models import check_paged_matches_dense, dense_logits, perturbed_model
 
 from paxkv.models import LlamaConfig, load_model
-from paxkv.models.config import QWEN3_0_6B, QWEN3_8B, TINY_QWEN3
+from paxkv.models.llama_config import QWEN3_0_6B, QWEN3_8B, TINY_QWEN3
 
 # The tiny shape; a sliding window is Mistral's, not Qwen3's, so the windows here are full.
 QWEN3 = TINY_QWEN3

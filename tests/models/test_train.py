@@ -17,7 +17,7 @@ from paxkv.models import (
     save_params,
     train,
 )
-from paxkv.models.config import TINY
+from paxkv.models.llama_config import TINY
 
 TEXT = b"def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n"
 

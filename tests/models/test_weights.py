@@ -22,7 +22,7 @@ from paxkv.models import (
     save_hf_checkpoint,
     save_params,
 )
-from paxkv.models.config import TINY
+from paxkv.models.llama_config import TINY
 
 # Qwen2-style (q/k/v bias) and untied, so every kind of tensor is in the checkpoint.
 CONFIG = TINY.replace(attention_bias=True, num_layers=2)

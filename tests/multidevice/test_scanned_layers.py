@@ -19,7 +19,8 @@ from paxkv.models import (
     save_hf_checkpoint,
     save_params,
 )
-from paxkv.models.weights import hf_name, load_hf_checkpoint
+from paxkv.models.family import hf_name
+from paxkv.models.weights import load_hf_checkpoint
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 

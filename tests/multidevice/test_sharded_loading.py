@@ -6,7 +6,8 @@ from flax import nnx
 
 from paxkv import LLM, SamplingParams
 from paxkv.models import PRESETS, init_model, save_hf_checkpoint
-from paxkv.models.weights import hf_name, load_hf_checkpoint
+from paxkv.models.family import hf_name
+from paxkv.models.weights import load_hf_checkpoint
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 

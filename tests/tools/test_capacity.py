@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from paxkv.kv_layout import KV_CACHE_DTYPES
-from paxkv.models import init_model
-from paxkv.models.config import PRESETS, TINY
+from paxkv.models import PRESETS, init_model
+from paxkv.models.llama_config import TINY
 from paxkv.tools import capacity as plan
 from paxkv.tools.capacity_report import build_report
 from paxkv.tools.workloads import Workload

@@ -1,8 +1,4 @@
-"""Typed, frozen configuration of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3).
-
-Also the registry of every family's presets (`PRESETS`, Gemma's included) and the
-parsing of any supported `config.json` by its model type (`config_from_hf`).
-"""
+"""Typed, frozen configuration of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and its presets."""
 
 from __future__ import annotations
 
@@ -10,9 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from . import gemma_config, hf_fields
-from .gemma_config import GemmaConfig
-from .hf_fields import DTYPES as DTYPES  # re-exported: the launch flags read it here
+from . import hf_fields
 from .hf_fields import field as _field
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -348,14 +342,7 @@ QWEN3_8B = QWEN3_0_6B.replace(
 
 TINY_QWEN3 = TINY.replace(qk_norm=True, rms_norm_eps=1e-6)
 
-# Every model config class, and the model types each parses.
-ModelConfig = LlamaConfig | GemmaConfig
-CONFIG_CLASSES: dict[str, type[LlamaConfig] | type[GemmaConfig]] = {
-    **dict.fromkeys(HF_MODEL_TYPES, LlamaConfig),
-    **dict.fromkeys(gemma_config.HF_MODEL_TYPES, GemmaConfig),
-}
-
-PRESETS: dict[str, ModelConfig] = {
+PRESETS: dict[str, LlamaConfig] = {
     "tiny": TINY,
     "llama-3.2-1b": LLAMA_3_2_1B,
     "llama-3.1-8b": LLAMA_3_1_8B,
@@ -364,21 +351,6 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": QWEN3_0_6B,
     "qwen3-8b": QWEN3_8B,
     "tiny-qwen3": TINY_QWEN3,
-    **gemma_config.PRESETS,
 }
 # Presets whose ids are UTF-8 bytes: they come with the `ByteTokenizer`.
-BYTE_LEVEL_PRESETS = ("tiny", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3")
-
-
-def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """The config of a Hugging Face `config.json` dict, by its `model_type`.
-
-    ValueError naming the field, as each class's `from_hf` does, and for a model type
-    of no supported family.
-    """
-    model_type = _field(hf, "model_type", str)
-    if model_type not in CONFIG_CLASSES:
-        raise ValueError(
-            f"model_type={model_type!r} is not supported; expected one of {tuple(CONFIG_CLASSES)}"
-        )
-    return CONFIG_CLASSES[model_type].from_hf(hf)
+BYTE_LEVEL_PRESETS = ("tiny", "tiny-qwen3")
