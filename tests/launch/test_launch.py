@@ -280,8 +280,13 @@ def test_configs(name):
     assert setup.engine.max_num_batched_tokens >= setup.engine.max_num_seqs
 
 
-def test_only_tiny_runs_without_a_checkpoint():
-    assert [n for n in NAMES if get_config(n).random_weights] == ["tiny", "tiny-gemma3"]
+def test_only_the_byte_level_toys_run_without_a_checkpoint():
+    assert [n for n in NAMES if get_config(n).random_weights] == [
+        "tiny",
+        "tiny-gemma3",
+        "tiny-qwen3",
+        "tiny-gemma2",
+    ]
     shipped = {n: get_config(n).checkpoint for n in NAMES if get_config(n).checkpoint}
     assert shipped == {"tiny-py": "tiny-py"} and set(shipped.values()) <= set(CHECKPOINTS)
 
