@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -29,9 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-    "scripts"
-]
+SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 FLAGS_CHILD = Path(__file__).resolve().parent / "docs_flags_child.py"
 PYTHON_LANGS = {"python", "py"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
@@ -160,32 +159,47 @@ def _env() -> dict[str, str]:
     return env
 
 
-def check_flags(command: Command, where: str) -> None:
-    """Fails unless the command's module exists and its absl app parses its argv."""
-    module = command.target.split(":")[0]
-    if importlib.util.find_spec(module) is None:
-        pytest.fail(f"{where}: `{module}` does not exist (a renamed module?)")
-    result = subprocess.run(
-        [sys.executable, str(FLAGS_CHILD), command.kind, command.target, *command.args],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=COMMAND_TIMEOUT_S,
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"{where}: flags of `{command.target} {' '.join(command.args)}` do not parse "
-            f"(exit {result.returncode}):\n{result.stderr[-2000:]}"
+def check_flags(commands: list[tuple[Command, str]]) -> None:
+    """Fails unless every command's module exists and its absl app parses its argv
+    (`(command, where it is documented)` pairs, checked in one child process)."""
+    for command, where in commands:
+        module = command.target.split(":")[0]
+        if importlib.util.find_spec(module) is None:
+            pytest.fail(f"{where}: `{module}` does not exist (a renamed module?)")
+    if not commands:
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[c.kind, c.target, *c.args] for c, _ in commands], f)
+    try:
+        result = subprocess.run(
+            [sys.executable, str(FLAGS_CHILD), f.name],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=COMMAND_TIMEOUT_S + 10 * len(commands),
         )
+    finally:
+        os.unlink(f.name)
+    assert result.returncode == 0, f"the flags checker failed:\n{result.stderr[-3000:]}"
+    checks = json.loads(result.stdout.strip().splitlines()[-1])
+    failures = [
+        f"{where}: flags of `{c.target} {' '.join(c.args)}` do not parse "
+        f"(exit {check['code']}):\n{check['stderr'][-1500:]}"
+        for (c, where), check in zip(commands, checks, strict=True)
+        if check["code"] != 0
+    ]
+    if failures:
+        pytest.fail("\n".join(failures))
 
 
-def check_shell_block(block: Block, workdir: Path) -> None:
-    """Checks (and, unmarked, runs) every command line of a shell block."""
+def paxkv_commands(block: Block) -> list[tuple[Command, str]]:
+    """The paxkv commands of a shell block, with where they are documented. Fails for a
+    command of an unmarked block that is neither paxkv's nor known to be safe."""
+    out = []
     for line in command_lines(block.code):
-        commands = parse_commands(line)
-        for command in commands:
+        for command in parse_commands(line):
             if command.kind in ("script", "module"):
-                check_flags(command, block.where)
+                out.append((command, block.where))
             elif block.mode == "run" and command.target not in SAFE_COMMANDS:
                 pytest.fail(
                     f"{block.where}: `{command.target}` in an unmarked shell block: it is "
@@ -193,20 +207,34 @@ def check_shell_block(block: Block, workdir: Path) -> None:
                     "`<!-- docs-test: flags-only -->` (paxkv flags checked, nothing run) or "
                     "`<!-- docs-test: skip (reason) -->` on the line before the fence."
                 )
-        if block.mode == "run":
-            result = subprocess.run(
-                ["bash", "-c", line],
-                capture_output=True,
-                text=True,
-                cwd=workdir,
-                env=_env(),
-                timeout=COMMAND_TIMEOUT_S,
+    return out
+
+
+def run_block(block: Block, workdir: Path) -> None:
+    """Runs every command line of an unmarked shell block; fails on a non-zero exit."""
+    for line in command_lines(block.code):
+        result = subprocess.run(
+            ["bash", "-c", line],
+            capture_output=True,
+            text=True,
+            cwd=workdir,
+            env=_env(),
+            timeout=COMMAND_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            pytest.fail(
+                f"{block.where}: `{line}` exited {result.returncode}:\n"
+                f"{result.stdout[-1500:]}\n{result.stderr[-2500:]}"
             )
-            if result.returncode != 0:
-                pytest.fail(
-                    f"{block.where}: `{line}` exited {result.returncode}:\n"
-                    f"{result.stdout[-1500:]}\n{result.stderr[-2500:]}"
-                )
+
+
+def check_shell_blocks(blocks: list[Block], workdir: Path) -> None:
+    """Checks the flags of every paxkv command of the blocks, then runs the unmarked ones."""
+    blocks = [b for b in blocks if b.lang in SHELL_LANGS and b.mode != "skip"]
+    check_flags([c for b in blocks for c in paxkv_commands(b)])
+    for block in blocks:
+        if block.mode == "run":
+            run_block(block, workdir)
 
 
 def page_id(page: Path) -> str:
@@ -220,9 +248,7 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     if not blocks:
         return
     script = tmp_path / "page.py"
-    script.write_text(
-        "".join(f"# --- {b.where}\n{b.code}" for b in blocks), encoding="utf-8"
-    )
+    script.write_text("".join(f"# --- {b.where}\n{b.code}" for b in blocks), encoding="utf-8")
     result = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
@@ -240,9 +266,7 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_shell_blocks(page: Path, tmp_path: Path) -> None:
     """Every shell block's paxkv commands exist and parse; unmarked ones run."""
-    for block in extract_blocks(page):
-        if block.lang in SHELL_LANGS and block.mode != "skip":
-            check_shell_block(block, tmp_path)
+    check_shell_blocks(extract_blocks(page), tmp_path)
 
 
 def test_readme_is_short_and_links_resolve() -> None:
@@ -321,16 +345,18 @@ def test_commands_are_classified() -> None:
 def test_unmarked_unknown_command_fails(tmp_path: Path) -> None:
     (block,) = _blocks("```bash\npip install -e .\n```\n")
     with pytest.raises(pytest.fail.Exception, match="docs-test: flags-only"):
-        check_shell_block(block, tmp_path)
+        check_shell_blocks([block], tmp_path)
 
 
 def test_bad_flag_and_missing_module_fail(tmp_path: Path) -> None:
-    (block,) = _blocks("<!-- docs-test: flags-only -->\n```bash\npaxkv-plan --no_such_flag=1\n```\n")
+    (block,) = _blocks(
+        "<!-- docs-test: flags-only -->\n```bash\npaxkv-plan --no_such_flag=1\n```\n"
+    )
     with pytest.raises(pytest.fail.Exception, match="no_such_flag"):
-        check_shell_block(block, tmp_path)
+        check_shell_blocks([block], tmp_path)
     (block,) = _blocks("<!-- docs-test: flags-only -->\n```bash\npaxkv-plan --page_size=x\n```\n")
     with pytest.raises(pytest.fail.Exception, match="page_size"):
-        check_shell_block(block, tmp_path)
+        check_shell_blocks([block], tmp_path)
     (block,) = _blocks("<!-- docs-test: flags-only -->\n```bash\npython -m paxkv.nowhere\n```\n")
     with pytest.raises(pytest.fail.Exception, match="does not exist"):
-        check_shell_block(block, tmp_path)
+        check_shell_blocks([block], tmp_path)
