@@ -108,13 +108,15 @@ class ModelRunner(StepRunner):
             self.graphdef, self.params, self.kv_cache = shardings.shard_engine_state(
                 self.graphdef, self.params, self.kv_cache, mesh
             )
-        else:  # committed, as `update_weights` places new ones (jit keys on it); no copy
-            self.params = jax.device_put(
-                self.params, jax.tree.map(lambda x: x.sharding, self.params)
-            )
         self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
         if mesh is not None:  # as the step returns it, so warm-up compiles the real signature
             self._prev_tokens = jax.device_put(self._prev_tokens, shardings.replicated(mesh))
+        else:  # committed to their device (no copy), as the step's outputs and the arrays
+            # `update_weights` places are: jit keys on it, so warm-up compiles the real signature
+            state = (self.params, self.kv_cache, self._prev_tokens)
+            self.params, self.kv_cache, self._prev_tokens = jax.device_put(
+                state, jax.tree.map(lambda x: x.sharding, state)
+            )
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
 
     @property
