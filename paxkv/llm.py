@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from flax import nnx
 from tqdm import tqdm
 
 from paxkv import chat as chat_templates
@@ -90,6 +91,7 @@ class LLM:
             config = default_engine_config(model_config, seed)
         config = dataclasses.replace(config, **engine_kwargs)
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
+        self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
         # Where `chat` finds the chat template: the checkpoint's directory (none for presets).
         name = os.fspath(model)
@@ -218,6 +220,41 @@ class LLM:
             if pending:
                 self.engine.step()  # reports, and so forgets, the aborted requests
 
+    def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
+        """Installs new weights without a recompilation (`Engine.update_weights`);
+        returns the new weight version.
+
+        `weights` is a parameter tree, or the path of a Hugging Face safetensors or
+        orbax (`save_params`) checkpoint of the same architecture: its `config.json`
+        must equal the model's except for the dtype and how layers are held, and it is
+        loaded in the model's dtype (cast, as loading casts) and straight into the
+        mesh's shardings. Raises ValueError, the engine keeping its weights, for a
+        checkpoint or tree that does not match.
+        """
+        if isinstance(weights, (str, os.PathLike)):
+            weights = self._read_weights(os.fspath(weights))
+            copy = False  # the loaded arrays are the engine's alone
+        return self.engine.update_weights(weights, policy=policy, copy=copy)
+
+    def _read_weights(self, path: str) -> Any:
+        """The parameter state of the checkpoint at `path`, in the model's dtype."""
+        models = importlib.import_module("paxkv.models")
+        if not os.path.isdir(path):
+            raise ValueError(f"{path!r} is not a checkpoint directory")
+        mine = self._model_config
+        theirs = models.read_hf_config(path).replace(dtype=mine.dtype, scan_layers=mine.scan_layers)
+        if theirs != mine:
+            differ = [
+                f"{f.name}={getattr(theirs, f.name)!r} (the model's: {getattr(mine, f.name)!r})"
+                for f in dataclasses.fields(mine)
+                if getattr(theirs, f.name) != getattr(mine, f.name)
+            ]
+            raise ValueError(f"checkpoint {path} is of another architecture: {', '.join(differ)}")
+        _, module, _ = models.load_model(
+            path, dtype=mine.dtype, mesh=self.engine.mesh, scan_layers=mine.scan_layers
+        )
+        return nnx.state(module, nnx.Param)
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters (see `Engine.stats`)."""
         return self.engine.stats()
@@ -265,6 +302,8 @@ class LLM:
         """Validates every prompt (errors name `what` and its index), then queues them
         all; returns their ids and params. `output_kind` replaces the params' own (on
         copies: the caller's are not changed)."""
+        if self.engine.paused:
+            raise RuntimeError("the engine is paused: engine.resume() it first")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

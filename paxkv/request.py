@@ -298,8 +298,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     # Why the engine ended the request itself (finish reason "abort"): something tied to
-    # it failed in a step's host work. None otherwise.
+    # it failed in a step's host work, or new weights came with policy "abort". None otherwise.
     error: str | None = None
+    # The weight versions (`Engine.weight_version`) its output tokens were sampled
+    # under, oldest first: one unless weights were updated while it ran.
+    weight_versions: tuple[int, ...] = ()
 
 
 def normalize_prompt(prompt) -> tuple[str | None, list[int] | None]:

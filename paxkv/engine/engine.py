@@ -25,6 +25,7 @@ from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import MAX_STOP_IDS
+from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.batch import HostBatch, build_host_batch
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
@@ -104,9 +105,12 @@ class Engine:
             max_logprobs=config.max_logprobs,
         )
         self._buckets = config.buckets()
-        self._aborted: list[RequestOutput] = []  # reported by the next step
+        # Reported by the next step: aborted requests, and what a weight update's steps made.
+        self._aborted: list[RequestOutput] = []
         self._pipeline = AsyncPipeline(self) if config.async_scheduling else None
         self.metrics = EngineMetrics()
+        self._paused = False
+        self._weights = WeightUpdater(self)
 
     @property
     def num_compilations(self) -> int:
@@ -116,6 +120,50 @@ class Engine:
     # The model runner's state, for introspection (None with another runner).
     kv_cache = property(lambda self: getattr(self.runner, "kv_cache", None))
     mesh = property(lambda self: getattr(self.runner, "mesh", None))
+
+    # Weights.
+
+    @property
+    def weight_version(self) -> int:
+        """How many times `update_weights` has installed new weights (0: the model's)."""
+        return self._weights.version
+
+    @property
+    def paused(self) -> bool:
+        """Whether `pause` stopped the scheduling (`step` then does nothing)."""
+        return self._paused
+
+    def pause(self) -> None:
+        """Stops scheduling between steps: `step` returns [] and runs nothing until
+        `resume`. Requests can still be added and aborted, and weights updated."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Restarts the scheduling `pause` stopped."""
+        self._paused = False
+
+    def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
+        """Replaces the model's parameters in place, without a recompilation; returns the
+        new `weight_version`.
+
+        `weights` is the model's parameter tree (`nnx.state(model, nnx.Param)`, or the
+        same nesting of dicts of jax or NumPy arrays), in the caller's model's layout
+        (before any KV-head duplication for the mesh); a scanned-layer model takes its
+        layers stacked or one by one. Every leaf must have the shape and dtype of the
+        leaf it replaces (no cast); it is put into that leaf's sharding. The whole tree
+        is checked first: a missing, extra or mismatched leaf, or NaN or inf, raises
+        ValueError naming the first such leaf, and the engine keeps its weights.
+
+        `policy` says what happens to the requests in flight (`weights_update.POLICIES`:
+        "wait" finishes the admitted ones under the old weights first, stepping the
+        engine, and the queued ones start under the new; "abort"; "recompute"). Outputs
+        of the steps an update runs are reported by the next `step`. The prefix cache
+        forgets every page of older weights. Allowed while paused, except "wait" with
+        admitted requests unfinished (ValueError: it could never finish); one update at
+        a time (ValueError). `copy=False` lets device arrays already in place be held
+        without a copy (do not donate or delete them afterwards).
+        """
+        return self._weights.update(weights, policy=policy, copy=copy)
 
     # Requests.
 
@@ -197,6 +245,8 @@ class Engine:
 
         The dict is in the order the requests ended (aborted ones included).
         """
+        if self._paused and self.has_unfinished():
+            raise RuntimeError("the engine is paused: resume() it before running it")
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
@@ -212,8 +262,10 @@ class Engine:
         only, or nothing until it finishes).
 
         Requests aborted since the last step are reported here too, finished with reason
-        "abort".
+        "abort". While paused (`pause`), returns [] and does nothing.
         """
+        if self._paused:
+            return []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.end_failed()

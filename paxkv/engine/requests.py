@@ -52,12 +52,28 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[SequenceState]
     arrival_time: float
+    # `(weight version, outputs sampled before it)` for each version since it arrived.
+    version_starts: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(0, 0)])
     _progress: list[_Progress] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
         """Whether every completion has ended."""
         return all(s.finish_reason is not None for s in self.seqs)
+
+    def _num_outputs(self) -> int:
+        return sum(len(s.output_token_ids) for s in self.seqs)
+
+    def start_version(self, version: int) -> None:
+        """Its tokens from now on are sampled under weight version `version`."""
+        self.version_starts.append((version, self._num_outputs()))
+
+    def weight_versions(self) -> tuple[int, ...]:
+        """The weight versions its output tokens were sampled under, oldest first."""
+        ends = [start for _, start in self.version_starts[1:]] + [self._num_outputs()]
+        return tuple(
+            v for (v, start), end in zip(self.version_starts, ends, strict=True) if end > start
+        )
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -105,6 +121,7 @@ class Request:
             # A delta carries the request's metrics once, when it finishes: per step they
             # would cost more than the delta itself.
             metrics=self._metrics() if finished or not delta else None,
+            weight_versions=self.weight_versions(),
         )
 
     def bare_output(self) -> RequestOutput:
@@ -125,7 +142,12 @@ class Request:
             for i, seq in enumerate(self.seqs)
         ]
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.finished,
+            weight_versions=self.weight_versions(),
         )
 
     def _metrics(self) -> RequestMetrics:
@@ -272,6 +294,17 @@ class RequestRegistry:
         self._requests: dict[str, Request] = {}
         self._rng = random.Random(seed)
         self._ids = itertools.count()
+        self.weight_version = 0  # the weights new requests sample under
+
+    def unfinished(self) -> list[Request]:
+        """The unfinished requests, in the order they were submitted."""
+        return list(self._requests.values())
+
+    def set_weight_version(self, version: int) -> None:
+        """Every unfinished request and every later one samples under `version` from now."""
+        self.weight_version = version
+        for req in self._requests.values():
+            req.start_version(version)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -324,7 +357,7 @@ class RequestRegistry:
             )
             for i in range(params.n)
         ]
-        request = Request(request_id, text, ids, seqs, arrival)
+        request = Request(request_id, text, ids, seqs, arrival, [(self.weight_version, 0)])
         self._requests[request_id] = request
         return request
 

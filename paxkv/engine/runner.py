@@ -25,6 +25,7 @@ from paxkv.engine.config import EngineConfig
 from paxkv.engine.sampling import Sampled
 from paxkv.engine.state import PagedKVCache
 from paxkv.engine.step import DecodeLimits, StepBatch
+from paxkv.engine.weights_update import ParamSource
 from paxkv.host.batch import HostBatch
 from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.sharding import shardings
@@ -77,14 +78,17 @@ class ModelRunner(StepRunner):
 
     def __init__(self, model: nnx.Module, config: EngineConfig, mesh: Any = None) -> None:
         mc = model.config
+        factor = 1
         if mesh is not None and hasattr(model, "duplicate_kv_heads"):
             # A model axis the KV heads do not split: repeat them until it does, so each
             # device holds the pages of only the heads its query heads read.
             factor = shardings.kv_head_factor(mc.num_kv_heads, mc.num_heads, mesh)
-            if factor > 1:
-                model = nnx.clone(model)  # new variables: the caller's model is unchanged
-                model.duplicate_kv_heads(factor)
-                mc = model.config
+        # The caller's layout, which `update_weights` takes and turns into the runner's.
+        self.param_source = ParamSource.of(model, factor)
+        if factor > 1:
+            model = nnx.clone(model)  # new variables: the caller's model is unchanged
+            model.duplicate_kv_heads(factor)
+            mc = model.config
         self.model_config = mc
         self.config = config
         self.graphdef, self.params = nnx.split(model)
@@ -107,6 +111,12 @@ class ModelRunner(StepRunner):
         self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
         if mesh is not None:  # as the step returns it, so warm-up compiles the real signature
             self._prev_tokens = jax.device_put(self._prev_tokens, shardings.replicated(mesh))
+        else:  # committed to their device (no copy), as the step's outputs and the arrays
+            # `update_weights` places are: jit keys on it, so warm-up compiles the real signature
+            state = (self.params, self.kv_cache, self._prev_tokens)
+            self.params, self.kv_cache, self._prev_tokens = jax.device_put(
+                state, jax.tree.map(lambda x: x.sharding, state)
+            )
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
 
     @property

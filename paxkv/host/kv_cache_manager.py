@@ -98,6 +98,8 @@ class KVCacheManager:
         # Leading tokens of recently cached first pages (bounded), to notice prefixes
         # shared over less than a page.
         self._first_tokens: OrderedDict[tuple, None] = OrderedDict()
+        # The model weights' version, part of every cache key (see `set_weight_version`).
+        self.weight_version = 0
 
     # Tables.
 
@@ -290,7 +292,7 @@ class KVCacheManager:
             tokens,
             self.page_size,
             num_pages=(len(tokens) - 1) // self.page_size,
-            salt=seq.cache_salt,
+            salt=self._salt(seq),
         )
         lookup = self.pool.lookup
         if self.num_groups == 1 and not self.sliding:
@@ -349,7 +351,7 @@ class KVCacheManager:
         hit_tokens = num_hit_pages * self.page_size
         self.prefix_hits += hit_tokens
         seq.num_cached_tokens = hit_tokens
-        lead = self._lead(seq.prompt_token_ids, seq.cache_salt)
+        lead = self._lead(seq.prompt_token_ids, self._salt(seq))
         if num_hit_pages == 0 and lead in self._first_tokens:
             self.short_prefix_misses += 1
             logging.log_first_n(
@@ -370,6 +372,22 @@ class KVCacheManager:
                 if table[i] != NULL_PAGE:
                     self.pool.uncache(table[i], self._key(g, seq.keys[i]))
         del seq.keys[computed:]
+
+    def _salt(self, seq: SequenceState):
+        """What keys seq's first page besides its tokens: its cache salt, and the weights."""
+        return seq.cache_salt if not self.weight_version else (seq.cache_salt, self.weight_version)
+
+    def set_weight_version(self, version: int) -> None:
+        """Keys the pages computed from now on under weights `version`, and uncaches
+        every page: none computed under other weights is matched again, and they are
+        the first reused (plain free pages)."""
+        self.weight_version = version
+        pool = self.pool
+        for page in range(1, pool.num_pages):
+            key = pool.cache_key(page)
+            if key is not None:
+                pool.uncache(page, key)
+        self._first_tokens.clear()
 
     def _lead(self, tokens: list[int], salt) -> tuple:
         return (salt, tuple(tokens[: min(4, self.page_size)]))
@@ -396,7 +414,7 @@ class KVCacheManager:
             tokens,
             ps,
             parent=seq.keys[-1] if seq.keys else None,
-            salt=seq.cache_salt if first == 0 else None,
+            salt=self._salt(seq) if first == 0 else None,
         )
         tables = self.tables(seq)
         for i, key in enumerate(new, start=first):
@@ -404,7 +422,7 @@ class KVCacheManager:
                 if table[i] != NULL_PAGE:
                     self.pool.mark_cached(table[i], self._key(g, key))
             if i == 0:
-                lead = self._lead(tokens, seq.cache_salt)
+                lead = self._lead(tokens, self._salt(seq))
                 self._first_tokens[lead] = None
                 self._first_tokens.move_to_end(lead)
                 if len(self._first_tokens) > _MAX_LEADS:

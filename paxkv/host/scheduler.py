@@ -123,6 +123,12 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
+    def preempt_all(self) -> None:
+        """Preempts every running sequence (each recomputes its K/V when it runs again,
+        e.g. under new weights), keeping their order at the front of the queue."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+
     def schedule(self) -> SchedulerOutput:
         """Plans the next step and reserves its pages. Call `update` with its results."""
         budget = self.max_num_batched_tokens
