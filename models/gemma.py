@@ -2,8 +2,9 @@
 
 Parameter names follow Hugging Face's (`layers[i].pre_feedforward_layernorm`,
 `self_attn.q_norm`, ...) so `weights.py` maps checkpoints by the Llama family's rule;
-the projections, RoPE, MLP, attention oracle and `paged_attention` are the Llama
-family's (`llama.py`). What differs is in `GemmaConfig`'s docstring.
+the projections, RoPE, MLP and attention oracle are the Llama family's (`llama.py`),
+`paged_attention` the cache's (`paxkv.kv_cache`). What differs is in `GemmaConfig`'s
+docstring.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.kv_cache import PagedKVCache, PageTable, paged_attention
 
 from . import layer_stack
 from .gemma_config import ACTIVATION, GemmaConfig
@@ -27,7 +28,6 @@ from .llama import (
     embedding,
     lm_head,
     output_logits,
-    paged_attention,
     rms_normalize,
     rope_inv_freq,
 )

@@ -38,9 +38,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from paxkv.benchmarks.timing import median_seconds
-from paxkv.kv_layout import page_bytes
+from paxkv.kv_layout import KEY, VALUE, cdiv, kv_lanes, page_bytes, scale_lanes
 from paxkv.pallas_kernels import dequantize, pack_kv_pages, quantize
-from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_lanes, scale_lanes
 
 IMPLS = ("paxkv", "paxkv-1-item", "jax-pallas", "xla-dense")
 
