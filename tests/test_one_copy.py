@@ -99,7 +99,7 @@ def dtype_lists(sources: dict[str, ast.Module]) -> list[str]:
             tokens = _literal_tokens(node)
             if tokens is None:
                 continue
-            if QUANTIZED_NAMES <= tokens or len(QUANTIZED_PAGE_DTYPE_NAMES & tokens) >= 2:
+            if tokens >= QUANTIZED_NAMES or len(QUANTIZED_PAGE_DTYPE_NAMES & tokens) >= 2:
                 found.append(rel)
                 break
     return found
