@@ -2,8 +2,9 @@
 
 Parameter names follow Hugging Face's (`layers[i].pre_feedforward_layernorm`,
 `self_attn.q_norm`, ...) so checkpoints map by the shared rule (`family.hf_name`);
-the projections, RoPE, MLP and attention oracle are the shared layers (`layers.py`).
-What differs is in `GemmaConfig`'s docstring.
+the projections, RoPE, MLP and attention oracle are the shared layers (`layers.py`),
+`paged_attention` the cache's (`paxkv.kv_cache`). What differs is in `GemmaConfig`'s
+docstring.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.kv_cache import PagedKVCache, PageTable, paged_attention
 
 from . import gemma_config, layer_stack
 from .family import Family
@@ -32,7 +33,6 @@ from .layers import (
     rms_normalize,
     rope_inv_freq,
 )
-from .llama import paged_attention
 
 
 class GemmaRMSNorm(nnx.Module):

@@ -2,22 +2,19 @@
 
 Parameter names follow Hugging Face's (`embed_tokens`, `layers[i].self_attn.q_proj`,
 `mlp.gate_proj`, `input_layernorm`, ...) so checkpoints map by rule (`family.hf_name`).
-The layers other families share are in `layers.py`; `paged_attention` here is the one
-per-layer call into the cache.
+Linear kernels are stored `[in, out]` (NNX's layout), the transpose of Hugging Face's.
+The layers other families share are in `layers.py`; the one per-layer call into the
+cache is `paxkv.kv_cache.paged_attention`.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paxkv.engine.state import PagedKVCache, PageTable
-from paxkv.pallas_kernels import ragged_paged_attention
-from paxkv.sharding import shardings
+from paxkv.kv_cache import PagedKVCache, PageTable, paged_attention
 
 from . import layer_stack, llama_config
 from .family import Family
@@ -162,58 +159,3 @@ FAMILY = Family(
     byte_level_presets=llama_config.BYTE_LEVEL_PRESETS,
     sharding_rules=SHARDING_RULES,
 )
-
-
-def paged_attention(
-    layer: int | jax.Array,
-    q: jax.Array,  # [T, Hq, D]
-    k: jax.Array,  # [T, Hkv, D]
-    v: jax.Array,  # [T, Hkv, D]
-    kv_cache: PagedKVCache,
-    table: PageTable,
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    num_kv_heads: int,
-    mesh: Any,
-    backend: str,
-    decode_only: bool = False,
-) -> tuple[jax.Array, PagedKVCache]:  # [T, Hq, D], new cache
-    """Writes `layer`'s new K/V into the cache and attends over it: every model's one
-    per-layer call into the paged cache.
-
-    `layer` is an int, or a traced i32 scalar inside a scan over stacked layers (the
-    cache is then stacked, `PagedKVCache.slot_pages`). `sliding_window` and `soft_cap`
-    are this layer's (see `ragged_paged_attention`). The layer's pages and page table
-    are those of its KV-cache group (`PagedKVCache.slot`, `PagedKVCache.group`; one
-    group unless the model mixes windows).
-    On a `mesh` each device writes and reads only its own KV heads' slice of every page
-    and attends with its own q heads (the heads of q, k, v and the pages share one
-    spec); the page table is replicated, so no data crosses devices here.
-    """
-
-    def attend(q, k, v, kv_cache, table, layer):
-        kv_cache = kv_cache.write(layer, k, v, table)
-        attn = ragged_paged_attention(
-            q,
-            **kv_cache.attention_kwargs(layer, table),
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
-            sliding_window=sliding_window,
-            backend=backend,
-            decode_only=decode_only,
-        )
-        return attn, kv_cache
-
-    if mesh is None:
-        return attend(q, k, v, kv_cache, table, layer)
-    heads = shardings.kv_head_spec(num_kv_heads, mesh)
-    if isinstance(layer, int):  # static: closed over, not an argument
-        per_shard = lambda q, k, v, kv_cache, table: attend(q, k, v, kv_cache, table, layer)
-        args, specs = (q, k, v, kv_cache, table), (heads, heads, heads, heads, shardings.REPLICATED)
-    else:
-        per_shard = attend
-        args = (q, k, v, kv_cache, table, layer)
-        specs = (heads, heads, heads, heads, shardings.REPLICATED, shardings.REPLICATED)
-    return shardings.shard_map(per_shard, mesh, in_specs=specs, out_specs=(heads, heads))(*args)

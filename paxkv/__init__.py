@@ -8,10 +8,10 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "PagedKVCache": "paxkv.engine.state",
-    "PageTable": "paxkv.engine.state",
+    "PagedKVCache": "paxkv.kv_cache",
+    "PageTable": "paxkv.kv_cache",
     "PagePool": "paxkv.host.page_pool",
-    "NULL_PAGE": "paxkv.host.page_pool",
+    "NULL_PAGE": "paxkv.kv_layout",
     "LLM": "paxkv.llm",
     "Engine": "paxkv.engine.engine",
     "EngineConfig": "paxkv.engine.config",

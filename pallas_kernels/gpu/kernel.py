@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ..layout import KEY, NULL_PAGE, VALUE
+from paxkv.kv_layout import KEY, NULL_PAGE, VALUE
+
 from .jax_compat import plgpu
 
 

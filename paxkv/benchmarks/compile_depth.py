@@ -30,8 +30,8 @@ from absl import app, flags
 from flax import nnx
 
 from paxkv.engine.config import EngineConfig
-from paxkv.engine.state import PagedKVCache
 from paxkv.engine.step import MODEL_STEP, StepBatch
+from paxkv.kv_cache import PagedKVCache
 from paxkv.models import PRESETS
 
 _CONFIG = flags.DEFINE_string("config", "llama-3.1-8b", "Model preset whose shapes to use.")

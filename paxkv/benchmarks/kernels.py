@@ -38,9 +38,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from paxkv.benchmarks.timing import median_seconds
-from paxkv.kv_layout import page_bytes
+from paxkv.kv_layout import KEY, VALUE, cdiv, is_quantized, kv_lanes, page_bytes, scale_lanes
 from paxkv.pallas_kernels import dequantize, pack_kv_pages, quantize
-from paxkv.pallas_kernels.layout import KEY, VALUE, cdiv, kv_lanes, scale_lanes
 
 IMPLS = ("paxkv", "paxkv-1-item", "jax-pallas", "xla-dense")
 
@@ -163,7 +162,7 @@ def make_inputs(settings: Settings, batch: int, context: int, q_len: int, seed: 
 
     k, v = pages(keys[1]), pages(keys[2])
     k_scales = v_scales = None
-    if settings.page_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
+    if is_quantized(settings.page_dtype):
         (k, k_scales), (v, v_scales) = (
             quantize(k, settings.page_dtype),
             quantize(v, settings.page_dtype),

@@ -15,7 +15,8 @@ import numpy as np
 from absl import app, flags
 
 from paxkv.benchmarks.timing import median_seconds
-from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.kv_cache import PagedKVCache
+from paxkv.tools.page_tables import page_table_from_host
 
 _NUM_PAGES = flags.DEFINE_list(
     "num_pages", ["256", "1024", "4096", "16384"], "Cache sizes, in pages."
@@ -46,7 +47,7 @@ def measure(
     """Median seconds of a donated and of a copying write into a `num_pages` cache."""
     rng = np.random.default_rng(0)
     pages = rng.choice(np.arange(1, num_pages), size=tokens, replace=False)
-    table = PageTable.from_host(
+    table = page_table_from_host(
         [[int(p)] for p in pages],
         [page_size] * tokens,
         [1] * tokens,

@@ -1,4 +1,4 @@
-"""The device side: cache state, sampling, the compiled steps and the engine that drives them."""
+"""The device side: sampling, the compiled steps and the engine that drives them."""
 
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.engine import Engine

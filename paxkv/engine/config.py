@@ -6,9 +6,8 @@ import dataclasses
 from typing import Any
 
 from paxkv.host.batch import Buckets
-from paxkv.kv_layout import KV_CACHE_DTYPES
+from paxkv.kv_layout import KV_CACHE_DTYPES, MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv, valid_page_size
 from paxkv.pallas_kernels.dispatch import BACKENDS, resolve_backend
-from paxkv.pallas_kernels.layout import MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv, valid_page_size
 from paxkv.request import check_bool, check_float, check_int
 
 

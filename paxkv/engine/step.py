@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx, struct
 
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample
-from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.host.batch import HostBatch
+from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
 
 PLACEHOLDER_TOKEN = -1  # async scheduling: a sampled token the host has not read yet

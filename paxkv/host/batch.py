@@ -20,57 +20,13 @@ from paxkv.host.batch_rows import (
     padding_floats,
     sampling_floats,
 )
-from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
+from paxkv.kv_layout import NULL_PAGE, cdiv
 
 __all__ = ["SAMPLING_FLOATS", "SAMPLING_INTS", "Buckets", "HostBatch", "build_host_batch"]
 
 if TYPE_CHECKING:
     from paxkv.host.plan import SchedulerOutput
     from paxkv.request import SamplingParams
-
-
-def pad_page_table(
-    pages: Sequence[Sequence[int]],
-    kv_lens: Sequence[int],
-    q_lens: Sequence[int],
-    *,
-    page_size: int,
-    max_num_seqs: int,
-    pages_per_seq: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`(block_tables i32[S, pages_per_seq], kv_lens i32[S], cu_q_lens i32[S + 1], num_seqs i32[1])`.
-
-    Live sequence s holds `pages[s]` and has `kv_lens[s]` tokens after the step, of which
-    `q_lens[s]` are new. Unused entries point at `NULL_PAGE`; padding sequences have
-    length 0 and no query rows.
-    """
-    n = len(kv_lens)
-    if not (len(pages) == n == len(q_lens)):
-        raise ValueError(f"pages, kv_lens and q_lens have lengths {len(pages)}, {n}, {len(q_lens)}")
-    if n > max_num_seqs:
-        raise ValueError(f"{n} sequences exceed max_num_seqs={max_num_seqs}")
-    held = np.fromiter((len(row) for row in pages), np.int64, count=n)
-    lens = np.zeros(max_num_seqs, np.int32)
-    lens[:n] = kv_lens
-    if n and held.max() > pages_per_seq:
-        s = int(np.argmax(held > pages_per_seq))
-        raise ValueError(
-            f"sequence {s} holds {held[s]} pages, more than pages_per_seq={pages_per_seq}"
-        )
-    short = cdiv(lens[:n], page_size) > held
-    if short.any():
-        s = int(np.argmax(short))
-        raise ValueError(f"sequence {s}: kv_len={lens[s]} needs more than its {held[s]} pages")
-    # One scatter of every sequence's pages into the padded table.
-    table = np.full((max_num_seqs, pages_per_seq), NULL_PAGE, np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(pages), np.int32, count=int(held.sum()))
-    rows = np.repeat(np.arange(n), held)
-    starts = np.cumsum(held) - held
-    table[rows, np.arange(flat.size) - np.repeat(starts, held)] = flat
-    cu = np.zeros(max_num_seqs + 1, np.int32)
-    np.cumsum(q_lens, out=cu[1 : n + 1])
-    cu[n + 1 :] = cu[n]
-    return table, lens, cu, np.array([n], np.int32)
 
 
 @dataclasses.dataclass(frozen=True)

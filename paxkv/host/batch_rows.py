@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paxkv.host.sequence import SequenceState
-from paxkv.pallas_kernels.layout import NULL_PAGE
+from paxkv.kv_layout import NULL_PAGE
 from paxkv.request import SamplingParams
 
 # Columns of the per-sequence sampling arrays (`paxkv.engine.sampling.SamplingBatch`),

@@ -33,7 +33,7 @@ from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import page_keys
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SequenceState
-from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
+from paxkv.kv_layout import NULL_PAGE, cdiv
 
 _MAX_LEADS = 8192  # first pages remembered for reporting sub-page prefix sharing
 

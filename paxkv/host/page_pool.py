@@ -26,7 +26,7 @@ import collections
 import operator
 from collections.abc import Callable, Hashable, Iterable
 
-NULL_PAGE: int = 0  # never allocated; padded block-table entries point here
+from paxkv.kv_layout import NULL_PAGE  # never allocated; padded block-table entries point here
 
 _DETACHED = -1  # prev/next value of a page that is not in the free queue
 

@@ -25,7 +25,7 @@ from paxkv.host.page_pool import PagePool
 from paxkv.host.plan import ScheduledChunk, SchedulerOutput
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState, TopLogprobs
-from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
+from paxkv.kv_layout import NULL_PAGE, cdiv
 from paxkv.request import FinishReason, SamplingParams
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]

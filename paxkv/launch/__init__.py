@@ -2,8 +2,9 @@
 
 `flags.py` holds the flags the apps share and builds library objects from them; each
 app's `main()` parses its flags, builds, and runs. Here, so that they import without
-defining any flag: `exit_with_error`, how every app ends on bad input, and
-`read_prompts`, which reads the prompt files of `paxkv-generate`.
+defining any flag: `exit_with_error`, how every app ends on bad input, `list_in_help`,
+what every app's `--help` lists, and `read_prompts`, which reads the prompt files of
+`paxkv-generate`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,29 @@ import os
 import sys
 from typing import NoReturn
 
+from absl.flags import FLAGS  # not `flags`: that name is the submodule `paxkv.launch.flags`
+
 
 def exit_with_error(message: str) -> NoReturn:
     """Ends an app on bad input: the message as one line on stderr, exit status 2, no traceback."""
     line = " ".join(message.split())  # a multi-line message still prints as one line
     print(f"error: {line}", file=sys.stderr)
     sys.exit(2)
+
+
+def list_in_help(app_module: str, doc: str | None, *shared_modules: str) -> None:
+    """Makes `--help` show the app's doc and the flags of `app_module` and of
+    `shared_modules` (for the serving apps, `paxkv.launch.flags`).
+
+    absl's `--help` shows the flags of the module named by `sys.argv[0]`, which for a
+    console script is the installed wrapper, where no flag is defined.
+    """
+    main = sys.modules["__main__"]
+    for module in (app_module, *shared_modules):
+        for flag in FLAGS.get_flags_for_module(module):
+            FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    if not main.__doc__:
+        main.__doc__ = doc
 
 
 def read_prompts(path: str | os.PathLike) -> list[str | dict]:

@@ -20,10 +20,9 @@ import jax
 from absl import app, flags
 
 from paxkv.host.kv_groups import KVGroupLayout
-from paxkv.kv_layout import kv_page_bytes, resolve_kv_cache_dtype
-from paxkv.launch import exit_with_error
+from paxkv.kv_layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
+from paxkv.launch import exit_with_error, list_in_help
 from paxkv.launch import flags as launch_flags
-from paxkv.pallas_kernels.layout import cdiv
 from paxkv.tools.load_bench import (
     SETUPS,
     WORKLOADS,
@@ -172,7 +171,7 @@ def run() -> None:
     """Console-script entry point (`paxkv-bench`)."""
     for name, value in BENCH_DEFAULTS.items():
         flags.FLAGS.set_default(name, value)
-    launch_flags.list_in_help(__name__, __doc__)
+    list_in_help(__name__, __doc__, launch_flags.__name__)
     app.run(main)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from typing import Any
 
 from absl import flags, logging
@@ -234,20 +233,6 @@ def build_llm(setup: ServingSetup, *, warmup: bool = False) -> LLM:
         config=setup.engine,
         warmup=warmup,
     )
-
-
-def list_in_help(app_module: str, doc: str | None) -> None:
-    """Makes `--help` show the app's doc, its flags and these shared ones.
-
-    absl's `--help` shows the flags of the module named by `sys.argv[0]`, which for a
-    console script is the installed wrapper, where no flag is defined.
-    """
-    main = sys.modules["__main__"]
-    for module in (app_module, __name__):
-        for flag in flags.FLAGS.get_flags_for_module(module):
-            flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    if not main.__doc__:
-        main.__doc__ = doc
 
 
 def _checkpoint_config(model_dir: str) -> ModelConfig:

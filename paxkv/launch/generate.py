@@ -22,7 +22,7 @@ import time
 
 from absl import app, flags
 
-from paxkv.launch import exit_with_error, read_prompts
+from paxkv.launch import exit_with_error, list_in_help, read_prompts
 from paxkv.launch import flags as launch_flags
 from paxkv.request import RequestOutput, SamplingParams
 
@@ -100,7 +100,7 @@ def _format_stats(outputs: list[RequestOutput], stats: dict, elapsed: float) -> 
 def run() -> None:
     """Console-script entry point (`paxkv-generate`)."""
     flags.FLAGS.set_default("config", DEFAULT_CONFIG)
-    launch_flags.list_in_help(__name__, __doc__)
+    list_in_help(__name__, __doc__, launch_flags.__name__)
     app.run(main)
 
 

@@ -24,7 +24,7 @@ import json
 
 from absl import app, flags
 
-from paxkv.launch import exit_with_error
+from paxkv.launch import exit_with_error, list_in_help
 from paxkv.launch import flags as launch_flags
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 from paxkv.tools import capacity
@@ -120,7 +120,7 @@ def _check_fits(report: CapacityReport) -> None:
 
 def run() -> None:
     """The `paxkv-plan` console script."""
-    launch_flags.list_in_help(__name__, __doc__)
+    list_in_help(__name__, __doc__, launch_flags.__name__)
     app.run(main)
 
 

@@ -16,7 +16,7 @@ import sys
 from absl import app, flags
 
 from paxkv.kv_layout import KV_CACHE_DTYPES
-from paxkv.launch import exit_with_error
+from paxkv.launch import exit_with_error, list_in_help
 from paxkv.models import load_model
 from paxkv.models.train import load_corpus, stdlib_root
 from paxkv.tools import quality
@@ -98,13 +98,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Console-script entry point (`paxkv-quality`)."""
-    # absl's --help lists the flags of `sys.argv[0]`'s module: for a console script, the
-    # installed wrapper.
-    for flag in flags.FLAGS.get_flags_for_module(__name__):
-        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    main_module = sys.modules["__main__"]
-    if not main_module.__doc__:
-        main_module.__doc__ = __doc__
+    list_in_help(__name__, __doc__)
     app.run(main)
 
 

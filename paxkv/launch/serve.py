@@ -21,7 +21,7 @@ import sys
 from absl import app, flags, logging
 
 from paxkv import chat
-from paxkv.launch import exit_with_error
+from paxkv.launch import exit_with_error, list_in_help
 from paxkv.launch import flags as launch_flags
 
 DEFAULT_CONFIG = "tiny-py"
@@ -115,7 +115,7 @@ def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
 def run() -> None:
     """Console-script entry point (`paxkv-serve`)."""
     flags.FLAGS.set_default("config", DEFAULT_CONFIG)
-    launch_flags.list_in_help(__name__, __doc__)
+    list_in_help(__name__, __doc__, launch_flags.__name__)
     app.run(main)
 
 

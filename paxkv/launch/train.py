@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags, logging
 
-from paxkv.launch import exit_with_error
+from paxkv.launch import exit_with_error, list_in_help
 from paxkv.models import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -116,13 +116,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Console-script entry point (`paxkv-train`)."""
-    # absl's --help lists the flags of `sys.argv[0]`'s module: for a console script, the
-    # installed wrapper (see `paxkv.launch.flags.list_in_help`, which adds serving flags).
-    for flag in flags.FLAGS.get_flags_for_module(__name__):
-        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    main_module = sys.modules["__main__"]
-    if not main_module.__doc__:
-        main_module.__doc__ = __doc__
+    list_in_help(__name__, __doc__)
     app.run(main)
 
 

@@ -33,8 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from paxkv.host.kv_groups import KVGroupLayout
-from paxkv.kv_layout import kv_page_bytes, page_bytes, resolve_kv_cache_dtype
-from paxkv.pallas_kernels.layout import cdiv
+from paxkv.kv_layout import cdiv, kv_page_bytes, page_bytes, resolve_kv_cache_dtype
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 
 GIB = 2**30
@@ -47,7 +46,7 @@ DEVICE_HBM_GIB: dict[str, float] = {
     "H100": 80,
     "H200": 141,
 }
-# The platform of each device (the cache's layout differs on TPU: `layout.scale_lanes`).
+# The platform of each device (the cache's layout differs on TPU: `kv_layout.scale_lanes`).
 DEVICE_PLATFORM: dict[str, str] = {
     "v5e": "tpu",
     "v6e": "tpu",

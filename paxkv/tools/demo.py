@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.host.page_pool import PagePool
-from paxkv.kv_layout import page_bytes
+from paxkv.kv_cache import PagedKVCache
+from paxkv.kv_layout import cdiv, page_bytes
 from paxkv.pallas_kernels import ragged_paged_attention, resolve_backend
-from paxkv.pallas_kernels.layout import cdiv
+from paxkv.tools.page_tables import page_table_from_host
 from paxkv.tools.workloads import DEMO_PROMPT_LENS
 
 
@@ -85,7 +85,7 @@ def run_demo(
     prompt_rows = np.concatenate(
         [np.arange(starts[s], starts[s] + prompt_lens[s]) for s in range(num_seqs)]
     )
-    table = PageTable.from_host(
+    table = page_table_from_host(
         pages,
         prompt_lens.tolist(),
         prompt_lens.tolist(),
@@ -94,7 +94,7 @@ def run_demo(
         pages_per_seq=pages_per_seq,
     )
     cache = write(cache, jnp.asarray(k_all[prompt_rows]), jnp.asarray(v_all[prompt_rows]), table)
-    table = PageTable.from_host(
+    table = page_table_from_host(
         pages,
         kv_lens.tolist(),
         [1] * num_seqs,

@@ -9,7 +9,7 @@ cubin. The report gives, per kernel, the registers per thread and spill bytes fr
 shared-memory estimate, against the H200's 227 KiB per block.
 
     python -m paxkv.tools.kernel_compile                      # the whole grid, markdown
-    python -m paxkv.tools.kernel_compile --subset=ci          # defaults, bf16/int8/fp8, D 128/256
+    python -m paxkv.tools.kernel_compile --subset=ci          # defaults, every KV dtype, D 128/256
     python -m paxkv.tools.kernel_compile --json_out=paxkv/tools/gpu_kernel_resources.json
 
 These are compiled figures, not measured speed. XLA compiles the same module with the
@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from absl import app, flags, logging
 
+from paxkv.kv_layout import KV_CACHE_DTYPES, SCALE_DTYPE, resolve_kv_cache_dtype
+
 if TYPE_CHECKING:
     from paxkv.pallas_kernels.gpu.jax_compat import TritonKernel
 
@@ -57,8 +59,9 @@ BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
         "prefill_num_warps": 1,
         "num_stages": 1,
     },
-    # The offender issue 16 names: wide decode blocks, 3 stages, 8 warps.
-    "issue16": {
+    # Wide decode blocks (256 tokens), 3 stages, 8 warps: the setting issue 16 found
+    # needing 401 KiB of shared memory (bf16, head_dim 256) before the masked V load.
+    "wide_decode": {
         "decode_kv_block": 256,
         "num_stages": 3,
         "decode_num_warps": 8,
@@ -75,7 +78,6 @@ BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
     },
 }
 Q_DTYPES = ("bfloat16", "float32")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": pages in the query's dtype
 HEAD_DIMS = (64, 128, 256)
 
 
@@ -91,7 +93,7 @@ class CompileCase:
     """
 
     q_dtype: str
-    kv_cache_dtype: str  # a `paxkv.kv_layout.KV_CACHE_DTYPES` name
+    kv_cache_dtype: str  # a KV_CACHE_DTYPES name; "auto": pages in the query's dtype
     head_dim: int
     blocks: str  # a BLOCK_VARIANTS name
     group_size: int = 4
@@ -107,7 +109,7 @@ class CompileCase:
 
 def grid() -> list[CompileCase]:
     """Every combination of Q_DTYPES, KV_CACHE_DTYPES, HEAD_DIMS and BLOCK_VARIANTS at
-    G = 4, less float32 queries with the "issue16" and "large" blocks (their f32 tiles
+    G = 4, less float32 queries with the "wide_decode" and "large" blocks (their f32 tiles
     exceed the limit several times over, and ptxas takes minutes and gigabytes on each);
     and the defaults of bfloat16 queries at G = 64."""
     return [
@@ -126,8 +128,8 @@ def grid() -> list[CompileCase]:
 
 
 def ci_subset() -> list[CompileCase]:
-    """The representative set CI compiles: defaults for bf16 over bf16/int8/fp8 pages at
-    head_dim 128 and 256."""
+    """The representative set CI compiles: defaults for bf16 queries over every
+    KV_CACHE_DTYPES page dtype at head_dim 128 and 256."""
     return [CompileCase("bfloat16", kv, d, "default") for kv in KV_CACHE_DTYPES for d in (128, 256)]
 
 
@@ -159,8 +161,6 @@ def _inputs(case: CompileCase):
     """Abstract arguments of one call at the case's dtypes: (positional, keyword)."""
     import jax
     import jax.numpy as jnp
-
-    from paxkv.kv_layout import SCALE_DTYPE, resolve_kv_cache_dtype
 
     q_dtype = np.dtype(jnp.dtype(case.q_dtype))
     page_dtype = resolve_kv_cache_dtype(case.kv_cache_dtype, q_dtype)
@@ -249,7 +249,6 @@ def compile_case(case: CompileCase) -> list[KernelResources]:
     """Lowers and compiles one case: the figures of its decode and prefill kernels."""
     import jax.numpy as jnp
 
-    from paxkv.kv_layout import resolve_kv_cache_dtype
     from paxkv.pallas_kernels.contract import AttentionShapes
     from paxkv.pallas_kernels.gpu import BlockSizes
     from paxkv.pallas_kernels.gpu.block_sizes import kernel_tiles, shared_memory_bytes

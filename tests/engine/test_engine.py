@@ -373,16 +373,16 @@ def test_multi_step_decode_promises_one_row_per_sequence(tiny, monkeypatch):
     """The N-step loop tells the attention call every sequence decodes one token
     (`decode_only=True`, which lets the GPU kernel skip its prefill grid); one-step
     calls, which may hold prefill chunks, do not."""
-    from paxkv.models import llama
+    from paxkv.kv_cache import attention as paged
 
     seen = []
-    attention = llama.ragged_paged_attention
+    attention = paged.ragged_paged_attention
 
     def spy(*args, decode_only=False, **kw):
         seen.append(decode_only)
         return attention(*args, decode_only=decode_only, **kw)
 
-    monkeypatch.setattr(llama, "ragged_paged_attention", spy)
+    monkeypatch.setattr(paged, "ragged_paged_attention", spy)
     config, model, _ = tiny
     # Shapes no other test compiles, so both steps are traced here (with the spy).
     engine = _engine(model, num_decode_steps=3, page_size=16, page_buckets=(8,))

@@ -10,13 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paxkv.host.batch import Buckets, build_host_batch, pad_page_table
+from paxkv.host.batch import Buckets, build_host_batch
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import page_keys
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SeqStatus
 from paxkv.host.sequence import SequenceState as Sequence
 from paxkv.request import SamplingParams
+from paxkv.tools.page_tables import pad_page_table
 from paxkv.tools.reservations import ContiguousGuess, ContiguousMax
 
 PS = 4

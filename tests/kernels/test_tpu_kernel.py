@@ -398,7 +398,7 @@ import re, sys
 import jax, numpy as np, ml_dtypes
 from jax.experimental import topologies
 from paxkv.pallas_kernels import attention_inputs
-from paxkv.pallas_kernels.layout import SCALE_DTYPE, scale_lanes
+from paxkv.kv_layout import SCALE_DTYPE, scale_lanes
 from paxkv.pallas_kernels.tpu import BlockSizes
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info, vmem_bytes
 from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention

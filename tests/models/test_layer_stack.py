@@ -15,8 +15,8 @@ from flax import nnx
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine
-from paxkv.engine.state import PagedKVCache, PageTable
 from paxkv.engine.step import MODEL_STEP, StepBatch
+from paxkv.kv_cache import PagedKVCache
 from paxkv.models import (
     PRESETS,
     init_model,
@@ -27,6 +27,7 @@ from paxkv.models import (
     save_params,
 )
 from paxkv.models.gemma_config import every_nth_full
+from paxkv.tools.page_tables import page_table_from_host
 
 PS = PAGE_SIZE
 
@@ -71,7 +72,7 @@ def test_dense_logits_match_the_loop(models):
 def test_stacked_cache_writes_where_the_per_layer_cache_does(models):
     loop, scan = models
     rng = np.random.default_rng(1)
-    table = PageTable.from_host(
+    table = page_table_from_host(
         [[3, 1], [2]], [13, 5], [6, 5], page_size=PS, max_num_seqs=3, pages_per_seq=4
     )
     new = [jnp.asarray(rng.normal(size=(11, 2, 64)), jnp.float32) for _ in range(4)]

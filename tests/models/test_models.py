@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from paxkv.engine.state import PagedKVCache, PageTable
+from paxkv.kv_cache import PagedKVCache
 from paxkv.models import PRESETS, LlamaConfig, config_from_hf, init_model
 from paxkv.models.layers import apply_rope, rope_inv_freq
 from paxkv.models.llama_config import LLAMA_3_2_1B, MISTRAL_7B, QWEN2_5_7B, TINY, Llama3RopeScaling
+from paxkv.tools.page_tables import page_table_from_host
 
 PAGE = 8
 NUM_PAGES = 10
@@ -67,7 +68,7 @@ def paged_step(model, cache, chunks, pages):
     """Runs one packed step; `chunks[s] = (start, new_tokens)`. Returns per-seq logits rows."""
     q_lens = [len(toks) for _, toks in chunks]
     kv_lens = [start + len(toks) for start, toks in chunks]
-    table = PageTable.from_host(
+    table = page_table_from_host(
         pages, kv_lens, q_lens, page_size=PAGE, max_num_seqs=4, pages_per_seq=4
     )
     tokens = np.zeros(ROWS, np.int32)

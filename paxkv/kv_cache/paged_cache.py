@@ -1,11 +1,11 @@
-"""Device-side cache state: the paged KV cache of every layer and the per-step page table.
+"""The paged KV cache of every layer, on the device, and its layer-slot arithmetic.
 
-Both are immutable pytrees (`flax.struct.dataclass`, the one pytree mechanism in
-paxkv): an update returns a new value, e.g. `table.replace(kv_lens=table.kv_lens + 1)`.
+The cache and its `PageTable` are immutable pytrees (`flax.struct.dataclass`, the one
+pytree mechanism in paxkv): an update returns a new value, e.g. `table.replace(kv_lens=table.kv_lens + 1)`.
 Under `jit` with the cache donated, the functional write updates the pages in place.
 
 Page layout (per layer): one array `[P, Hkv, ps, 2 * D]`, each token's key then its
-value in one row (`paxkv.pallas_kernels.layout`), so one page is one contiguous block covering
+value in one row (`paxkv.kv_layout`), so one page is one contiguous block covering
 K and V of every KV head; moving it between HBM and on-chip memory is a single DMA, and
 the per-head `[ps, D]` tiles are what the matrix unit consumes. Layers are separate
 arrays (a tuple), so a layer's pages are handed to a kernel without a copy. Quantized
@@ -25,7 +25,6 @@ sliced or copied (a slice of a scan's carry would be).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,94 +32,10 @@ import jax.numpy as jnp
 from absl import logging
 from flax import struct
 
-from paxkv.host.batch import pad_page_table
 from paxkv.host.kv_groups import KVGroupLayout
-from paxkv.kv_layout import SCALE_DTYPE, resolve_kv_cache_dtype, scale_lanes
+from paxkv.kv_cache.page_table import PageTable
+from paxkv.kv_layout import SCALE_DTYPE, TPU_LANES, resolve_kv_cache_dtype, scale_lanes
 from paxkv.pallas_kernels import write_kv_pages
-from paxkv.pallas_kernels.layout import TPU_LANES
-
-
-@struct.dataclass
-class PageTable:
-    """Which pages each sequence of one step reads and writes; built on the host.
-
-    Sequences `s < num_seqs[0]` are live. Sequence s has `kv_lens[s]` tokens in the
-    cache after this step's write (its new tokens included), its new query tokens are
-    the packed rows `cu_q_lens[s] : cu_q_lens[s + 1]`, and token j lives in page
-    `block_tables[s, j // page_size]`. Unused entries point at `NULL_PAGE`. With
-    several KV-cache groups, `block_tables` is `i32[G, S, pages_per_seq]`, a table per
-    group, and `for_group(g)` is the table of group g's layers.
-    """
-
-    block_tables: jax.Array  # i32[S, pages_per_seq], or i32[G, S, pages_per_seq]
-    kv_lens: jax.Array  # i32[S]
-    cu_q_lens: jax.Array  # i32[S + 1]
-    num_seqs: jax.Array  # i32[1]
-    page_size: int = struct.field(pytree_node=False)
-
-    @property
-    def max_num_seqs(self) -> int:
-        """S, the padded sequence count."""
-        return self.kv_lens.shape[0]
-
-    @property
-    def pages_per_seq(self) -> int:
-        """Block-table entries per sequence."""
-        return self.block_tables.shape[-1]
-
-    @property
-    def num_groups(self) -> int:
-        """Page tables per sequence (KV-cache groups)."""
-        return 1 if self.block_tables.ndim == 2 else self.block_tables.shape[0]
-
-    def for_group(self, group: int) -> PageTable:
-        """The table of KV-cache group `group` (itself with one group)."""
-        if self.block_tables.ndim == 2:
-            if group != 0:
-                raise ValueError(f"group={group} of a table with one group")
-            return self
-        return self.replace(block_tables=self.block_tables[group])
-
-    def kernel_args(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """`(kv_lens, block_tables, cu_q_lens, num_seqs)`, in the attention call's order."""
-        return self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs
-
-    def kernel_kwargs(self) -> dict[str, jax.Array]:
-        """The same four arrays as keyword arguments of the attention call."""
-        names = ("kv_lens", "block_tables", "cu_q_lens", "num_seqs")
-        return dict(zip(names, self.kernel_args(), strict=True))
-
-    @classmethod
-    def from_host(
-        cls,
-        pages: Sequence[Sequence[int]],
-        kv_lens: Sequence[int],
-        q_lens: Sequence[int],
-        *,
-        page_size: int,
-        max_num_seqs: int,
-        pages_per_seq: int,
-    ) -> PageTable:
-        """Pads one step's host-side lists to the fixed shapes `[max_num_seqs, pages_per_seq]`.
-
-        `pages[s]` are the page ids of live sequence s in order, `kv_lens[s]` its cache
-        length after the step and `q_lens[s]` its new tokens.
-        """
-        table, lens, cu, n = pad_page_table(
-            pages,
-            kv_lens,
-            q_lens,
-            page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            pages_per_seq=pages_per_seq,
-        )
-        return cls(
-            block_tables=jnp.asarray(table),
-            kv_lens=jnp.asarray(lens),
-            cu_q_lens=jnp.asarray(cu),
-            num_seqs=jnp.asarray(n),
-            page_size=page_size,
-        )
 
 
 @struct.dataclass

@@ -1,4 +1,4 @@
-"""The functional KV write, the cache pytrees and the page table."""
+"""The device KV cache (`paxkv.kv_cache`): the functional write, the cache pytree and the page table."""
 
 import re
 
@@ -8,15 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paxkv.engine.state import PagedKVCache, PageTable
-from paxkv.kv_layout import SCALE_DTYPE, page_bytes
-from paxkv.pallas_kernels import (
-    NULL_PAGE,
-    dequantize,
-    ragged_paged_attention_reference,
-    write_kv_pages,
-)
-from paxkv.pallas_kernels.layout import KEY, VALUE
+from paxkv.kv_cache import PagedKVCache
+from paxkv.kv_layout import KEY, NULL_PAGE, SCALE_DTYPE, VALUE, page_bytes
+from paxkv.pallas_kernels import dequantize, ragged_paged_attention_reference, write_kv_pages
+from paxkv.tools.page_tables import page_table_from_host
 
 PAGE = 8
 
@@ -25,7 +20,7 @@ def _table():
     # Sequence 0 prefills 10 tokens into pages [3, 5]; sequence 1 decodes its 12th
     # token (position 11) into page 6 (its second page); sequence 2 chunks 4 tokens
     # at positions 4..7 of page 2. Two padding rows follow.
-    return PageTable.from_host(
+    return page_table_from_host(
         [[3, 5], [1, 6], [2]],
         [10, 12, 8],
         [10, 1, 4],
@@ -127,7 +122,7 @@ def test_written_cache_feeds_attention():
     cache = PagedKVCache.create(
         num_layers=1, num_pages=6, num_kv_heads=1, page_size=PAGE, head_dim=64, dtype=jnp.float32
     )
-    table = PageTable.from_host(
+    table = page_table_from_host(
         [[4, 2]], [11], [11], page_size=PAGE, max_num_seqs=2, pages_per_seq=3
     )
     q, k, v = (jnp.asarray(rng.standard_normal((11, 1, 64)), jnp.float32) for _ in range(3))
@@ -156,9 +151,9 @@ def test_page_table_padding_and_errors():
     leaves, treedef = jax.tree_util.tree_flatten(table)
     assert len(leaves) == 4 and jax.tree_util.tree_unflatten(treedef, leaves).page_size == PAGE
     with pytest.raises(ValueError, match=re.escape("kv_len=17 needs more than its 2 pages")):
-        PageTable.from_host([[1, 2]], [17], [1], page_size=PAGE, max_num_seqs=2, pages_per_seq=3)
+        page_table_from_host([[1, 2]], [17], [1], page_size=PAGE, max_num_seqs=2, pages_per_seq=3)
     with pytest.raises(ValueError, match="max_num_seqs=1"):
-        PageTable.from_host(
+        page_table_from_host(
             [[1], [2]], [1, 1], [1, 1], page_size=PAGE, max_num_seqs=1, pages_per_seq=3
         )
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
@@ -181,7 +176,7 @@ def test_write_rejects_mismatched_heads():
 
 
 def test_page_bytes_and_nbytes_agree():
-    # On TPU the scales of pages of 64 are padded to 128 lanes (`layout.scale_lanes`),
+    # On TPU the scales of pages of 64 are padded to 128 lanes (`kv_layout.scale_lanes`),
     # and counted.
     cases = [("auto", None, 16), ("int8", None, 16), ("int8", "tpu", 16), ("int8", "cpu", 64)]
     for kv, platform, ps in [*cases, ("int8", "tpu", 64)]:
