@@ -155,3 +155,11 @@ class KVGroupLayout:
             )
         s = "s" if self.num_groups > 1 else ""
         return f"{self.num_groups} group{s} ({'; '.join(parts)}) over {self.num_slots} slots"
+
+
+def first_page_read(window: int | None, start: int, page_size: int) -> int:
+    """The first page a chunk from token `start` reads in a group with `window` (None:
+    global attention reads from page 0)."""
+    if window is None:
+        return 0
+    return max(0, start - window + 1) // page_size

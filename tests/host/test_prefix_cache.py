@@ -76,15 +76,18 @@ def test_reuse_of_the_longest_cached_prefix_with_exact_pages():
     a = _seq("a", range(10))
     s.add(a)
     _step(s)
-    assert a.pages == [1, 2, 3]  # pages 1 and 2 are full and now cached
+    assert s.kv_cache_manager.tables(a)[0] == [1, 2, 3]  # pages 1 and 2 are full and now cached
     _finish(s)
     assert s.pool.num_in_use == 0 and s.pool.num_cached == 2
     b = _seq("b", [*range(8), 70, 71, 72])
     s.add(b)
     out = _step(s)
-    assert b.pages[:2] == [1, 2] and b.num_cached_tokens == 8
+    assert s.kv_cache_manager.tables(b)[0][:2] == [1, 2] and b.num_cached_tokens == 8
     assert (out.chunks[0].start, out.chunks[0].num_tokens) == (8, 3)
-    assert s.kv_cache.prefix_hits == 8 and s.kv_cache.prefix_queries == 10 + 11
+    assert (
+        s.kv_cache_manager.prefix_cache.hits == 8
+        and s.kv_cache_manager.prefix_cache.queries == 10 + 11
+    )
 
 
 def test_last_token_is_always_computed():
@@ -103,15 +106,13 @@ def test_eviction_is_lru_and_tail_first():
     s.add(a)
     _finish(s)
     assert s.pool.num_cached == 3
-    evicted = []
-    s.pool._on_evict = lambda page, key: evicted.append(page)
     c = _seq("c", range(100, 120), max_tokens=2)  # 5 pages: 3 free ones, then evictions
     s.add(c)
     _step(s)
     # Free pages 4, 5, 6 go first; then a's pages, freed last-first, so its tail (3) is
     # evicted before its head (1, 2).
-    assert c.pages == [4, 5, 6, 3, 2] and evicted == [3, 2]
-    assert s.pool.lookup(page_keys(list(range(12)), PS)[0]) == 1
+    assert s.kv_cache_manager.tables(c)[0] == [4, 5, 6, 3, 2] and s.pool.num_evictions == 2
+    assert [s.pool.lookup(k) for k in page_keys(list(range(12)), PS)] == [1, None, None]
 
 
 def test_cache_salt_isolates():
@@ -133,18 +134,22 @@ def test_preempted_sequence_finds_its_pages_again():
     s.add(a)
     s.add(b)
     _step(s)
-    assert (a.pages, b.pages) == ([1, 2], [3, 4])
+    assert (s.kv_cache_manager.tables(a)[0], s.kv_cache_manager.tables(b)[0]) == ([1, 2], [3, 4])
     out = _step(s)  # a needs a third page: b (later) is preempted
     assert out.preempted == (b,)
     # b's pages were freed tail first and keep their keys; a's new page evicted b's tail.
-    assert a.pages == [1, 2, 4] and s.pool.num_evictions == 1
+    assert s.kv_cache_manager.tables(a)[0] == [1, 2, 4] and s.pool.num_evictions == 1
     out = _step(s)  # a's last token; b does not fit beside it yet
     assert a.status is SeqStatus.FINISHED and [c.seq for c in out.chunks] == [a]
     out = _step(s)
     (chunk,) = out.chunks
     # b recomputes prompt + its 1 output (9 tokens) but finds its first page cached;
     # its other pages come from the front of the free queue.
-    assert chunk.seq is b and b.pages == [3, 4, 2] and (chunk.start, chunk.num_tokens) == (4, 5)
+    assert (
+        chunk.seq is b
+        and s.kv_cache_manager.tables(b)[0] == [3, 4, 2]
+        and (chunk.start, chunk.num_tokens) == (4, 5)
+    )
     _finish(s)
     assert s.pool.num_in_use == 0 and len(b.output_token_ids) == 6
 
@@ -163,11 +168,11 @@ def test_short_shared_prefix_is_reported():
     d = _seq("d", [0, 1, 2, 3, 4, 90, 91, 92, 93, 94])  # shares 5 tokens, less than a page
     s.add(d)
     _step(s)
-    assert d.num_cached_tokens == 0 and s.kv_cache.short_prefix_misses == 1
+    assert d.num_cached_tokens == 0 and s.kv_cache_manager.prefix_cache.short_prefix_misses == 1
     e = _seq("e", [7, 7, 7, 7, 7, 7, 7, 7, 7])  # shares nothing
     s.add(e)
     _step(s)
-    assert s.kv_cache.short_prefix_misses == 1
+    assert s.kv_cache_manager.prefix_cache.short_prefix_misses == 1
 
 
 def test_parallel_sampling_shares_prompt_pages():
@@ -179,8 +184,12 @@ def test_parallel_sampling_shares_prompt_pages():
     assert [c.seq for c in out.chunks] == [seqs[0]]  # siblings wait for the shared prompt
     _step(s)
     # Siblings reuse the 2 full prompt pages and recompute only the last prompt token.
-    assert seqs[1].pages[:2] == seqs[0].pages[:2] == seqs[2].pages[:2]
-    assert s.pool.refcount(seqs[0].pages[0]) == 3
+    assert (
+        s.kv_cache_manager.tables(seqs[1])[0][:2]
+        == s.kv_cache_manager.tables(seqs[0])[0][:2]
+        == s.kv_cache_manager.tables(seqs[2])[0][:2]
+    )
+    assert s.pool.refcount(s.kv_cache_manager.tables(seqs[0])[0][0]) == 3
     _finish(s)
     assert s.pool.num_in_use == 0
 
@@ -190,7 +199,7 @@ def test_contiguous_max_reservation():
     a = _seq("a", range(5))
     s.add(a)
     _step(s)
-    assert len(a.pages) == 8  # max_model_len / page_size at admission
+    assert len(s.kv_cache_manager.tables(a)[0]) == 8  # max_model_len / page_size at admission
     usage = s.kv_usage()
     assert usage["token_slots_reserved"] == 32 and usage["token_slots_used"] == 5
 
@@ -202,7 +211,7 @@ def test_contiguous_guess_reservation_preempts_when_outgrown():
     a = _seq("a", range(5), max_tokens=10)
     s.add(a)
     _step(s)
-    assert len(a.pages) == 3  # 5 + 4 = 9 tokens -> 3 pages
+    assert len(s.kv_cache_manager.tables(a)[0]) == 3  # 5 + 4 = 9 tokens -> 3 pages
     while a.num_preemptions == 0:
         _step(s)
     assert len(a.output_token_ids) == 8  # 13 tokens outgrew the 12 slots reserved
@@ -240,10 +249,10 @@ def _check_batch_against_scratch(s, out):
     """The step's arrays from the persistent rows equal a build from scratch out of each
     sequence's page list and tokens."""
     buckets = Buckets(tokens=(64,), seqs=(4,), pages=(11,), max_seqs=4)
-    hb = build_host_batch(out, page_size=PS, buckets=buckets, rows=s.kv_cache.rows)
+    hb = build_host_batch(out, page_size=PS, buckets=buckets, rows=s.batch_rows)
     chunks = out.chunks
     table, kv_lens, cu, num = pad_page_table(
-        [c.seq.pages[: c.num_pages] for c in chunks],
+        [s.kv_cache_manager.tables(c.seq)[0][: c.num_pages] for c in chunks],
         [c.end for c in chunks],
         [c.num_tokens for c in chunks],
         page_size=PS,
@@ -307,16 +316,19 @@ def test_random_workloads_end_cleanly(arrivals, num_pages, budget, caching):
             _check_batch_against_scratch(s, out)
         s.update(out, [((step * 7 + c.start) % 4, 0.0) if c.samples else None for c in out.chunks])
         s.pool.check_invariants()
-        s.kv_cache.rows.check([q for q, _ in seqs])
+        s.kv_cache_manager.check_invariants()
         # Every page in use is held by a live sequence, once per holder: no leak.
         holders = collections.Counter(
-            p for q, _ in seqs if q.status is not SeqStatus.FINISHED for p in q.pages
+            p
+            for q, _ in seqs
+            if q.status is not SeqStatus.FINISHED
+            for p in s.kv_cache_manager.tables(q)[0]
         )
         assert len(holders) == s.pool.num_in_use
         assert all(s.pool.refcount(p) == n for p, n in holders.items())
         for q, _ in seqs:
             if q.status is SeqStatus.RUNNING:
-                assert len(q.pages) * PS >= q.num_computed_tokens
+                assert len(s.kv_cache_manager.tables(q)[0]) * PS >= q.num_computed_tokens
         if step > 12 and not s.has_unfinished():
             break
     assert not s.has_unfinished(), "a request never ended"
