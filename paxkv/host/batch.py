@@ -17,7 +17,6 @@ from paxkv.host.batch_rows import BatchRows
 from paxkv.host.sampling_columns import (
     INT_COLUMN,
     ROW_INT_COLUMNS,
-    SAMPLING_FLOATS,
     SAMPLING_INTS,
     has_penalties,
     padding_floats,
@@ -25,7 +24,7 @@ from paxkv.host.sampling_columns import (
 )
 from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 
-__all__ = ["SAMPLING_FLOATS", "SAMPLING_INTS", "Buckets", "HostBatch", "build_host_batch"]
+__all__ = ["Buckets", "HostBatch", "build_host_batch"]
 
 if TYPE_CHECKING:
     from paxkv.host.plan import SchedulerOutput
@@ -181,8 +180,10 @@ class HostBatch:
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S]; packed row of each sequence's last token
-    sampling_floats: np.ndarray  # f32[S, len(SAMPLING_FLOATS)]
-    sampling_ints: np.ndarray  # i32[S, len(SAMPLING_INTS)]
+    # f32[S, len(SAMPLING_FLOATS)] and i32[S, len(SAMPLING_INTS)]: the columns of
+    # `paxkv.host.sampling_columns`.
+    sampling_floats: np.ndarray
+    sampling_ints: np.ndarray
     penalty_history: np.ndarray  # i32[3, S, H]: see `sampling_arrays`
     # i32[T]: for rows whose token the host does not know yet, the index of the
     # in-flight step's output that holds it (async scheduling); -1 elsewhere.

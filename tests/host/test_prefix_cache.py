@@ -4,6 +4,8 @@ hypothesis-driven run of the scheduler with a fake model. No JAX."""
 
 import collections
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -173,6 +175,43 @@ def test_short_shared_prefix_is_reported():
     s.add(e)
     _step(s)
     assert s.kv_cache_manager.prefix_cache.short_prefix_misses == 1
+
+
+_LOG_TWO_SHORT_PREFIXES = """
+import logging
+from absl import logging as absl_logging
+from paxkv.host.page_pool import PagePool
+from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import SequenceState
+from paxkv.request import SamplingParams
+
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+absl_logging.get_absl_logger().addHandler(handler)
+absl_logging.set_verbosity(absl_logging.INFO)
+s = Scheduler(PagePool(32), page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+              max_model_len=64, watermark=0.0)
+def run(name, tokens):
+    s.add(SequenceState(name, name, 0, tokens, SamplingParams(max_tokens=1), 0, 0.0))
+    while s.has_unfinished():
+        out = s.schedule()
+        s.update(out, [(99, 0.0) if c.samples else None for c in out.chunks])
+run("a", list(range(20)))
+run("d", [0, 1, 2, 3, 4, 90, 91, 92, 93, 94])
+run("e", [0, 1, 2, 3, 5, 80, 81, 82, 83, 84])
+assert s.kv_cache_manager.prefix_cache.short_prefix_misses == 2
+print(sum("shares a prefix shorter than one page" in line for line in lines))
+"""
+
+
+def test_short_shared_prefix_is_logged_once_per_process():
+    # A fresh process: the note is once per process, so an earlier test must not count.
+    out = subprocess.run(
+        [sys.executable, "-c", _LOG_TWO_SHORT_PREFIXES], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"]  # two such requests, one line
 
 
 def test_parallel_sampling_shares_prompt_pages():
