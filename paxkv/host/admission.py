@@ -66,9 +66,9 @@ class Admission:
         kv = self.kv_cache_manager
         if self._sibling_prefilling(seq, running):
             return None  # it will share the sibling's prompt pages once they are cached
-        prefix = kv.lookup(seq)
+        prefix = kv.prefix_cache.lookup(seq)
         whole = max(0, kv.pages_at_peak(seq, seq.num_tokens) - len(prefix.pages()))
-        free = kv.pool.num_free - kv.evictable(prefix) - whole
+        free = kv.pool.num_free - kv.prefix_cache.evictable(prefix) - whole
         if free < self.watermark_pages and running:
             return None
         seq.num_computed_tokens = kv.take_hits(seq, prefix)

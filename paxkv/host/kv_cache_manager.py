@@ -286,17 +286,9 @@ class KVCacheManager:
 
     # Prefix caching.
 
-    def lookup(self, seq: SequenceState) -> CachedPrefix:
-        """The longest cached prefix of seq's tokens (`PrefixCache.lookup`)."""
-        return self.prefix_cache.lookup(seq)
-
-    def evictable(self, prefix: CachedPrefix) -> int:
-        """How many pages of `prefix` sit in the free queue (cached, held by no one)."""
-        return sum(1 for p in prefix.pages() if self.pool.refcount(p) == 0)
-
     def take_hits(self, seq: SequenceState, prefix: CachedPrefix) -> int:
-        """Gives `seq` (holding nothing) the cached pages of `prefix` as its computed
-        prefix; returns how many tokens they hold."""
+        """Gives `seq` (holding nothing) the cached pages of `prefix`
+        (`prefix_cache.lookup`) as its computed prefix; returns how many tokens they hold."""
         self.free(seq)
         self.pool.touch(prefix.pages())
         held = self._hold(seq)

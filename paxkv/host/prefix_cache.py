@@ -146,6 +146,10 @@ class PrefixCache:
             tables.append([NULL_PAGE] * k + pages[k:h])
         return CachedPrefix(tables, keys[:h])
 
+    def evictable(self, prefix: CachedPrefix) -> int:
+        """How many pages of `prefix` sit in the free queue (cached, held by no one)."""
+        return sum(1 for p in prefix.pages() if self.pool.refcount(p) == 0)
+
     def count(self, seq: SequenceState, num_hit_pages: int) -> int | None:
         """Records the result of seq's first admission; returns its prompt tokens served
         from the cache (None when not counted: caching off, or a resumed sequence, whose

@@ -22,7 +22,7 @@ from paxkv.engine.requests import Request
 from paxkv.host import admission as admission_module
 from paxkv.host import batch as batch_module
 from paxkv.host import scheduler as scheduler_module
-from paxkv.host.kv_cache_manager import KVCacheManager
+from paxkv.host.prefix_cache import PrefixCache
 from paxkv.host.sequence import SequenceState
 
 MODES = {
@@ -60,7 +60,7 @@ def _install(monkeypatch, faults):
 
         monkeypatch.setattr(owner, name, hooked)
 
-    wrap(KVCacheManager, "lookup", "admit", lambda kv, seq: seq.request_id)
+    wrap(PrefixCache, "lookup", "admit", lambda cache, seq: seq.request_id)
     for module in (scheduler_module, admission_module):  # the chunk of a running or new seq
         wrap(module, "chunk_tokens", "schedule", lambda seq, budget, page_size: seq.request_id)
     wrap(SequenceState, "append_output", "record", lambda seq, *a: seq.request_id)

@@ -129,13 +129,13 @@ def test_prefix_hit_needs_the_window_pages_at_its_end():
     # a's pages are cached and free. The same prompt hits all 6 pages: the global group
     # needs them all, the window group those from token 24 - 8 + 1 = 17 on (pages 4, 5).
     c = _seq("c", prompt)
-    hits = kv.lookup(c)
+    hits = kv.prefix_cache.lookup(c)
     assert len(hits.tables[0]) == 6 and all(hits.tables[0])
     assert hits.tables[1][:4] == [NULL_PAGE] * 4 and all(hits.tables[1][4:])
     # Without window page 5, a hit of 5 pages needs window pages 3 and 4 (from token
     # 20 - 7 = 13), which a freed with their keys: the hit drops by one page only.
     kv.pool.uncache(hits.tables[1][5], (1, hits.keys[5]))
-    hits = kv.lookup(c)
+    hits = kv.prefix_cache.lookup(c)
     assert len(hits.tables[0]) == 5
     assert hits.tables[1][:3] == [NULL_PAGE] * 3 and all(hits.tables[1][3:])
     b = _seq("b", prompt, max_tokens=1)
