@@ -86,7 +86,7 @@ class Admission:
         """Whether another completion of seq's request is still computing the cacheable
         (full) pages of their shared prompt, which seq will then reuse."""
         kv = self.kv_cache_manager
-        if not kv.enable_prefix_caching or seq.params.n == 1 or seq.output_token_ids:
+        if not kv.prefix_cache.enabled or seq.params.n == 1 or seq.output_token_ids:
             return False
         shared = (len(seq.prompt_token_ids) - 1) // kv.page_size * kv.page_size
         return any(

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from paxkv.host.batch_rows import BatchRows
-from paxkv.host.kv_groups import KVGroupLayout, first_page_read
+from paxkv.host.kv_groups import KVGroupLayout, first_page_read, peak_pages
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import CachedPrefix, PrefixCache
 from paxkv.host.reservation import PagedReservation
@@ -85,7 +85,6 @@ class KVCacheManager:
         self._window_sizes = tuple((w, tuple(gs)) for w, gs in sizes.items())
         self.max_chunk_tokens = max_chunk_tokens or max_model_len
         self.prefix_cache = PrefixCache(pool, page_size, self.windows, enable_prefix_caching)
-        self.enable_prefix_caching = enable_prefix_caching
         # The persistent batch: every change to a sequence's pages is mirrored in its row.
         self.rows = BatchRows(cdiv(max_model_len, page_size), num_groups=self.num_groups)
         self._seqs: dict[SequenceState, SequencePages] = {}  # the sequences holding pages
@@ -114,9 +113,20 @@ class KVCacheManager:
         """Whether `seq`'s pages cannot hold its first `end` tokens yet."""
         return end > self.num_pages(seq) * self.page_size
 
+    def decode_row(self, seq: SequenceState, end: int) -> int | None:
+        """`seq`'s row when its pages already hold its first `end` tokens (its decode
+        needs no new page), after window groups let go of what a chunk from `end - 1`
+        no longer reads; None when it needs pages. The per-step fast path of a decode."""
+        held = self._seqs.get(seq)
+        if held is None or end > len(held.tables[0]) * self.page_size:
+            return None
+        if self.sliding and end > held.slide_at:
+            self._slide(held, end - 1)
+        return held.row
+
     def needs_registering(self, seq: SequenceState, end: int) -> bool:
         """Whether a full page of seq's first `end` tokens is not in the prefix cache yet."""
-        if not self.enable_prefix_caching:
+        if not self.prefix_cache.enabled:
             return False
         held = self._seqs.get(seq)
         return held is not None and end // self.page_size > len(held.keys)
@@ -126,10 +136,6 @@ class KVCacheManager:
         fell behind the group's window and were let go of."""
         held = self._seqs.get(seq)
         return held.window_freed[group] if held is not None and self.sliding else 0
-
-    def first_needed(self, group: int, start: int) -> int:
-        """The first page a chunk from token `start` reads in `group`'s layers."""
-        return first_page_read(self.windows[group], start, self.page_size)
 
     # Sizes.
 
@@ -141,17 +147,10 @@ class KVCacheManager:
         return cdiv(tokens, self.page_size)
 
     def _peak(self, num_pages: int, num_tokens: int) -> int:
-        """Pages held at most, over every group, by a sequence of `num_tokens` tokens in
-        `num_pages` table entries: a window group holds the pages of one chunk and the
-        window before it."""
-        total = 0
-        for window in self.windows:
-            if window is None:
-                total += num_pages
-            else:
-                span = window - 1 + min(self.max_chunk_tokens, num_tokens)
-                total += min(num_pages, cdiv(span, self.page_size) + 1)
-        return total
+        return sum(
+            peak_pages(w, num_pages, num_tokens, self.max_chunk_tokens, self.page_size)
+            for w in self.windows
+        )
 
     def pages_at_peak(self, seq: SequenceState, num_tokens: int) -> int:
         """Pages `seq` holds at most, over every group, to compute `num_tokens` tokens."""
@@ -198,7 +197,8 @@ class KVCacheManager:
         if not self.can_grow(seq, num_tokens):
             return False
         # Per group: the new entries, NULL_PAGE for those behind its window.
-        skip = [min(need, max(n, self.first_needed(g, start))) for g in range(self.num_groups)]
+        ps = self.page_size
+        skip = [min(need, max(n, first_page_read(w, start, ps))) for w in self.windows]
         pages = self.pool.allocate(sum(need - k for k in skip))
         if pages is None:
             return False
@@ -223,8 +223,10 @@ class KVCacheManager:
         every later one) cannot read; they keep their prefix-cache keys. Costs a
         comparison unless a page falls behind a window."""
         held = self._seqs.get(seq)
-        if held is None or start < held.slide_at:
-            return
+        if held is not None and start >= held.slide_at:
+            self._slide(held, start)
+
+    def _slide(self, held: SequencePages, start: int) -> None:
         freed, tables, ps = held.window_freed, held.tables, self.page_size
         let_go = []
         next_at = None
@@ -297,7 +299,7 @@ class KVCacheManager:
         held.keys[:] = prefix.keys
         if self.sliding:
             held.window_freed[:] = [
-                min(self.first_needed(g, h * self.page_size), h) for g in range(self.num_groups)
+                min(first_page_read(w, h * self.page_size, self.page_size), h) for w in self.windows
             ]
         if h:
             self.rows.append(held.row, held.tables[0], held.tables[1:])
@@ -310,7 +312,7 @@ class KVCacheManager:
         attention reads them, so sequences planned later in the same step can share
         these pages. If that chunk does not run, `free` forgets them."""
         held = self._seqs.get(seq)
-        if held is None or not self.enable_prefix_caching:
+        if held is None or not self.prefix_cache.enabled:
             return []
         before = len(held.keys)
         self.prefix_cache.register(seq, held, seq.num_computed_tokens if end is None else end)

@@ -128,7 +128,6 @@ class Scheduler(SequenceQueues):
         now = time.monotonic()
         ps = self.page_size
         kv = self.kv_cache_manager
-        sliding = kv.sliding
         # Decodes (one token left to compute) first, then prefill chunks; each in order of
         # precedence, which `self.running` keeps.
         prefills = []
@@ -143,10 +142,8 @@ class Scheduler(SequenceQueues):
             if budget == 0:
                 continue
             try:
-                if outputs and not kv.needs_pages(seq, end):  # the common decode: no new page
-                    if sliding:
-                        kv.slide(seq, end - 1)
-                    row = kv.row(seq)
+                row = kv.decode_row(seq, end) if outputs else None
+                if row is not None:  # the common decode: no new page
                     chunk = ScheduledChunk(
                         seq, end - 1, 1, True, (outputs[-1],), row, -(-end // ps), len(outputs)
                     )

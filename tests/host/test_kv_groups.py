@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_prefix_cache import _step
 
 from paxkv.host.batch import Buckets, build_host_batch
-from paxkv.host.kv_groups import KVCacheGroup, KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroup, KVGroupLayout, first_page_read
 from paxkv.host.page_pool import NULL_PAGE, PagePool
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SeqStatus
@@ -214,7 +214,7 @@ def test_random_workloads_with_groups(arrivals, windows, page_size, num_pages, b
                     contents[page][j % page_size] = _prefix_id(c.seq, j)
         for c in out.chunks:
             for g, table in enumerate(kv.tables(c.seq)):
-                first = kv.first_needed(g, c.start)
+                first = first_page_read(kv.windows[g], c.start, page_size)
                 window = kv.windows[g]
                 lo = 0 if window is None else max(0, c.start - window + 1)
                 for j in range(lo, c.end):
