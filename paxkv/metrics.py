@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from absl import logging
 
+from paxkv.host.kv_usage import group_usage
+
 if TYPE_CHECKING:
     from paxkv.host.scheduler import Scheduler
     from paxkv.host.sequence import SequenceState
@@ -156,7 +158,8 @@ def engine_stats(
     latency, end-to-end latency), throughput, and the host's scheduling and
     batch-building time against the device step time.
     """
-    m, sch, kvm = metrics, scheduler, scheduler.kv_cache
+    m, sch, kvm = metrics, scheduler, scheduler.kv_cache_manager
+    prefix = kvm.prefix_cache
     kv = sch.kv_usage()
     running = len(sch.running)
     host, device = m.host_time_s, m.device_time_s
@@ -172,13 +175,11 @@ def engine_stats(
         "kv_token_utilization": kv["kv_utilization"],
         "kv_wasted_slots_per_seq": kv["wasted_slots"] / running if running else 0.0,
         # Per KV-cache group (`paxkv.host.kv_groups`): window, layers, pages held.
-        "kv_groups": kvm.group_usage(sch.running),
-        "prefix_cache_queries": kvm.prefix_queries,
-        "prefix_cache_hits": kvm.prefix_hits,
-        "prefix_cache_hit_rate": kvm.prefix_hits / kvm.prefix_queries
-        if kvm.prefix_queries
-        else 0.0,
-        "prefix_cache_short_prefix_misses": kvm.short_prefix_misses,
+        "kv_groups": group_usage(kvm, sch.running),
+        "prefix_cache_queries": prefix.queries,
+        "prefix_cache_hits": prefix.hits,
+        "prefix_cache_hit_rate": prefix.hits / prefix.queries if prefix.queries else 0.0,
+        "prefix_cache_short_prefix_misses": prefix.short_prefix_misses,
         "num_preemptions": sch.num_preemptions,
         "num_recomputed_tokens": sch.num_recomputed_tokens,
         "prompt_tokens": m.prompt_tokens,

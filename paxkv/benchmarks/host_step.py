@@ -157,8 +157,9 @@ def run(
         decode_only.append(plan.num_tokens == len(plan.chunks))
         return engine_layout(plan, *args, **kwargs)
 
-    engine_layout = engine.layout
-    engine.layout = clock.wrap("layout", layout)
+    builder = engine.batch_builder
+    engine_layout = builder.build_batch
+    builder.build_batch = clock.wrap("layout", layout)
     engine.scheduler.update = clock.wrap("record", engine.scheduler.update)
     engine.requests.report = clock.wrap("outputs", engine.requests.report)
     for name in ("dispatch", "fetch", "decode_loop"):

@@ -67,7 +67,7 @@ def host_step_times(
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        build_host_batch(out, page_size=PAGE_SIZE, buckets=buckets, rows=sched.kv_cache.rows)
+        build_host_batch(out, page_size=PAGE_SIZE, buckets=buckets, rows=sched.batch_rows)
         t2 = time.perf_counter()
         sched.update(out, [(step % 32000, 0.0)] * len(out.chunks))
         t3 = time.perf_counter()

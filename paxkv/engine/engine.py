@@ -10,7 +10,6 @@ that it stays flat after warm-up.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,20 +18,19 @@ import jax
 from absl import logging
 from flax import nnx
 
+from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.pipeline import AsyncPipeline
+from paxkv.engine.recording import record_samples
 from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.engine.runner import ModelRunner, StepRunner
-from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import MAX_STOP_IDS
 from paxkv.engine.weights_update import WeightUpdater
-from paxkv.host.batch import HostBatch, build_host_batch
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
-from paxkv.host.sequence import SeqStatus
 from paxkv.metrics import EngineMetrics, engine_stats
-from paxkv.request import FinishReason, RequestOutput, SamplingParams
+from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
 
 
@@ -94,7 +92,7 @@ class Engine:
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
             reservation=reservation,
-            layout=getattr(self.runner, "kv_groups", None),
+            kv_groups=getattr(self.runner, "kv_groups", None),
         )
         self.requests = RequestRegistry(
             self.scheduler,
@@ -105,10 +103,27 @@ class Engine:
             max_logprobs=config.max_logprobs,
         )
         self._buckets = config.buckets()
+        self.batch_builder = BatchBuilder(
+            self.scheduler,
+            page_size=config.page_size,
+            buckets=self._buckets,
+            history_slack=config.num_decode_steps,
+        )
         # Reported by the next step: aborted requests, and what a weight update's steps made.
         self._aborted: list[RequestOutput] = []
-        self._pipeline = AsyncPipeline(self) if config.async_scheduling else None
         self.metrics = EngineMetrics()
+        self._pipeline = (
+            AsyncPipeline(
+                self.runner,
+                self.scheduler,
+                self.batch_builder,
+                report=self.report,
+                on_token=self.metrics.on_token,
+                eos_token_ids=self.eos_token_ids,
+            )
+            if config.async_scheduling
+            else None
+        )
         self._paused = False
         self._weights = WeightUpdater(self)
 
@@ -293,7 +308,7 @@ class Engine:
         if reserved is not None:
             plan, limits = reserved
         planned = plan
-        plan, hb = self.layout(plan)
+        plan, hb = self.batch_builder.build_batch(plan)
         if not plan.chunks:  # every chunk's request failed
             t1 = time.perf_counter()
             return [], t1, t1
@@ -312,7 +327,9 @@ class Engine:
             ]
         t2 = time.perf_counter()
         for i, (sampled, valid) in enumerate(results):
-            self._record(plan if i == 0 else _advanced(plan, i), sampled, valid)
+            step = plan if i == 0 else _advanced(plan, i)
+            gaps = record_samples(self.scheduler, step, sampled, valid, self.eos_token_ids)
+            self.metrics.on_tokens(gaps)
         return self.report([c.seq.request_id for c in plan.chunks if c.samples]), t1, t2
 
     def report(self, request_ids) -> list[RequestOutput]:
@@ -324,43 +341,6 @@ class Engine:
             self._on_finished(req)
         return outputs
 
-    def _record(self, plan: SchedulerOutput, samples: Sampled, valid) -> None:
-        """Hands one iteration's samples (on the host) to the scheduler; `valid` masks a
-        loop's."""
-        tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
-        running = SeqStatus.RUNNING
-        sampled, previous = [], []
-        for i, c in enumerate(plan.chunks):
-            seq = c.seq
-            previous.append(seq.last_token_time)
-            result = None
-            if c.samples and (valid is None or valid[i]) and seq.status is running:
-                if seq.track_top:  # the top-k too
-                    try:
-                        result = sample_result(samples, i, seq)
-                    except Exception as e:  # isolated: only this sequence fails
-                        self.scheduler.fail(seq, e)
-                else:
-                    result = (tokens[i], logprobs[i])
-            sampled.append(result)
-        was_running = [c.seq.status is running for c in plan.chunks] if valid is not None else None
-        self.scheduler.update(plan, sampled, eos_token_ids=self.eos_token_ids)
-        if was_running is not None:  # the loop and the host must agree on who ran
-            for c, ran, got in zip(plan.chunks, was_running, sampled, strict=True):
-                aborted = c.seq.finish_reason is FinishReason.ABORT  # failed or aborted
-                if not aborted and ran != (got is not None):
-                    raise RuntimeError(
-                        f"multi-step decode disagrees with the host about {c.seq.seq_id}: "
-                        f"running={ran}, token produced={got is not None}"
-                    )
-        self.metrics.on_tokens(
-            [
-                None if before is None else c.seq.last_token_time - before
-                for c, before, got in zip(plan.chunks, previous, sampled, strict=True)
-                if got is not None
-            ]
-        )
-
     def _reserve_ahead(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
         """A decode-only plan with pages for N steps reserved, and its token limits; None
         when the plan is not decode-only or the pages cannot be reserved."""
@@ -371,44 +351,6 @@ class Engine:
         if any(len(c.seq.stop_token_ids(eos)) > MAX_STOP_IDS for c in plan.chunks):
             return None
         return self.scheduler.reserve_ahead(plan, n)
-
-    def layout(
-        self, plan: SchedulerOutput, pending: dict[int, int] | None = None
-    ) -> tuple[SchedulerOutput, HostBatch | None]:
-        """The host batch of `plan`: `pending` maps `id(seq)` to the row of the in-flight
-        step's output that holds the token seq samples there (async scheduling).
-
-        A chunk whose layout fails fails its sequence (`Scheduler.fail`) and leaves the
-        step: returns the plan without it, and None for the batch if no chunk is left.
-        A fault may show only on a later call (state a failed attempt left behind), so the
-        chunks left are laid out again until the batch builds, each round failing at least
-        one more chunk or raising (a fault no chunk shows alone is the step's).
-        """
-        build = functools.partial(
-            build_host_batch,
-            page_size=self.config.page_size,
-            buckets=self._buckets,
-            rows=self.scheduler.kv_cache.rows,
-            pending=pending,
-            history_slack=self.config.num_decode_steps,
-        )
-        while True:
-            try:
-                return plan, build(plan)
-            except Exception:
-                # The chunks that fail on their own; if none does, the fault is the step's.
-                bad = []
-                for c in plan.chunks:
-                    try:
-                        build(SchedulerOutput((c,), ()))
-                    except Exception as e:
-                        bad.append(c)
-                        self.scheduler.fail(c.seq, e)
-                if not bad:
-                    raise
-                plan = self.scheduler.prune(plan)
-                if not plan.chunks:
-                    return plan, None
 
     def _on_finished(self, req: Request) -> None:
         for seq in req.seqs:

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
+from paxkv.engine.batch_builder import BatchBuilder
+from paxkv.engine.runner import StepRunner
 from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import PLACEHOLDER_TOKEN
-from paxkv.host.scheduler import SchedulerOutput
+from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SequenceState
 from paxkv.request import RequestOutput
-
-if TYPE_CHECKING:
-    from paxkv.engine.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +34,34 @@ class InFlight:
 
 
 class AsyncPipeline:
-    """The in-flight step of an engine with `async_scheduling`, and how to resolve it."""
+    """The in-flight step of an engine with `async_scheduling`, and how to resolve it.
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    Args:
+      runner: dispatches steps and fetches their samples.
+      scheduler: records the placeholders and their resolved tokens.
+      batch_builder: lays out each plan.
+      report: the outputs of the given request ids now (`Engine.report`).
+      on_token: called with the time since a sequence's previous token (None for its
+        first) for each token resolved.
+      eos_token_ids: the model's end-of-sequence tokens.
+    """
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        scheduler: Scheduler,
+        batch_builder: BatchBuilder,
+        *,
+        report: Callable[[Iterable[str]], list[RequestOutput]],
+        on_token: Callable[[float | None], None],
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.batch_builder = batch_builder
+        self.report = report
+        self.on_token = on_token
+        self.eos_token_ids = eos_token_ids
         self.inflight: InFlight | None = None
         self._last_token_seen: dict[int, float] = {}
 
@@ -63,7 +86,6 @@ class AsyncPipeline:
         Returns the resolved requests' outputs and the times the dispatch ended and the
         wait for the previous step ended.
         """
-        engine = self.engine
         launched = None
         if plan.chunks:
             pending = (
@@ -71,9 +93,9 @@ class AsyncPipeline:
                 if self.inflight
                 else None
             )
-            plan, hb = engine.layout(plan, pending)
+            plan, hb = self.batch_builder.build_batch(plan, pending)
             if plan.chunks:
-                launched = engine.runner.dispatch(hb)
+                launched = self.runner.dispatch(hb)
         t1 = time.perf_counter()
         outputs = self._resolve(self.inflight) if self.inflight else []
         t2 = time.perf_counter()
@@ -83,7 +105,7 @@ class AsyncPipeline:
             # max_tokens finishes are known), values arrive with the next call.
             sampled = [(PLACEHOLDER_TOKEN, 0.0) if c.samples else None for c in plan.chunks]
             counts = [len(c.seq.output_token_ids) for c in plan.chunks]
-            engine.scheduler.update(plan, sampled, eos_token_ids=())
+            self.scheduler.update(plan, sampled, eos_token_ids=())
             placeholders = tuple(
                 (c.seq, i, counts[i])
                 for i, c in enumerate(plan.chunks)
@@ -94,8 +116,7 @@ class AsyncPipeline:
 
     def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
         """Waits for an in-flight step and puts its sampled tokens in place."""
-        engine = self.engine
-        sampled = engine.runner.fetch(inflight.sampled)
+        sampled = self.runner.fetch(inflight.sampled)
         now = time.monotonic()
         touched = []
         for seq, row, index in inflight.placeholders:
@@ -104,16 +125,16 @@ class AsyncPipeline:
             before = self._last_token_seen.get(id(seq))
             try:
                 token, logprob, *top = sample_result(sampled, row, seq)
-                engine.scheduler.resolve(
-                    seq, index, token, logprob, engine.eos_token_ids, now, top[0] if top else None
+                self.scheduler.resolve(
+                    seq, index, token, logprob, self.eos_token_ids, now, top[0] if top else None
                 )
             except Exception as e:  # isolated: only this sequence fails
-                engine.scheduler.fail(seq, e)
+                self.scheduler.fail(seq, e)
                 continue
-            engine.metrics.on_token(None if before is None else now - before)
+            self.on_token(None if before is None else now - before)
             self._last_token_seen[id(seq)] = now
             touched.append(seq)
-        outputs = engine.report(seq.request_id for seq in touched)
+        outputs = self.report(seq.request_id for seq in touched)
         for seq in touched:
             if seq.finish_reason is not None:
                 self._last_token_seen.pop(id(seq), None)

@@ -13,12 +13,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from paxkv.host.batch import sampling_arrays
-from paxkv.host.batch_rows import SAMPLING_FLOATS, SAMPLING_INTS
+from paxkv.host.sampling_columns import FLOAT_COLUMN as _F
+from paxkv.host.sampling_columns import INT_COLUMN as _I
 from paxkv.host.sequence import SequenceState, TopLogprobs
 from paxkv.request import SamplingParams
-
-_F = {name: i for i, name in enumerate(SAMPLING_FLOATS)}
-_I = {name: i for i, name in enumerate(SAMPLING_INTS)}
 
 
 @struct.dataclass
@@ -34,8 +32,8 @@ class SamplingBatch:
     step has penalties, and the penalty code then compiles away.
     """
 
-    floats: jax.Array  # f32[S, 6]
-    ints: jax.Array  # i32[S, 3]
+    floats: jax.Array  # f32[S, len(SAMPLING_FLOATS)] (`paxkv.host.sampling_columns`)
+    ints: jax.Array  # i32[S, len(SAMPLING_INTS)]
     history: jax.Array  # i32[3, S, H]
 
     temperature = property(lambda self: self.floats[:, _F["temperature"]])

@@ -307,7 +307,7 @@ class WeightUpdater:
                 engine.scheduler.preempt_all()
             runner.params = new_params
             self.version += 1
-            engine.scheduler.kv_cache.set_weight_version(self.version)
+            engine.scheduler.kv_cache_manager.prefix_cache.set_weight_version(self.version)
             engine.requests.set_weight_version(self.version)
         finally:
             self.updating = False

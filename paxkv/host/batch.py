@@ -13,16 +13,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paxkv.host.batch_rows import (
-    SAMPLING_FLOATS,
+from paxkv.host.batch_rows import BatchRows
+from paxkv.host.sampling_columns import (
+    INT_COLUMN,
+    ROW_INT_COLUMNS,
     SAMPLING_INTS,
-    BatchRows,
+    has_penalties,
     padding_floats,
     sampling_floats,
 )
 from paxkv.kv_layout import NULL_PAGE, cdiv
 
-__all__ = ["SAMPLING_FLOATS", "SAMPLING_INTS", "Buckets", "HostBatch", "build_host_batch"]
+__all__ = ["Buckets", "HostBatch", "build_host_batch"]
 
 if TYPE_CHECKING:
     from paxkv.host.plan import SchedulerOutput
@@ -87,8 +89,8 @@ def sampling_arrays(
     histories: Sequence[tuple[list[int], list[int], list[int]] | None] = (),
     history_slack: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(floats f32[size, 6], ints i32[size, 3], history i32[3, size, H])` of the given
-    sequences' sampling parameters, padded to `size` rows.
+    """`(floats, ints, history i32[3, size, H])` of the given sequences' sampling
+    parameters, padded to `size` rows (columns: `paxkv.host.sampling_columns`).
 
     `histories[i]` is sequence i's `(ids, output counts, in prompt)` when it has penalties
     (`SequenceState.penalty_history`), else None. `history` holds them as rows padded
@@ -100,9 +102,9 @@ def sampling_arrays(
     ints = np.zeros((size, len(SAMPLING_INTS)), np.int32)
     if n:
         floats[:n] = [sampling_floats(p) for p in params]
-        ints[:n, 0] = [p.top_k for p in params]
-        ints[:n, 1] = seeds
-        ints[:n, 2] = counters
+        ints[:n, INT_COLUMN["top_k"]] = [p.top_k for p in params]
+        ints[:n, INT_COLUMN["seed"]] = seeds
+        ints[:n, INT_COLUMN["counter"]] = counters
     return floats, ints, penalty_histories(histories, size, history_slack=history_slack)
 
 
@@ -134,8 +136,10 @@ class HostBatch:
     cu_q_lens: np.ndarray  # i32[S + 1]
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S]; packed row of each sequence's last token
-    sampling_floats: np.ndarray  # f32[S, 6]: SAMPLING_FLOATS
-    sampling_ints: np.ndarray  # i32[S, 3]: SAMPLING_INTS
+    # f32[S, len(SAMPLING_FLOATS)] and i32[S, len(SAMPLING_INTS)]: the columns of
+    # `paxkv.host.sampling_columns`.
+    sampling_floats: np.ndarray
+    sampling_ints: np.ndarray
     penalty_history: np.ndarray  # i32[3, S, H]: see `sampling_arrays`
     # i32[T]: for rows whose token the host does not know yet, the index of the
     # in-flight step's output that holds it (async scheduling); -1 elsewhere.
@@ -209,11 +213,10 @@ def build_host_batch(
     floats = padding_floats(s_pad)
     floats[:n] = rows.floats[row_ids]
     ints = np.zeros((s_pad, len(SAMPLING_INTS)), np.int32)
-    ints[:n, :2] = rows.ints[row_ids]
-    ints[:n, 2] = counters
-    penalised = np.flatnonzero(
-        (floats[:n, 3] != 0) | (floats[:n, 4] != 0) | (floats[:n, 5] != 1)
-    )  # presence, frequency, repetition: only these chunks' histories are built
+    ints[:n, ROW_INT_COLUMNS] = rows.ints[row_ids]
+    ints[:n, INT_COLUMN["counter"]] = counters
+    # Only the chunks with penalties build their histories.
+    penalised = np.flatnonzero(has_penalties(floats[:n]))
     histories: list = [None] * n
     for i in penalised.tolist():
         if chunks[i].samples:

@@ -6,7 +6,9 @@ sampling parameters. A row changes only where something
 changed: pages appended, pages given back, a sequence admitted (row assigned) or ended
 (row released). A step's arrays are one gather of its sequences' rows
 (`paxkv.host.batch.build_host_batch`), never a rebuild from Python lists, so the host's
-work per step does not grow with the length of the sequences.
+work per step does not grow with the length of the sequences. The KV-cache manager
+(`paxkv.host.kv_cache_manager`) owns the rows and mirrors every change of a
+sequence's pages here.
 """
 
 from __future__ import annotations
@@ -15,37 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paxkv.host.sequence import SequenceState
+from paxkv.host.sampling_columns import ROW_INTS, padding_floats, sampling_floats
 from paxkv.kv_layout import NULL_PAGE
 from paxkv.request import SamplingParams
-
-# Columns of the per-sequence sampling arrays (`paxkv.engine.sampling.SamplingBatch`),
-# and the values of padding rows: greedy, no truncation, no penalty.
-SAMPLING_FLOATS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-SAMPLING_INTS = ("top_k", "seed", "counter")
-FLOAT_PADDING = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
-
-
-def sampling_floats(params: SamplingParams) -> tuple[float, ...]:
-    """The float columns (`SAMPLING_FLOATS`) of `params`, in order."""
-    return tuple(getattr(params, name) for name in SAMPLING_FLOATS)
-
-
-def padding_floats(rows: int) -> np.ndarray:
-    """f32[rows, 6] of padding rows (`FLOAT_PADDING`)."""
-    return np.tile(np.asarray(FLOAT_PADDING, np.float32), (rows, 1))
-
-
-def sampling_row(seq: SequenceState) -> tuple[tuple[float, ...], tuple[int, int]]:
-    """`(floats, (top_k, seed))` of `seq`'s sampling parameters, in column order."""
-    return sampling_floats(seq.params), (seq.params.top_k, seq.seed)
 
 
 class BatchRows:
@@ -62,8 +36,8 @@ class BatchRows:
         self.num_groups = num_groups
         # i32[G, rows, pages_per_seq]
         self.tables = np.full((num_groups, capacity, pages_per_seq), NULL_PAGE, np.int32)
-        self.floats = padding_floats(capacity)
-        self.ints = np.zeros((capacity, 2), np.int32)  # top_k, seed
+        self.floats = padding_floats(capacity)  # f32[rows, len(SAMPLING_FLOATS)]
+        self.ints = np.zeros((capacity, len(ROW_INTS)), np.int32)  # i32[rows, len(ROW_INTS)]
         self._free = list(range(capacity - 1, -1, -1))
         self._held = np.zeros(capacity, np.int64)  # pages written in each row
 
@@ -84,31 +58,29 @@ class BatchRows:
         tables[:, :old] = self.tables
         floats = padding_floats(new)
         floats[:old] = self.floats
-        ints = np.zeros((new, 2), np.int32)
+        ints = np.zeros((new, len(ROW_INTS)), np.int32)
         ints[:old] = self.ints
         held = np.zeros(new, np.int64)
         held[:old] = self._held
         self.tables, self.floats, self.ints, self._held = tables, floats, ints, held
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
-    def _row(self, seq: SequenceState) -> int:
-        if seq.row is None:
-            if not self._free:
-                self._grow()
-            seq.row = row = self._free.pop()
-            self.floats[row], self.ints[row] = sampling_row(seq)
-        return seq.row
+    def acquire(self, params: SamplingParams, seed: int) -> int:
+        """A free row holding no pages, with the sampling parameters `params` and `seed`."""
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.floats[row] = sampling_floats(params)
+        self.ints[row] = [seed if name == "seed" else getattr(params, name) for name in ROW_INTS]
+        return row
 
-    def append(
-        self, seq: SequenceState, pages: list[int], group_pages: Sequence[list[int]] = ()
-    ) -> None:
+    def append(self, row: int, pages: list[int], group_pages: Sequence[list[int]] = ()) -> None:
         """Writes `pages` (group 0's) and `group_pages` (groups 1.., as many each) after
-        the pages `seq`'s row holds (assigning it a row)."""
-        row = self._row(seq)
+        the pages `row` holds."""
         n = int(self._held[row])
         if n + len(pages) > self.pages_per_seq:
             raise ValueError(
-                f"sequence {seq.seq_id} would hold {n + len(pages)} pages, more than "
+                f"row {row} would hold {n + len(pages)} pages, more than "
                 f"pages_per_seq={self.pages_per_seq}"
             )
         self.tables[0, row, n : n + len(pages)] = pages
@@ -116,37 +88,29 @@ class BatchRows:
             self.tables[g, row, n : n + len(more)] = more
         self._held[row] = n + len(pages)
 
-    def clear(self, seq: SequenceState, group: int, index: int) -> None:
-        """Sets entry `index` of `seq`'s table of `group` to `NULL_PAGE` (a page a window
+    def clear(self, row: int, group: int, index: int) -> None:
+        """Sets entry `index` of `row`'s table of `group` to `NULL_PAGE` (a page a window
         group let go of)."""
-        self.tables[group, seq.row, index] = NULL_PAGE
+        self.tables[group, row, index] = NULL_PAGE
 
-    def truncate(self, seq: SequenceState, num_pages: int) -> None:
-        """Keeps the first `num_pages` pages of `seq`'s row."""
-        if seq.row is None:
-            return
-        n = int(self._held[seq.row])
+    def truncate(self, row: int, num_pages: int) -> None:
+        """Keeps the first `num_pages` pages of `row`."""
+        n = int(self._held[row])
         if num_pages < n:
-            self.tables[:, seq.row, num_pages:n] = NULL_PAGE
-            self._held[seq.row] = num_pages
+            self.tables[:, row, num_pages:n] = NULL_PAGE
+            self._held[row] = num_pages
 
-    def release(self, seq: SequenceState) -> None:
-        """Clears `seq`'s row and frees it for another sequence."""
-        if seq.row is None:
-            return
-        self.truncate(seq, 0)
-        self._free.append(seq.row)
-        seq.row = None
+    def release(self, row: int) -> None:
+        """Clears `row` and frees it for another sequence."""
+        self.truncate(row, 0)
+        self._free.append(row)
 
-    def check(self, seqs: list[SequenceState]) -> None:
-        """Raises AssertionError unless each sequence's row equals its pages (tests)."""
-        for seq in seqs:
-            if seq.row is None:
-                assert not seq.pages, f"{seq.seq_id} holds pages but no row"
-                continue
-            n = len(seq.pages)
-            for g, pages in enumerate([seq.pages, *seq.group_pages]):
-                row = self.tables[g, seq.row]
-                assert row[:n].tolist() == pages, f"{seq.seq_id}: row {row[:n]} != {pages}"
-                assert (row[n:] == NULL_PAGE).all(), f"{seq.seq_id}: stale pages after {n}"
-            assert self._held[seq.row] == n
+    def check(self, row: int, tables: Sequence[list[int]]) -> None:
+        """Raises AssertionError unless `row` holds exactly `tables` (one per group)."""
+        n = len(tables[0])
+        for g, pages in enumerate(tables):
+            held = self.tables[g, row]
+            assert held[:n].tolist() == pages, f"row {row}: {held[:n]} != {pages}"
+            assert (held[n:] == NULL_PAGE).all(), f"row {row}: stale pages after {n}"
+        assert self._held[row] == n, f"row {row}: {self._held[row]} pages written, {n} held"
+        assert row not in self._free, f"row {row} is held and free"

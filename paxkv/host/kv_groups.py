@@ -155,3 +155,23 @@ class KVGroupLayout:
             )
         s = "s" if self.num_groups > 1 else ""
         return f"{self.num_groups} group{s} ({'; '.join(parts)}) over {self.num_slots} slots"
+
+
+def first_page_read(window: int | None, start: int, page_size: int) -> int:
+    """The first page a chunk from token `start` reads in a group with `window` (None:
+    global attention reads from page 0)."""
+    if window is None:
+        return 0
+    return max(0, start - window + 1) // page_size
+
+
+def peak_pages(
+    window: int | None, num_pages: int, num_tokens: int, max_chunk_tokens: int, page_size: int
+) -> int:
+    """Pages a group with `window` holds at most for a sequence of `num_tokens` tokens in
+    `num_pages` table entries, computed in chunks of at most `max_chunk_tokens`: a global
+    group holds them all, a window group the pages of one chunk and the window before it."""
+    if window is None:
+        return num_pages
+    span = window - 1 + min(max_chunk_tokens, num_tokens)
+    return min(num_pages, -(-span // page_size) + 1)

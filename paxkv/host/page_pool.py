@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 from paxkv.kv_layout import NULL_PAGE  # never allocated; padded block-table entries point here
 
@@ -40,20 +40,13 @@ class PagePool:
 
     Args:
       num_pages: total pages in the device cache, including ``NULL_PAGE``; at least 2.
-      on_evict: called as ``on_evict(page, key)`` for each cached page that `allocate`
-        evicts, in eviction order, after the pool has been updated.
     """
 
-    def __init__(
-        self,
-        num_pages: int,
-        on_evict: Callable[[int, Hashable], object] | None = None,
-    ) -> None:
+    def __init__(self, num_pages: int) -> None:
         num_pages = operator.index(num_pages)
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be at least 2 (page {NULL_PAGE} is reserved)")
         self._num_pages = num_pages
-        self._on_evict = on_evict
         self._refcounts = [0] * num_pages
         self._page_to_key: dict[int, Hashable] = {}
         self._key_to_page: dict[Hashable, int] = {}
@@ -103,9 +96,9 @@ class PagePool:
     def allocate(self, n: int) -> list[int] | None:
         """Takes ``n`` pages from the front of the free queue, each with refcount 1.
 
-        A taken page that holds a cache key is evicted: its key is dropped and ``on_evict`` is
-        called. Returns the pages in the order taken, or ``None``, with the pool unchanged, if
-        fewer than ``n`` pages are free or cached-evictable.
+        A taken page that holds a cache key is evicted: its key is dropped. Returns the pages
+        in the order taken, or ``None``, with the pool unchanged, if fewer than ``n`` pages
+        are free or cached-evictable.
         """
         n = operator.index(n)
         if n < 0:
@@ -113,7 +106,6 @@ class PagePool:
         if n > self._num_queued:
             return None
         pages = []
-        evicted = []
         for _ in range(n):
             page = self._next[self._sentinel]
             self._remove(page)
@@ -122,11 +114,7 @@ class PagePool:
                 key = self._page_to_key.pop(page)
                 del self._key_to_page[key]
                 self._num_evictions += 1
-                evicted.append((page, key))
             pages.append(page)
-        if self._on_evict is not None:
-            for page, key in evicted:
-                self._on_evict(page, key)
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
@@ -149,19 +137,6 @@ class PagePool:
             self._refcounts[page] -= 1
             if self._refcounts[page] == 0:
                 self._append(page)
-
-    def share(self, pages: Iterable[int]) -> None:
-        """Adds one reference to each in-use page, e.g. when a sequence is forked.
-
-        Raises ValueError, with the pool unchanged, if any page is ``NULL_PAGE``, out of
-        range, or not in use; to reuse a cached page with refcount 0, use `touch`.
-        """
-        pages = [self._check_page(p) for p in pages]
-        for page in pages:
-            if self._refcounts[page] == 0:
-                raise ValueError(f"page {page} is not in use; use touch() for a cached page")
-        for page in pages:
-            self._refcounts[page] += 1
 
     def touch(self, pages: Iterable[int]) -> None:
         """Adds one reference to each page found by a prefix-cache hit.
@@ -210,13 +185,14 @@ class PagePool:
             del self._page_to_key[page]
             del self._key_to_page[key]
 
+    def uncache_all(self) -> None:
+        """Drops every cache key: cached pages become plain pages (free ones stay free)."""
+        self._page_to_key.clear()
+        self._key_to_page.clear()
+
     def lookup(self, key: Hashable) -> int | None:
         """Returns the page holding ``key``, or None if no page does."""
         return self._key_to_page.get(key)
-
-    def cache_key(self, page: int) -> Hashable | None:
-        """Returns the cache key ``page`` holds, or None if it holds none."""
-        return self._page_to_key.get(self._check_page(page))
 
     def refcount(self, page: int) -> int:
         """Returns the number of references to ``page``; 0 if it is free or cached-evictable."""

@@ -40,8 +40,11 @@ class ScheduledChunk(NamedTuple):
     # sequence per step, and a tuple is several times cheaper to make.
 
     @classmethod
-    def of(cls, seq: SequenceState, start: int, num_tokens: int, page_size: int) -> ScheduledChunk:
-        """The chunk of `seq`'s tokens `start : start + num_tokens`, as they are now."""
+    def of(
+        cls, seq: SequenceState, start: int, num_tokens: int, row: int, page_size: int
+    ) -> ScheduledChunk:
+        """The chunk of `seq`'s tokens `start : start + num_tokens`, as they are now;
+        `row` holds its pages."""
         end = start + num_tokens
         outputs = seq.output_token_ids
         total = len(seq.prompt_token_ids) + len(outputs)
@@ -55,7 +58,7 @@ class ScheduledChunk(NamedTuple):
             num_tokens,
             end == total,
             tokens,
-            seq.row,
+            row,
             (end + page_size - 1) // page_size,
             len(outputs),
         )

@@ -1,4 +1,4 @@
-"""Keys of full KV pages for automatic prefix caching. Plain Python, no JAX.
+"""Automatic prefix caching: keys of full KV pages, and their lookup and registration. No JAX.
 
 Page i of a token sequence is keyed by `(hash(key of page i - 1), its page_size tokens,
 extra)`, a chain, so equal keys mean equal whole prefixes: the page can be reused by
@@ -7,13 +7,34 @@ per-request `cache_salt` on the first page, so tenants with different salts neve
 share pages. Keys compare their tokens exactly; only the parent is compared by its
 64-bit hash, so a false hit needs a hash collision of two different parents followed
 by identical tokens.
+
+`PrefixCache` registers every full page a sequence computes in the page pool under its
+key, and finds the longest run of cached pages matching a new sequence's tokens. Cache
+keys carry the KV-cache group index when there are several groups, so one prefix has a
+page per group; a prefix of `h` pages hits when every global group has all `h` pages
+cached and every window group the pages inside its window at token `h * page_size`
+(vLLM's rule for hybrid models).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from absl import logging
+
+from paxkv.host.kv_groups import first_page_read
+from paxkv.host.page_pool import PagePool
+from paxkv.kv_layout import NULL_PAGE
+
+if TYPE_CHECKING:
+    from paxkv.host.sequence import SequenceState
+    from paxkv.host.sequence_pages import SequencePages
 
 PageKey = tuple[int, tuple[int, ...], Hashable]
+
+_MAX_LEADS = 8192  # first pages remembered for reporting sub-page prefix sharing
 
 
 def page_keys(
@@ -43,3 +64,168 @@ def page_keys(
         keys.append(key)
         prev = hash(key)
     return keys
+
+
+class CachedPrefix(NamedTuple):
+    """A sequence's longest cached prefix (`PrefixCache.lookup`): per group, the page
+    table of its `num_pages` pages (`NULL_PAGE` where a window group needs none), and
+    their keys."""
+
+    tables: list[list[int]]
+    keys: list[PageKey]
+
+    @property
+    def num_pages(self) -> int:
+        """Table entries of the prefix."""
+        return len(self.keys)
+
+    def pages(self) -> list[int]:
+        """The cached pages it would hold, over every group."""
+        return [p for t in self.tables for p in t if p != NULL_PAGE]
+
+
+class PrefixCache:
+    """Finds and registers the full pages of sequences' prefixes in `pool`.
+
+    Args:
+      pool: the page pool that maps keys to pages.
+      page_size: tokens per page.
+      windows: per KV-cache group, its window (None: global).
+      enabled: whether to look up and register at all.
+    """
+
+    def __init__(
+        self, pool: PagePool, page_size: int, windows: tuple[int | None, ...], enabled: bool
+    ) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.windows = windows
+        self.enabled = enabled
+        self.queries = 0  # prompt tokens looked up at first admission
+        self.hits = 0  # of which found
+        # Requests sharing their first 4+ tokens, but less than a page, with a cached prefix.
+        self.short_prefix_misses = 0
+        # Leading tokens of recently cached first pages (bounded), to notice prefixes
+        # shared over less than a page.
+        self._first_tokens: OrderedDict[tuple, None] = OrderedDict()
+        # The model weights' version, part of every first page's key (`set_weight_version`).
+        self.weight_version = 0
+
+    def _salt(self, seq: SequenceState) -> Hashable:
+        """What keys seq's first page besides its tokens: its cache salt, and the weights."""
+        return seq.cache_salt if not self.weight_version else (seq.cache_salt, self.weight_version)
+
+    def set_weight_version(self, version: int) -> None:
+        """Keys the pages registered from now on under weights `version`, and uncaches
+        every cached page: none computed under other weights is matched again, and they
+        are the first reused (plain free pages)."""
+        self.weight_version = version
+        self.pool.uncache_all()
+        self._first_tokens.clear()
+
+    def _key(self, group: int, key: PageKey) -> Hashable:
+        return key if len(self.windows) == 1 else (group, key)
+
+    def lookup(self, seq: SequenceState) -> CachedPrefix:
+        """The longest cached prefix of seq's tokens, leaving its last token to compute."""
+        num_groups = len(self.windows)
+        if not self.enabled:
+            return CachedPrefix([[] for _ in range(num_groups)], [])
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        ps = self.page_size
+        keys = page_keys(tokens, ps, num_pages=(len(tokens) - 1) // ps, salt=self._salt(seq))
+        lookup = self.pool.lookup
+        if self.windows == (None,):
+            hits = []
+            for key in keys:
+                page = lookup(key)
+                if page is None:
+                    break
+                hits.append(page)
+            return CachedPrefix([hits], keys[: len(hits)])
+        found = [[lookup(self._key(g, k)) for k in keys] for g in range(num_groups)]
+        h = len(keys)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                h = next((i for i, p in enumerate(found[g][:h]) if p is None), h)
+        while h and any(
+            None in found[g][first_page_read(w, h * ps, ps) : h]
+            for g, w in enumerate(self.windows)
+            if w is not None
+        ):
+            h -= 1
+        tables = []
+        for g, pages in enumerate(found):
+            k = min(first_page_read(self.windows[g], h * ps, ps), h)
+            tables.append([NULL_PAGE] * k + pages[k:h])
+        return CachedPrefix(tables, keys[:h])
+
+    def evictable(self, prefix: CachedPrefix) -> int:
+        """How many pages of `prefix` sit in the free queue (cached, held by no one)."""
+        return sum(1 for p in prefix.pages() if self.pool.refcount(p) == 0)
+
+    def count(self, seq: SequenceState, num_hit_pages: int) -> int | None:
+        """Records the result of seq's first admission; returns its prompt tokens served
+        from the cache (None when not counted: caching off, or a resumed sequence, whose
+        hits are recompute savings, not prompt hits)."""
+        if not self.enabled or seq.num_preemptions:
+            return None
+        self.queries += len(seq.prompt_token_ids)
+        hit_tokens = num_hit_pages * self.page_size
+        self.hits += hit_tokens
+        if num_hit_pages == 0 and self._lead(seq.prompt_token_ids, self._salt(seq)) in (
+            self._first_tokens
+        ):
+            self.short_prefix_misses += 1
+            # Once per process: every such request would say the same (issue 27).
+            logging.log_first_n(
+                logging.INFO,
+                "paxkv: request %s shares a prefix shorter than one page (page_size=%d) with a "
+                "cached one; prefixes are cached in whole pages, so it was not reused",
+                1,
+                seq.request_id,
+                self.page_size,
+            )
+        return hit_tokens
+
+    def _lead(self, tokens: list[int], salt: Hashable) -> tuple:
+        return (salt, tuple(tokens[: min(4, self.page_size)]))
+
+    def register(self, seq: SequenceState, held: SequencePages, end: int) -> None:
+        """Caches the full pages of seq's first `end` tokens not cached yet (their keys
+        join `held.keys`)."""
+        ps = self.page_size
+        full = min(end // ps, len(held.tables[0]))
+        first = len(held.keys)
+        if not self.enabled or first >= full:
+            return
+        # Only the new pages' tokens are read: the work does not grow with the sequence.
+        tokens = seq.token_ids(first * ps, full * ps)
+        # page_keys salts the first page it is given: only when it is the sequence's first.
+        new = page_keys(
+            tokens,
+            ps,
+            parent=held.keys[-1] if held.keys else None,
+            salt=self._salt(seq) if first == 0 else None,
+        )
+        for i, key in enumerate(new, start=first):
+            for g, table in enumerate(held.tables):
+                if table[i] != NULL_PAGE:
+                    self.pool.mark_cached(table[i], self._key(g, key))
+            if i == 0:
+                lead = self._lead(tokens, self._salt(seq))
+                self._first_tokens[lead] = None
+                self._first_tokens.move_to_end(lead)
+                if len(self._first_tokens) > _MAX_LEADS:
+                    self._first_tokens.popitem(last=False)
+        held.keys.extend(new)
+
+    def forget(self, held: SequencePages, num_computed_tokens: int) -> None:
+        """Uncaches the pages registered ahead of computing them (from token
+        `num_computed_tokens` on: their chunk did not run), so no one finds them."""
+        computed = min(num_computed_tokens // self.page_size, len(held.keys))
+        for g, table in enumerate(held.tables):
+            for i in range(computed, min(len(held.keys), len(table))):
+                if table[i] != NULL_PAGE:
+                    self.pool.uncache(table[i], self._key(g, held.keys[i]))
+        del held.keys[computed:]

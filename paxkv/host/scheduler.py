@@ -10,29 +10,36 @@ waiting queue, and later re-prefills its prompt plus the tokens it had generated
 its output continues exactly.
 
 `schedule` returns a `SchedulerOutput` (`paxkv.host.plan`), a snapshot of the step.
+Pages it registers in the prefix cache while planning are shared within the step
+(`paxkv.host.prefix_writers`).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from collections.abc import Iterable
 
+from paxkv.host.admission import Admission, chunk_tokens
+from paxkv.host.batch_rows import BatchRows
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.kv_groups import KVGroupLayout
+from paxkv.host.kv_usage import kv_usage
 from paxkv.host.page_pool import PagePool
 from paxkv.host.plan import ScheduledChunk, SchedulerOutput
+from paxkv.host.prefix_writers import PrefixWriters
+from paxkv.host.queues import SequenceQueues
 from paxkv.host.reservation import PagedReservation
-from paxkv.host.sequence import SeqStatus, SequenceState, TopLogprobs
-from paxkv.kv_layout import NULL_PAGE, cdiv
-from paxkv.request import FinishReason, SamplingParams
+from paxkv.host.sequence import SeqStatus, SequenceState
+from paxkv.kv_layout import cdiv
+from paxkv.request import SamplingParams
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
 
-class Scheduler:
-    """Continuous batching with chunked prefill and preemption by recompute.
+class Scheduler(SequenceQueues):
+    """Continuous batching with chunked prefill and preemption by recompute, over the
+    queues of `SequenceQueues` (which also end sequences: `fail`, `abort`, `stop`).
 
     Args:
       pool: the host page pool of the device cache.
@@ -45,7 +52,7 @@ class Scheduler:
       enable_prefix_caching: reuse cached pages of equal prefixes.
       reservation: how many token slots a sequence holds (default: the pages it needs;
         see `paxkv.host.reservation`).
-      layout: the KV-cache groups (`paxkv.host.kv_groups`; default: one global group).
+      kv_groups: the KV-cache groups (`paxkv.host.kv_groups`; default: one global group).
     """
 
     def __init__(
@@ -59,64 +66,52 @@ class Scheduler:
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         reservation: PagedReservation | None = None,
-        layout: KVGroupLayout | None = None,
+        kv_groups: KVGroupLayout | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
-        self.kv_cache = KVCacheManager(
-            pool,
-            page_size=page_size,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            reservation=reservation,
-            layout=layout,
-            max_chunk_tokens=max_num_batched_tokens,
+        super().__init__(
+            KVCacheManager(
+                pool,
+                page_size=page_size,
+                max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+                reservation=reservation,
+                kv_groups=kv_groups,
+                max_chunk_tokens=max_num_batched_tokens,
+            )
         )
         self.pool = pool
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.watermark_pages = int(watermark * pool.num_usable)
-        self.waiting: deque[SequenceState] = deque()
-        self.running: list[SequenceState] = []
+        self.admission = Admission(
+            self.kv_cache_manager,
+            watermark_pages=int(watermark * pool.num_usable),
+        )
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.peak_running = 0
-        self._failed: list[tuple[SequenceState, str]] = []
-        # Pages the plan being made will write, registered in the prefix cache already:
-        # page -> the sequence writing it (see `_register`).
-        self._writers: dict[int, SequenceState] = {}
+        self._writers = PrefixWriters(self.kv_cache_manager)
+
+    @property
+    def batch_rows(self) -> BatchRows:
+        """The persistent batch that holds the planned chunks' rows (`ScheduledChunk.row`)."""
+        return self.kv_cache_manager.rows
 
     # Admission.
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raises ValueError when a request could never be served (rejected at submit)."""
-        total = num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens + max_tokens={params.max_tokens} = {total} "
-                f"exceeds max_model_len={self.max_model_len}"
-            )
-        pages = self.kv_cache.pages_at_submit(total)
-        if pages > self.pool.num_usable:
-            raise ValueError(
-                f"prompt + max_tokens needs {pages} pages but the whole pool has {self.pool.num_usable}"
-            )
-
-    def add(self, seq: SequenceState) -> None:
-        """Queues a validated sequence (see `check_fits`)."""
-        self.waiting.append(seq)
-
-    def has_unfinished(self) -> bool:
-        """Whether any sequence is waiting or running."""
-        return bool(self.waiting or self.running)
+        self.admission.check_fits(num_prompt_tokens, params)
 
     # Scheduling.
 
     def _preempt(self, seq: SequenceState) -> None:
         self.num_recomputed_tokens += seq.num_computed_tokens
-        self.kv_cache.preempt(seq)
+        self.kv_cache_manager.preempt(seq)
+        seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -132,14 +127,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plans the next step and reserves its pages. Call `update` with its results."""
         budget = self.max_num_batched_tokens
-        self._writers = {}
+        self._writers.new_plan()
         chunks: list[ScheduledChunk] = []
         preempted: list[SequenceState] = []
         scheduled: set[int] = set()
         now = time.monotonic()
         ps = self.page_size
-        caching = self.kv_cache.enable_prefix_caching
-        sliding = self.kv_cache.sliding
+        kv = self.kv_cache_manager
         # Decodes (one token left to compute) first, then prefill chunks; each in order of
         # precedence, which `self.running` keeps.
         prefills = []
@@ -154,18 +148,16 @@ class Scheduler:
             if budget == 0:
                 continue
             try:
-                if outputs and end <= len(seq.pages) * ps:  # the common decode: no new page
-                    if sliding and end > seq.slide_at:  # a page falls behind a window
-                        self.kv_cache.slide(seq, end - 1)
+                row = kv.decode_row(seq, end) if outputs else None
+                if row is not None:  # the common decode: no new page
                     chunk = ScheduledChunk(
-                        seq, end - 1, 1, True, (outputs[-1],), seq.row, -(-end // ps), len(outputs)
+                        seq, end - 1, 1, True, (outputs[-1],), row, -(-end // ps), len(outputs)
                     )
                 else:
                     chunk = self._schedule_running(seq, budget, scheduled, preempted)
                 if chunk is None:
                     continue
-                if caching and end // ps > len(seq.keys):
-                    self._register(seq, end)
+                self._writers.register(seq, end)
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
                 continue
@@ -178,7 +170,7 @@ class Scheduler:
             try:
                 chunk = self._schedule_running(seq, budget, scheduled, preempted)
                 if chunk is not None:
-                    self._register(seq, chunk.end)
+                    self._writers.register(seq, chunk.end)
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
                 continue
@@ -200,7 +192,7 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= chunk.num_tokens
             try:
-                self._register(seq, chunk.end)
+                self._writers.register(seq, chunk.end)
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
         self.peak_running = max(self.peak_running, len(self.running))
@@ -215,12 +207,12 @@ class Scheduler:
     ) -> ScheduledChunk | None:
         """The chunk of running `seq` this step, making room by preemption; None if seq
         itself gave way."""
-        kv = self.kv_cache
-        n = self._chunk(seq, budget)
+        kv = self.kv_cache_manager
+        n = chunk_tokens(seq, budget, self.page_size)
         end = seq.num_computed_tokens + n
         if kv.sliding:
             kv.slide(seq, seq.num_computed_tokens)
-        while not kv.fits(seq, end) and not kv.allocate(seq, end):
+        while kv.needs_pages(seq, end) and not kv.allocate(seq, end):
             # A sequence the policy will not grow gives way itself.
             victims = (
                 [s for s in self.running if id(s) not in scheduled and s is not seq]
@@ -236,96 +228,29 @@ class Scheduler:
                 break
         if seq.status is not SeqStatus.RUNNING:
             return None
-        return ScheduledChunk.of(seq, seq.num_computed_tokens, n, self.page_size)
+        return self._chunk_of(seq, n)
 
-    def _register(self, seq: SequenceState, end: int) -> None:
-        """Caches the full pages of seq's planned chunk now, so sequences admitted later
-        in this step share them (the step writes each layer's K/V before attention reads
-        them), and remembers who writes them (`depends_on`)."""
-        kv = self.kv_cache
-        if not kv.enable_prefix_caching or end // self.page_size <= len(seq.keys):
-            return
-        before = len(seq.keys)
-        kv.register_full_pages(seq, end)
-        for page in kv.held(seq, before, len(seq.keys)):
-            self._writers[page] = seq
+    def _chunk_of(self, seq: SequenceState, num_tokens: int) -> ScheduledChunk:
+        row = self.kv_cache_manager.row(seq)
+        return ScheduledChunk.of(seq, seq.num_computed_tokens, num_tokens, row, self.page_size)
 
     def prune(self, plan: SchedulerOutput) -> SchedulerOutput:
         """`plan` without the chunks of sequences that ended since it was made (failed
         or aborted), and without those that read pages such a chunk was to write (they
         fail too: the prefix they share was never computed)."""
-        pruned = plan.running()
-        while pruned is not plan:
-            plan = pruned
-            gone = {id(c.seq) for c in plan.chunks}
-            ended = {id(s) for s in self._writers.values() if id(s) not in gone}
-            if not ended:
-                break
-            for c in plan.chunks:
-                if any(id(w) in ended for w in self.depends_on(c.seq)):
-                    self.fail(
-                        c.seq,
-                        "the shared prefix it read was being computed by a request that failed",
-                    )
-            pruned = plan.running()
-        return pruned
-
-    def depends_on(self, seq: SequenceState) -> set[SequenceState]:
-        """The sequences whose chunks in the current plan write pages `seq`'s prefix hits
-        read (same-step prefix sharing): if one of those chunks does not run, seq's
-        must not either."""
-        writers = self._writers
-        if not writers:
-            return set()
-        return {
-            w for p in self.kv_cache.held(seq) if (w := writers.get(p)) is not None and w is not seq
-        }
+        return self._writers.prune(plan, self.fail)
 
     def _admit(self, seq: SequenceState, budget: int, now: float) -> ScheduledChunk | None:
         """Admits the first waiting sequence with its first chunk, or None if it must wait."""
-        kv = self.kv_cache
-        if self._sibling_prefilling(seq):
-            return None  # it will share the sibling's prompt pages once they are cached
-        hits = kv.lookup(seq)
-        num_hits = len(hits[0])
-        held = sum(1 for t in hits for p in t if p != NULL_PAGE)
-        whole = max(0, kv.pages_at_peak(seq, seq.num_tokens) - held)
-        if self.pool.num_free - kv.evictable(hits) - whole < self.watermark_pages and (
-            self.running
-        ):
+        n = self.admission.admit(seq, budget, self.running)
+        if n is None:
             return None
-        kv.take_hits(seq, hits)
-        n = self._chunk(seq, budget)
-        if not kv.allocate(seq, seq.num_computed_tokens + n):
-            kv.free(seq)
-            seq.num_computed_tokens = 0
-            return None
-        kv.count_lookup(seq, num_hits)
         self.waiting.popleft()
         seq.status = SeqStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         bisect.insort(self.running, seq, key=SequenceState.precedence)
-        return ScheduledChunk.of(seq, seq.num_computed_tokens, n, self.page_size)
-
-    def _sibling_prefilling(self, seq: SequenceState) -> bool:
-        """Whether another completion of seq's request is still computing the cacheable
-        (full) pages of their shared prompt, which seq will then reuse."""
-        if not self.kv_cache.enable_prefix_caching or seq.params.n == 1 or seq.output_token_ids:
-            return False
-        shared = (len(seq.prompt_token_ids) - 1) // self.page_size * self.page_size
-        return any(
-            s.request_id == seq.request_id and s.num_computed_tokens < shared for s in self.running
-        )
-
-    def _chunk(self, seq: SequenceState, budget: int) -> int:
-        """Tokens of `seq` to run now: all that remain, or a page-aligned prefix that fits."""
-        remaining = seq.num_tokens - seq.num_computed_tokens
-        if remaining <= budget:
-            return remaining
-        end = seq.num_computed_tokens + budget
-        aligned = end - end % self.page_size
-        return aligned - seq.num_computed_tokens if aligned > seq.num_computed_tokens else budget
+        return self._chunk_of(seq, n)
 
     def reserve_ahead(
         self, output: SchedulerOutput, num_steps: int
@@ -339,7 +264,7 @@ class Scheduler:
             (c.seq, c.start + min(num_steps, limit))
             for c, limit in zip(output.chunks, limits, strict=True)
         ]
-        if not self.kv_cache.reserve_ahead(wanted):
+        if not self.kv_cache_manager.reserve_ahead(wanted):
             return None
         chunks = tuple(
             c._replace(num_pages=cdiv(end, self.page_size))
@@ -363,29 +288,22 @@ class Scheduler:
         """
         now = time.monotonic()
         finished = []
-        ps, max_len = self.page_size, self.max_model_len
-        caching = self.kv_cache.enable_prefix_caching
+        kv = self.kv_cache_manager
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
                 seq.num_computed_tokens = end = chunk.start + chunk.num_tokens
-                if caching and end // ps > len(seq.keys):
-                    self.kv_cache.register_full_pages(seq)
+                if kv.needs_registering(seq, end):
+                    kv.register_full_pages(seq)
                 if result is None:
                     continue
-                token = result[0]
-                seq.append_output(token, result[1], result[2] if len(result) > 2 else None)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                seq.last_token_time = now
-                outputs = len(seq.output_token_ids)
-                if token in seq.stop_set(eos_token_ids):
-                    reason = FinishReason.STOP
-                elif outputs >= seq.params.max_tokens or seq.num_prompt + outputs >= max_len:
-                    reason = FinishReason.LENGTH
-                else:
+                top = result[2] if len(result) > 2 else None
+                reason = seq.record_sample(
+                    result[0], result[1], top, eos_token_ids, self.max_model_len, now
+                )
+                if reason is None:
                     continue
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
@@ -394,88 +312,8 @@ class Scheduler:
             finished.append(seq)
         return finished
 
-    def resolve(
-        self,
-        seq: SequenceState,
-        index: int,
-        token: int,
-        logprob: float,
-        eos_token_ids: tuple[int, ...],
-        now: float,
-        top: TopLogprobs | None = None,
-    ) -> None:
-        """Puts the real value of output `index` of `seq`, recorded by `update` as a
-        placeholder (async scheduling), and ends the sequence there if it is a stop token:
-        later placeholders are dropped, and a sequence already finished by length gets
-        finish reason "stop", as it would have without the placeholder."""
-        if seq.finish_reason is FinishReason.ABORT:
-            return
-        seq.set_output(index, token, logprob, top)
-        if index == 0:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        if seq.is_stop_token(token, eos_token_ids):
-            seq.truncate_outputs(index + 1)
-            if seq.status is SeqStatus.FINISHED:
-                seq.finish_reason = FinishReason.STOP
-            else:
-                self._finish(seq, FinishReason.STOP, now)
-
-    def _finish(self, seq: SequenceState, reason: FinishReason, now: float) -> None:
-        self.kv_cache.free(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finished_time = now
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
-
-    def stop(self, seq: SequenceState, num_output_tokens: int) -> None:
-        """Ends `seq` with finish reason "stop" after its first `num_output_tokens`
-        outputs (a stop string matched on the text): later tokens, placeholders of a step
-        in flight included, are dropped. A sequence already ended keeps its pages freed
-        and takes reason "stop" unless it was aborted."""
-        if seq.finish_reason is FinishReason.ABORT:
-            return
-        seq.truncate_outputs(num_output_tokens)
-        if seq.status is SeqStatus.FINISHED:
-            seq.finish_reason = FinishReason.STOP
-        else:
-            self._finish(seq, FinishReason.STOP, time.monotonic())
-
-    def fail(self, seq: SequenceState, error: BaseException | str) -> None:
-        """Ends `seq` (finish reason "abort") because something tied to it failed, frees
-        what it holds, and records why for `take_failed`. Safe on a sequence caught
-        half-way through scheduling: whatever pages it took go back."""
-        if seq.status is SeqStatus.FINISHED:  # ended, but its output failed: not a success
-            seq.finish_reason = FinishReason.ABORT
-        else:
-            self.kv_cache.free(seq)
-            seq.status = SeqStatus.FINISHED
-            seq.finish_reason = FinishReason.ABORT
-            seq.finished_time = time.monotonic()
-            if seq in self.running:
-                self.running.remove(seq)
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self._failed.append((seq, message))
-
-    def take_failed(self) -> list[tuple[SequenceState, str]]:
-        """The sequences `fail` ended since the last call, with why; forgets them."""
-        failed, self._failed = self._failed, []
-        return failed
-
-    def abort(self, seqs: Iterable[SequenceState]) -> None:
-        """Ends these sequences now and frees everything they hold."""
-        now = time.monotonic()
-        for seq in seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                self._finish(seq, FinishReason.ABORT, now)
-
     # Metrics.
 
     def kv_usage(self) -> dict[str, float]:
         """Pages and token slots in use, and the slots reserved but not holding a token."""
-        return self.kv_cache.usage(self.running)
+        return kv_usage(self.kv_cache_manager, self.running)

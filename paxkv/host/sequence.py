@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from paxkv.host.prefix_cache import PageKey
 from paxkv.request import FinishReason, SamplingParams
 
 # The top-k of one output token: (token ids, their logprobs, the chosen token's rank).
@@ -22,12 +21,10 @@ class SeqStatus(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class SequenceState:
-    """One completion being generated: a prompt, the tokens so far, and the pages it holds.
+    """One completion being generated: a prompt, the tokens so far, its outputs and times.
 
-    `pages` grow only at the end while the sequence runs, and are emptied when it is
-    preempted or ends; `num_computed_tokens` of its tokens have K/V in those pages.
-    Page j of a table holds tokens `j * page_size ..`; a window group's table has
-    `NULL_PAGE` at pages it no longer holds.
+    `num_computed_tokens` of its tokens have K/V in the cache; which pages hold them is
+    the KV-cache manager's record (`paxkv.host.kv_cache_manager`), not the sequence's.
     """
 
     seq_id: str
@@ -45,23 +42,11 @@ class SequenceState:
     top_logprobs: list[TopLogprobs | None] = dataclasses.field(default_factory=list)
     # With penalties: how often each real token (not a placeholder) was generated.
     output_counts: dict[int, int] = dataclasses.field(default_factory=dict)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    # With several KV-cache groups (`paxkv.host.kv_groups`): the page tables of groups
-    # 1.. (`pages` is group 0's), each as long as `pages`, `NULL_PAGE` where a window
-    # group holds nothing; and per group, the leading pages it has let go of (or never
-    # took) because they fell behind its window.
-    group_pages: list[list[int]] = dataclasses.field(default_factory=list)
-    window_freed: list[int] = dataclasses.field(default_factory=list)
-    # The first chunk start at which a window group has a page to let go of (a cache of
-    # `KVCacheManager.slide`'s test, so a decode that frees nothing skips the call).
-    slide_at: int = 0
-    row: int | None = None  # its row of the persistent batch while it holds pages
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    keys: list[PageKey] = dataclasses.field(default_factory=list)  # of its full computed pages
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -128,11 +113,6 @@ class SequenceState:
         """Prompt plus output tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, i: int) -> int:
-        """Token i of prompt + output."""
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens `start:stop` of prompt + output."""
         prompt = self.prompt_token_ids
@@ -140,6 +120,48 @@ class SequenceState:
             return prompt[start:stop]
         out = self.output_token_ids
         return prompt[start:] + out[max(0, start - len(prompt)) : stop - len(prompt)]
+
+    def record_sample(
+        self,
+        token: int,
+        logprob: float,
+        top: TopLogprobs | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        now: float,
+    ) -> FinishReason | None:
+        """Appends a sampled token at time `now`; returns why it ends the sequence (a stop
+        token, max_tokens or `max_model_len`), or None."""
+        self.append_output(token, logprob, top)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        outputs = len(self.output_token_ids)
+        if token in self.stop_set(eos_token_ids):
+            return FinishReason.STOP
+        if outputs >= self.params.max_tokens or self.num_prompt + outputs >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def resolve_output(
+        self,
+        index: int,
+        token: int,
+        logprob: float,
+        top: TopLogprobs | None,
+        eos_token_ids: tuple[int, ...],
+        now: float,
+    ) -> bool:
+        """Puts the real token at output `index` (a placeholder until now); returns whether
+        it is a stop token, in which case the outputs end there."""
+        self.set_output(index, token, logprob, top)
+        if index == 0:
+            self.first_token_time = now
+        self.last_token_time = now
+        if not self.is_stop_token(token, eos_token_ids):
+            return False
+        self.truncate_outputs(index + 1)
+        return True
 
     def precedence(self) -> tuple[int, float]:
         """Sort key: who keeps running when pages run out (smallest first)."""

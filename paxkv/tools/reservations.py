@@ -24,9 +24,11 @@ class ContiguousMax(PagedReservation):
     name = "max"
     shares_pages = False
 
-    def tokens_to_hold(self, seq: SequenceState, num_tokens: int, max_model_len: int) -> int:
+    def tokens_to_hold(
+        self, seq: SequenceState, num_pages: int, num_tokens: int, max_model_len: int
+    ) -> int:
         """max_model_len, whatever the sequence has computed."""
-        del seq, num_tokens
+        del seq, num_pages, num_tokens
         return max_model_len
 
     def tokens_at_submit(self, num_tokens: int, max_model_len: int) -> int:
@@ -47,18 +49,21 @@ class ContiguousGuess(PagedReservation):
         # Multiplier of each sequence's guess, doubled every time it outgrows its region.
         self._growth: weakref.WeakKeyDictionary[SequenceState, int] = weakref.WeakKeyDictionary()
 
-    def tokens_to_hold(self, seq: SequenceState, num_tokens: int, max_model_len: int) -> int:
+    def tokens_to_hold(
+        self, seq: SequenceState, num_pages: int, num_tokens: int, max_model_len: int
+    ) -> int:
         """At admission, the guessed region; afterwards the region cannot grow."""
-        if seq.pages:
+        if num_pages:
             return num_tokens
         guess = len(seq.prompt_token_ids) + self.guess_tokens * self._growth.get(seq, 1)
         return max(num_tokens, min(max_model_len, guess))
 
-    def can_grow(self, seq: SequenceState, num_tokens: int, page_size: int) -> bool:
+    def can_grow(self, seq: SequenceState, num_pages: int, num_tokens: int, page_size: int) -> bool:
         """A contiguous region cannot grow in place."""
-        return num_tokens <= len(seq.pages) * page_size
+        del seq
+        return num_tokens <= num_pages * page_size
 
-    def on_preempt(self, seq: SequenceState, page_size: int) -> None:
+    def on_preempt(self, seq: SequenceState, num_pages: int, page_size: int) -> None:
         """A sequence preempted for outgrowing its region comes back with twice the guess."""
-        if seq.num_tokens > len(seq.pages) * page_size:
+        if seq.num_tokens > num_pages * page_size:
             self._growth[seq] = self._growth.get(seq, 1) * 2

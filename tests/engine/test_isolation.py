@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 from test_engine import _engine, _run
 
 from paxkv import SamplingParams
-from paxkv.engine import engine as engine_module
 from paxkv.engine import pipeline as pipeline_module
+from paxkv.engine import recording as recording_module
 from paxkv.engine.requests import Request
+from paxkv.host import admission as admission_module
 from paxkv.host import batch as batch_module
-from paxkv.host.kv_cache_manager import KVCacheManager
-from paxkv.host.scheduler import Scheduler
+from paxkv.host import scheduler as scheduler_module
+from paxkv.host.prefix_cache import PrefixCache
 from paxkv.host.sequence import SequenceState
 
 MODES = {
@@ -59,11 +60,12 @@ def _install(monkeypatch, faults):
 
         monkeypatch.setattr(owner, name, hooked)
 
-    wrap(KVCacheManager, "lookup", "admit", lambda kv, seq: seq.request_id)
-    wrap(Scheduler, "_chunk", "schedule", lambda s, seq, budget: seq.request_id)
+    wrap(PrefixCache, "lookup", "admit", lambda cache, seq: seq.request_id)
+    for module in (scheduler_module, admission_module):  # the chunk of a running or new seq
+        wrap(module, "chunk_tokens", "schedule", lambda seq, budget, page_size: seq.request_id)
     wrap(SequenceState, "append_output", "record", lambda seq, *a: seq.request_id)
     wrap(Request, "output", "output", lambda req, *a, **kw: req.request_id)
-    for module in (engine_module, pipeline_module):
+    for module in (recording_module, pipeline_module):
         wrap(module, "sample_result", "sample", lambda samples, row, seq: seq.request_id)
     # The batch layout: a penalised request's token history (every other one has one).
     wrap(SequenceState, "penalty_history", "layout", lambda seq: seq.request_id)

@@ -308,8 +308,12 @@ def test_a_completion_stopped_by_a_string_leaves_its_siblings_running():
     req = host.add("r", list(b"abcdefgh"), SamplingParams(max_tokens=6, n=2, stop="a"))
     host.report(host.step())  # the first tokens: "a" ends completion 0, and frees its pages
     stopped, running = req.seqs
-    assert stopped.finish_reason == "stop" and stopped.pages == [] and running.pages
-    assert host.pool.num_in_use == len(running.pages)
+    assert (
+        stopped.finish_reason == "stop"
+        and host.scheduler.kv_cache_manager.num_pages(stopped) == 0
+        and host.scheduler.kv_cache_manager.num_pages(running)
+    )
+    assert host.pool.num_in_use == host.scheduler.kv_cache_manager.num_pages(running)
     (out,) = [o for o in host.run() if o.finished]
     assert [(c.text, c.finish_reason, c.stop_reason) for c in out.outputs] == [
         ("", "stop", "a"),

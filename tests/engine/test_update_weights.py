@@ -65,7 +65,7 @@ def test_update_matches_a_fresh_engine_without_recompiling(tiny, new_weights):
     before = _run(engine, tag="a")
     _run(engine, tag="warm")  # every signature a step meets after its first
     compiled = engine.num_compilations
-    hits = engine.scheduler.kv_cache.prefix_hits
+    hits = engine.scheduler.kv_cache_manager.prefix_cache.hits
     assert engine.update_weights(params) == 1 == engine.weight_version
     after = _run(engine, tag="b")
     assert _tokens(after) == expected
@@ -74,7 +74,7 @@ def test_update_matches_a_fresh_engine_without_recompiling(tiny, new_weights):
     assert {v for _, v in before.values()} == {(0,)}
     assert {v for _, v in after.values()} == {(1,)}
     # PROMPTS were cached before the update: only PROMPTS[3]'s share of PROMPTS[2] hits.
-    assert engine.scheduler.kv_cache.prefix_hits - hits == 16
+    assert engine.scheduler.kv_cache_manager.prefix_cache.hits - hits == 16
     assert engine.pool.num_cached > 0
 
 

@@ -4,45 +4,57 @@ import numpy as np
 import pytest
 
 from paxkv.host.batch_rows import BatchRows
-from paxkv.host.sequence import SequenceState
+from paxkv.host.sampling_columns import FLOAT_COLUMN, ROW_INTS
 from paxkv.kv_layout import NULL_PAGE
 from paxkv.request import SamplingParams
 
 
-def _seq(i, **params):
-    return SequenceState(
-        f"s{i}", f"s{i}", 0, [1, 2, 3], SamplingParams(**params), seed=i, arrival_time=0.0
-    )
-
-
 def test_rows_grow_and_keep_their_contents():
     rows = BatchRows(pages_per_seq=4, capacity=2)
-    seqs = [_seq(i, temperature=0.1 * i, top_k=i) for i in range(5)]
-    for i, s in enumerate(seqs):
-        s.pages = [10 + i, 20 + i]
-        rows.append(s, s.pages)
+    params = [SamplingParams(temperature=0.1 * i, top_k=i) for i in range(5)]
+    held = {}
+    for i, p in enumerate(params):
+        row = rows.acquire(p, seed=100 + i)
+        held[row] = [10 + i, 20 + i]
+        rows.append(row, held[row])
     assert rows.num_rows_in_use == 5 and len(rows.block_tables) >= 5  # doubled twice
-    rows.check(seqs)
-    for s in seqs:
-        assert rows.ints[s.row].tolist() == [s.params.top_k, s.seed]
-        np.testing.assert_allclose(rows.floats[s.row, 0], s.params.temperature)
+    assert sorted(held) == [0, 1, 2, 3, 4]
+    for row, pages in held.items():
+        rows.check(row, [pages])
+        i = pages[0] - 10
+        assert rows.ints[row].tolist() == [params[i].top_k, 100 + i]
+        np.testing.assert_allclose(rows.floats[row, FLOAT_COLUMN["temperature"]], 0.1 * i)
     # Cut one, release another: its row is cleared and handed to the next sequence.
-    seqs[1].pages = seqs[1].pages[:1]
-    rows.truncate(seqs[1], 1)
-    freed = seqs[3].row
-    rows.release(seqs[3])
-    seqs[3].pages = []
+    first, freed = list(held)[1], list(held)[3]
+    rows.truncate(first, 1)
+    held[first] = held[first][:1]
+    rows.release(freed)
+    del held[freed]
     assert (rows.block_tables[freed] == NULL_PAGE).all()
-    new = _seq(9, temperature=0.5)
-    new.pages = [99]
-    rows.append(new, new.pages)
-    assert new.row == freed
-    rows.check([*seqs, new])
+    new = rows.acquire(SamplingParams(temperature=0.5), seed=9)
+    assert new == freed
+    rows.append(new, [99])
+    held[new] = [99]
+    for row, pages in held.items():
+        rows.check(row, [pages])
+    assert rows.num_rows_in_use == 5
+    assert ROW_INTS == ("top_k", "seed")
 
 
 def test_a_row_never_holds_more_than_pages_per_seq():
     rows = BatchRows(pages_per_seq=2)
-    s = _seq(0)
-    rows.append(s, [1, 2])
+    row = rows.acquire(SamplingParams(), seed=0)
+    rows.append(row, [1, 2])
     with pytest.raises(ValueError, match=r"would hold 3 pages, more than pages_per_seq=2"):
-        rows.append(s, [3])
+        rows.append(row, [3])
+
+
+def test_check_catches_a_stale_page():
+    rows = BatchRows(pages_per_seq=4, num_groups=2)
+    row = rows.acquire(SamplingParams(), seed=0)
+    rows.append(row, [1, 2], [[NULL_PAGE, 3]])
+    rows.check(row, [[1, 2], [NULL_PAGE, 3]])
+    with pytest.raises(AssertionError):
+        rows.check(row, [[1], [NULL_PAGE]])  # row holds 2 entries, not 1
+    rows.clear(row, 1, 1)
+    rows.check(row, [[1, 2], [NULL_PAGE, NULL_PAGE]])

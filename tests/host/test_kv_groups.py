@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_prefix_cache import _step
 
 from paxkv.host.batch import Buckets, build_host_batch
-from paxkv.host.kv_groups import KVCacheGroup, KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroup, KVGroupLayout, first_page_read
 from paxkv.host.page_pool import NULL_PAGE, PagePool
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SeqStatus
@@ -42,7 +42,7 @@ def _sched(layout, num_pages=64, budget=64, max_model_len=64, page_size=PS, **kw
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         watermark=0.0,
-        layout=layout,
+        kv_groups=layout,
         **kw,
     )
 
@@ -89,16 +89,18 @@ def test_window_group_lets_go_of_pages_behind_it():
     a = _seq("a", range(20), max_tokens=12)
     s.add(a)
     _step(s)  # the 20-token prompt: 5 pages in each group
-    assert a.pages == [1, 2, 3, 4, 5] and a.group_pages == [[6, 7, 8, 9, 10]]
+    assert s.kv_cache_manager.tables(a)[0] == [1, 2, 3, 4, 5] and s.kv_cache_manager.tables(a)[
+        1:
+    ] == [[6, 7, 8, 9, 10]]
     out = _step(s)  # decode from 20: the window starts at token 13, page 3
     assert out.chunks[0].start == 20
-    assert a.pages == [1, 2, 3, 4, 5, 11]
-    assert a.group_pages == [[0, 0, 0, 9, 10, 12]]
+    assert s.kv_cache_manager.tables(a)[0] == [1, 2, 3, 4, 5, 11]
+    assert s.kv_cache_manager.tables(a)[1:] == [[0, 0, 0, 9, 10, 12]]
     assert s.pool.num_in_use == 9
     for _ in range(4):  # decodes from 21..24: the window start reaches token 17, page 4
         _step(s)
-    assert a.group_pages[0][:5] == [0, 0, 0, 0, 10]
-    s.kv_cache.rows.check([a])
+    assert s.kv_cache_manager.tables(a)[1:][0][:5] == [0, 0, 0, 0, 10]
+    s.kv_cache_manager.check_invariants()
     while s.has_unfinished():
         _step(s)
     assert s.pool.num_in_use == 0
@@ -112,13 +114,13 @@ def test_window_group_needs_few_pages_at_submit():
         s.check_fits(190, SamplingParams(max_tokens=10))  # 50 + 7
     s.check_fits(50, SamplingParams(max_tokens=10))  # 15 + 7
     window_only = _sched(KVGroupLayout.from_windows([8, 8]), num_pages=24, budget=16)
-    window_only.max_model_len = window_only.kv_cache.max_model_len = 256
+    window_only.max_model_len = window_only.kv_cache_manager.max_model_len = 256
     window_only.check_fits(190, SamplingParams(max_tokens=10))  # 7 pages at any length
 
 
 def test_prefix_hit_needs_the_window_pages_at_its_end():
     s = _sched(HYBRID, num_pages=40)
-    kv = s.kv_cache
+    kv = s.kv_cache_manager
     prompt = list(range(100, 125))  # 25 tokens: 6 full pages can be looked up
     a = _seq("a", prompt, max_tokens=1)
     s.add(a)
@@ -127,15 +129,15 @@ def test_prefix_hit_needs_the_window_pages_at_its_end():
     # a's pages are cached and free. The same prompt hits all 6 pages: the global group
     # needs them all, the window group those from token 24 - 8 + 1 = 17 on (pages 4, 5).
     c = _seq("c", prompt)
-    hits = kv.lookup(c)
-    assert len(hits[0]) == 6 and all(hits[0])
-    assert hits[1][:4] == [NULL_PAGE] * 4 and all(hits[1][4:])
+    hits = kv.prefix_cache.lookup(c)
+    assert len(hits.tables[0]) == 6 and all(hits.tables[0])
+    assert hits.tables[1][:4] == [NULL_PAGE] * 4 and all(hits.tables[1][4:])
     # Without window page 5, a hit of 5 pages needs window pages 3 and 4 (from token
     # 20 - 7 = 13), which a freed with their keys: the hit drops by one page only.
-    kv.pool.uncache(hits[1][5], (1, c.keys[5]))
-    hits = kv.lookup(c)
-    assert len(hits[0]) == 5
-    assert hits[1][:3] == [NULL_PAGE] * 3 and all(hits[1][3:])
+    kv.pool.uncache(hits.tables[1][5], (1, hits.keys[5]))
+    hits = kv.prefix_cache.lookup(c)
+    assert len(hits.tables[0]) == 5
+    assert hits.tables[1][:3] == [NULL_PAGE] * 3 and all(hits.tables[1][3:])
     b = _seq("b", prompt, max_tokens=1)
     s.add(b)
     out = _step(s)
@@ -186,7 +188,7 @@ def test_random_workloads_with_groups(arrivals, windows, page_size, num_pages, b
         page_size=page_size,
         enable_prefix_caching=caching,
     )
-    kv = s.kv_cache
+    kv = s.kv_cache_manager
     contents: dict[int, dict[int, int]] = collections.defaultdict(dict)  # page -> slot -> id
     seqs = []
     for step in range(500):
@@ -212,7 +214,7 @@ def test_random_workloads_with_groups(arrivals, windows, page_size, num_pages, b
                     contents[page][j % page_size] = _prefix_id(c.seq, j)
         for c in out.chunks:
             for g, table in enumerate(kv.tables(c.seq)):
-                first = kv.first_needed(g, c.start)
+                first = first_page_read(kv.windows[g], c.start, page_size)
                 window = kv.windows[g]
                 lo = 0 if window is None else max(0, c.start - window + 1)
                 for j in range(lo, c.end):
@@ -221,7 +223,7 @@ def test_random_workloads_with_groups(arrivals, windows, page_size, num_pages, b
         if out.chunks:
             pad = -(-44 // page_size)
             buckets = Buckets(tokens=(64,), seqs=(8,), pages=(pad,), max_seqs=8)
-            hb = build_host_batch(out, page_size=page_size, buckets=buckets, rows=kv.rows)
+            hb = build_host_batch(out, page_size=page_size, buckets=buckets, rows=s.batch_rows)
             tables = hb.block_tables if layout.hybrid else hb.block_tables[None]
             for i, c in enumerate(out.chunks):
                 for g, table in enumerate(kv.tables(c.seq)):
@@ -229,7 +231,7 @@ def test_random_workloads_with_groups(arrivals, windows, page_size, num_pages, b
                     np.testing.assert_array_equal(tables[g, i], want)
         s.update(out, [((step * 7 + c.start) % 4, 0.0) if c.samples else None for c in out.chunks])
         s.pool.check_invariants()
-        kv.rows.check([q for q, _ in seqs])
+        kv.check_invariants()
         holders = collections.Counter(
             p
             for q, _ in seqs
@@ -245,6 +247,6 @@ def test_random_workloads_with_groups(arrivals, windows, page_size, num_pages, b
     assert not s.has_unfinished(), "a request never ended"
     for q, _ in seqs:
         assert q.status is SeqStatus.FINISHED
-        assert q.pages == [] and q.group_pages == []
+        assert kv.tables(q) == [[] for _ in range(kv.num_groups)]
     assert s.pool.num_in_use == 0
     assert s.pool.num_free == s.pool.num_usable

@@ -37,7 +37,7 @@ def test_scripted_allocate_and_free_exact_ids():
     assert checked(pool, pool.allocate(0)) == []
     assert checked(pool, pool.allocate(1)) is None
     assert pool.usage == 1.0
-    pool.share([3])
+    pool.touch([3])  # an in-use page: one more reference
     checked(pool)
     assert pool.refcount(3) == 2
     pool.free([4, 3])
@@ -57,29 +57,28 @@ def test_smallest_pool_has_one_page():
     checked(pool)
 
 
-def test_eviction_is_lru_and_reports_each_page_and_key():
-    evicted = []
-    pool = PagePool(6, on_evict=lambda page, key: evicted.append((page, key)))
+def test_eviction_is_lru_and_drops_each_key():
+    pool = PagePool(6)
     assert pool.allocate(4) == [1, 2, 3, 4]
     for page, key in [(1, "a"), (2, "b"), (3, "c")]:
         assert checked(pool, pool.mark_cached(page, key)) is True
-    assert (pool.num_cached, pool.cache_key(2), pool.cache_key(4)) == (3, "b", None)
+    assert (pool.num_cached, [pool.lookup(k) for k in "abc"]) == (3, [1, 2, 3])
     pool.free([3, 2, 1])
     checked(pool)
     # Queue is now 5, 3, 2, 1; cached pages keep their keys while evictable.
     assert (pool.num_free, pool.num_cached, pool.lookup("c")) == (4, 3, 3)
     assert checked(pool, pool.allocate(2)) == [5, 3]
-    assert evicted == [(3, "c")]
-    assert (pool.lookup("c"), pool.cache_key(3), pool.num_evictions) == (None, None, 1)
+    assert [pool.lookup(k) for k in "abc"] == [1, 2, None]
+    assert (pool.num_cached, pool.num_evictions) == (2, 1)
     # A prefix hit on page 2 takes it out of the queue, so page 1 is evicted next.
     assert pool.lookup("b") == 2
     pool.touch([2])
     checked(pool)
     assert (pool.refcount(2), pool.num_free) == (1, 1)
     assert checked(pool, pool.allocate(1)) == [1]
-    assert evicted == [(3, "c"), (1, "a")]
+    assert [pool.lookup(k) for k in "abc"] == [None, 2, None]
     assert checked(pool, pool.allocate(1)) is None
-    assert evicted == [(3, "c"), (1, "a")]
+    assert pool.num_evictions == 2
     assert (pool.lookup("b"), pool.num_cached, pool.num_evictions) == (2, 1, 2)
 
 
@@ -104,7 +103,7 @@ def test_mark_cached_keeps_the_first_page_for_a_key():
     assert pool.mark_cached(1, "k") is True
     assert pool.mark_cached(2, "k") is False
     checked(pool)
-    assert (pool.lookup("k"), pool.cache_key(1), pool.cache_key(2)) == (1, "k", None)
+    assert (pool.lookup("k"), pool.num_cached) == (1, 1)
     with pytest.raises(ValueError, match="page 1 already holds cache key 'k'"):
         pool.mark_cached(1, "other")
     with pytest.raises(ValueError, match="page 3 is not in use"):
@@ -147,23 +146,6 @@ def test_bad_free_names_the_page_and_changes_nothing(pages, message):
     assert pool.allocate(3) == [4, 5, 3]
 
 
-@pytest.mark.parametrize(
-    "pages, message",
-    [
-        ([1, NULL_PAGE], "page 0 is NULL_PAGE"),
-        ([1, 9], "page 9 is out of range"),
-        ([1, 3], r"page 3 is not in use; use touch\(\)"),
-    ],
-)
-def test_bad_share_names_the_page_and_changes_nothing(pages, message):
-    pool = PagePool(6)
-    pool.allocate(2)
-    with pytest.raises(ValueError, match=message):
-        pool.share(pages)
-    checked(pool)
-    assert [pool.refcount(p) for p in range(1, 4)] == [1, 1, 0]
-
-
 def test_bad_touch_names_the_page_and_changes_nothing():
     pool = PagePool(6)
     pool.allocate(1)
@@ -173,13 +155,15 @@ def test_bad_touch_names_the_page_and_changes_nothing():
         pool.touch([1, 2])
     with pytest.raises(ValueError, match="page 0 is NULL_PAGE"):
         pool.touch([1, NULL_PAGE])
+    with pytest.raises(ValueError, match="page 9 is out of range"):
+        pool.touch([1, 9])
     checked(pool)
     assert (pool.refcount(1), pool.num_free) == (0, 5)
 
 
 def test_queries_reject_bad_pages():
     pool = PagePool(3)
-    for query in (pool.refcount, pool.cache_key):
+    for query in (pool.refcount, lambda page: pool.uncache(page, "k")):
         with pytest.raises(ValueError, match="page 0 is NULL_PAGE"):
             query(NULL_PAGE)
         with pytest.raises(ValueError, match="page 3 is out of range"):
@@ -226,8 +210,8 @@ class PagePoolMachine(RuleBasedStateMachine):
 
     @initialize(num_pages=st.integers(2, 10))
     def create(self, num_pages):
-        self.evicted = []
-        self.pool = PagePool(num_pages, on_evict=lambda page, key: self.evicted.append((page, key)))
+        self.pool = PagePool(num_pages)
+        self.num_evictions = 0
         self.handles: list[list[int]] = []
         self.queue = list(range(1, num_pages))
         self.refcounts = dict.fromkeys(range(1, num_pages), 0)
@@ -243,20 +227,21 @@ class PagePoolMachine(RuleBasedStateMachine):
         expected, self.queue = self.queue[:n], self.queue[n:]
         assert pages == expected
         expected_evictions = [(p, self.page_to_key[p]) for p in pages if p in self.page_to_key]
-        assert self.evicted == expected_evictions
-        self.evicted.clear()
+        self.num_evictions += len(expected_evictions)
+        assert self.pool.num_evictions == self.num_evictions
         for page, key in expected_evictions:
+            assert self.pool.lookup(key) is None
             del self.page_to_key[page], self.key_to_page[key]
         for page in pages:
             self.refcounts[page] = 1
         self.handles.append(pages)
 
     @rule(i=st.integers(0, 100))
-    def share(self, i):
+    def touch_in_use(self, i):
         if not self.handles:
             return
         pages = self.handles[i % len(self.handles)]
-        self.pool.share(pages)
+        self.pool.touch(pages)  # pages a handle holds are in use: one more reference each
         for page in pages:
             self.refcounts[page] += 1
         self.handles.append(list(pages))
@@ -310,7 +295,8 @@ class PagePoolMachine(RuleBasedStateMachine):
         assert self.pool.num_cached == len(self.page_to_key)
         for page, rc in self.refcounts.items():
             assert self.pool.refcount(page) == rc
-            assert self.pool.cache_key(page) == self.page_to_key.get(page)
+        for key in range(6):  # every key the rules use
+            assert self.pool.lookup(key) == self.key_to_page.get(key)
 
     def teardown(self):
         if not hasattr(self, "pool"):

@@ -4,6 +4,8 @@ hypothesis-driven run of the scheduler with a fake model. No JAX."""
 
 import collections
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -77,15 +79,18 @@ def test_reuse_of_the_longest_cached_prefix_with_exact_pages():
     a = _seq("a", range(10))
     s.add(a)
     _step(s)
-    assert a.pages == [1, 2, 3]  # pages 1 and 2 are full and now cached
+    assert s.kv_cache_manager.tables(a)[0] == [1, 2, 3]  # pages 1 and 2 are full and now cached
     _finish(s)
     assert s.pool.num_in_use == 0 and s.pool.num_cached == 2
     b = _seq("b", [*range(8), 70, 71, 72])
     s.add(b)
     out = _step(s)
-    assert b.pages[:2] == [1, 2] and b.num_cached_tokens == 8
+    assert s.kv_cache_manager.tables(b)[0][:2] == [1, 2] and b.num_cached_tokens == 8
     assert (out.chunks[0].start, out.chunks[0].num_tokens) == (8, 3)
-    assert s.kv_cache.prefix_hits == 8 and s.kv_cache.prefix_queries == 10 + 11
+    assert (
+        s.kv_cache_manager.prefix_cache.hits == 8
+        and s.kv_cache_manager.prefix_cache.queries == 10 + 11
+    )
 
 
 def test_last_token_is_always_computed():
@@ -104,15 +109,13 @@ def test_eviction_is_lru_and_tail_first():
     s.add(a)
     _finish(s)
     assert s.pool.num_cached == 3
-    evicted = []
-    s.pool._on_evict = lambda page, key: evicted.append(page)
     c = _seq("c", range(100, 120), max_tokens=2)  # 5 pages: 3 free ones, then evictions
     s.add(c)
     _step(s)
     # Free pages 4, 5, 6 go first; then a's pages, freed last-first, so its tail (3) is
     # evicted before its head (1, 2).
-    assert c.pages == [4, 5, 6, 3, 2] and evicted == [3, 2]
-    assert s.pool.lookup(page_keys(list(range(12)), PS)[0]) == 1
+    assert s.kv_cache_manager.tables(c)[0] == [4, 5, 6, 3, 2] and s.pool.num_evictions == 2
+    assert [s.pool.lookup(k) for k in page_keys(list(range(12)), PS)] == [1, None, None]
 
 
 def test_cache_salt_isolates():
@@ -134,18 +137,22 @@ def test_preempted_sequence_finds_its_pages_again():
     s.add(a)
     s.add(b)
     _step(s)
-    assert (a.pages, b.pages) == ([1, 2], [3, 4])
+    assert (s.kv_cache_manager.tables(a)[0], s.kv_cache_manager.tables(b)[0]) == ([1, 2], [3, 4])
     out = _step(s)  # a needs a third page: b (later) is preempted
     assert out.preempted == (b,)
     # b's pages were freed tail first and keep their keys; a's new page evicted b's tail.
-    assert a.pages == [1, 2, 4] and s.pool.num_evictions == 1
+    assert s.kv_cache_manager.tables(a)[0] == [1, 2, 4] and s.pool.num_evictions == 1
     out = _step(s)  # a's last token; b does not fit beside it yet
     assert a.status is SeqStatus.FINISHED and [c.seq for c in out.chunks] == [a]
     out = _step(s)
     (chunk,) = out.chunks
     # b recomputes prompt + its 1 output (9 tokens) but finds its first page cached;
     # its other pages come from the front of the free queue.
-    assert chunk.seq is b and b.pages == [3, 4, 2] and (chunk.start, chunk.num_tokens) == (4, 5)
+    assert (
+        chunk.seq is b
+        and s.kv_cache_manager.tables(b)[0] == [3, 4, 2]
+        and (chunk.start, chunk.num_tokens) == (4, 5)
+    )
     _finish(s)
     assert s.pool.num_in_use == 0 and len(b.output_token_ids) == 6
 
@@ -164,11 +171,48 @@ def test_short_shared_prefix_is_reported():
     d = _seq("d", [0, 1, 2, 3, 4, 90, 91, 92, 93, 94])  # shares 5 tokens, less than a page
     s.add(d)
     _step(s)
-    assert d.num_cached_tokens == 0 and s.kv_cache.short_prefix_misses == 1
+    assert d.num_cached_tokens == 0 and s.kv_cache_manager.prefix_cache.short_prefix_misses == 1
     e = _seq("e", [7, 7, 7, 7, 7, 7, 7, 7, 7])  # shares nothing
     s.add(e)
     _step(s)
-    assert s.kv_cache.short_prefix_misses == 1
+    assert s.kv_cache_manager.prefix_cache.short_prefix_misses == 1
+
+
+_LOG_TWO_SHORT_PREFIXES = """
+import logging
+from absl import logging as absl_logging
+from paxkv.host.page_pool import PagePool
+from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import SequenceState
+from paxkv.request import SamplingParams
+
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+absl_logging.get_absl_logger().addHandler(handler)
+absl_logging.set_verbosity(absl_logging.INFO)
+s = Scheduler(PagePool(32), page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+              max_model_len=64, watermark=0.0)
+def run(name, tokens):
+    s.add(SequenceState(name, name, 0, tokens, SamplingParams(max_tokens=1), 0, 0.0))
+    while s.has_unfinished():
+        out = s.schedule()
+        s.update(out, [(99, 0.0) if c.samples else None for c in out.chunks])
+run("a", list(range(20)))
+run("d", [0, 1, 2, 3, 4, 90, 91, 92, 93, 94])
+run("e", [0, 1, 2, 3, 5, 80, 81, 82, 83, 84])
+assert s.kv_cache_manager.prefix_cache.short_prefix_misses == 2
+print(sum("shares a prefix shorter than one page" in line for line in lines))
+"""
+
+
+def test_short_shared_prefix_is_logged_once_per_process():
+    # A fresh process: the note is once per process, so an earlier test must not count.
+    out = subprocess.run(
+        [sys.executable, "-c", _LOG_TWO_SHORT_PREFIXES], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"]  # two such requests, one line
 
 
 def test_parallel_sampling_shares_prompt_pages():
@@ -180,8 +224,12 @@ def test_parallel_sampling_shares_prompt_pages():
     assert [c.seq for c in out.chunks] == [seqs[0]]  # siblings wait for the shared prompt
     _step(s)
     # Siblings reuse the 2 full prompt pages and recompute only the last prompt token.
-    assert seqs[1].pages[:2] == seqs[0].pages[:2] == seqs[2].pages[:2]
-    assert s.pool.refcount(seqs[0].pages[0]) == 3
+    assert (
+        s.kv_cache_manager.tables(seqs[1])[0][:2]
+        == s.kv_cache_manager.tables(seqs[0])[0][:2]
+        == s.kv_cache_manager.tables(seqs[2])[0][:2]
+    )
+    assert s.pool.refcount(s.kv_cache_manager.tables(seqs[0])[0][0]) == 3
     _finish(s)
     assert s.pool.num_in_use == 0
 
@@ -191,7 +239,7 @@ def test_contiguous_max_reservation():
     a = _seq("a", range(5))
     s.add(a)
     _step(s)
-    assert len(a.pages) == 8  # max_model_len / page_size at admission
+    assert len(s.kv_cache_manager.tables(a)[0]) == 8  # max_model_len / page_size at admission
     usage = s.kv_usage()
     assert usage["token_slots_reserved"] == 32 and usage["token_slots_used"] == 5
 
@@ -203,7 +251,7 @@ def test_contiguous_guess_reservation_preempts_when_outgrown():
     a = _seq("a", range(5), max_tokens=10)
     s.add(a)
     _step(s)
-    assert len(a.pages) == 3  # 5 + 4 = 9 tokens -> 3 pages
+    assert len(s.kv_cache_manager.tables(a)[0]) == 3  # 5 + 4 = 9 tokens -> 3 pages
     while a.num_preemptions == 0:
         _step(s)
     assert len(a.output_token_ids) == 8  # 13 tokens outgrew the 12 slots reserved
@@ -241,10 +289,10 @@ def _check_batch_against_scratch(s, out):
     """The step's arrays from the persistent rows equal a build from scratch out of each
     sequence's page list and tokens."""
     buckets = Buckets(tokens=(64,), seqs=(4,), pages=(11,), max_seqs=4)
-    hb = build_host_batch(out, page_size=PS, buckets=buckets, rows=s.kv_cache.rows)
+    hb = build_host_batch(out, page_size=PS, buckets=buckets, rows=s.batch_rows)
     chunks = out.chunks
     table, kv_lens, cu, num = pad_page_table(
-        [c.seq.pages[: c.num_pages] for c in chunks],
+        [s.kv_cache_manager.tables(c.seq)[0][: c.num_pages] for c in chunks],
         [c.end for c in chunks],
         [c.num_tokens for c in chunks],
         page_size=PS,
@@ -308,16 +356,19 @@ def test_random_workloads_end_cleanly(arrivals, num_pages, budget, caching):
             _check_batch_against_scratch(s, out)
         s.update(out, [((step * 7 + c.start) % 4, 0.0) if c.samples else None for c in out.chunks])
         s.pool.check_invariants()
-        s.kv_cache.rows.check([q for q, _ in seqs])
+        s.kv_cache_manager.check_invariants()
         # Every page in use is held by a live sequence, once per holder: no leak.
         holders = collections.Counter(
-            p for q, _ in seqs if q.status is not SeqStatus.FINISHED for p in q.pages
+            p
+            for q, _ in seqs
+            if q.status is not SeqStatus.FINISHED
+            for p in s.kv_cache_manager.tables(q)[0]
         )
         assert len(holders) == s.pool.num_in_use
         assert all(s.pool.refcount(p) == n for p, n in holders.items())
         for q, _ in seqs:
             if q.status is SeqStatus.RUNNING:
-                assert len(q.pages) * PS >= q.num_computed_tokens
+                assert len(s.kv_cache_manager.tables(q)[0]) * PS >= q.num_computed_tokens
         if step > 12 and not s.has_unfinished():
             break
     assert not s.has_unfinished(), "a request never ended"

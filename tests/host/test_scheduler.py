@@ -58,7 +58,7 @@ def test_budget_chunking_and_decode_first():
         ("a", 0, 6, True),
         ("b", 0, 4, False),
     ]
-    assert a.pages == [1, 2] and b.pages == [3]
+    assert s.kv_cache_manager.tables(a)[0] == [1, 2] and s.kv_cache_manager.tables(b)[0] == [3]
     _run(s, out)
     out = s.schedule()
     # a decodes first, then b's next chunk: budget 9 left -> 5 remaining tokens fit.
@@ -77,7 +77,9 @@ def test_page_aligned_chunks():
         sizes.append(out.chunks[0].num_tokens)
         _run(s, out)
     assert sizes == [4, 4, 4, 4, 4]  # 7-token budget, cut at page boundaries
-    assert len(a.pages) == 5 and a.num_computed_tokens == 20  # exactly the pages its tokens need
+    assert (
+        len(s.kv_cache_manager.tables(a)[0]) == 5 and a.num_computed_tokens == 20
+    )  # exactly the pages its tokens need
 
 
 def test_finish_frees_pages_and_max_seqs():
@@ -106,7 +108,11 @@ def test_preemption_by_recompute_picks_latest_arrival():
     out = s.schedule()  # a and b each need a 3rd page for position 8; b (later) is preempted
     assert [c.seq.seq_id for c in out.chunks] == ["a"]
     assert out.preempted == (b,)
-    assert b.status is SeqStatus.WAITING and b.pages == [] and b.num_computed_tokens == 0
+    assert (
+        b.status is SeqStatus.WAITING
+        and s.kv_cache_manager.tables(b)[0] == []
+        and b.num_computed_tokens == 0
+    )
     assert s.waiting[0] is b and s.num_preemptions == 1 and s.num_recomputed_tokens == 8
     _run(s, out)
     # b keeps its generated token and will recompute prompt + output (9 tokens).
@@ -132,7 +138,7 @@ def test_abort_frees_everything():
     _run(s, s.schedule())
     s.abort([a])
     assert a.status is SeqStatus.FINISHED and a.finish_reason.value == "abort"
-    assert s.pool.num_in_use == len(b.pages)
+    assert s.pool.num_in_use == len(s.kv_cache_manager.tables(b)[0])
     s.abort([b])
     assert s.pool.num_in_use == 0 and not s.has_unfinished()
     s.pool.check_invariants()

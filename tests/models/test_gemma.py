@@ -72,7 +72,7 @@ def check_engine_matches_dense(model, **engine_kw):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [_dense_greedy(model, p, params.max_tokens)[0] for p in prompts]
     # A pool that fits the longest request, and little more: the others are preempted.
-    kv = _engine(model, **engine_kw).scheduler.kv_cache
+    kv = _engine(model, **engine_kw).scheduler.kv_cache_manager
     tight = max(kv.pages_at_submit(len(p) + params.max_tokens) for p in prompts) + 3
     runs = {
         "chunked": dict(max_num_batched_tokens=16, token_buckets=(16,)),
@@ -307,7 +307,7 @@ def test_window_groups_hold_only_their_window():
     prefill, a decode step's window groups hold the 2 pages its window touches, the
     global group all 8."""
     engine = _engine(perturbed_model(GEMMA3), page_size=8)
-    assert engine.scheduler.kv_cache.layout.num_groups == 6
+    assert engine.scheduler.kv_cache_manager.kv_groups.num_groups == 6
     prompt = np.random.default_rng(3).integers(0, 256, 61).tolist()
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))
     engine.step()
@@ -353,7 +353,7 @@ def test_planner_pages_match_what_the_engine_holds():
         num_pages=256,
         page_buckets=(32,),
     )
-    layout = engine.scheduler.kv_cache.layout
+    layout = engine.scheduler.kv_cache_manager.kv_groups
     prompt = np.random.default_rng(5).integers(0, 256, 200).tolist()
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=80))
     (seq,) = engine.requests.get("r").seqs

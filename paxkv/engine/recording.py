@@ -1,0 +1,54 @@
+"""Recording a step's samples: the sampled tokens (on the host) handed to the scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from paxkv.engine.sampling import Sampled, sample_result
+from paxkv.host.scheduler import Scheduler, SchedulerOutput
+from paxkv.host.sequence import SeqStatus
+from paxkv.request import FinishReason
+
+
+def record_samples(
+    scheduler: Scheduler,
+    plan: SchedulerOutput,
+    samples: Sampled,
+    valid: Sequence[bool] | None,
+    eos_token_ids: tuple[int, ...],
+) -> list[float | None]:
+    """Hands one iteration's samples to `scheduler.update`; `valid` masks a multi-step
+    loop's (None: every sampling chunk got a token). A sequence whose result cannot be
+    read fails alone. Returns, per token recorded, the time since the sequence's previous
+    token (None for its first)."""
+    tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
+    running = SeqStatus.RUNNING
+    sampled, previous = [], []
+    for i, c in enumerate(plan.chunks):
+        seq = c.seq
+        previous.append(seq.last_token_time)
+        result = None
+        if c.samples and (valid is None or valid[i]) and seq.status is running:
+            if seq.track_top:  # the top-k too
+                try:
+                    result = sample_result(samples, i, seq)
+                except Exception as e:  # isolated: only this sequence fails
+                    scheduler.fail(seq, e)
+            else:
+                result = (tokens[i], logprobs[i])
+        sampled.append(result)
+    was_running = [c.seq.status is running for c in plan.chunks] if valid is not None else None
+    scheduler.update(plan, sampled, eos_token_ids=eos_token_ids)
+    if was_running is not None:  # the loop and the host must agree on who ran
+        for c, ran, got in zip(plan.chunks, was_running, sampled, strict=True):
+            aborted = c.seq.finish_reason is FinishReason.ABORT  # failed or aborted
+            if not aborted and ran != (got is not None):
+                raise RuntimeError(
+                    f"multi-step decode disagrees with the host about {c.seq.seq_id}: "
+                    f"running={ran}, token produced={got is not None}"
+                )
+    return [
+        None if before is None else c.seq.last_token_time - before
+        for c, before, got in zip(plan.chunks, previous, sampled, strict=True)
+        if got is not None
+    ]

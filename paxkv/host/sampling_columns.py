@@ -1,0 +1,60 @@
+"""The columns of the packed per-sequence sampling arrays, by name. No JAX.
+
+A step's sampling parameters travel as `floats f32[S, len(SAMPLING_FLOATS)]` and
+`ints i32[S, len(SAMPLING_INTS)]`, one row per sequence (`paxkv.host.batch`,
+`paxkv.engine.sampling.SamplingBatch`). Every reader and writer picks a column through
+`FLOAT_COLUMN` / `INT_COLUMN`, so the order is written down here only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paxkv.request import SamplingParams
+
+SAMPLING_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+SAMPLING_INTS = ("top_k", "seed", "counter")
+FLOAT_COLUMN = {name: i for i, name in enumerate(SAMPLING_FLOATS)}
+INT_COLUMN = {name: i for i, name in enumerate(SAMPLING_INTS)}
+
+# The value of each float in padding rows: greedy, no truncation, no penalty.
+FLOAT_PADDING = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+# The penalties, and the columns that hold them: a row whose penalties all equal their
+# padding value has none.
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+PENALTY_COLUMNS = [FLOAT_COLUMN[name] for name in PENALTIES]
+# The ints a sequence keeps for its whole life (the persistent batch's rows hold them);
+# the counter changes every step.
+ROW_INTS = ("top_k", "seed")
+ROW_INT_COLUMNS = [INT_COLUMN[name] for name in ROW_INTS]
+
+_PADDING_ROW = np.asarray([FLOAT_PADDING[name] for name in SAMPLING_FLOATS], np.float32)
+
+
+def sampling_floats(params: SamplingParams) -> tuple[float, ...]:
+    """The float columns (`SAMPLING_FLOATS`) of `params`, in order."""
+    return tuple(getattr(params, name) for name in SAMPLING_FLOATS)
+
+
+def padding_floats(rows: int) -> np.ndarray:
+    """f32[rows, len(SAMPLING_FLOATS)] of padding rows (`FLOAT_PADDING`)."""
+    return np.tile(_PADDING_ROW, (rows, 1))
+
+
+def has_penalties(floats: np.ndarray) -> np.ndarray:
+    """bool[S]: which rows of `floats` (f32[S, len(SAMPLING_FLOATS)]) apply a penalty."""
+    return (floats[:, PENALTY_COLUMNS] != _PADDING_ROW[PENALTY_COLUMNS]).any(axis=1)
