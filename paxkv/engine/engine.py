@@ -21,14 +21,13 @@ from flax import nnx
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.pipeline import AsyncPipeline
-from paxkv.engine.recording import record_samples
 from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.engine.runner import ModelRunner, StepRunner
-from paxkv.engine.step import MAX_STOP_IDS
+from paxkv.engine.sync_step import SyncStepper
 from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
-from paxkv.host.scheduler import Scheduler, SchedulerOutput
+from paxkv.host.scheduler import Scheduler
 from paxkv.metrics import EngineMetrics, engine_stats
 from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
@@ -112,6 +111,15 @@ class Engine:
         # Reported by the next step: aborted requests, and what a weight update's steps made.
         self._aborted: list[RequestOutput] = []
         self.metrics = EngineMetrics()
+        self._stepper = SyncStepper(
+            self.runner,
+            self.scheduler,
+            self.batch_builder,
+            report=self.report,
+            metrics=self.metrics,
+            eos_token_ids=self.eos_token_ids,
+            num_decode_steps=config.num_decode_steps,
+        )
         self._pipeline = (
             AsyncPipeline(
                 self.runner,
@@ -162,21 +170,11 @@ class Engine:
         new `weight_version`.
 
         `weights` is the model's parameter tree (`nnx.state(model, nnx.Param)`, or the
-        same nesting of dicts of jax or NumPy arrays), in the caller's model's layout
-        (before any KV-head duplication for the mesh); a scanned-layer model takes its
-        layers stacked or one by one. Every leaf must have the shape and dtype of the
-        leaf it replaces (no cast); it is put into that leaf's sharding. The whole tree
-        is checked first: a missing, extra or mismatched leaf, or NaN or inf, raises
-        ValueError naming the first such leaf, and the engine keeps its weights.
-
-        `policy` says what happens to the requests in flight (`weights_update.POLICIES`:
-        "wait" finishes the admitted ones under the old weights first, stepping the
-        engine, and the queued ones start under the new; "abort"; "recompute"). Outputs
-        of the steps an update runs are reported by the next `step`. The prefix cache
-        forgets every page of older weights. Allowed while paused, except "wait" with
-        admitted requests unfinished (ValueError: it could never finish); one update at
-        a time (ValueError). `copy=False` lets device arrays already in place be held
-        without a copy (do not donate or delete them afterwards).
+        same nesting of jax or NumPy arrays) in the caller's model's layout; every leaf
+        keeps its shape, dtype and sharding. A missing, extra or mismatched leaf, or NaN
+        or inf, raises ValueError naming it, and the engine keeps its weights. `policy`
+        ("wait", "abort", "recompute") decides the requests in flight, and the prefix
+        cache forgets older weights' pages: see `paxkv.engine.weights_update`.
         """
         return self._weights.update(weights, policy=policy, copy=copy)
 
@@ -294,43 +292,12 @@ class Engine:
         if self._pipeline is not None:
             outputs, t1, t2 = self._pipeline.step(plan)
         else:
-            outputs, t1, t2 = self._step_sync(plan)
+            outputs, t1, t2 = self._stepper.step(plan)
         self.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
         self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
-
-    def _step_sync(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
-        """Runs `plan` (N decode steps in one call when it can) and records its tokens."""
-        limits = None
-        reserved = self._reserve_ahead(plan)
-        if reserved is not None:
-            plan, limits = reserved
-        planned = plan
-        plan, hb = self.batch_builder.build_batch(plan)
-        if not plan.chunks:  # every chunk's request failed
-            t1 = time.perf_counter()
-            return [], t1, t1
-        if limits is not None and plan is not planned:
-            kept = {id(c.seq) for c in plan.chunks}
-            limits = [n for c, n in zip(planned.chunks, limits, strict=True) if id(c.seq) in kept]
-        t1 = time.perf_counter()  # laid out; the device's time starts with the dispatch
-        if limits is None:
-            results = [(self.runner.fetch(self.runner.dispatch(hb)), None)]
-        else:
-            stops = [c.seq.stop_token_ids(self.eos_token_ids) for c in plan.chunks]
-            sampled, valid = self.runner.decode_loop(hb, stops, limits)
-            self.metrics.num_decode_loops += 1
-            results = [
-                (jax.tree.map(lambda a, i=i: a[i], sampled), valid[i]) for i in range(len(valid))
-            ]
-        t2 = time.perf_counter()
-        for i, (sampled, valid) in enumerate(results):
-            step = plan if i == 0 else _advanced(plan, i)
-            gaps = record_samples(self.scheduler, step, sampled, valid, self.eos_token_ids)
-            self.metrics.on_tokens(gaps)
-        return self.report([c.seq.request_id for c in plan.chunks if c.samples]), t1, t2
 
     def report(self, request_ids) -> list[RequestOutput]:
         """The outputs of the requests `request_ids` now; finished ones are forgotten.
@@ -340,17 +307,6 @@ class Engine:
         for req in finished:
             self._on_finished(req)
         return outputs
-
-    def _reserve_ahead(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
-        """A decode-only plan with pages for N steps reserved, and its token limits; None
-        when the plan is not decode-only or the pages cannot be reserved."""
-        n = self.config.num_decode_steps
-        if n <= 1 or any(c.num_tokens != 1 or not c.samples for c in plan.chunks):
-            return None
-        eos = self.eos_token_ids
-        if any(len(c.seq.stop_token_ids(eos)) > MAX_STOP_IDS for c in plan.chunks):
-            return None
-        return self.scheduler.reserve_ahead(plan, n)
 
     def _on_finished(self, req: Request) -> None:
         for seq in req.seqs:
@@ -376,9 +332,3 @@ class Engine:
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))
         self.runner.warmup(shapes, progress)
-
-
-def _advanced(plan: SchedulerOutput, i: int) -> SchedulerOutput:
-    """Iteration i of a decode-only plan run N steps at once: each chunk one token later."""
-    chunks = tuple(c._replace(start=c.start + i, num_tokens=1, samples=True) for c in plan.chunks)
-    return SchedulerOutput(chunks, ())
