@@ -21,7 +21,7 @@ from absl import app, flags
 
 from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.kv_layout import kv_page_bytes, resolve_kv_cache_dtype
-from paxkv.launch import exit_with_error
+from paxkv.launch import exit_with_error, platform
 from paxkv.launch import flags as launch_flags
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.tools.load_bench import (
@@ -79,6 +79,7 @@ def main(argv: list[str]) -> None:
 
 def _run() -> dict:
     setup = launch_flags.serving_setup()
+    platform.announce("paxkv-bench", setup.engine.attention_backend)
     unknown = sorted(set(_SETUPS.value) - set(SETUPS))
     if unknown:
         raise ValueError(f"--setups has {unknown}; choose from {list(SETUPS)}")

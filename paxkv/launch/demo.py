@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from paxkv.launch import exit_with_error, platform
 from paxkv.pallas_kernels import BACKENDS
 from paxkv.tools.demo import format_result, run_demo
 
@@ -24,6 +25,11 @@ _BACKEND = flags.DEFINE_enum("backend", "auto", list(BACKENDS), "Attention backe
 def main(argv: list[str]) -> None:
     """Runs the demo with the flags' sizes and prints its report."""
     del argv
+    try:
+        platform.require_platform()
+    except ValueError as e:
+        exit_with_error(str(e))
+    platform.announce("paxkv-demo", _BACKEND.value)
     result = run_demo(
         num_seqs=_NUM_SEQS.value,
         max_model_len=_MAX_MODEL_LEN.value,

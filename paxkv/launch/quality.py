@@ -16,7 +16,7 @@ import sys
 from absl import app, flags
 
 from paxkv.kv_layout import KV_CACHE_DTYPES
-from paxkv.launch import exit_with_error
+from paxkv.launch import exit_with_error, platform
 from paxkv.models import load_model
 from paxkv.models.train import load_corpus, stdlib_root
 from paxkv.tools import quality
@@ -78,6 +78,8 @@ def main(argv: list[str]) -> None:
         attention_backend=_ATTENTION_BACKEND.value,
     )
     try:
+        platform.require_platform()
+        platform.announce("paxkv-quality", config.attention_backend)
         _, model, _ = load_model(_MODEL.value)
         result = quality.evaluate(model, load_corpus("eval"), config)
     except (ValueError, OSError) as e:

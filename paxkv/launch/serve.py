@@ -21,7 +21,7 @@ import sys
 from absl import app, flags, logging
 
 from paxkv import chat
-from paxkv.launch import exit_with_error
+from paxkv.launch import exit_with_error, platform
 from paxkv.launch import flags as launch_flags
 
 DEFAULT_CONFIG = "tiny-py"
@@ -70,6 +70,7 @@ def main(argv: list[str]) -> None:
     try:
         launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
+        platform.announce("paxkv-serve", setup.engine.attention_backend)
         logging.info("paxkv-serve: loading the model and compiling its step shapes")
         llm = launch_flags.build_llm(setup, warmup=True)  # before /health answers 200
         templates = _chat_templates(llm.chat_templates)
