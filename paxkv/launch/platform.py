@@ -48,7 +48,7 @@ def require_platform() -> str:
     try:
         jax.devices()
     except (RuntimeError, AssertionError) as e:  # AssertionError: no platform requested is here
-        raise ValueError(_platform_error(str(e))) from None
+        raise ValueError(_platform_error(str(e), jax.config.jax_platforms or "")) from None
     return jax.default_backend()
 
 
@@ -79,9 +79,10 @@ def announce(app: str, attention_backend: str | None) -> None:
     print(f"{app}: {describe_runtime(attention_backend)}", flush=True)
 
 
-def _platform_error(reason: str) -> str:
+def _platform_error(reason: str, requested: str) -> str:
+    """The error line for JAX's `reason`, with `requested` the platforms asked for
+    (`jax_platforms`, e.g. "tpu,cpu"; "" when JAX chose)."""
     reason = " ".join(reason.split()) or "none of the platforms asked for is present"
-    requested = jax.config.jax_platforms or ""
     if not requested:
         return f"JAX cannot start its backends: {reason}"
     setting = f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', requested)}"
