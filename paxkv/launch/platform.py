@@ -1,10 +1,11 @@
 """What a launch app runs on: the check that the requested platform is here, and the line saying so.
 
-Every app calls `require_platform()` before it loads anything, so a platform asked for
-(`JAX_PLATFORMS=tpu`) whose runtime is not installed ends the run with one line naming
-the runtime and the extra that installs it, not with an error from the first array
-made. `describe_runtime()` is the one line each app prints first: platform, devices,
-processes (`jax.distributed`) and the attention backend.
+Every app that runs on devices (all but `paxkv-plan` and the HTTP client
+`paxkv-serve-bench`) calls `require_platform()` before it loads anything, so a platform
+asked for (`JAX_PLATFORMS=tpu`) whose runtime is not installed ends the run with one
+line naming the runtime and the extra that installs it, not with an error from the
+first array made. `announce()` prints the line those apps print first: platform,
+devices, processes (`jax.distributed`) and the attention backend.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def describe_runtime(attention_backend: str | None) -> str:
 
 
 def announce(app: str, attention_backend: str | None) -> None:
-    """Prints `app: <describe_runtime(attention_backend)>`, the first line of every app's output."""
+    """Prints `app: <describe_runtime(attention_backend)>` on stdout, an app's first line."""
     print(f"{app}: {describe_runtime(attention_backend)}", flush=True)
 
 
