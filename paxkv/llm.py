@@ -155,7 +155,10 @@ class LLM:
         """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
-            raise ValueError("chat() needs a tokenizer, and this model has none")
+            raise ValueError(
+                "chat() needs a tokenizer, and this model has none: LLM reads a checkpoint's "
+                "tokenizer.json with the tokenizers package (pip install -e '.[tokenizers]')"
+            )
         conversations = chat_templates.parse_conversations(messages)
         templates = self._chat_templates
         texts = chat_templates.render(

@@ -1,0 +1,48 @@
+"""What the apps and the API say at the front door: install hints, refusals, defaults.
+
+The apps run as subprocesses (their absl flags would clash in this process).
+"""
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def _run(code_or_module: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, *code_or_module], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess, status: int = 2) -> str:
+    """The last line of stderr, which must be the app's one `error:` line, and no traceback."""
+    assert result.returncode == status, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.stderr
+    return last
+
+
+def test_the_serve_extra_brings_the_tokenizers_extra():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert set(extras["tokenizers"]) <= set(extras["serve"])
+
+
+def test_serve_without_jinja2_refuses_a_chat_template_at_start():
+    pytest.importorskip("uvicorn")
+    code = (
+        "import sys; sys.modules['jinja2'] = None; "
+        "sys.argv = ['paxkv-serve', '--max_model_len=32', '--num_pages=16', "
+        "'--max_num_seqs=2', '--max_num_batched_tokens=16', '--chat_template={{ messages }}']; "
+        "from paxkv.launch import serve; serve.run()"
+    )
+    error = _one_line_error(_run(["-c", code]))
+    assert "--chat_template over" in error and "chat templates need jinja2" in error, error
+    assert "'.[serve]'" in error, error
