@@ -46,3 +46,20 @@ def test_serve_without_jinja2_refuses_a_chat_template_at_start():
     error = _one_line_error(_run(["-c", code]))
     assert "--chat_template over" in error and "chat templates need jinja2" in error, error
     assert "'.[serve]'" in error, error
+
+
+def test_demo_on_a_device_not_here_is_one_error_line():
+    result = _run(["-m", "paxkv.launch.demo", "--backend=tpu"])
+    assert result.stderr.count("\n") == 1, result.stderr
+    error = _one_line_error(result)
+    assert (
+        error == "error: backend='tpu' needs a TPU; this platform is 'cpu' (auto runs 'xla' here)"
+    )
+    from paxkv.tools.demo import run_demo
+
+    with pytest.raises(ValueError, match="backend='gpu' needs a GPU; this platform is 'cpu'"):
+        run_demo(num_seqs=2, max_model_len=64, backend="gpu")
+    # What the help says auto runs on the CPU is what runs.
+    assert run_demo(num_seqs=2, max_model_len=64).backend == "xla"
+    help_text = _run(["-m", "paxkv.launch.demo", "--help"]).stdout
+    assert "the 'xla' loop on the CPU" in " ".join(help_text.split()), help_text
