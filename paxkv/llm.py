@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
+from paxkv.progress import logging_above_bars
 from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
 from paxkv.sharding import shardings
 
@@ -98,7 +100,8 @@ class LLM:
 
     def _warm_up(self) -> None:
         num_shapes = len(self.engine.config.buckets().shapes())
-        with tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape") as bar:
+        bar = tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape")
+        with bar, logging_above_bars():
             self.engine.warmup(progress=lambda done, total: bar.update(done - bar.n))
 
     def get_tokenizer(self) -> Any:
@@ -301,6 +304,7 @@ class _Progress:
             )
         self._make = (tqdm if use_tqdm is True else use_tqdm) if use_tqdm is not False else None
         self._bar = None
+        self._logging = contextlib.ExitStack()  # log records go above the bar while it is open
         self._input_tokens = self._output_tokens = 0
 
     def start(self, total: int) -> None:
@@ -309,6 +313,7 @@ class _Progress:
             self._bar = self._make(
                 total=total, desc="Processed prompts", dynamic_ncols=True, postfix=self._speed(0.0)
             )
+            self._logging.enter_context(logging_above_bars())
 
     def advanced(self, out: RequestOutput, *, delta: bool) -> None:
         """Counts an output: its tokens if it is a `delta` one, and the request if it
@@ -327,6 +332,7 @@ class _Progress:
         """Closes the bar, if shown."""
         if self._bar is not None:
             self._bar.close()
+        self._logging.close()
 
     def _speed(self, elapsed: float) -> str:
         if elapsed <= 0:
