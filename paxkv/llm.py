@@ -44,7 +44,11 @@ class LLM:
       mesh: a `jax.sharding.Mesh` of one replica to shard the model and cache over
         (see `paxkv.sharding.shardings`); None serves on one device.
       config: the engine's `EngineConfig`; None: its defaults, with `seed` and
-        max_model_len = min(the model's positions, 2048).
+        max_model_len = min(the model's positions, `EngineConfig.max_model_len`).
+        These are not the launch apps' defaults: `paxkv-serve` and the others serve
+        their `--config` set-up's limits (`paxkv.configs`; tiny-py's are small, for a
+        quick warm-up on the CPU); `config=paxkv.configs.get_config(name).engine`
+        serves with those.
       warmup: compile every step shape now (`Engine.warmup`, with a progress bar on
         stderr), so that no request waits for a compilation later. False defers each
         compilation to the first step of its shape (tests, one-shot scripts).
@@ -82,7 +86,7 @@ class LLM:
             model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
         )
         if config is None:
-            max_len = min(model_config.max_position_embeddings, 2048)
+            max_len = min(model_config.max_position_embeddings, EngineConfig.max_model_len)
             config = EngineConfig(seed=seed, max_model_len=max_len)
         config = dataclasses.replace(config, **engine_kwargs)
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)

@@ -45,6 +45,12 @@ SCAN_LAYERS = flags.DEFINE_bool(
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
 
 
+# Why an app's engine limits differ from the Python API's (`LLM` has no set-up).
+UNSET_ENGINE_FLAG = (
+    "Unset: --config's value (paxkv.configs), not the EngineConfig default LLM() uses."
+)
+
+
 def _define_engine_flags() -> dict[str, flags.FlagHolder]:
     """One flag per `EngineConfig` field that declares a help text; unset (None), a
     flag keeps the set-up's value."""
@@ -53,6 +59,7 @@ def _define_engine_flags() -> dict[str, flags.FlagHolder]:
         help_text, choices = f.metadata.get("help"), f.metadata.get("choices")
         if help_text is None:
             continue
+        help_text += f" {UNSET_ENGINE_FLAG}"
         kind = type(f.default) if f.default is not None else int
         if choices:
             holders[f.name] = flags.DEFINE_enum(f.name, None, list(choices), help_text)

@@ -63,3 +63,31 @@ def test_demo_on_a_device_not_here_is_one_error_line():
     assert run_demo(num_seqs=2, max_model_len=64).backend == "xla"
     help_text = _run(["-m", "paxkv.launch.demo", "--help"]).stdout
     assert "the 'xla' loop on the CPU" in " ".join(help_text.split()), help_text
+
+
+def test_max_model_len_defaults_of_llm_and_the_apps_and_why_they_differ():
+    import dataclasses
+
+    from paxkv import LLM
+    from paxkv.configs import get_config
+    from paxkv.engine import EngineConfig
+    from paxkv.models import train
+
+    setup = get_config("tiny-py")  # paxkv-serve's default --config
+    positions = setup.model.max_position_embeddings
+    llm = LLM("tiny-py", warmup=False)
+    assert llm.engine.config.max_model_len == min(positions, EngineConfig.max_model_len) == 2048
+    # What LLM's docstring says gives the server's limits does.
+    assert "config=paxkv.configs.get_config(name).engine" in " ".join(LLM.__doc__.split())
+    served = LLM("tiny-py", warmup=False, config=setup.engine)
+    assert served.engine.config.max_model_len == setup.engine.max_model_len == 512
+    # The set-up's reasons hold: the trained window fits, and fewer shapes to warm up.
+    assert train.TrainConfig().seq_len <= setup.engine.max_model_len
+    longer = dataclasses.replace(setup.engine, max_model_len=EngineConfig.max_model_len)
+    assert len(setup.engine.buckets().shapes()) < len(longer.buckets().shapes())
+    # And the server's flag says where its default comes from.
+    help_text = " ".join(_run(["-m", "paxkv.launch.serve", "--help"]).stdout.split())
+    assert (
+        "--max_model_len: Longest sequence, prompt and output. Unset: --config's value "
+        "(paxkv.configs), not the EngineConfig default LLM() uses." in help_text
+    ), help_text
