@@ -12,6 +12,8 @@ SETUP = ServingSetup(
         page_size=16,
         max_num_seqs=8,
         max_num_batched_tokens=128,
+        # Below EngineConfig's default (LLM's): tiny-py, this model trained, saw 256-byte
+        # windows, and shorter sequences need fewer step shapes: a quick warm-up on the CPU.
         max_model_len=512,
     ),
     random_weights=True,

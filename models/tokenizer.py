@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Protocol
 
@@ -124,7 +125,8 @@ class _HFDecodeStream:
 
 
 def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
-    """The tokenizer in directory `path`, or None without a `tokenizer.json` or `tokenizers`.
+    """The tokenizer in directory `path`, or None without a `tokenizer.json` or `tokenizers`
+    (then a warning, once per file: text prompts will fail).
 
     ValueError naming the file when `tokenizers` cannot read it (not JSON, not a
     tokenizer, not UTF-8); OSError when it cannot be opened.
@@ -135,6 +137,7 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
     try:
         from tokenizers import Tokenizer as _Tokenizer
     except ImportError:
+        _warn_unreadable(file)
         return None
     with open(file, "rb"):  # an unopenable file is an OSError, not a parse error
         pass
@@ -144,3 +147,12 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
     except Exception as e:
         raise ValueError(f"{file}: not a readable tokenizer file ({e})") from e
     return HFTokenizer(tokenizer)
+
+
+@functools.cache
+def _warn_unreadable(file: str) -> None:
+    logging.warning(
+        "paxkv: IGNORING %s: reading it needs the tokenizers package, which is not "
+        "installed (pip install -e '.[tokenizers]'); text prompts and chat will fail",
+        file,
+    )

@@ -8,7 +8,8 @@ a sandboxed, immutable Jinja environment with `trim_blocks` and `lstrip_blocks`,
 same `tojson` filter and the same `raise_exception` and `strftime_now` functions. Chat
 templates are code from the checkpoint's authors, hence the sandbox.
 
-jinja2 is imported only when a template is compiled (`pip install 'paxkv[tokenizers]'`).
+jinja2 is imported only when a template is compiled (`pip install -e '.[tokenizers]'`;
+the `serve` extra has it too).
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ class ChatTemplates:
 
     `templates` maps a name to Jinja source; a checkpoint with one template names it
     "default". `special_tokens` maps e.g. "bos_token" to its text. `source` says where
-    they were read, for messages.
+    they were read, and `knob` how to pass a template, for messages: the Python
+    argument, or the server's flag ("--chat_template=").
     """
 
     templates: Mapping[str, str]
     special_tokens: Mapping[str, str]
     source: str
+    knob: str = "chat_template="
 
     @classmethod
     def from_checkpoint(cls, directory: str | None, tokenizer_config_file: str) -> ChatTemplates:
@@ -108,11 +111,11 @@ class ChatTemplates:
         if self.templates:
             raise ValueError(
                 f"{self.source} has chat templates {sorted(self.templates)} and none named "
-                "'default': pass chat_template= one of them (or a Jinja template)"
+                f"'default': pass {self.knob} one of them (or a Jinja template)"
             )
         raise ValueError(
             f"{self.source} has no chat template (no 'chat_template' in its tokenizer "
-            f"config, no {CHAT_TEMPLATE_FILE}): pass chat_template=<a Jinja template>"
+            f"config, no {CHAT_TEMPLATE_FILE}): pass {self.knob}<a Jinja template>"
         )
 
 
@@ -304,15 +307,22 @@ def encode_rendered(tokenizer: Any, text: str) -> list[int]:
 
 
 def _jinja2():
+    """The jinja2 module; ImportError saying what to install without it."""
     try:
         import jinja2
         import jinja2.ext
         import jinja2.sandbox
     except ImportError:
         raise ImportError(
-            "chat templates need jinja2: pip install 'paxkv[tokenizers]' (or jinja2>=3.1.6)"
+            "chat templates need jinja2 (>=3.1.6): pip install -e '.[tokenizers]', or "
+            "'.[serve]' for paxkv-serve"
         ) from None
     return jinja2
+
+
+def require_jinja2() -> None:
+    """Raises ImportError, saying what to install, when chat templates cannot be rendered."""
+    _jinja2()
 
 
 @functools.lru_cache(maxsize=16)

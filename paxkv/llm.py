@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -15,6 +16,7 @@ from tqdm import tqdm
 
 from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
+from paxkv.progress import logging_above_bars
 from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
 from paxkv.sharding import shardings
 
@@ -26,8 +28,9 @@ UseTqdm = bool | Callable[..., Any]
 
 def default_engine_config(model_config: Any, seed: int = 0) -> EngineConfig:
     """The engine limits a model is served with when none are given: `EngineConfig`'s
-    defaults, with `seed` and max_model_len = min(the model's positions, 2048)."""
-    max_len = min(model_config.max_position_embeddings, 2048)
+    defaults, with `seed` and max_model_len = min(the model's positions,
+    `EngineConfig.max_model_len`)."""
+    max_len = min(model_config.max_position_embeddings, EngineConfig.max_model_len)
     return EngineConfig(seed=seed, max_model_len=max_len)
 
 
@@ -50,7 +53,11 @@ class LLM:
       mesh: a `jax.sharding.Mesh` of one replica to shard the model and cache over
         (see `paxkv.sharding.shardings`); None serves on one device.
       config: the engine's `EngineConfig`; None: its defaults, with `seed` and
-        max_model_len = min(the model's positions, 2048).
+        max_model_len = min(the model's positions, `EngineConfig.max_model_len`).
+        These are not the launch apps' defaults: `paxkv-serve` and the others serve
+        their `--config` set-up's limits (`paxkv.configs`; tiny-py's are small, for a
+        quick warm-up on the CPU); `config=paxkv.configs.get_config(name).engine`
+        serves with those.
       warmup: compile every step shape now (`Engine.warmup`, with a progress bar on
         stderr), so that no request waits for a compilation later. False defers each
         compilation to the first step of its shape (tests, one-shot scripts).
@@ -106,7 +113,8 @@ class LLM:
 
     def _warm_up(self) -> None:
         num_shapes = len(self.engine.config.buckets().shapes())
-        with tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape") as bar:
+        bar = tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape")
+        with bar, logging_above_bars():
             self.engine.warmup(progress=lambda done, total: bar.update(done - bar.n))
 
     def get_tokenizer(self) -> Any:
@@ -163,7 +171,10 @@ class LLM:
         """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
-            raise ValueError("chat() needs a tokenizer, and this model has none")
+            raise ValueError(
+                "chat() needs a tokenizer, and this model has none: LLM reads a checkpoint's "
+                "tokenizer.json with the tokenizers package (pip install -e '.[tokenizers]')"
+            )
         conversations = chat_templates.parse_conversations(messages)
         templates = self._chat_templates
         texts = chat_templates.render(
@@ -343,6 +354,7 @@ class _Progress:
             )
         self._make = (tqdm if use_tqdm is True else use_tqdm) if use_tqdm is not False else None
         self._bar = None
+        self._logging = contextlib.ExitStack()  # log records go above the bar while it is open
         self._input_tokens = self._output_tokens = 0
 
     def start(self, total: int) -> None:
@@ -351,6 +363,7 @@ class _Progress:
             self._bar = self._make(
                 total=total, desc="Processed prompts", dynamic_ncols=True, postfix=self._speed(0.0)
             )
+            self._logging.enter_context(logging_above_bars())
 
     def advanced(self, out: RequestOutput, *, delta: bool) -> None:
         """Counts an output: its tokens if it is a `delta` one, and the request if it
@@ -369,6 +382,7 @@ class _Progress:
         """Closes the bar, if shown."""
         if self._bar is not None:
             self._bar.close()
+        self._logging.close()
 
     def _speed(self, elapsed: float) -> str:
         if elapsed <= 0:

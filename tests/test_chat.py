@@ -344,6 +344,36 @@ def test_jinja2_is_imported_only_to_render(monkeypatch):
     for name in ("jinja2", "jinja2.ext", "jinja2.sandbox"):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(
-        ImportError, match=r"chat templates need jinja2: pip install 'paxkv\[tokenizers\]'"
+        ImportError,
+        match=r"chat templates need jinja2 \(>=3.1.6\): pip install -e '.\[tokenizers\]'",
     ):
         chat.render("{{ 'not compiled before' }}", [[USER]])
+    with pytest.raises(ImportError, match=r"'.\[serve\]' for paxkv-serve"):
+        chat.require_jinja2()
+
+
+def test_the_server_names_its_flag_and_answers_400_without_jinja2(tmp_path, monkeypatch):
+    pytest.importorskip("starlette")
+    import dataclasses
+    import sys
+
+    from paxkv.models import load_tokenizer
+    from paxkv.serve import protocol
+
+    named = [{"name": "a", "template": LLAMA3}, {"name": "b", "template": CHATML}]
+    write_tokenizer(tmp_path, named)
+    python = chat.ChatTemplates.from_checkpoint(str(tmp_path), "tokenizer_config.json")
+    server = dataclasses.replace(python, knob="--chat_template=")
+    with pytest.raises(ValueError, match=r"none named 'default': pass --chat_template= one of"):
+        server.get()
+    none = dataclasses.replace(chat.ChatTemplates({}, {}, "tiny-py"), knob="--chat_template=")
+    with pytest.raises(ValueError, match=r"no chat template .*pass --chat_template=<a Jinja"):
+        none.get()
+    tokenizer = load_tokenizer(tmp_path)
+    body = {"messages": [USER], "chat_template": "{{ 'compiled nowhere else' }}"}
+    for name in ("jinja2", "jinja2.ext", "jinja2.sandbox"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(protocol.ApiError) as e:
+        protocol.chat_prompt(body, server, tokenizer)
+    assert e.value.status == 400 and e.value.param == "chat_template"
+    assert "chat templates need jinja2" in e.value.message and "'.[serve]'" in e.value.message

@@ -164,3 +164,10 @@ def test_chat_without_a_tokenizer_says_so(tmp_path):
     llm = LLM(str(tmp_path), max_model_len=64, warmup=False, **SMALL)
     with pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer, and this model has none"):
         llm.chat([{"role": "user", "content": "Hi"}], chat_template="{{ messages }}")
+    # A text prompt's error says how to give the engine one, by a name that exists.
+    with pytest.raises(ValueError, match=r"pip install -e '.\[tokenizers\]'") as e:
+        llm.generate("Hi", use_tqdm=False)
+    assert "Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir))" in str(e.value)
+    import paxkv.models
+
+    assert callable(paxkv.models.load_tokenizer)

@@ -403,7 +403,8 @@ class RequestRegistry:
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"request {request_id!r}: stop strings (SamplingParams.stop={list(params.stop)!r}) "
-                "are matched on the text and need a tokenizer, and this model has none"
+                "are matched on the text and need a tokenizer, and the engine has none: "
+                "pass Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir))"
             )
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(
@@ -414,8 +415,10 @@ class RequestRegistry:
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError(
-                    "a string prompt needs a tokenizer, and this model has none: pass "
-                    "{'prompt_token_ids': [...]} instead"
+                    "a string prompt needs a tokenizer, and the engine has none: pass "
+                    "Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir)) (LLM "
+                    "reads a checkpoint's tokenizer.json with the tokenizers package: pip "
+                    "install -e '.[tokenizers]'), or {'prompt_token_ids': [...]} instead"
                 )
             ids = list(self.tokenizer.encode(text))
         if not ids:

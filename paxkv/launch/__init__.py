@@ -17,11 +17,12 @@ from typing import NoReturn
 from absl.flags import FLAGS  # not `flags`: that name is the submodule `paxkv.launch.flags`
 
 
-def exit_with_error(message: str) -> NoReturn:
-    """Ends an app on bad input: the message as one line on stderr, exit status 2, no traceback."""
+def exit_with_error(message: str, status: int = 2) -> NoReturn:
+    """Ends an app: the message as one line on stderr, no traceback, exit `status` (2: bad
+    input; 1: an answer of "no", such as `paxkv-plan`'s "does not fit")."""
     line = " ".join(message.split())  # a multi-line message still prints as one line
     print(f"error: {line}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def list_in_help(app_module: str, doc: str | None, *shared_modules: str) -> None:

@@ -21,7 +21,7 @@ from absl import app, flags
 
 from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.kv_layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
-from paxkv.launch import exit_with_error, list_in_help
+from paxkv.launch import exit_with_error, list_in_help, platform
 from paxkv.launch import flags as launch_flags
 from paxkv.tools.load_bench import (
     SETUPS,
@@ -78,6 +78,7 @@ def main(argv: list[str]) -> None:
 
 def _run() -> dict:
     setup = launch_flags.serving_setup()
+    platform.announce("paxkv-bench", setup.engine.attention_backend)
     unknown = sorted(set(_SETUPS.value) - set(SETUPS))
     if unknown:
         raise ValueError(f"--setups has {unknown}; choose from {list(SETUPS)}")

@@ -19,6 +19,7 @@ from absl import flags, logging
 
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.engine.config import EngineConfig
+from paxkv.launch import platform
 from paxkv.llm import LLM
 from paxkv.models import CONFIG_FILE, DTYPES, ModelConfig, read_hf_config
 from paxkv.sharding.mesh_shape import MeshShape
@@ -42,6 +43,12 @@ SCAN_LAYERS = flags.DEFINE_bool(
 SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
 
 
+# Why an app's engine limits differ from the Python API's (`LLM` has no set-up).
+UNSET_ENGINE_FLAG = (
+    "Unset: --config's value (paxkv.configs), not the EngineConfig default LLM() uses."
+)
+
+
 def _define_engine_flags() -> dict[str, flags.FlagHolder]:
     """One flag per `EngineConfig` field that declares a help text; unset (None), a
     flag keeps the set-up's value."""
@@ -50,6 +57,7 @@ def _define_engine_flags() -> dict[str, flags.FlagHolder]:
         help_text, choices = f.metadata.get("help"), f.metadata.get("choices")
         if help_text is None:
             continue
+        help_text += f" {UNSET_ENGINE_FLAG}"
         kind = type(f.default) if f.default is not None else int
         if choices:
             holders[f.name] = flags.DEFINE_enum(f.name, None, list(choices), help_text)
@@ -119,11 +127,12 @@ def mesh_shape() -> MeshShape | None:
 def init_runtime() -> MeshShape | None:
     """Applies the runtime flags; returns `--mesh`'s shape (None: one device).
 
-    In order: `jax.distributed.initialize` (`--jax_distributed`), the persistent
-    compilation cache (`--compilation_cache_dir`), then the mesh: built over every
+    In order: `jax.distributed.initialize` (`--jax_distributed`), the platform's check
+    (`paxkv.launch.platform.require_platform`), the persistent compilation cache (`--compilation_cache_dir`), then the mesh: built over every
     process's devices, cut into replicas, and the replica holding this process's devices
     made the default of every `Engine` (`paxkv.sharding.shardings.set_default_mesh`). Raises
-    ValueError for flags that contradict each other or the devices.
+    ValueError for flags that contradict each other or the devices, and for a requested
+    platform that is not here.
     """
     shape = mesh_shape()  # bad syntax fails before anything starts
     addresses = {
@@ -140,13 +149,7 @@ def init_runtime() -> MeshShape | None:
 
     if JAX_DISTRIBUTED.value:
         jax.distributed.initialize(**addresses)
-        logging.info(
-            "paxkv: process %d of %d, %d of %d devices local",
-            jax.process_index(),
-            jax.process_count(),
-            jax.local_device_count(),
-            jax.device_count(),
-        )
+    platform.require_platform()  # before anything loads: a missing runtime is named
     if COMPILATION_CACHE_DIR.value is not None:
         jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR.value)
     if shape is not None:

@@ -22,7 +22,7 @@ import time
 
 from absl import app, flags
 
-from paxkv.launch import exit_with_error, list_in_help, read_prompts
+from paxkv.launch import exit_with_error, list_in_help, platform, read_prompts
 from paxkv.launch import flags as launch_flags
 from paxkv.request import RequestOutput, SamplingParams
 
@@ -49,6 +49,7 @@ def main(argv: list[str]) -> None:
     try:
         launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
+        platform.announce("paxkv-generate", setup.engine.attention_backend)
         prompts = list(_PROMPT.value)
         if _PROMPTS_FILE.value is not None:
             prompts += read_prompts(_PROMPTS_FILE.value)

@@ -8,9 +8,15 @@ The KV budget is `--kv_budget_gib`, or `--kv_fraction` of a `--device`'s memory 
 after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_len`) or
 `--workload=sharegpt` (log-normal with those medians and `--sigma`, capped at
 max_model_len). Of the shared flags it reads --config, --model_dir (its config.json),
---dtype, --page_size, --max_model_len, --seed and --mesh; it plans every KV cache dtype.
-Prints a markdown report; `--json_out` writes it as JSON. The arithmetic is
-`paxkv.tools.capacity`, the report `paxkv.tools.capacity_report`.
+--dtype, --page_size, --max_model_len, --kv_cache_dtype, --seed and --mesh; it plans
+every KV cache dtype. Prints a markdown report; `--json_out` writes it as JSON. The
+arithmetic is `paxkv.tools.capacity`, the report `paxkv.tools.capacity_report`.
+
+When the budget cannot hold one max_model_len sequence in the `--kv_cache_dtype` cache,
+the report is still printed in full (the plans that fit and those that do not), then
+one `error:` line says what does fit: the other cache dtypes, the longest
+--max_model_len, and the smallest `--mesh=model:N` (the weights and KV heads split over
+N devices); exit status 1. Bad input is an `error:` line and exit status 2.
 
 With `--mesh` the budget is per device: `--kv_budget_gib` on each device, or
 `--kv_fraction` of each device's memory left after its shard of the weights. The tables
@@ -24,6 +30,7 @@ import json
 
 from absl import app, flags
 
+from paxkv.configs import ServingSetup
 from paxkv.launch import exit_with_error, list_in_help
 from paxkv.launch import flags as launch_flags
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
@@ -57,16 +64,22 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the report as JSON
 
 
 def main(argv: list[str]) -> None:
-    """Plans the flags' model and budget; prints the report, or exits with the error."""
+    """Plans the flags' model and budget and prints the report; exits 1, after the
+    report, when the requested cache does not fit one sequence, and 2 on bad input."""
     if len(argv) > 1:
         exit_with_error(f"unexpected arguments {argv[1:]}")
     try:
         setup = launch_flags.serving_setup()
         mesh = launch_flags.mesh_shape() or ONE_DEVICE
+        try:
+            budget = _budget(setup.model, mesh)
+        except ValueError as e:  # the weights fill the device: a larger model axis may not
+            remedy = _mesh_remedy(setup, mesh)
+            raise ValueError(f"{e}; fits with {remedy}" if remedy else str(e)) from None
         report = build_report(
             setup.model,
             name=setup.name,
-            budget=_budget(setup.model, mesh),
+            budget=budget,
             workload=Workload(
                 _WORKLOAD.value,
                 prompt_len=_PROMPT_LEN.value,
@@ -79,13 +92,15 @@ def main(argv: list[str]) -> None:
             max_model_len=setup.engine.max_model_len,
             mesh=mesh,
         )
-        _check_fits(report)
         if _JSON_OUT.value is not None:
             with open(_JSON_OUT.value, "w") as f:
                 json.dump(report.to_dict(), f, indent=2)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
-    print(report.to_markdown(), end="")
+    print(report.to_markdown(), end="", flush=True)
+    problem = _fit_problem(report, setup, mesh)
+    if problem is not None:
+        exit_with_error(problem, status=1)
 
 
 def _budget(model: capacity.ModelShape, mesh: MeshShape) -> capacity.KVBudget:
@@ -103,19 +118,64 @@ def _budget(model: capacity.ModelShape, mesh: MeshShape) -> capacity.KVBudget:
     return capacity.KVBudget.given(int(_KV_BUDGET_GIB.value * capacity.GIB), weights_bytes=weights)
 
 
-def _check_fits(report: CapacityReport) -> None:
-    p = report.plans["auto"]
+def _fit_problem(report: CapacityReport, setup: ServingSetup, mesh: MeshShape) -> str | None:
+    """None when the requested cache (`--kv_cache_dtype`) holds one sequence of
+    max_model_len; else why not, and what would: the cache dtypes that fit, the longest
+    max_model_len that does, and the model axis (`--mesh`) that does."""
+    requested = setup.engine.kv_cache_dtype
+    p = report.plans[requested]
     if p.fits_one_sequence:
-        return
-    quantized = report.plans["int8"]
-    raise ValueError(
+        return None
+    layer_pages = p.page_bytes * p.num_layers
+    fit = [k for k, q in report.plans.items() if q.fits_one_sequence]
+    remedies = [f"--kv_cache_dtype={k}" for k in fit]
+    longest = (p.kv_budget_bytes // layer_pages - 1) * p.page_size
+    if longest > 0:
+        remedies.append(f"--max_model_len={longest}")
+    mesh_remedy = _mesh_remedy(setup, mesh)
+    if mesh_remedy is not None:
+        remedies.append(mesh_remedy)
+    return (
         f"a KV budget of {p.kv_budget_bytes} bytes ({format_bytes(p.kv_budget_bytes)}) is too "
         f"small for one sequence of max_model_len={p.max_model_len}: at page_size={p.page_size} a "
-        f"{p.page_dtype} cache needs at least {p.min_kv_budget_bytes} bytes "
-        f"({format_bytes(p.min_kv_budget_bytes)}: {1 + p.pages_per_seq} pages of "
-        f"{p.page_bytes * p.num_layers} bytes, the null page included), an int8 cache "
-        f"{quantized.min_kv_budget_bytes} bytes"
+        f"{p.page_dtype} cache (--kv_cache_dtype={requested}) needs at least "
+        f"{p.min_kv_budget_bytes} bytes ({format_bytes(p.min_kv_budget_bytes)}: "
+        f"{1 + p.pages_per_seq} pages of {layer_pages} bytes, the null page included)"
+        + (f"; fits with {' or '.join(remedies)}" if remedies else "")
     )
+
+
+# Model-axis sizes `_mesh_remedy` tries, beyond the requested one.
+MESH_MODEL_SIZES = (2, 4, 8, 16, 32, 64)
+
+
+def _mesh_remedy(setup: ServingSetup, mesh: MeshShape) -> str | None:
+    """`--mesh=model:N,data:D (...)` for the smallest model axis above `mesh`'s over
+    which the requested cache holds one sequence (each device holding its shard of the
+    weights and KV heads), or None when none of `MESH_MODEL_SIZES` does."""
+    model, engine = setup.model, setup.engine
+    for n in (n for n in MESH_MODEL_SIZES if n > mesh.model):
+        larger = MeshShape(model=n, data=mesh.data)
+        try:
+            budget = _budget(model, larger)
+        except ValueError:
+            continue
+        plan = capacity.plan_capacity(
+            model,
+            kv_budget_bytes=budget.kv_budget_bytes,
+            page_size=engine.page_size,
+            lengths=[engine.max_model_len],
+            max_model_len=engine.max_model_len,
+            kv_cache_dtype=engine.kv_cache_dtype,
+            mesh=larger,
+            platform=capacity.DEVICE_PLATFORM.get(budget.device) if budget.device else None,
+        )
+        if plan.fits_one_sequence:
+            return (
+                f"--mesh={larger} ({n} devices a replica, each holding its shard of "
+                f"the weights and KV heads: {plan.num_pages} pages)"
+            )
+    return None
 
 
 def run() -> None:

@@ -14,11 +14,13 @@ import json
 import sys
 
 from absl import app, flags
+from tqdm import tqdm
 
 from paxkv.kv_layout import KV_CACHE_DTYPES
-from paxkv.launch import exit_with_error, list_in_help
+from paxkv.launch import exit_with_error, list_in_help, platform
 from paxkv.models import load_model
 from paxkv.models.train import load_corpus, stdlib_root
+from paxkv.progress import logging_above_bars
 from paxkv.tools import quality
 
 _DEFAULTS = quality.QualityConfig()
@@ -78,8 +80,10 @@ def main(argv: list[str]) -> None:
         attention_backend=_ATTENTION_BACKEND.value,
     )
     try:
+        platform.require_platform()
+        platform.announce("paxkv-quality", config.attention_backend)
         _, model, _ = load_model(_MODEL.value)
-        result = quality.evaluate(model, load_corpus("eval"), config)
+        result = _evaluate_with_a_bar(model, config)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
     result |= {"model": _MODEL.value, "python": sys.version.split()[0], "stdlib": stdlib_root()}
@@ -94,6 +98,18 @@ def main(argv: list[str]) -> None:
     if _JSON_OUT.value is not None:
         with open(_JSON_OUT.value, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def _evaluate_with_a_bar(model, config: quality.QualityConfig) -> dict:
+    """`quality.evaluate` on the held-out corpus, its stages shown as a bar on stderr."""
+    with tqdm(desc="paxkv-quality", unit="stage") as bar, logging_above_bars():
+
+        def progress(done: int, total: int, stage: str) -> None:
+            bar.total = total
+            bar.set_postfix_str(stage)
+            bar.update(done - bar.n)
+
+        return quality.evaluate(model, load_corpus("eval"), config, progress=progress)
 
 
 def run() -> None:

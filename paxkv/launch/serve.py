@@ -14,6 +14,7 @@ aborts the rest, and exits 0. Chat needs a chat template: the checkpoint's, or
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -21,7 +22,7 @@ import sys
 from absl import app, flags, logging
 
 from paxkv import chat
-from paxkv.launch import exit_with_error, list_in_help
+from paxkv.launch import exit_with_error, list_in_help, platform
 from paxkv.launch import flags as launch_flags
 
 DEFAULT_CONFIG = "tiny-py"
@@ -66,10 +67,11 @@ def main(argv: list[str]) -> None:
         from paxkv.serve.app import ServerState, build_app
         from paxkv.serve.frontend import AsyncEngine
     except ImportError as e:
-        exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install 'paxkv[serve]'")
+        exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install -e '.[serve]'")
     try:
         launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
+        platform.announce("paxkv-serve", setup.engine.attention_backend)
         logging.info("paxkv-serve: loading the model and compiling its step shapes")
         llm = launch_flags.build_llm(setup, warmup=True)  # before /health answers 200
         templates = _chat_templates(llm.chat_templates)
@@ -98,18 +100,27 @@ def main(argv: list[str]) -> None:
 
 def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
     """The checkpoint's chat `templates` (none for a config without one), with
-    `--chat_template` as the default when given."""
+    `--chat_template` as the default when given, and messages that name the flag.
+
+    ValueError when there is a template and no jinja2 to render it: refused at start,
+    not on every chat request.
+    """
     source = _CHAT_TEMPLATE.value
-    if source is None:
-        return templates
-    if os.path.isfile(source):
-        with open(source, encoding="utf-8") as f:
-            source = f.read()
-    return chat.ChatTemplates(
-        {**templates.templates, "default": source},
-        templates.special_tokens,
-        f"--chat_template over {templates.source}",
-    )
+    if source is not None:
+        if os.path.isfile(source):
+            with open(source, encoding="utf-8") as f:
+                source = f.read()
+        templates = chat.ChatTemplates(
+            {**templates.templates, "default": source},
+            templates.special_tokens,
+            f"--chat_template over {templates.source}",
+        )
+    if templates.templates:
+        try:
+            chat.require_jinja2()
+        except ImportError as e:
+            raise ValueError(f"{templates.source} has a chat template, and {e}") from None
+    return dataclasses.replace(templates, knob="--chat_template=")
 
 
 def run() -> None:

@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags, logging
 
-from paxkv.launch import exit_with_error, list_in_help
+from paxkv.launch import exit_with_error, list_in_help, platform
 from paxkv.models import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -66,6 +66,8 @@ def main(argv: list[str]) -> None:
     if os.path.exists(params_dir) and not _OVERWRITE.value:
         exit_with_error(f"{out_dir} already holds a checkpoint: pass --overwrite to replace it")
     try:
+        platform.require_platform()
+        platform.announce("paxkv-train", None)
         config = training.TrainConfig(
             steps=_STEPS.value,
             batch_size=_BATCH_SIZE.value,

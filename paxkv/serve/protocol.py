@@ -292,7 +292,7 @@ def chat_prompt(
             chat_template_kwargs=kwargs,
             **flags,
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ImportError) as e:  # ImportError: no jinja2
         message = str(e).replace("conversation 0, ", "")
         param = "chat_template" if "template" in message else "messages"
         raise ApiError(400, message, param=param) from None

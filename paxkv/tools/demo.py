@@ -3,7 +3,7 @@
 `run_demo` draws ShareGPT-like prompt lengths, gives each sequence exactly the pages
 its tokens need from the host page pool, writes the prompts' K/V through the
 functional write, runs one decode step of ragged paged attention (the platform's
-kernel; the reference on the CPU), checks it against dense attention over contiguous
+kernel; the "xla" loop on the CPU), checks it against dense attention over contiguous
 K/V, and measures the KV memory used against contiguous max-length allocation;
 `format_result` says it in words and a table. The app is `paxkv.launch.demo`.
 
@@ -56,7 +56,17 @@ def run_demo(
     seed: int = 0,
     backend: str = "auto",
 ) -> DemoResult:
-    """Builds the paged batch, runs one decode step, and measures memory and error."""
+    """Builds the paged batch, runs one decode step, and measures memory and error.
+
+    `backend` is a name of `paxkv.pallas_kernels.BACKENDS`; ValueError, before any work,
+    for "tpu" or "gpu" on a platform without that device.
+    """
+    platform = jax.default_backend()
+    if backend in ("tpu", "gpu") and backend != resolve_backend("auto", platform):
+        raise ValueError(
+            f"backend={backend!r} needs a {backend.upper()}; this platform is {platform!r} "
+            f"(auto runs {resolve_backend('auto', platform)!r} here)"
+        )
     rng = np.random.default_rng(seed)
     # max_model_len - 1 so that the decode token still fits.
     prompt_dist = dataclasses.replace(DEMO_PROMPT_LENS, hi=max_model_len - 1)

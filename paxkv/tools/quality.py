@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -219,7 +219,11 @@ class QualityConfig:
 
 
 def evaluate(
-    model: nnx.Module, eval_data: np.ndarray, config: QualityConfig = QualityConfig()
+    model: nnx.Module,
+    eval_data: np.ndarray,
+    config: QualityConfig = QualityConfig(),
+    *,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
     """Perplexity and greedy agreement of every cache dtype on held-out bytes `eval_data`.
 
@@ -227,15 +231,27 @@ def evaluate(
     "auto" row must match), and one row per dtype with its perplexity, its relative
     perplexity change against "auto", the mean absolute difference of its per-token NLL
     from "auto"'s (`nll_abs_diff`, nats: how far the cache moves each prediction, either
-    way), its agreement with "auto" and its seconds.
+    way), its agreement with "auto" and its seconds. `progress(done, total, stage)` is
+    called before each of its `total` stages (the dense forward, then each dtype's
+    perplexity and greedy runs) with the number done and the one starting, and once at
+    the end (`done == total`, stage "done").
     """
     dtypes = list(dict.fromkeys((REFERENCE_DTYPE, *config.kv_cache_dtypes)))
+    stages = ["dense forward"]
+    stages += [f"{d} {what}" for d in dtypes for what in ("perplexity", "greedy")] + ["done"]
+
+    def report(done: int) -> None:
+        if progress is not None:
+            progress(done, len(stages) - 1, stages[done])
+
     windows = spaced_windows(eval_data, config.num_windows, config.window_len)
     prompts = line_start_prompts(eval_data, config.num_prompts, config.prompt_len)
+    report(0)
     dense = perplexity(dense_nll(model, windows))
     rows, reference = [], None
-    for dtype in dtypes:
+    for i, dtype in enumerate(dtypes):
         start = time.perf_counter()
+        report(1 + 2 * i)
         nll = paged_nll(
             model,
             windows,
@@ -246,6 +262,7 @@ def evaluate(
             attention_backend=config.attention_backend,
         )
         ppl = perplexity(nll)
+        report(2 + 2 * i)
         tokens = greedy_continuations(
             model,
             prompts,
@@ -266,6 +283,7 @@ def evaluate(
                 "seconds": time.perf_counter() - start,
             }
         )
+    report(len(stages) - 1)
     return {"config": dataclasses.asdict(config), "dense": dense, "rows": rows}
 
 

@@ -199,8 +199,12 @@ def test_generate_prompts_from_flags_and_a_jsonl_file(runs):
 def test_generate_default_run_shows_tiny_py_text(runs):
     results, _ = runs
     result = results["generate_default"]
-    out = _ok(result)
-    # The default prompts, completed by the trained model that ships with the package.
+    first, out = _ok(result).split("\n", 1)
+    # What it runs on first (`paxkv.launch.platform`), then the default prompts,
+    # completed by the trained model that ships with the package.
+    assert first == (
+        "paxkv-generate: platform cpu, 1 device (cpu), process 0 of 1, attention backend xla (auto)"
+    )
     assert out.startswith("[0] prompt: 'import os'\n[0] completion: ")
     assert "[1] prompt: 'class Stack:'" in out and out.count("(4 tokens, length)") == 2
     assert "requests: 2, prompt tokens: 21, generated tokens: 8" in out
@@ -374,6 +378,7 @@ def test_read_prompts_missing_file(tmp_path):
 def test_bench_runs_three_setups(runs):
     results, tmp = runs
     out = _ok(results["bench"])
+    assert out.startswith("paxkv-bench: platform cpu, 1 device (cpu), process 0 of 1, ")
     assert "| metric | paged | contiguous_max | contiguous_guess |" in out
     data = json.loads((tmp / "bench.json").read_text())
     assert set(data["setups"]) == {"paged", "contiguous_max", "contiguous_guess"}

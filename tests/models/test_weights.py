@@ -2,6 +2,7 @@
 
 import functools
 import json
+import logging
 import math
 import sys
 
@@ -305,3 +306,17 @@ def test_load_tokenizer_reads_tokenizer_json(tmp_path, monkeypatch):
     # Without the optional library there is no tokenizer, not an error.
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     assert load_tokenizer(tmp_path) is None
+
+
+def test_an_unreadable_tokenizer_json_warns_once_naming_the_file(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("tokenizers")
+    _write_tokenizer_json(tmp_path)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with caplog.at_level(logging.WARNING):
+        assert load_tokenizer(tmp_path) is None
+        assert load_tokenizer(tmp_path) is None
+    (record,) = [r for r in caplog.records if "tokenizer.json" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert str(tmp_path / "tokenizer.json") in message
+    assert "pip install -e '.[tokenizers]'" in message

@@ -33,8 +33,27 @@ def eval_data():
 
 
 @pytest.fixture(scope="module")
-def result(model, eval_data):
-    return quality.evaluate(model, eval_data, SMALL)
+def evaluated(model, eval_data):
+    """The result, and the `progress` calls made while computing it."""
+    calls = []
+    result = quality.evaluate(model, eval_data, SMALL, progress=lambda *a: calls.append(a))
+    return result, calls
+
+
+@pytest.fixture(scope="module")
+def result(evaluated):
+    return evaluated[0]
+
+
+def test_progress_names_each_stage_before_it_runs(evaluated):
+    assert evaluated[1] == [
+        (0, 5, "dense forward"),
+        (1, 5, "auto perplexity"),
+        (2, 5, "auto greedy"),
+        (3, 5, "int8 perplexity"),
+        (4, 5, "int8 greedy"),
+        (5, 5, "done"),
+    ]
 
 
 def test_agreement_by_hand():
