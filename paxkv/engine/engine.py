@@ -82,17 +82,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self.pool = PagePool(config.num_pages)
-        self.scheduler = Scheduler(
-            self.pool,
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            watermark=config.watermark,
-            enable_prefix_caching=config.enable_prefix_caching,
-            reservation=reservation,
-            kv_groups=getattr(self.runner, "kv_groups", None),
-        )
+        self.scheduler = _scheduler(config, self.pool, reservation, self.runner)
         self.requests = RequestRegistry(
             self.scheduler,
             vocab_size=mc.vocab_size,
@@ -132,8 +122,17 @@ class Engine:
             if config.async_scheduling
             else None
         )
-        self._paused = False
-        self._weights = WeightUpdater(self)
+        self.paused = False  # `pause`: `step` then does nothing
+        self._weights = WeightUpdater(
+            self.runner,
+            self.scheduler,
+            self.requests,
+            self._pipeline,
+            end_request=self._end_request,
+            step=self.step,
+            has_unfinished=self.has_unfinished,
+            defer=self._defer,
+        )
 
     @property
     def num_compilations(self) -> int:
@@ -151,19 +150,14 @@ class Engine:
         """How many times `update_weights` has installed new weights (0: the model's)."""
         return self._weights.version
 
-    @property
-    def paused(self) -> bool:
-        """Whether `pause` stopped the scheduling (`step` then does nothing)."""
-        return self._paused
-
     def pause(self) -> None:
         """Stops scheduling between steps: `step` returns [] and runs nothing until
         `resume`. Requests can still be added and aborted, and weights updated."""
-        self._paused = True
+        self.paused = True
 
     def resume(self) -> None:
         """Restarts the scheduling `pause` stopped."""
-        self._paused = False
+        self.paused = False
 
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
         """Replaces the model's parameters in place, without a recompilation; returns the
@@ -176,7 +170,7 @@ class Engine:
         ("wait", "abort", "recompute") decides the requests in flight, and the prefix
         cache forgets older weights' pages: see `paxkv.engine.weights_update`.
         """
-        return self._weights.update(weights, policy=policy, copy=copy)
+        return self._weights.update(weights, policy=policy, copy=copy, paused=self.paused)
 
     # Requests.
 
@@ -258,7 +252,7 @@ class Engine:
 
         The dict is in the order the requests ended (aborted ones included).
         """
-        if self._paused and self.has_unfinished():
+        if self.paused and self.has_unfinished():
             raise RuntimeError("the engine is paused: resume() it before running it")
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
@@ -277,7 +271,7 @@ class Engine:
         Requests aborted since the last step are reported here too, finished with reason
         "abort". While paused (`pause`), returns [] and does nothing.
         """
-        if self._paused:
+        if self.paused:
             return []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -308,6 +302,10 @@ class Engine:
             self._on_finished(req)
         return outputs
 
+    def _defer(self, outputs: list[RequestOutput]) -> None:
+        """Reports `outputs` with the next step's (before them)."""
+        self._aborted[:0] = outputs
+
     def _on_finished(self, req: Request) -> None:
         for seq in req.seqs:
             self.metrics.on_finish(seq)
@@ -332,3 +330,21 @@ class Engine:
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))
         self.runner.warmup(shapes, progress)
+
+
+def _scheduler(
+    config: EngineConfig, pool: PagePool, reservation: PagedReservation | None, runner: StepRunner
+) -> Scheduler:
+    """The host scheduler of an engine with `config`, over `pool` and the runner's KV
+    groups (one group unless the model mixes windows)."""
+    return Scheduler(
+        pool,
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+        watermark=config.watermark,
+        enable_prefix_caching=config.enable_prefix_caching,
+        reservation=reservation,
+        kv_groups=getattr(runner, "kv_groups", None),
+    )

@@ -22,9 +22,9 @@ from flax import nnx
 from paxkv.engine import step as steps
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
+from paxkv.engine.params import ParamSource
 from paxkv.engine.sampling import Sampled
 from paxkv.engine.step import DecodeLimits, StepBatch
-from paxkv.engine.weights_update import ParamSource
 from paxkv.host.batch import HostBatch
 from paxkv.host.kv_groups import KVGroupLayout
 from paxkv.kv_cache import PagedKVCache

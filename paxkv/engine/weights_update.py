@@ -1,34 +1,23 @@
-"""New weights for a running engine, in place: checked, placed, swapped, versioned.
+"""New weights for a running engine, in place: what the requests in flight do, the
+swap between steps, and the weight version.
 
-The runner passes its parameters to the jitted step as an argument, so new arrays of
-the same shapes, dtypes and shardings replace them without a recompilation; the KV
-pool stays allocated. `prepare_params` turns a caller's parameter tree into the
-runner's (checked whole before anything changes, per-layer trees stacked for a
-scanned model, KV heads duplicated as the runner duplicated them for its mesh, every
-array put into the sharding of the leaf it replaces); `WeightUpdater` decides what the
-requests in flight do (`POLICIES`), swaps the parameters between steps and bumps the
-weight version, which the prefix-cache keys and every `RequestOutput` carry.
-
-Dtypes are strict: a leaf of another dtype is an error, never a silent cast (a cast
-trainer state is the caller's decision to make).
+`paxkv.engine.params.prepare_params` checks and places the new tree; `WeightUpdater`
+decides what the requests in flight do (`POLICIES`), swaps the parameters between steps
+and bumps the weight version, which the prefix-cache keys and every `RequestOutput`
+carry. The KV pool stays allocated.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from paxkv.host.scheduler import SchedulerOutput
-
-if TYPE_CHECKING:
-    from paxkv.engine.engine import Engine
-    from paxkv.request import RequestOutput
+from paxkv.engine.params import prepare_params
+from paxkv.engine.pipeline import AsyncPipeline
+from paxkv.engine.requests import RequestRegistry
+from paxkv.engine.runner import StepRunner
+from paxkv.host.scheduler import Scheduler, SchedulerOutput
+from paxkv.request import RequestOutput
 
 # What happens to the requests in flight when new weights arrive:
 #   "wait": no new request is admitted; those already admitted (a completion scheduled
@@ -39,253 +28,67 @@ if TYPE_CHECKING:
 #     weights; the tokens they sampled already stay.
 POLICIES = ("wait", "abort", "recompute")
 
-Path = tuple[str, ...]  # a parameter's path in the state, every key as a str
-_STACKED, _TAIL = ("layers", "blocks"), ("layers", "tail")  # `models.layer_stack`'s names
 
-
-@dataclasses.dataclass(frozen=True)
-class ParamSource:
-    """The parameters as the caller's model holds them, before the runner's own changes
-    (its KV heads repeated `kv_head_factor` times for a mesh): the layout
-    `update_weights` takes, and how the runner makes its own from it."""
-
-    graphdef: Any  # of the caller's model, split as (Param, the rest)
-    rest: nnx.State  # its other variables (the model's own arrays, no copy)
-    params: nnx.State  # its Param leaves as ShapeDtypeStructs
-    kv_head_factor: int
-
-    @classmethod
-    def of(cls, model: nnx.Module, kv_head_factor: int = 1) -> ParamSource:
-        """`model`'s layout (before `duplicate_kv_heads(kv_head_factor)`, if > 1)."""
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        return cls(graphdef, rest, abstract, kv_head_factor)
-
-    def to_runner(self, params: nnx.State) -> nnx.State:
-        """The runner's Param state of `params` (a state of this layout)."""
-        if self.kv_head_factor == 1:
-            return params
-        model = nnx.merge(self.graphdef, params, self.rest)
-        model.duplicate_kv_heads(self.kv_head_factor)
-        return nnx.state(model, nnx.Param)
-
-
-def _key(path: tuple) -> Path:
-    return tuple(str(k) for k in path)
-
-
-def _name(path: Path) -> str:
-    return ".".join(path)
-
-
-def _natural(path: Path) -> tuple:
-    """Sort key: layer numbers in numeric order."""
-    return tuple((0, int(k), "") if k.isdigit() else (1, 0, k) for k in path)
-
-
-def flatten(tree: Any) -> dict[Path, Any]:
-    """The leaves of a parameter tree by path: an `nnx.State`, or the same nesting of
-    dicts (and lists) of arrays or `nnx.Variable`s. Keys become strs (layer 0 is "0")."""
-    out: dict[Path, Any] = {}
-
-    def walk(node: Any, path: Path) -> None:
-        if isinstance(node, nnx.Variable):
-            node = node.get_value()
-        if isinstance(node, Mapping):
-            for k, v in node.items():
-                walk(v, (*path, str(k)))
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(v, (*path, str(i)))
-        else:
-            out[path] = node
-
-    walk(tree, ())
-    return out
-
-
-def _spec(state: nnx.State) -> dict[Path, Any]:
-    """The Param leaves of `state` by path (values: arrays or ShapeDtypeStructs)."""
-    return {
-        _key(path): var.get_value()
-        for path, var in nnx.to_flat_state(state)
-        if isinstance(var, nnx.Param)
-    }
-
-
-def _is_per_layer(given: dict[Path, Any], spec: dict[Path, Any]) -> bool:
-    """Whether `given` holds the layers one by one while `spec` holds them stacked."""
-    stacked = any(p[:2] in (_STACKED, _TAIL) for p in spec)
-    return stacked and any(
-        len(p) > 2 and p[0] == "layers" and p[1].isdigit() and p[:2] not in spec for p in given
-    )
-
-
-def _per_layer(spec: dict[Path, Any]) -> tuple[dict[Path, Any], dict[Path, tuple[Path, int]]]:
-    """`spec` of a scanned model as per-layer leaves (`layers.{l}...`), and where each
-    comes from: `(stacked path, index on its leading axis)`, index -1 for a leaf held
-    as is (the tail, and everything outside the layers)."""
-    blocks = sorted({int(p[2]) for p in spec if p[:2] == _STACKED})
-    period = len(blocks)
-    repeats = next((x.shape[0] for p, x in spec.items() if p[:2] == _STACKED), 0)
-    layer_spec: dict[Path, Any] = {}
-    origin: dict[Path, tuple[Path, int]] = {}
-    for path, x in spec.items():
-        if path[:2] == _STACKED:
-            j, rest = int(path[2]), path[3:]
-            for r in range(repeats):
-                lp = ("layers", str(r * period + j), *rest)
-                layer_spec[lp] = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-                origin[lp] = (path, r)
-        elif path[:2] == _TAIL:
-            lp = ("layers", str(repeats * period + int(path[2])), *path[3:])
-            layer_spec[lp], origin[lp] = x, (path, -1)
-        else:
-            layer_spec[path], origin[path] = x, (path, -1)
-    return layer_spec, origin
-
-
-def _stacked(given: dict[Path, Any], origin: dict[Path, tuple[Path, int]]) -> dict[Path, Any]:
-    """Per-layer leaves (checked) stacked into the scanned model's layout."""
-    out: dict[Path, Any] = {}
-    parts: dict[Path, dict[int, Any]] = {}
-    for lp, (path, r) in origin.items():
-        if r < 0:
-            out[path] = given[lp]
-        else:
-            parts.setdefault(path, {})[r] = given[lp]
-    for path, layers in parts.items():
-        xs = [layers[r] for r in range(len(layers))]
-        out[path] = np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
-    return out
-
-
-def check_tree(given: dict[Path, Any], spec: dict[Path, Any]) -> None:
-    """Raises ValueError naming the first leaf of `given` that does not match `spec`
-    (missing, extra, not an array, another shape or dtype); nothing otherwise."""
-    missing = sorted(set(spec) - set(given), key=_natural)
-    if missing:
-        raise ValueError(
-            f"the new weights lack {len(missing)} parameter(s) of the model, first "
-            f"{_name(missing[0])} (expected {_shape_dtype(spec[missing[0]])}); missing: "
-            f"{[_name(p) for p in missing[:8]]}{' ...' if len(missing) > 8 else ''}"
-        )
-    extra = sorted(set(given) - set(spec), key=_natural)
-    if extra:
-        raise ValueError(
-            f"the new weights have {len(extra)} parameter(s) the model does not, first "
-            f"{_name(extra[0])}; extra: {[_name(p) for p in extra[:8]]}"
-            f"{' ...' if len(extra) > 8 else ''}"
-        )
-    for path in sorted(spec, key=_natural):
-        want, got = spec[path], given[path]
-        if not hasattr(got, "shape") or not hasattr(got, "dtype"):
-            raise ValueError(
-                f"parameter {_name(path)}: expected an array {_shape_dtype(want)}, "
-                f"got a {type(got).__name__}"
-            )
-        if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
-            raise ValueError(
-                f"parameter {_name(path)}: expected {_shape_dtype(want)}, got "
-                f"{_shape_dtype(got)} (dtypes are not cast: convert the tree first)"
-            )
-
-
-def _shape_dtype(x: Any) -> str:
-    return f"shape {tuple(x.shape)} {np.dtype(x.dtype).name}"
-
-
-@jax.jit
-def _all_finite(xs: list[jax.Array]) -> jax.Array:  # bool[len(xs)]
-    return jnp.stack([jnp.isfinite(x).all() for x in xs])
-
-
-def check_finite(leaves: dict[Path, jax.Array]) -> None:
-    """Raises ValueError naming the first leaf holding NaN or inf (one device call)."""
-    floats = [
-        p for p in sorted(leaves, key=_natural) if jnp.issubdtype(leaves[p].dtype, jnp.inexact)
-    ]
-    if not floats:
-        return
-    finite = jax.device_get(_all_finite([leaves[p] for p in floats]))
-    bad = [p for p, ok in zip(floats, finite, strict=True) if not ok]
-    if bad:
-        raise ValueError(
-            f"parameter {_name(bad[0])} holds non-finite values (NaN or inf); refused, the "
-            f"engine keeps its weights (non-finite: {[_name(p) for p in bad[:8]]})"
-        )
-
-
-def prepare_params(
-    current: nnx.State, source: ParamSource, weights: Any, *, copy: bool = True
-) -> nnx.State:
-    """The runner state `current` with its Param leaves replaced by `weights` (a tree of
-    `source`'s layout, or per-layer for a scanned model), each put into the sharding of
-    the leaf it replaces, so the step does not recompile. Changes nothing: raises
-    ValueError for a tree that does not match (see `check_tree`) or holds NaN or inf.
-
-    `copy=False` lets a given device array already in its place be held as is (the
-    caller must not donate or delete it afterwards); otherwise every leaf is a new buffer.
-    """
-    given = flatten(weights)
-    spec = _spec(source.params)
-    if _is_per_layer(given, spec):
-        layer_spec, origin = _per_layer(spec)
-        check_tree(given, layer_spec)
-        given = _stacked(given, origin)
-    check_tree(given, spec)
-    params = nnx.from_flat_state(
-        [(p, var.replace(given[_key(p)])) for p, var in nnx.to_flat_state(source.params)]
-    )
-    runner_params = _spec(source.to_runner(params))
-    flat = nnx.to_flat_state(current)
-    targets = [(path, var) for path, var in flat if isinstance(var, nnx.Param)]
-    keys = [_key(path) for path, _ in targets]
-    placed = jax.device_put(
-        [runner_params[k] for k in keys],
-        [var.get_value().sharding for _, var in targets],
-        may_alias=not copy,
-    )
-    new = dict(zip(keys, placed, strict=True))
-    check_finite(new)
-    return nnx.from_flat_state(
-        [
-            (path, var.replace(new[_key(path)]) if isinstance(var, nnx.Param) else var)
-            for path, var in flat
-        ]
-    )
-
-
-def _started(engine: Engine) -> set[str]:
+def _started(requests: RequestRegistry) -> set[str]:
     """Ids of the unfinished requests a completion of which has been scheduled."""
     return {
         req.request_id
-        for req in engine.requests.unfinished()
+        for req in requests.unfinished()
         if any(s.first_scheduled_time is not None for s in req.seqs)
     }
 
 
 class WeightUpdater:
-    """An engine's weight version and the one update that may run at a time."""
+    """An engine's weight version and the one update that may run at a time.
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    Args:
+      runner: holds the parameters (`param_source`, `params`).
+      scheduler: preempts for "recompute" and holds the queue "wait" holds back.
+      requests: the engine's requests, told each new version.
+      pipeline: the async pipeline, drained first (None without async scheduling).
+      end_request: aborts a request with a reason (`Engine._end_request`).
+      step: runs one engine step ("wait" steps until the started requests finish).
+      has_unfinished: whether the engine has requests left.
+      defer: hands outputs of the steps an update ran to the engine's next `step`.
+    """
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        scheduler: Scheduler,
+        requests: RequestRegistry,
+        pipeline: AsyncPipeline | None,
+        *,
+        end_request: Callable[[str, str], object],
+        step: Callable[[], list[RequestOutput]],
+        has_unfinished: Callable[[], bool],
+        defer: Callable[[list[RequestOutput]], None],
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.requests = requests
+        self.pipeline = pipeline
+        self.end_request = end_request
+        self.step = step
+        self.has_unfinished = has_unfinished
+        self.defer = defer
         self.version = 0
         self.updating = False
 
-    def update(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
+    def update(
+        self, weights: Any, *, policy: str = "wait", copy: bool = True, paused: bool = False
+    ) -> int:
         """Installs `weights` (see `Engine.update_weights`); returns the new version."""
-        engine = self.engine
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
         if self.updating:
             raise ValueError("another update_weights is running: one update at a time")
-        runner = engine.runner
+        runner = self.runner
         source = getattr(runner, "param_source", None)
         if source is None:
             raise ValueError(f"{type(runner).__name__} holds no weights to update")
         new_params = prepare_params(runner.params, source, weights, copy=copy)
-        if engine.paused and policy == "wait" and _started(engine):
+        if paused and policy == "wait" and _started(self.requests):
             raise ValueError(
                 "update_weights(policy='wait') on a paused engine with requests in flight "
                 "would never return (they cannot finish while paused): resume() first, or "
@@ -301,22 +104,22 @@ class WeightUpdater:
                 why = (
                     f"aborted by update_weights(policy='abort') (weight version {self.version + 1})"
                 )
-                for req in engine.requests.unfinished():
-                    engine._end_request(req.request_id, why)
+                for req in self.requests.unfinished():
+                    self.end_request(req.request_id, why)
             else:
-                engine.scheduler.preempt_all()
+                self.scheduler.preempt_all()
             runner.params = new_params
             self.version += 1
-            engine.scheduler.kv_cache_manager.prefix_cache.set_weight_version(self.version)
-            engine.requests.set_weight_version(self.version)
+            self.scheduler.kv_cache_manager.prefix_cache.set_weight_version(self.version)
+            self.requests.set_weight_version(self.version)
         finally:
             self.updating = False
-            engine._aborted[:0] = reported  # the next `step` reports them
+            self.defer(reported)  # the next `step` reports them
         return self.version
 
     def _drain_pipeline(self) -> list[RequestOutput]:
         """Resolves the async pipeline's step in flight (it ran under the old weights)."""
-        pipeline = self.engine._pipeline
+        pipeline = self.pipeline
         if pipeline is None or not pipeline.busy:
             return []
         outputs, _, _ = pipeline.step(SchedulerOutput((), ()))
@@ -325,16 +128,15 @@ class WeightUpdater:
     def _finish_in_flight(self) -> list[RequestOutput]:
         """Steps until the started requests have finished, the others held back in the
         queue (in order); returns what those steps reported."""
-        engine = self.engine
-        waiting = engine.scheduler.waiting
-        started = _started(engine)
+        waiting = self.scheduler.waiting
+        started = _started(self.requests)
         held = [s for s in waiting if s.request_id not in started]
         for s in held:
             waiting.remove(s)
         reported: list[RequestOutput] = []
         try:
-            while engine.has_unfinished():
-                reported += engine.step()
+            while self.has_unfinished():
+                reported += self.step()
         finally:
             waiting.extendleft(reversed(held))
         return reported

@@ -1,0 +1,239 @@
+"""The runner's parameters from a caller's tree: checked, placed, ready to swap in.
+
+The runner passes its parameters to the jitted step as an argument, so new arrays of
+the same shapes, dtypes and shardings replace them without a recompilation.
+`prepare_params` turns a caller's parameter tree into the runner's: checked whole
+before anything changes, per-layer trees stacked for a scanned model, KV heads
+duplicated as the runner duplicated them for its mesh (`ParamSource`), every array put
+into the sharding of the leaf it replaces, NaN and inf refused.
+
+Dtypes are strict: a leaf of another dtype is an error, never a silent cast (a cast
+trainer state is the caller's decision to make).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Path = tuple[str, ...]  # a parameter's path in the state, every key as a str
+_STACKED, _TAIL = ("layers", "blocks"), ("layers", "tail")  # `models.layer_stack`'s names
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSource:
+    """The parameters as the caller's model holds them, before the runner's own changes
+    (its KV heads repeated `kv_head_factor` times for a mesh): the layout
+    `update_weights` takes, and how the runner makes its own from it."""
+
+    graphdef: Any  # of the caller's model, split as (Param, the rest)
+    rest: nnx.State  # its other variables (the model's own arrays, no copy)
+    params: nnx.State  # its Param leaves as ShapeDtypeStructs
+    kv_head_factor: int
+
+    @classmethod
+    def of(cls, model: nnx.Module, kv_head_factor: int = 1) -> ParamSource:
+        """`model`'s layout (before `duplicate_kv_heads(kv_head_factor)`, if > 1)."""
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+        return cls(graphdef, rest, abstract, kv_head_factor)
+
+    def to_runner(self, params: nnx.State) -> nnx.State:
+        """The runner's Param state of `params` (a state of this layout)."""
+        if self.kv_head_factor == 1:
+            return params
+        model = nnx.merge(self.graphdef, params, self.rest)
+        model.duplicate_kv_heads(self.kv_head_factor)
+        return nnx.state(model, nnx.Param)
+
+
+def _key(path: tuple) -> Path:
+    return tuple(str(k) for k in path)
+
+
+def _name(path: Path) -> str:
+    return ".".join(path)
+
+
+def _natural(path: Path) -> tuple:
+    """Sort key: layer numbers in numeric order."""
+    return tuple((0, int(k), "") if k.isdigit() else (1, 0, k) for k in path)
+
+
+def flatten(tree: Any) -> dict[Path, Any]:
+    """The leaves of a parameter tree by path: an `nnx.State`, or the same nesting of
+    dicts (and lists) of arrays or `nnx.Variable`s. Keys become strs (layer 0 is "0")."""
+    out: dict[Path, Any] = {}
+
+    def walk(node: Any, path: Path) -> None:
+        if isinstance(node, nnx.Variable):
+            node = node.get_value()
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, (*path, str(k)))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, (*path, str(i)))
+        else:
+            out[path] = node
+
+    walk(tree, ())
+    return out
+
+
+def _spec(state: nnx.State) -> dict[Path, Any]:
+    """The Param leaves of `state` by path (values: arrays or ShapeDtypeStructs)."""
+    return {
+        _key(path): var.get_value()
+        for path, var in nnx.to_flat_state(state)
+        if isinstance(var, nnx.Param)
+    }
+
+
+def _is_per_layer(given: dict[Path, Any], spec: dict[Path, Any]) -> bool:
+    """Whether `given` holds the layers one by one while `spec` holds them stacked."""
+    stacked = any(p[:2] in (_STACKED, _TAIL) for p in spec)
+    return stacked and any(
+        len(p) > 2 and p[0] == "layers" and p[1].isdigit() and p[:2] not in spec for p in given
+    )
+
+
+def _per_layer(spec: dict[Path, Any]) -> tuple[dict[Path, Any], dict[Path, tuple[Path, int]]]:
+    """`spec` of a scanned model as per-layer leaves (`layers.{l}...`), and where each
+    comes from: `(stacked path, index on its leading axis)`, index -1 for a leaf held
+    as is (the tail, and everything outside the layers)."""
+    blocks = sorted({int(p[2]) for p in spec if p[:2] == _STACKED})
+    period = len(blocks)
+    repeats = next((x.shape[0] for p, x in spec.items() if p[:2] == _STACKED), 0)
+    layer_spec: dict[Path, Any] = {}
+    origin: dict[Path, tuple[Path, int]] = {}
+    for path, x in spec.items():
+        if path[:2] == _STACKED:
+            j, rest = int(path[2]), path[3:]
+            for r in range(repeats):
+                lp = ("layers", str(r * period + j), *rest)
+                layer_spec[lp] = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+                origin[lp] = (path, r)
+        elif path[:2] == _TAIL:
+            lp = ("layers", str(repeats * period + int(path[2])), *path[3:])
+            layer_spec[lp], origin[lp] = x, (path, -1)
+        else:
+            layer_spec[path], origin[path] = x, (path, -1)
+    return layer_spec, origin
+
+
+def _stacked(given: dict[Path, Any], origin: dict[Path, tuple[Path, int]]) -> dict[Path, Any]:
+    """Per-layer leaves (checked) stacked into the scanned model's layout."""
+    out: dict[Path, Any] = {}
+    parts: dict[Path, dict[int, Any]] = {}
+    for lp, (path, r) in origin.items():
+        if r < 0:
+            out[path] = given[lp]
+        else:
+            parts.setdefault(path, {})[r] = given[lp]
+    for path, layers in parts.items():
+        xs = [layers[r] for r in range(len(layers))]
+        out[path] = np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+    return out
+
+
+def check_tree(given: dict[Path, Any], spec: dict[Path, Any]) -> None:
+    """Raises ValueError naming the first leaf of `given` that does not match `spec`
+    (missing, extra, not an array, another shape or dtype); nothing otherwise."""
+    missing = sorted(set(spec) - set(given), key=_natural)
+    if missing:
+        raise ValueError(
+            f"the new weights lack {len(missing)} parameter(s) of the model, first "
+            f"{_name(missing[0])} (expected {_shape_dtype(spec[missing[0]])}); missing: "
+            f"{[_name(p) for p in missing[:8]]}{' ...' if len(missing) > 8 else ''}"
+        )
+    extra = sorted(set(given) - set(spec), key=_natural)
+    if extra:
+        raise ValueError(
+            f"the new weights have {len(extra)} parameter(s) the model does not, first "
+            f"{_name(extra[0])}; extra: {[_name(p) for p in extra[:8]]}"
+            f"{' ...' if len(extra) > 8 else ''}"
+        )
+    for path in sorted(spec, key=_natural):
+        want, got = spec[path], given[path]
+        if not hasattr(got, "shape") or not hasattr(got, "dtype"):
+            raise ValueError(
+                f"parameter {_name(path)}: expected an array {_shape_dtype(want)}, "
+                f"got a {type(got).__name__}"
+            )
+        if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
+            raise ValueError(
+                f"parameter {_name(path)}: expected {_shape_dtype(want)}, got "
+                f"{_shape_dtype(got)} (dtypes are not cast: convert the tree first)"
+            )
+
+
+def _shape_dtype(x: Any) -> str:
+    return f"shape {tuple(x.shape)} {np.dtype(x.dtype).name}"
+
+
+@jax.jit
+def _all_finite(xs: list[jax.Array]) -> jax.Array:  # bool[len(xs)]
+    return jnp.stack([jnp.isfinite(x).all() for x in xs])
+
+
+def check_finite(leaves: dict[Path, jax.Array]) -> None:
+    """Raises ValueError naming the first leaf holding NaN or inf (one device call)."""
+    floats = [
+        p for p in sorted(leaves, key=_natural) if jnp.issubdtype(leaves[p].dtype, jnp.inexact)
+    ]
+    if not floats:
+        return
+    finite = jax.device_get(_all_finite([leaves[p] for p in floats]))
+    bad = [p for p, ok in zip(floats, finite, strict=True) if not ok]
+    if bad:
+        raise ValueError(
+            f"parameter {_name(bad[0])} holds non-finite values (NaN or inf); refused, the "
+            f"engine keeps its weights (non-finite: {[_name(p) for p in bad[:8]]})"
+        )
+
+
+def prepare_params(
+    current: nnx.State, source: ParamSource, weights: Any, *, copy: bool = True
+) -> nnx.State:
+    """The runner state `current` with its Param leaves replaced by `weights` (a tree of
+    `source`'s layout, or per-layer for a scanned model), each put into the sharding of
+    the leaf it replaces, so the step does not recompile. Changes nothing: raises
+    ValueError for a tree that does not match (see `check_tree`) or holds NaN or inf.
+
+    `copy=False` lets a given device array already in its place be held as is (the
+    caller must not donate or delete it afterwards); otherwise every leaf is a new buffer.
+    """
+    given = flatten(weights)
+    spec = _spec(source.params)
+    if _is_per_layer(given, spec):
+        layer_spec, origin = _per_layer(spec)
+        check_tree(given, layer_spec)
+        given = _stacked(given, origin)
+    check_tree(given, spec)
+    params = nnx.from_flat_state(
+        [(p, var.replace(given[_key(p)])) for p, var in nnx.to_flat_state(source.params)]
+    )
+    runner_params = _spec(source.to_runner(params))
+    flat = nnx.to_flat_state(current)
+    targets = [(path, var) for path, var in flat if isinstance(var, nnx.Param)]
+    keys = [_key(path) for path, _ in targets]
+    placed = jax.device_put(
+        [runner_params[k] for k in keys],
+        [var.get_value().sharding for _, var in targets],
+        may_alias=not copy,
+    )
+    new = dict(zip(keys, placed, strict=True))
+    check_finite(new)
+    return nnx.from_flat_state(
+        [
+            (path, var.replace(new[_key(path)]) if isinstance(var, nnx.Param) else var)
+            for path, var in flat
+        ]
+    )
