@@ -26,13 +26,13 @@ from absl import logging
 
 from paxkv.host.kv_groups import first_page_read
 from paxkv.host.page_pool import PagePool
+from paxkv.host.sequence_pages import PageKey, SequencePages
 from paxkv.kv_layout import NULL_PAGE
 
 if TYPE_CHECKING:
     from paxkv.host.sequence import SequenceState
     from paxkv.host.sequence_pages import SequencePages
 
-PageKey = tuple[int, tuple[int, ...], Hashable]
 
 _MAX_LEADS = 8192  # first pages remembered for reporting sub-page prefix sharing
 

@@ -7,10 +7,10 @@ everyone else asks the manager (as vLLM's `KVCacheBlocks` hides `req_to_blocks`)
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Hashable
 
-if TYPE_CHECKING:
-    from paxkv.host.prefix_cache import PageKey
+# A full page's prefix-cache key: (parent key hash, its tokens, salt of a first page).
+PageKey = tuple[int, tuple[int, ...], Hashable]
 
 
 @dataclasses.dataclass(eq=False)
