@@ -48,6 +48,21 @@ _CHAT_TEMPLATE = flags.DEFINE_string(
     "Chat template for /v1/chat/completions: Jinja source, or a file holding it; unset: "
     "the checkpoint's.",
 )
+_TRUST_REQUEST_CHAT_TEMPLATE = flags.DEFINE_bool(
+    "trust_request_chat_template",
+    False,
+    "Render a chat template a request sends (`chat_template`; bounded in time and size); "
+    "off: requests may only name one of the checkpoint's (as vLLM's flag).",
+)
+_EXPOSE_PREFIX_CACHE_METRICS = flags.DEFINE_bool(
+    "expose_prefix_cache_metrics",
+    False,
+    "Show the prefix-cache counters and the step count in /metrics; they tell a client "
+    "whether another's prompt is cached, so keep them off for untrusted clients.",
+)
+_MAX_N = flags.DEFINE_integer(
+    "max_n", 128, "The most completions (n, best_of) one request may ask for.", lower_bound=1
+)
 _SHUTDOWN_GRACE_S = flags.DEFINE_float(
     "shutdown_grace_s", 30.0, "Seconds requests in flight may run on after SIGTERM.", lower_bound=0
 )
@@ -61,13 +76,15 @@ def main(argv: list[str]) -> None:
     # that (and one during the warm-up) ends the process with status 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (the serve extra's)
 
-        from paxkv.serve.app import ServerState, build_app
+        from paxkv.serve.app import ServerState, run_server
         from paxkv.serve.frontend import AsyncEngine
+        from paxkv.serve.protocol import Limits
     except ImportError as e:
         exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install 'paxkv[serve]'")
     try:
+        _check_chat_template_flag()
         launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
         logging.info("paxkv-serve: loading the model and compiling its step shapes")
@@ -84,16 +101,27 @@ def main(argv: list[str]) -> None:
         chat_templates=templates,
         max_model_len=engine.config.max_model_len,
         metrics_prefix=_METRICS_PREFIX.value,
+        limits=Limits(
+            max_n=_MAX_N.value, trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value
+        ),
+        expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
     )
-    config = uvicorn.Config(
-        build_app(state),
-        host=_HOST.value,
-        port=_PORT.value,
-        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S.value,
-        log_level="info",
-        access_log=False,
-    )
-    uvicorn.Server(config).run()
+    run_server(state, host=_HOST.value, port=_PORT.value, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
+
+
+# What makes --chat_template a file's name rather than Jinja source.
+_TEMPLATE_FILE_SUFFIXES = (".jinja", ".j2", ".txt")
+
+
+def _check_chat_template_flag() -> None:
+    """ValueError when `--chat_template` looks like a path (a path separator or a
+    template file suffix, and no Jinja markup) that names no file: taken as the template
+    itself, it would replace every conversation with the path."""
+    source = _CHAT_TEMPLATE.value
+    if source is None or os.path.isfile(source) or "{" in source:
+        return
+    if os.sep in source or "/" in source or source.endswith(_TEMPLATE_FILE_SUFFIXES):
+        raise ValueError(f"--chat_template={source!r} looks like a file's path, and none exists")
 
 
 def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:

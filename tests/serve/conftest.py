@@ -98,7 +98,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server()
+    # Trusting clients' chat templates and showing the prefix-cache counters: the
+    # tests of both run here (tests/serve/test_limits.py runs a server without them).
+    s = Server("--trust_request_chat_template", "--expose_prefix_cache_metrics")
     yield s
     s.stop()
 
