@@ -148,6 +148,7 @@ class AsyncEngine:
     def end_in_flight(self, reason: str) -> None:
         """Ends every request in flight now: their groups raise EngineDead(`reason`)
         (HTTP 503), and the engine aborts them; no more are taken. On the event loop."""
+        logging.info("paxkv-serve: ending the requests in flight: %s", reason)
         self._stopping = True
         self._commands.put((lambda: self._fail_all(EngineDead(reason), abort=True), None))
 
