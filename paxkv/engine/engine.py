@@ -132,8 +132,14 @@ class Engine:
         """Validates and queues a request; returns its id. Raises ValueError to reject it.
 
         Lower `priority` values run first and are preempted last. Requests with
-        different `cache_salt` never share prefix-cache pages.
+        different `cache_salt` never share prefix-cache pages. An id may be used again
+        once its request's final output was reported (an aborted one's: by `step`).
         """
+        if any(o.request_id == request_id for o in self._aborted):
+            raise ValueError(
+                f"request_id={request_id!r} was aborted and its final output is not yet "
+                "reported: reuse the id after the next step"
+            )
         req = self.requests.create(
             request_id,
             prompt,
