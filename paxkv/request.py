@@ -33,6 +33,13 @@ def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = 
     return value
 
 
+def check_int32(name: str, value: int) -> int:
+    """`value` if it fits the int32 the device takes it as; ValueError naming `name`."""
+    if value > INT32_MAX:
+        raise ValueError(f"{name}={value} must be <= {INT32_MAX} (it is an int32 on the device)")
+    return value
+
+
 def check_float(name: str, value: Any) -> float:
     """`value` as a finite float (an int or a float, not bool); TypeError or ValueError
     naming `name` otherwise."""
@@ -145,11 +152,11 @@ class SamplingParams:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("n", check_int("n", self.n, lo=1, hi=INT32_MAX))
+        put("n", check_int32("n", check_int("n", self.n, lo=1)))
         put("temperature", check_float("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
-        put("top_k", check_int("top_k", self.top_k, lo=-1, hi=INT32_MAX))
+        put("top_k", check_int32("top_k", check_int("top_k", self.top_k, lo=-1)))
         put("top_p", check_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
@@ -158,7 +165,7 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if self.seed is not None:
             put("seed", check_int("seed", self.seed, lo=0, hi=INT32_MAX))
-        put("max_tokens", check_int("max_tokens", self.max_tokens, lo=1, hi=INT32_MAX))
+        put("max_tokens", check_int32("max_tokens", check_int("max_tokens", self.max_tokens, lo=1)))
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {stop!r}")
@@ -170,7 +177,7 @@ class SamplingParams:
                 f"token, 0: the chosen token's only) or None, got {self.logprobs!r}"
             )
         if self.logprobs is not None:
-            put("logprobs", check_int("logprobs", self.logprobs, lo=0, hi=INT32_MAX))
+            put("logprobs", check_int32("logprobs", check_int("logprobs", self.logprobs, lo=0)))
         for name in ("presence_penalty", "frequency_penalty"):
             value = check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
