@@ -237,13 +237,18 @@ class LLM:
             prompts, sampling_params, what=what, output_kind=RequestOutputKind.FINAL_ONLY
         )
         final: dict[str, RequestOutput] = {}
-        bar.start(len(ids))
         try:
+            bar.start(len(ids))
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
                         bar.advanced(out, delta=False)
+        except BaseException:  # KeyboardInterrupt too: this call's requests end with it
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort(rid)
+            raise
         finally:
             bar.close()
         return [final[i] for i in ids]

@@ -210,6 +210,12 @@ class PagePool:
             del self._page_to_key[page]
             del self._key_to_page[key]
 
+    def clear_cache_keys(self) -> None:
+        """Drops every cache key (the device cache's contents were lost): no page is
+        found by `lookup` until marked again; refcounts and the free queue are unchanged."""
+        self._page_to_key.clear()
+        self._key_to_page.clear()
+
     def lookup(self, key: Hashable) -> int | None:
         """Returns the page holding ``key``, or None if no page does."""
         return self._key_to_page.get(key)
