@@ -8,21 +8,23 @@
 The engine compiles every step shape before the server listens, so `/health` answers
 200 once requests can be served without compiling. SIGTERM (or Ctrl-C) stops accepting
 connections, lets the requests in flight finish for up to `--shutdown_grace_s` seconds,
-aborts the rest, and exits 0. Chat needs a chat template: the checkpoint's, or
-`--chat_template` (Jinja source, or a file of it).
+aborts the rest, and exits 0; a second one stops waiting, cuts the requests still in
+flight and exits 0 at once. Before the server listens (loading, compiling) either
+signal exits 0 at once: nothing is in flight. Chat needs a chat template: the
+checkpoint's, or `--chat_template` (Jinja source, or a file of it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 
 from absl import app, flags, logging
 
-from paxkv import chat
+from paxkv import chat  # no JAX: the flags below are defined before JAX is imported
 from paxkv.launch import exit_with_error
-from paxkv.launch import flags as launch_flags
 
 DEFAULT_CONFIG = "tiny-py"
 
@@ -70,11 +72,10 @@ _SHUTDOWN_GRACE_S = flags.DEFINE_float(
 
 def main(argv: list[str]) -> None:
     """The absl main: builds and warms up the engine, then serves until SIGTERM."""
+    from paxkv.launch import flags as launch_flags  # imported by `run` already
+
     if len(argv) > 1:
         exit_with_error(f"unexpected arguments {argv[1:]}")
-    # uvicorn re-raises the signal that stopped it once it has shut down gracefully:
-    # that (and one during the warm-up) ends the process with status 0.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         import uvicorn  # noqa: F401 (the serve extra's)
 
@@ -140,8 +141,28 @@ def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
     )
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """Ends the process now with status 0, its output flushed: the handler of SIGTERM
+    and SIGINT before the server listens, and after uvicorn has drained (it re-raises
+    the signal that stopped it). `os._exit`, not `sys.exit`: the signal may find the
+    main thread inside a compilation, and Python's finalization with XLA's threads
+    still running can crash the process (a segfault, not status 0)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # the main thread may have been writing to it
+            stream.flush()
+    name = signal.Signals(signum).name
+    os.write(2, f"paxkv-serve: {name}: exiting\n".encode())
+    os._exit(0)
+
+
 def run() -> None:
     """Console-script entry point (`paxkv-serve`)."""
+    # First: importing JAX, loading the model and compiling take seconds, during which
+    # a signal must end the process cleanly (uvicorn takes the signals while it serves).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
+    from paxkv.launch import flags as launch_flags  # defines the shared flags
+
     flags.FLAGS.set_default("config", DEFAULT_CONFIG)
     launch_flags.list_in_help(__name__, __doc__)
     app.run(main)

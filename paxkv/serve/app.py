@@ -102,11 +102,17 @@ def run_server(state: ServerState, *, host: str, port: int, shutdown_grace_s: fl
 
     Then it stops accepting connections and lets the requests in flight run for up to
     `shutdown_grace_s` seconds; those still running then are answered 503 (streams: an
-    error event, then `[DONE]`), rather than cut off.
+    error event, then `[DONE]`), rather than cut off. A second signal ends the wait:
+    it returns at once, the requests in flight cut off.
     """
     import uvicorn
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:  # a second signal: stop waiting for the requests
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
             timer = asyncio.get_running_loop().call_later(
                 shutdown_grace_s, state.front.end_in_flight, "the server is shutting down"
