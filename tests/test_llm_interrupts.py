@@ -31,38 +31,49 @@ def expected():
     return [o.outputs[0].token_ids for o in make_llm().generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def interrupt_step(monkeypatch, *, after_calls: int, donate: bool):
-    """Makes the `after_calls`-th later model step raise KeyboardInterrupt: after the
-    real step ran (its cache donated, its result dropped) or before it (nothing donated)."""
-    real = steps.MODEL_STEP
+def interrupt_step(monkeypatch, *, after_calls: int, donate: bool, fn: str = "MODEL_STEP"):
+    """Makes the `after_calls`-th later call of the step function `fn` raise
+    KeyboardInterrupt: after the real call ran (its cache donated, its result dropped)
+    or before it (nothing donated)."""
+    real = getattr(steps, fn)
     calls = []
 
     def step(*args, **kwargs):
         calls.append(1)
         if len(calls) < after_calls:
             return real(*args, **kwargs)
-        monkeypatch.setattr(steps, "MODEL_STEP", real)  # once
+        monkeypatch.setattr(steps, fn, real)  # once
         if donate:
             jax.block_until_ready(real(*args, **kwargs))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(steps, "MODEL_STEP", step)
+    monkeypatch.setattr(steps, fn, step)
 
 
 def tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+# One step per call, synchronous or async; and the multi-step decode loop, interrupted
+# in its first call (prefills done, every sequence decoding).
+MODES = {
+    "sync": ({}, "MODEL_STEP", 3),
+    "async": ({"async_scheduling": True}, "MODEL_STEP", 3),
+    "loop": ({"num_decode_steps": 4}, "DECODE_LOOP", 1),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_step_interrupted_after_donating_the_cache_loses_only_its_requests(
-    monkeypatch, expected, async_scheduling
+    monkeypatch, expected, mode
 ):
-    llm = make_llm(async_scheduling=async_scheduling)
+    settings, fn, after_calls = MODES[mode]
+    llm = make_llm(**settings)
     engine, pool = llm.engine, llm.engine.pool
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     assert pool.num_cached > 0  # the shared pages, cached
 
-    interrupt_step(monkeypatch, after_calls=3, donate=True)
+    interrupt_step(monkeypatch, after_calls=after_calls, donate=True, fn=fn)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert not any(a.is_deleted() for a in jax.tree.leaves(engine.kv_cache))
