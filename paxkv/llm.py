@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -100,6 +101,11 @@ class LLM:
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
+        # The outputs of each live call's requests not yet taken by it, by request id
+        # (one queue per call); see `_outputs`.
+        self._inbox: dict[str, collections.deque[RequestOutput]] = {}
+        self._stepping = False
+        self._deferred_aborts: list[str] = []
         # Where `chat` finds the chat template: the checkpoint's directory (none for presets).
         name = os.fspath(model)
         self._checkpoint_dir = (
@@ -204,9 +210,12 @@ class LLM:
         vLLM: CUMULATIVE (the default) the completions so far, every time they advance;
         DELTA only the new tokens and text since the request's previous output (with
         n > 1, only the completions that advanced); FINAL_ONLY one output when the
-        request ends. The last output of a request has `finished=True`. Closing the
-        iterator early aborts the requests still running. The progress bar is off by
-        default here: the caller sees progress already.
+        request ends. The last output of a request has `finished=True`. A stream yields
+        its own requests' outputs only, and all of them, whatever other streams and
+        `generate` calls run meanwhile (their steps keep its outputs for it). Closing the
+        iterator early, or dropping it, aborts its requests still running; so does an
+        exception raised while it steps (a `use_tqdm` bar's included). The progress bar
+        is off by default here: the caller sees progress already.
         """
         bar = _Progress(use_tqdm)
         ids, params = self._submit(prompts, sampling_params, what="prompt")
@@ -215,21 +224,7 @@ class LLM:
             for rid, p in zip(ids, params, strict=True)
             if p.output_kind is RequestOutputKind.DELTA
         }
-        pending = set(ids)
-        bar.start(len(ids))
-        try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    bar.advanced(out, delta=out.request_id in deltas)
-                    if out.finished:
-                        pending.discard(out.request_id)
-                    yield out
-        finally:
-            bar.close()
-            for rid in pending:
-                self.engine.abort(rid)
-            if pending:
-                self.engine.step()  # reports, and so forgets, the aborted requests
+        yield from self._outputs(ids, bar, deltas)
 
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
         """Installs new weights without a recompilation (`Engine.update_weights`);
@@ -290,17 +285,72 @@ class LLM:
         ids, _ = self._submit(
             prompts, sampling_params, what=what, output_kind=RequestOutputKind.FINAL_ONLY
         )
-        final: dict[str, RequestOutput] = {}
-        bar.start(len(ids))
+        final = {out.request_id: out for out in self._outputs(ids, bar, set()) if out.finished}
+        return [final[i] for i in ids]
+
+    def _outputs(self, ids: list[str], bar: _Progress, deltas: set[str]) -> Iterator[RequestOutput]:
+        """Yields the outputs of requests `ids`, and of no others, in the order the
+        engine reports them, until each has finished; counts them on `bar` (`deltas`: the
+        ids whose outputs are deltas). Steps the engine while it has none of them to
+        yield: other calls' outputs reported meanwhile are kept for those calls. However
+        it ends early (closed, garbage-collected, or an exception, KeyboardInterrupt
+        included) it aborts its unfinished requests; once closed it steps once more to
+        report them, unless it is closed inside a step."""
+        box: collections.deque[RequestOutput] = collections.deque()
+        for rid in ids:
+            self._inbox[rid] = box
+        unfinished = dict.fromkeys(ids)
+        closed = False
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.advanced(out, delta=False)
+            bar.start(len(ids))
+            while unfinished:
+                if not box:
+                    self._step()
+                    continue
+                out = box.popleft()
+                bar.advanced(out, delta=out.request_id in deltas)
+                if out.finished:
+                    del unfinished[out.request_id]
+                yield out
+        except GeneratorExit:
+            closed = True
+            raise
         finally:
             bar.close()
-        return [final[i] for i in ids]
+            for rid in ids:
+                self._inbox.pop(rid, None)
+            for rid in unfinished:
+                self._abort(rid)
+            if closed and unfinished and not self._stepping:
+                self._step()  # reports, and so forgets, the aborted requests
+
+    def _step(self) -> None:
+        """Runs one engine step and files each output for the call that waits for its
+        request; outputs no call waits for (an ended call's) are dropped."""
+        if not self.engine.has_unfinished():
+            raise RuntimeError(
+                "requests of this call are unfinished but the engine has none: were their "
+                "outputs taken by a direct engine.step()?"
+            )
+        self._stepping = True  # till every output is filed: a stream closed meanwhile waits
+        try:
+            for out in self.engine.step():
+                box = self._inbox.get(out.request_id)
+                if box is not None:
+                    box.append(out)
+        finally:
+            self._stepping = False
+            deferred, self._deferred_aborts = self._deferred_aborts, []
+            for rid in deferred:
+                self.engine.abort(rid)
+
+    def _abort(self, request_id: str) -> None:
+        """Aborts a request now, or after the step in progress (a stream collected inside
+        one)."""
+        if self._stepping:
+            self._deferred_aborts.append(request_id)
+        else:
+            self.engine.abort(request_id)
 
     def _submit(
         self,

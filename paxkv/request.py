@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+# The largest value of an integer field that reaches the device (as int32).
+INT32_MAX = 2**31 - 1
+
 
 def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
     """`value` as an int if it is an integer (Python or NumPy, not bool) in `[lo, hi]`;
@@ -27,6 +30,13 @@ def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = 
         lo_s = "-inf" if lo is None else lo
         hi_s = "inf" if hi is None else hi
         raise ValueError(f"{name}={value} must be in [{lo_s}, {hi_s}]")
+    return value
+
+
+def check_int32(name: str, value: int) -> int:
+    """`value` if it fits the int32 the device takes it as; ValueError naming `name`."""
+    if value > INT32_MAX:
+        raise ValueError(f"{name}={value} must be <= {INT32_MAX} (it is an int32 on the device)")
     return value
 
 
@@ -64,15 +74,15 @@ def check_stop_strings(stop: Any) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def check_token_ids(name: str, ids: Any, *, lo: int | None = 0) -> list[int]:
-    """`ids` as a list of ints >= `lo`: a sequence (or 1-D integer array) of integers."""
+def check_token_ids(name: str, ids: Any, *, lo: int | None = 0, hi: int | None = None) -> list[int]:
+    """`ids` as a list of ints in `[lo, hi]`: a sequence (or 1-D integer array) of integers."""
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"{name} must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise TypeError(f"{name} must be a list of ints, got {ids!r} ({type(ids).__name__})")
-    return [check_int(f"{name}[{i}]", t, lo=lo) for i, t in enumerate(ids)]
+    return [check_int(f"{name}[{i}]", t, lo=lo, hi=hi) for i, t in enumerate(ids)]
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -142,11 +152,11 @@ class SamplingParams:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("n", check_int("n", self.n, lo=1))
+        put("n", check_int32("n", check_int("n", self.n, lo=1)))
         put("temperature", check_float("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
-        put("top_k", check_int("top_k", self.top_k, lo=-1))
+        put("top_k", check_int32("top_k", check_int("top_k", self.top_k, lo=-1)))
         put("top_p", check_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
@@ -154,12 +164,12 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if self.seed is not None:
-            put("seed", check_int("seed", self.seed, lo=0, hi=2**31 - 1))
-        put("max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
+            put("seed", check_int("seed", self.seed, lo=0, hi=INT32_MAX))
+        put("max_tokens", check_int32("max_tokens", check_int("max_tokens", self.max_tokens, lo=1)))
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {stop!r}")
-        put("stop_token_ids", tuple(check_token_ids("stop_token_ids", list(stop))))
+        put("stop_token_ids", tuple(check_token_ids("stop_token_ids", list(stop), hi=INT32_MAX)))
         put("ignore_eos", check_bool("ignore_eos", self.ignore_eos))
         if isinstance(self.logprobs, (bool, np.bool_)):
             raise TypeError(
@@ -167,7 +177,7 @@ class SamplingParams:
                 f"token, 0: the chosen token's only) or None, got {self.logprobs!r}"
             )
         if self.logprobs is not None:
-            put("logprobs", check_int("logprobs", self.logprobs, lo=0))
+            put("logprobs", check_int32("logprobs", check_int("logprobs", self.logprobs, lo=0)))
         for name in ("presence_penalty", "frequency_penalty"):
             value = check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
@@ -312,14 +322,26 @@ def normalize_prompt(prompt) -> tuple[str | None, list[int] | None]:
     "prompt" (TextPrompt).
     """
     if isinstance(prompt, str):
-        return prompt, None
+        return _check_text(prompt), None
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             # The range is checked against the model's vocabulary (`Engine.add_request`).
             ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"], lo=None)
             return None, ids
         if "prompt" in prompt and isinstance(prompt["prompt"], str):
-            return prompt["prompt"], None
+            return _check_text(prompt["prompt"]), None
     raise ValueError(
         f"a prompt must be a str or a dict with 'prompt_token_ids' or 'prompt', got {type(prompt).__name__}"
     )
+
+
+def _check_text(text: str) -> str:
+    """`text` if it is valid Unicode (encodable as UTF-8); ValueError otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"the prompt is not valid Unicode: {e.reason} at position {e.start} "
+            f"({text[e.start : e.end]!r})"
+        ) from None
+    return text

@@ -187,8 +187,14 @@ class Engine:
         """Validates and queues a request; returns its id. Raises ValueError to reject it.
 
         Lower `priority` values run first and are preempted last. Requests with
-        different `cache_salt` never share prefix-cache pages.
+        different `cache_salt` never share prefix-cache pages. An id may be used again
+        once its request's final output was reported (an aborted one's: by `step`).
         """
+        if any(o.request_id == request_id for o in self._aborted):
+            raise ValueError(
+                f"request_id={request_id!r} was aborted and its final output is not yet "
+                "reported: reuse the id after the next step"
+            )
         req = self.requests.create(
             request_id,
             prompt,
@@ -226,6 +232,27 @@ class Engine:
         self._aborted.append(out)
         self._on_finished(req)
         return out
+
+    def _after_failed_step(self, error: BaseException) -> None:
+        """Makes the engine usable after a step raised `error`. A sync step's host state
+        is as before it, and it runs again, unless the device's KV cache was lost
+        (donated to the call that raised; the runner makes an empty one): then every
+        request with KV in it is aborted (the next `step` reports them with why), its
+        pages go back to the pool, and the prefix cache is emptied. With async
+        scheduling the in-flight step's tokens are lost too: the running requests are
+        aborted either way. Waiting requests hold no KV and go on."""
+        lost = self.runner.restore_cache()
+        if not lost and self._pipeline is None:
+            return
+        what = "the KV cache" if lost else "the step in flight"
+        message = f"{what} was lost: a step raised {type(error).__name__}"
+        logging.error("paxkv: %s; aborting the running requests", message)
+        for rid in dict.fromkeys(seq.request_id for seq in self.scheduler.running):
+            self._end_request(rid, message)
+        if self._pipeline is not None:
+            self._pipeline.inflight = None  # its sequences are all aborted
+        if lost:
+            self.pool.uncache_all()
 
     def end_failed(self) -> None:
         """Ends the requests of sequences whose host work failed (`Scheduler.fail`):
@@ -283,10 +310,14 @@ class Engine:
                 raise RuntimeError("the scheduler made no progress with requests pending")
             aborted, self._aborted = self._aborted, []
             return aborted
-        if self._pipeline is not None:
-            outputs, t1, t2 = self._pipeline.step(plan)
-        else:
-            outputs, t1, t2 = self._stepper.step(plan)
+        try:
+            if self._pipeline is not None:
+                outputs, t1, t2 = self._pipeline.step(plan)
+            else:
+                outputs, t1, t2 = self._stepper.step(plan)
+        except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
+            self._after_failed_step(e)
+            raise
         self.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
         self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)

@@ -66,6 +66,11 @@ class StepRunner:
     ) -> None:
         """Compiles the step for every `(T, S, pages per sequence)` shape."""
 
+    def restore_cache(self) -> bool:
+        """After a call that raised: whether the KV cache was lost (donated to a call
+        whose result never came back), in which case a new, empty one replaces it."""
+        return False
+
 
 class ModelRunner(StepRunner):
     """Runs the jitted model step on the device (or a mesh of devices).
@@ -96,13 +101,7 @@ class ModelRunner(StepRunner):
         # On a mesh the cache is born sharded: no device ever holds all of it.
         # Which layers share a page table (one group unless the model mixes windows).
         self.kv_groups = KVGroupLayout.for_model(mc, hybrid=config.hybrid_kv_cache)
-        self.kv_cache = shardings.sharded_cache(
-            lambda: PagedKVCache.for_model(
-                mc, config.num_pages, config.page_size, config.kv_cache_dtype, self.kv_groups
-            ),
-            mc.num_kv_heads,
-            mesh,
-        )
+        self.kv_cache = self._new_cache()
         if mesh is not None:  # weights spread over the mesh's devices (a no-op for
             # weights loaded into their shardings already, `paxkv.models.load_model`)
             self.graphdef, self.params, self.kv_cache = shardings.shard_engine_state(
@@ -117,7 +116,27 @@ class ModelRunner(StepRunner):
             self.params, self.kv_cache, self._prev_tokens = jax.device_put(
                 state, jax.tree.map(lambda x: x.sharding, state)
             )
+        self._cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
+
+    def _new_cache(self) -> PagedKVCache:
+        """An empty KV cache of the engine's pages (on a mesh: born sharded)."""
+        mc, config = self.model_config, self.config
+        return shardings.sharded_cache(
+            lambda: PagedKVCache.for_model(
+                mc, config.num_pages, config.page_size, config.kv_cache_dtype, self.kv_groups
+            ),
+            mc.num_kv_heads,
+            self.mesh,
+        )
+
+    def restore_cache(self) -> bool:
+        """A new, empty cache in the old one's shardings if a step call that raised had
+        been given the cache (donated: its buffers are deleted). Whether it did."""
+        if not any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
+            return False
+        self.kv_cache = jax.device_put(self._new_cache(), self._cache_shardings)
+        return True
 
     @property
     def num_compilations(self) -> int:

@@ -186,7 +186,9 @@ class PagePool:
             del self._key_to_page[key]
 
     def uncache_all(self) -> None:
-        """Drops every cache key: cached pages become plain pages (free ones stay free)."""
+        """Drops every cache key: no page is found by `lookup` until marked again (new
+        weights, or the device cache's contents lost); refcounts and the free queue are
+        unchanged."""
         self._page_to_key.clear()
         self._key_to_page.clear()
 

@@ -8,12 +8,15 @@
 The engine compiles every step shape before the server listens, so `/health` answers
 200 once requests can be served without compiling. SIGTERM (or Ctrl-C) stops accepting
 connections, lets the requests in flight finish for up to `--shutdown_grace_s` seconds,
-aborts the rest, and exits 0. Chat needs a chat template: the checkpoint's, or
-`--chat_template` (Jinja source, or a file of it).
+aborts the rest, and exits 0; a second one stops waiting, cuts the requests still in
+flight and exits 0 at once. Before the server listens (loading, compiling) either
+signal exits 0 at once: nothing is in flight. Chat needs a chat template: the
+checkpoint's, or `--chat_template` (Jinja source, or a file of it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -21,9 +24,8 @@ import sys
 
 from absl import app, flags, logging
 
-from paxkv import chat
-from paxkv.launch import exit_with_error, list_in_help, platform
-from paxkv.launch import flags as launch_flags
+from paxkv import chat  # no JAX: the flags below are defined before JAX is imported
+from paxkv.launch import exit_with_error, list_in_help
 
 DEFAULT_CONFIG = "tiny-py"
 
@@ -49,6 +51,21 @@ _CHAT_TEMPLATE = flags.DEFINE_string(
     "Chat template for /v1/chat/completions: Jinja source, or a file holding it; unset: "
     "the checkpoint's.",
 )
+_TRUST_REQUEST_CHAT_TEMPLATE = flags.DEFINE_bool(
+    "trust_request_chat_template",
+    False,
+    "Render a chat template a request sends (`chat_template`; bounded in time and size); "
+    "off: requests may only name one of the checkpoint's (as vLLM's flag).",
+)
+_EXPOSE_PREFIX_CACHE_METRICS = flags.DEFINE_bool(
+    "expose_prefix_cache_metrics",
+    False,
+    "Show the prefix-cache counters and the step count in /metrics; they tell a client "
+    "whether another's prompt is cached, so keep them off for untrusted clients.",
+)
+_MAX_N = flags.DEFINE_integer(
+    "max_n", 128, "The most completions (n, best_of) one request may ask for.", lower_bound=1
+)
 _SHUTDOWN_GRACE_S = flags.DEFINE_float(
     "shutdown_grace_s", 30.0, "Seconds requests in flight may run on after SIGTERM.", lower_bound=0
 )
@@ -56,19 +73,21 @@ _SHUTDOWN_GRACE_S = flags.DEFINE_float(
 
 def main(argv: list[str]) -> None:
     """The absl main: builds and warms up the engine, then serves until SIGTERM."""
+    from paxkv.launch import flags as launch_flags  # imported by `run` already
+    from paxkv.launch import platform  # imports JAX: after the signal handlers
+
     if len(argv) > 1:
         exit_with_error(f"unexpected arguments {argv[1:]}")
-    # uvicorn re-raises the signal that stopped it once it has shut down gracefully:
-    # that (and one during the warm-up) ends the process with status 0.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (the serve extra's)
 
-        from paxkv.serve.app import ServerState, build_app
+        from paxkv.serve.app import ServerState, run_server
         from paxkv.serve.frontend import AsyncEngine
+        from paxkv.serve.protocol import Limits
     except ImportError as e:
         exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install -e '.[serve]'")
     try:
+        _check_chat_template_flag()
         launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
         platform.announce("paxkv-serve", setup.engine.attention_backend)
@@ -86,16 +105,27 @@ def main(argv: list[str]) -> None:
         chat_templates=templates,
         max_model_len=engine.config.max_model_len,
         metrics_prefix=_METRICS_PREFIX.value,
+        limits=Limits(
+            max_n=_MAX_N.value, trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value
+        ),
+        expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
     )
-    config = uvicorn.Config(
-        build_app(state),
-        host=_HOST.value,
-        port=_PORT.value,
-        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S.value,
-        log_level="info",
-        access_log=False,
-    )
-    uvicorn.Server(config).run()
+    run_server(state, host=_HOST.value, port=_PORT.value, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
+
+
+# What makes --chat_template a file's name rather than Jinja source.
+_TEMPLATE_FILE_SUFFIXES = (".jinja", ".j2", ".txt")
+
+
+def _check_chat_template_flag() -> None:
+    """ValueError when `--chat_template` looks like a path (a path separator or a
+    template file suffix, and no Jinja markup) that names no file: taken as the template
+    itself, it would replace every conversation with the path."""
+    source = _CHAT_TEMPLATE.value
+    if source is None or os.path.isfile(source) or "{" in source:
+        return
+    if os.sep in source or "/" in source or source.endswith(_TEMPLATE_FILE_SUFFIXES):
+        raise ValueError(f"--chat_template={source!r} looks like a file's path, and none exists")
 
 
 def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
@@ -123,8 +153,28 @@ def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
     return dataclasses.replace(templates, knob="--chat_template=")
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """Ends the process now with status 0, its output flushed: the handler of SIGTERM
+    and SIGINT before the server listens, and after uvicorn has drained (it re-raises
+    the signal that stopped it). `os._exit`, not `sys.exit`: the signal may find the
+    main thread inside a compilation, and Python's finalization with XLA's threads
+    still running can crash the process (a segfault, not status 0)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # the main thread may have been writing to it
+            stream.flush()
+    name = signal.Signals(signum).name
+    os.write(2, f"paxkv-serve: {name}: exiting\n".encode())
+    os._exit(0)
+
+
 def run() -> None:
     """Console-script entry point (`paxkv-serve`)."""
+    # First: importing JAX, loading the model and compiling take seconds, during which
+    # a signal must end the process cleanly (uvicorn takes the signals while it serves).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
+    from paxkv.launch import flags as launch_flags  # defines the shared flags
+
     flags.FLAGS.set_default("config", DEFAULT_CONFIG)
     list_in_help(__name__, __doc__, launch_flags.__name__)
     app.run(main)

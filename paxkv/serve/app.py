@@ -8,9 +8,18 @@
 
 Streaming responses are server-sent events (`data: {chunk}` lines) ending with
 `data: [DONE]`. Errors are OpenAI's error objects (`protocol.ApiError`): 400 naming the
-field for a bad request, 404 for another model's name, 429 when the server holds as many
-requests as it may, 503 once the engine is shutting down or has failed. A client that
-disconnects aborts its requests, and their pages return to the pool.
+field for a bad request or one past the server's `protocol.Limits`, 413 for a body
+past its size limit, 404 for another model's name or an unknown path, 429 when the
+server holds as many sequences as it may, 503 once the engine is shutting down or has
+failed (and to the requests still in flight when the shutdown grace period ends:
+streams get it as their last event before `[DONE]`). A client that disconnects aborts
+its requests, and their pages return to the pool.
+
+Parsing, tokenizing and chat-template rendering run in worker threads, never on the
+event loop or the engine's stepping thread. Requests with a `cache_salt` share cached
+pages only with requests of the same salt (vLLM's). `/metrics` leaves out what would
+tell one client whether another's prompt is cached (the prefix-cache counters, and the
+step count, which a cached prefix shortens) unless `expose_prefix_cache_metrics`.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Any
 
 from absl import logging
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -37,6 +47,10 @@ from paxkv.metrics import PrometheusCollector
 from paxkv.serve import protocol
 from paxkv.serve.frontend import AsyncEngine, EngineDead, QueueFull, RequestGroup, Submission
 from paxkv.serve.protocol import ApiError
+
+# Stats that tell whether a prompt's prefix was cached (a hit computes fewer tokens, in
+# fewer steps): one client could learn from them what another sent.
+PREFIX_CACHE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_steps")
 
 
 @dataclasses.dataclass
@@ -50,6 +64,8 @@ class ServerState:
     chat_templates: chat.ChatTemplates
     max_model_len: int
     metrics_prefix: str = "paxkv"  # "vllm" makes /metrics read as vLLM's for its dashboards
+    limits: protocol.Limits = dataclasses.field(default_factory=protocol.Limits)
+    expose_prefix_cache_metrics: bool = False  # see PREFIX_CACHE_STATS
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -71,7 +87,51 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health", _api(state, _health), methods=["GET"]),
         Route("/metrics", _api(state, _metrics), methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )
+
+
+async def _http_error(request: Request, e: HTTPException) -> Response:
+    """Starlette's own errors (an unknown path, a wrong method) as OpenAI error objects."""
+    return _error(ApiError(e.status_code, f"{e.detail}: {request.method} {request.url.path}"))
+
+
+def run_server(state: ServerState, *, host: str, port: int, shutdown_grace_s: float) -> None:
+    """Serves `state` with uvicorn until SIGTERM or SIGINT.
+
+    Then it stops accepting connections and lets the requests in flight run for up to
+    `shutdown_grace_s` seconds; those still running then are answered 503 (streams: an
+    error event, then `[DONE]`), rather than cut off. A second signal ends the wait:
+    it returns at once, the requests in flight cut off.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:  # a second signal: stop waiting for the requests
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(
+                shutdown_grace_s, state.front.end_in_flight, "the server is shutting down"
+            )
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    config = uvicorn.Config(
+        build_app(state),
+        host=host,
+        port=port,
+        # Past the grace period, time for the ended requests' last bytes.
+        timeout_graceful_shutdown=shutdown_grace_s + 5.0,
+        log_level="info",
+        access_log=False,
+    )
+    Server(config).run()
 
 
 Handler = Callable[[ServerState, Request], Awaitable[Response]]
@@ -104,28 +164,58 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+async def _json_body(request: Request, limits: protocol.Limits) -> dict[str, Any]:
+    """The request's JSON object, read up to `limits.max_body_bytes` and parsed in a
+    worker thread."""
+    limit = limits.max_body_bytes
+    too_big = ApiError(413, f"the request body is over this server's limit of {limit} bytes")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    body = await asyncio.to_thread(_parse_json, b"".join(chunks))
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
+
+
 async def _completions(state: ServerState, request: Request) -> Response:
-    body = await _json_body(request)
+    body = await _json_body(request, state.limits)
     protocol.check_model(body, state.model_name)
     stream, include_usage = protocol.stream_options(body)
-    prompts = protocol.completion_prompts(body, state.tokenizer)
-    params = [
-        protocol.sampling_params(
-            body, chat_request=False, prompt_len=len(p), max_model_len=state.max_model_len
+    salt = protocol.cache_salt(body)
+
+    def inputs() -> tuple[list[list[int]], list[Any]]:
+        prompts = protocol.completion_prompts(
+            body, state.tokenizer, max_model_len=state.max_model_len, limits=state.limits
         )
-        for p in prompts
-    ]
+        params = [
+            protocol.sampling_params(
+                body,
+                chat_request=False,
+                prompt_len=len(p),
+                max_model_len=state.max_model_len,
+                limits=state.limits,
+            )
+            for p in prompts
+        ]
+        return prompts, params
+
+    prompts, params = await asyncio.to_thread(inputs)
     return await _serve(
         state,
         request,
@@ -136,20 +226,40 @@ async def _completions(state: ServerState, request: Request) -> Response:
         stream=stream,
         include_usage=include_usage,
         token_ids=_token_ids_flag(body),
+        cache_salt=salt,
     )
 
 
 async def _chat_completions(state: ServerState, request: Request) -> Response:
-    body = await _json_body(request)
+    body = await _json_body(request, state.limits)
     protocol.check_model(body, state.model_name)
     stream, include_usage = protocol.stream_options(body)
-    prompt = protocol.chat_prompt(body, state.chat_templates, state.tokenizer)
-    params = protocol.sampling_params(
-        body,
-        chat_request=True,
-        prompt_len=len(prompt.token_ids),
-        max_model_len=state.max_model_len,
-    )
+    salt = protocol.cache_salt(body)
+
+    def inputs() -> tuple[protocol.ChatPrompt, Any]:
+        prompt = protocol.chat_prompt(
+            body,
+            state.chat_templates,
+            state.tokenizer,
+            max_model_len=state.max_model_len,
+            limits=state.limits,
+        )
+        params = protocol.sampling_params(
+            body,
+            chat_request=True,
+            prompt_len=len(prompt.token_ids),
+            max_model_len=state.max_model_len,
+            limits=state.limits,
+        )
+        return prompt, params
+
+    # The renderer stops itself at its time limit (`chat.RenderLimits`); this bounds
+    # the wait should any work escape it (tokenizing is not bounded by it).
+    wait_s = state.limits.chat_template.time_s + 10.0
+    try:
+        prompt, params = await asyncio.wait_for(asyncio.to_thread(inputs), wait_s)
+    except TimeoutError:
+        raise ApiError(400, f"the chat prompt took over {wait_s} s to render") from None
     return await _serve(
         state,
         request,
@@ -160,6 +270,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         stream=stream,
         include_usage=include_usage,
         token_ids=_token_ids_flag(body),
+        cache_salt=salt,
     )
 
 
@@ -183,10 +294,11 @@ async def _serve(
     stream: bool,
     include_usage: bool,
     token_ids: bool,
+    cache_salt: str | None,
 ) -> Response:
     """Submits one engine request per prompt and answers with their completions."""
     submissions = [
-        Submission(f"{response_id}-{i}", {"prompt_token_ids": ids}, p)
+        Submission(f"{response_id}-{i}", {"prompt_token_ids": ids}, p, cache_salt)
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
     ]
     group = await state.front.submit(submissions)
@@ -316,5 +428,8 @@ async def _metrics(state: ServerState, request: Request) -> Response:
 
     stats = await state.front.stats()
     registry = CollectorRegistry()
-    registry.register(PrometheusCollector(lambda: stats, prefix=state.metrics_prefix))
+    collector = PrometheusCollector(lambda: stats, prefix=state.metrics_prefix)
+    if not state.expose_prefix_cache_metrics:
+        collector.COUNTERS = tuple(n for n in collector.COUNTERS if n not in PREFIX_CACHE_STATS)
+    registry.register(collector)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -39,11 +39,13 @@ class EngineDead(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Submission:
-    """One engine request of a group: its id, prompt (`Engine.add_request`'s) and params."""
+    """One engine request of a group: its id, prompt, params and cache salt
+    (`Engine.add_request`'s)."""
 
     request_id: str
     prompt: str | dict
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 class RequestGroup:
@@ -56,10 +58,11 @@ class RequestGroup:
     still come, with finish reason "abort").
     """
 
-    def __init__(self, front: AsyncEngine, request_ids: Sequence[str]) -> None:
+    def __init__(self, front: AsyncEngine, submissions: Sequence[Submission]) -> None:
         self._front = front
-        self.request_ids = tuple(request_ids)
-        self.unfinished = set(request_ids)
+        self.request_ids = tuple(s.request_id for s in submissions)
+        self.num_seqs = {s.request_id: s.params.n for s in submissions}
+        self.unfinished = set(self.request_ids)
         self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -82,8 +85,9 @@ class AsyncEngine:
 
     Args:
       engine: the engine, warmed up; from now on only the stepping thread touches it.
-      max_unfinished: the most requests submitted and not finished at once; a group
-        that would exceed it is refused with `QueueFull`.
+      max_unfinished: the most sequences (prompts times `n`) submitted and not finished
+        at once; a group that would exceed it is refused with `QueueFull`, one that
+        alone exceeds it with ValueError.
     """
 
     def __init__(self, engine: Engine, *, max_unfinished: int) -> None:
@@ -91,7 +95,7 @@ class AsyncEngine:
             raise ValueError(f"max_unfinished={max_unfinished} must be >= 1")
         self.engine = engine
         self.max_unfinished = max_unfinished
-        self.num_unfinished = 0  # read and written on the event loop only
+        self.num_unfinished = 0  # sequences; read and written on the event loop only
         self.dead = False
         # What the stepping thread runs next, in order: a function, and the future of its
         # result (None: nobody waits for it).
@@ -112,26 +116,41 @@ class AsyncEngine:
     async def submit(self, submissions: Sequence[Submission]) -> RequestGroup:
         """Validates and queues the requests of one HTTP request, all or none.
 
-        Raises QueueFull if they would take the unfinished requests past
+        Raises QueueFull if their sequences would take the unfinished ones past
         `max_unfinished`, EngineDead when the engine takes no more, and the engine's
         ValueError or TypeError (naming the field) for a request it rejects; then
-        nothing is queued.
+        nothing is queued. Requests are validated in a worker thread first, so that the
+        stepping thread only queues them.
         """
         if self.dead or self._stopping:
             raise EngineDead("the engine is shutting down or has failed")
-        if self.num_unfinished + len(submissions) > self.max_unfinished:
+        num_seqs = sum(s.params.n for s in submissions)
+        if num_seqs > self.max_unfinished:
+            raise ValueError(
+                f"the request has {num_seqs} sequences (prompts x n), and the server holds "
+                f"at most {self.max_unfinished} at once"
+            )
+        if self.num_unfinished + num_seqs > self.max_unfinished:
             raise QueueFull(
-                f"the server holds {self.num_unfinished} unfinished requests, and takes at "
+                f"the server holds {self.num_unfinished} unfinished sequences, and takes at "
                 f"most {self.max_unfinished}: retry later"
             )
-        group = RequestGroup(self, [s.request_id for s in submissions])
-        self.num_unfinished += len(submissions)
+        await asyncio.to_thread(self._validate, submissions)
+        group = RequestGroup(self, submissions)
+        self.num_unfinished += num_seqs
         try:
             await self._call(lambda: self._add(group, submissions))
         except BaseException:
-            self.num_unfinished -= len(submissions)
+            self.num_unfinished -= num_seqs
             raise
         return group
+
+    def end_in_flight(self, reason: str) -> None:
+        """Ends every request in flight now: their groups raise EngineDead(`reason`)
+        (HTTP 503), and the engine aborts them; no more are taken. On the event loop."""
+        logging.info("paxkv-serve: ending the requests in flight: %s", reason)
+        self._stopping = True
+        self._commands.put((lambda: self._fail_all(EngineDead(reason), abort=True), None))
 
     def abort(self, request_id: str) -> None:
         """Ends request `request_id` (its last output comes with finish reason "abort");
@@ -160,13 +179,16 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
+    def _validate(self, submissions: Sequence[Submission]) -> None:
+        """Checks the requests against the engine's limits; read-only, so any thread."""
+        for s in submissions:
+            self.engine.requests.validate(s.request_id, s.prompt, s.params)
+
     def _add(self, group: RequestGroup, submissions: Sequence[Submission]) -> None:
-        requests = self.engine.requests
-        for s in submissions:  # every one is checked before any is queued
-            requests.validate(s.request_id, s.prompt, s.params)
+        self._validate(submissions)  # again, now on the stepping thread: all or none
         for s in submissions:
             params = dataclasses.replace(s.params, output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(s.request_id, s.prompt, params)
+            self.engine.add_request(s.request_id, s.prompt, params, cache_salt=s.cache_salt)
             self._groups[s.request_id] = group
 
     def _stop(self) -> None:
@@ -193,7 +215,7 @@ class AsyncEngine:
                     self._deliver(engine.step())
         except Exception as e:
             logging.exception("paxkv-serve: the engine failed; failing every request in flight")
-            self._fail_all(e)
+            self._fail_all(EngineDead(f"the engine failed: {e}"))
             while True:  # callers still waiting on a command learn that it never ran
                 fn, future = self._commands.get()
                 if fn == self._stop:
@@ -222,19 +244,24 @@ class AsyncEngine:
         """On the event loop: puts each output in its group's queue."""
         for group, out in routed:
             if out.finished:
-                self.num_unfinished -= 1
+                self.num_unfinished -= group.num_seqs[out.request_id]
             group.outputs.put_nowait(out)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, error: EngineDead, *, abort: bool = False) -> None:
+        """Fails every group in flight with `error` (and with `abort`, aborts their
+        requests in the engine); the front end is dead from now on."""
         self.dead = True
         groups = dict.fromkeys(self._groups.values())
-        failed = len(self._groups)
+        failed = sum(g.num_seqs[rid] for rid, g in self._groups.items())
+        if abort:
+            for rid in self._groups:
+                self.engine.abort(rid)
         self._groups.clear()
 
         def fail() -> None:
             self.num_unfinished -= failed
             for group in groups:
-                group.outputs.put_nowait(EngineDead(f"the engine failed: {error}"))
+                group.outputs.put_nowait(error)
 
         self._loop.call_soon_threadsafe(fail)
 

@@ -52,12 +52,44 @@ _UNSUPPORTED = {
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server, checked at the door (400 naming the limit).
+
+    vLLM caps none of these but `max_logprobs` (the engine's, checked there); a public
+    endpoint needs them. `max_n` bounds `n` (and `best_of`); `max_prompts` the prompts
+    of one completions request; `max_prompt_chars` a text prompt before it is
+    tokenized (None: 32 characters per token of `max_model_len`); `max_messages` a
+    chat's messages; `max_stop` and `max_stop_chars` the stop strings (and stop token
+    ids) and each one's length; `max_body_bytes` the request body (413 past it).
+    `chat_template` bounds the rendering of every chat template (`chat.RenderLimits`);
+    `trust_request_chat_template` lets a request send its own (vLLM's
+    `--trust-request-chat-template`); else one may only name one of the checkpoint's.
+    """
+
+    max_n: int = 128
+    max_prompts: int = 256
+    max_prompt_chars: int | None = None
+    max_messages: int = 4096
+    max_stop: int = 64
+    max_stop_chars: int = 1024
+    max_body_bytes: int = 16 << 20
+    chat_template: chat.RenderLimits = dataclasses.field(default_factory=chat.RenderLimits)
+    trust_request_chat_template: bool = False
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        """The longest text prompt taken, in characters."""
+        return 32 * max_model_len if self.max_prompt_chars is None else self.max_prompt_chars
+
+
 class ApiError(Exception):
     """An error answered to the client: HTTP `status` and OpenAI's error object."""
 
     TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error",
         404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
         429: "rate_limit_error",
         500: "internal_server_error",
         503: "service_unavailable_error",
@@ -161,7 +193,12 @@ def _check_supported(body: Mapping[str, Any]) -> None:
 
 
 def sampling_params(
-    body: Mapping[str, Any], *, chat_request: bool, prompt_len: int, max_model_len: int
+    body: Mapping[str, Any],
+    *,
+    chat_request: bool,
+    prompt_len: int,
+    max_model_len: int,
+    limits: Limits = Limits(),
 ) -> SamplingParams:
     """The `SamplingParams` of a request body; 400 naming the field for a bad value.
 
@@ -171,6 +208,7 @@ def sampling_params(
     with `top_logprobs` (default 0) as k.
     """
     _check_supported(body)
+    _check_limits(body, limits)
     kwargs = {f: body[f] for f in _SAMPLING_FIELDS if body.get(f) is not None}
     if "stop_token_ids" in kwargs and not isinstance(kwargs["stop_token_ids"], list):
         raise ApiError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
@@ -207,9 +245,50 @@ def sampling_params(
     return params
 
 
-def completion_prompts(body: Mapping[str, Any], tokenizer: Any) -> list[list[int]]:
+def _check_limits(body: Mapping[str, Any], limits: Limits) -> None:
+    """400 for `n`, `best_of` or the stop strings past `limits`."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if _is_int(value) and value > limits.max_n:
+            raise ApiError(
+                400, f"{name}={value} is over this server's limit of {limits.max_n}", param=name
+            )
+    stop = body.get("stop")
+    for name, items in (
+        ("stop", [stop] if isinstance(stop, str) else stop),
+        ("stop_token_ids", body.get("stop_token_ids")),
+    ):
+        if isinstance(items, list) and len(items) > limits.max_stop:
+            raise ApiError(
+                400,
+                f"{name} has {len(items)} entries, over this server's limit of {limits.max_stop}",
+                param=name,
+            )
+    if isinstance(stop, (str, list)):
+        for s in [stop] if isinstance(stop, str) else stop:
+            if isinstance(s, str) and len(s) > limits.max_stop_chars:
+                raise ApiError(
+                    400,
+                    f"a stop string of {len(s)} characters is over this server's limit of "
+                    f"{limits.max_stop_chars}",
+                    param="stop",
+                )
+
+
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's `cache_salt`: requests with different salts never share cached pages."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(400, "cache_salt must be a non-empty string", param="cache_salt")
+    return salt
+
+
+def completion_prompts(
+    body: Mapping[str, Any], tokenizer: Any, *, max_model_len: int, limits: Limits = Limits()
+) -> list[list[int]]:
     """The token ids of each prompt of a completions body: `prompt` is a string, a list
-    of token ids, or a non-empty list of either."""
+    of token ids, or a non-empty list of either. Prompts longer than `max_model_len`
+    tokens, or than `limits.prompt_chars` before tokenizing, are refused (400)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "prompt is required", param="prompt")
@@ -224,21 +303,49 @@ def completion_prompts(body: Mapping[str, Any], tokenizer: Any) -> list[list[int
             f"got {prompt!r:.80}",
             param="prompt",
         )
-    return [_prompt_ids(i, p, tokenizer, len(prompts) > 1) for i, p in enumerate(prompts)]
+    if len(prompts) > limits.max_prompts:
+        raise ApiError(
+            400,
+            f"{len(prompts)} prompts are over this server's limit of {limits.max_prompts}",
+            param="prompt",
+        )
+    max_chars = limits.prompt_chars(max_model_len)
+    return [
+        _prompt_ids(i, p, tokenizer, len(prompts) > 1, max_model_len, max_chars)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _prompt_ids(i: int, prompt: Any, tokenizer: Any, many: bool) -> list[int]:
+def _prompt_ids(
+    i: int, prompt: Any, tokenizer: Any, many: bool, max_model_len: int, max_chars: int
+) -> list[int]:
     where = f"prompt[{i}]" if many else "prompt"
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError(
                 400, "this model has no tokenizer: send prompts as token ids", param="prompt"
             )
-        ids = list(tokenizer.encode(prompt))
+        if len(prompt) > max_chars:
+            raise ApiError(
+                400,
+                f"{where} of {len(prompt)} characters is over this server's limit of "
+                f"{max_chars} (before tokenizing)",
+                param="prompt",
+            )
+        try:
+            ids = list(tokenizer.encode(prompt))
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON's "\ud800")
+            raise ApiError(400, f"{where} is not valid Unicode: {e}", param="prompt") from None
+    elif isinstance(prompt, list) and len(prompt) > max_model_len:
+        raise ApiError(
+            400,
+            f"{where} of {len(prompt)} tokens is longer than max_model_len={max_model_len}",
+            param="prompt",
+        )
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = prompt
     else:
@@ -261,17 +368,45 @@ class ChatPrompt:
 
 
 def chat_prompt(
-    body: Mapping[str, Any], templates: chat.ChatTemplates, tokenizer: Any
+    body: Mapping[str, Any],
+    templates: chat.ChatTemplates,
+    tokenizer: Any,
+    *,
+    max_model_len: int,
+    limits: Limits = Limits(),
 ) -> ChatPrompt:
     """The prompt of a chat body: `messages` rendered with the chat template (the body's
     `chat_template`, else the server's) and tokenized with no special tokens added, as
     `LLM.chat` renders it. Text content parts (`[{"type": "text", "text": ...}]`) are
-    joined with newlines, as vLLM joins them."""
+    joined with newlines, as vLLM joins them.
+
+    Rendering is bounded by `limits.chat_template`; a body's own template (not the name
+    of one of the checkpoint's) is refused unless `limits.trust_request_chat_template`.
+    Runs for as long as rendering and tokenizing take: call it off the event loop."""
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, which chat needs", param="messages")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
+    if len(messages) > limits.max_messages:
+        raise ApiError(
+            400,
+            f"{len(messages)} messages are over this server's limit of {limits.max_messages}",
+            param="messages",
+        )
+    requested = body.get("chat_template")
+    if (
+        isinstance(requested, str)
+        and requested not in templates.templates
+        and not limits.trust_request_chat_template
+    ):
+        raise ApiError(
+            400,
+            "chat_template: this server renders only its own chat templates (by name: "
+            f"{sorted(templates.templates)}); it was not started with "
+            "--trust_request_chat_template",
+            param="chat_template",
+        )
     messages = [_flatten_content(j, m) for j, m in enumerate(messages)]
     flags = {}
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
@@ -284,19 +419,30 @@ def chat_prompt(
         raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
     try:
         (conversation,) = chat.parse_conversations([messages])
-        template = templates.get(body.get("chat_template"))
+        template = templates.get(requested)
         (text,) = chat.render(
             template,
             [conversation],
             special_tokens=templates.special_tokens,
             chat_template_kwargs=kwargs,
+            limits=limits.chat_template,
             **flags,
         )
     except (TypeError, ValueError, ImportError) as e:  # ImportError: no jinja2
-        message = str(e).replace("conversation 0, ", "")
+        message = str(e).replace("conversation 0, ", "").replace("conversation 0: ", "")
         param = "chat_template" if "template" in message else "messages"
         raise ApiError(400, message, param=param) from None
-    return ChatPrompt(text, chat.encode_rendered(tokenizer, text))
+    try:
+        ids = chat.encode_rendered(tokenizer, text)
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"messages are not valid Unicode: {e}", param="messages") from None
+    if len(ids) > max_model_len:
+        raise ApiError(
+            400,
+            f"the chat prompt of {len(ids)} tokens is longer than max_model_len={max_model_len}",
+            param="messages",
+        )
+    return ChatPrompt(text, ids)
 
 
 def _flatten_content(j: int, message: Any) -> Any:

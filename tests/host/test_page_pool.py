@@ -111,6 +111,19 @@ def test_mark_cached_keeps_the_first_page_for_a_key():
     checked(pool)
 
 
+def test_uncache_all_forgets_every_key_and_keeps_the_queue():
+    pool = PagePool(5)
+    a, b = pool.allocate(2)
+    assert pool.mark_cached(a, "ka") and pool.mark_cached(b, "kb")
+    pool.free([a])  # cached-evictable; b stays in use
+    pool.uncache_all()
+    checked(pool)
+    assert (pool.lookup("ka"), pool.lookup("kb"), pool.num_cached) == (None, None, 0)
+    assert (pool.refcount(a), pool.refcount(b), pool.num_free) == (0, 1, 3)
+    assert pool.allocate(3) == [3, 4, a]  # order kept; nothing evicted
+    assert pool.num_evictions == 0
+
+
 @pytest.mark.parametrize("num_pages", [-1, 0, 1])
 def test_too_few_pages_is_rejected(num_pages):
     with pytest.raises(ValueError, match="num_pages"):

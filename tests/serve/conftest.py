@@ -27,33 +27,42 @@ MAX_QUEUED = 24  # with max_num_seqs=8: 32 requests at once, more answered 429
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(port: int, *flags: str, log) -> subprocess.Popen:
+    """Starts `paxkv-serve` of the small engine on 127.0.0.1:`port`, its stdout and
+    stderr into the file `log`; returns at once."""
+    argv = [
+        sys.executable,
+        "-m",
+        "paxkv.launch.serve",
+        "--config=tiny-py",
+        f"--port={port}",
+        f"--max_model_len={MAX_MODEL_LEN}",
+        f"--max_queued_requests={MAX_QUEUED}",
+        f"--chat_template={CHAT_TEMPLATE}",
+        *(f"--{k}={v}" for k, v in ENGINE.items()),
+        *flags,
+    ]
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
 class Server:
     """A `paxkv-serve` subprocess; `url` is its API root (…/v1)."""
 
     def __init__(self, *flags: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
-        argv = [
-            sys.executable,
-            "-m",
-            "paxkv.launch.serve",
-            "--config=tiny-py",
-            f"--port={self.port}",
-            f"--max_model_len={MAX_MODEL_LEN}",
-            f"--max_queued_requests={MAX_QUEUED}",
-            f"--chat_template={CHAT_TEMPLATE}",
-            *(f"--{k}={v}" for k, v in ENGINE.items()),
-            *flags,
-        ]
-        env = os.environ | {"JAX_PLATFORMS": "cpu"}
         # A file, not a pipe: nobody reads the log while the server runs.
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True
-        )
+        self.proc = launch(self.port, *flags, log=self.log)
         self._wait_ready(timeout_s=180)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -98,7 +107,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server()
+    # Trusting clients' chat templates and showing the prefix-cache counters: the
+    # tests of both run here (tests/serve/test_limits.py runs a server without them).
+    s = Server("--trust_request_chat_template", "--expose_prefix_cache_metrics")
     yield s
     s.stop()
 

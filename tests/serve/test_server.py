@@ -296,3 +296,75 @@ def test_bench_client_measures_a_poisson_trace(server):
     assert summary["total_output_tokens"] == sum(trace.output_lens)
     assert 0 < summary["ttft"]["p50_ms"] <= summary["e2e_latency"]["p99_ms"]
     assert "TTFT" in bench_client.format_summary(summary)
+
+
+# Client chat templates that would take the server's time or memory, were they not bounded.
+HOSTILE_TEMPLATES = [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{{ 'x' * 10**9 }}",
+]
+
+
+def refused_quickly_while_health_answers(server, body, *, within_s):
+    """The chat request's response (asserted 400 within `within_s`), /health polled
+    meanwhile: every poll answered within a second."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        pending = pool.submit(httpx.post, f"{server.url}/chat/completions", json=body, timeout=60)
+        polls = []
+        while not pending.done():
+            t0 = time.monotonic()
+            assert httpx.get(f"{server.base}/health", timeout=5).status_code == 200
+            polls.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        r = pending.result()
+    took = time.monotonic() - start
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template"
+    assert took < within_s, took
+    assert max(polls, default=0) < 1.0, polls
+    return r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("template", HOSTILE_TEMPLATES)
+def test_trusted_client_templates_are_bounded_in_time_and_size(server, template):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template}
+    message = refused_quickly_while_health_answers(server, body, within_s=10)
+    assert "limit" in message
+    # The server serves on.
+    r = httpx.post(
+        f"{server.url}/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
+def prefix_hits(server) -> float:
+    return server.metrics()["paxkv:prefix_cache_hits_total"]
+
+
+def test_cache_salt_separates_tenants(server):
+    # 40 byte tokens: two full pages of 16 to share, when the salts let them.
+    prompt = "tenant secret: the launch code is 123456"
+    assert len(prompt.encode()) == 40
+
+    def complete(salt):
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+
+    complete("tenant-a")
+    wait_idle(server)
+    before = prefix_hits(server)
+    complete("tenant-b")
+    complete(None)
+    wait_idle(server)
+    assert prefix_hits(server) == before  # another salt, or none: nothing shared
+    complete("tenant-a")
+    wait_idle(server)
+    assert prefix_hits(server) == before + 32  # the same salt: both full pages
+    r = httpx.post(f"{server.url}/completions", json={"prompt": "x", "cache_salt": 3}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

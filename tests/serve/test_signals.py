@@ -1,0 +1,94 @@
+"""Signals end paxkv-serve cleanly whenever they come: status 0, no crash.
+
+Before the server listens (importing JAX, loading, compiling) SIGTERM or SIGINT ends it
+at once; while it drains after one, a second one ends the wait.
+"""
+
+import signal
+import socket
+import tempfile
+import time
+
+import httpx
+import pytest
+from conftest import Server, free_port, launch
+
+CRASHES = ("Segmentation fault", "Fatal Python error", "Traceback")
+WARMUP = "paxkv: compiling"  # the engine's log line as its warm-up starts
+
+
+def read(log) -> str:
+    log.seek(0)
+    return log.read()
+
+
+def listening(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("sig", "when"),
+    [
+        (signal.SIGTERM, 0.5),
+        (signal.SIGINT, 2.0),
+        (signal.SIGTERM, 5.0),
+        (signal.SIGTERM, WARMUP),
+        (signal.SIGINT, WARMUP),
+    ],
+    ids=lambda v: v.name if isinstance(v, signal.Signals) else str(v).replace(" ", "-"),
+)
+def test_a_signal_before_the_server_listens_exits_0(sig, when):
+    port = free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = launch(port, log=log)
+        try:
+            if isinstance(when, str):  # as soon as the log says so
+                deadline = time.monotonic() + 120
+                while when not in read(log) and time.monotonic() < deadline:
+                    assert proc.poll() is None, read(log)
+                    time.sleep(0.05)
+                assert when in read(log), read(log)
+            else:
+                time.sleep(when)
+            assert proc.poll() is None and not listening(port), read(log)
+            proc.send_signal(sig)
+            status = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out = read(log)
+    assert status == 0, out
+    assert not [c for c in CRASHES if c in out], out
+    assert (
+        f"paxkv-serve: {sig.name}: exiting" in out
+    )  # our handler ended it  # our handler ended it
+
+
+def test_a_second_signal_during_the_drain_exits_0_at_once():
+    server = Server("--shutdown_grace_s=120")
+    # A request whose body never finishes: the drain would wait for it for the whole
+    # grace period.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as client:
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        try:
+            time.sleep(0.5)  # the server is reading its body
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert server.proc.poll() is None, "the drain ended before the second signal"
+            sent = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            status = server.proc.wait(timeout=30)
+            took = time.monotonic() - sent
+            out = server.output()
+        finally:
+            server.stop()
+    assert status == 0, out
+    assert took < 10, took
+    assert not [c for c in CRASHES if c in out], out

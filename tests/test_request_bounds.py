@@ -1,0 +1,29 @@
+"""SamplingParams' integer fields fit the device's int32; text prompts are valid Unicode."""
+
+import pytest
+
+from paxkv import SamplingParams
+from paxkv.request import normalize_prompt
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("n", 2**64), ("top_k", 2**31), ("max_tokens", 2**40), ("logprobs", 2**31), ("seed", 2**31)],
+)
+def test_integer_fields_past_int32_are_value_errors_naming_them(field, value):
+    with pytest.raises(ValueError, match=rf"{field}={value} must be"):
+        SamplingParams(**{field: value})
+    SamplingParams(**{field: 2**31 - 1})  # the largest is taken
+
+
+def test_stop_token_ids_past_int32():
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\]=2147483648"):
+        SamplingParams(stop_token_ids=[1, 2**31])
+
+
+def test_a_lone_surrogate_is_a_value_error():
+    with pytest.raises(ValueError, match=r"not valid Unicode.*position 2"):
+        normalize_prompt("ab\ud800c")
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        normalize_prompt({"prompt": "\udfff"})
+    assert normalize_prompt("ab") == ("ab", None)
