@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -17,6 +16,7 @@ from tqdm import tqdm
 
 from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
+from paxkv.output_router import OutputRouter
 from paxkv.progress import logging_above_bars
 from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
 from paxkv.sharding import shardings
@@ -101,11 +101,8 @@ class LLM:
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
-        # The outputs of each live call's requests not yet taken by it, by request id
-        # (one queue per call); see `_outputs`.
-        self._inbox: dict[str, collections.deque[RequestOutput]] = {}
-        self._stepping = False
-        self._deferred_aborts: list[str] = []
+        # Each live call's outputs, kept for it while another call steps the engine.
+        self._router = OutputRouter(self.engine)
         # Where `chat` finds the chat template: the checkpoint's directory (none for presets).
         name = os.fspath(model)
         self._checkpoint_dir = (
@@ -224,7 +221,7 @@ class LLM:
             for rid, p in zip(ids, params, strict=True)
             if p.output_kind is RequestOutputKind.DELTA
         }
-        yield from self._outputs(ids, bar, deltas)
+        yield from self._router.outputs(ids, bar, deltas)
 
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
         """Installs new weights without a recompilation (`Engine.update_weights`);
@@ -285,72 +282,10 @@ class LLM:
         ids, _ = self._submit(
             prompts, sampling_params, what=what, output_kind=RequestOutputKind.FINAL_ONLY
         )
-        final = {out.request_id: out for out in self._outputs(ids, bar, set()) if out.finished}
+        final = {
+            out.request_id: out for out in self._router.outputs(ids, bar, set()) if out.finished
+        }
         return [final[i] for i in ids]
-
-    def _outputs(self, ids: list[str], bar: _Progress, deltas: set[str]) -> Iterator[RequestOutput]:
-        """Yields the outputs of requests `ids`, and of no others, in the order the
-        engine reports them, until each has finished; counts them on `bar` (`deltas`: the
-        ids whose outputs are deltas). Steps the engine while it has none of them to
-        yield: other calls' outputs reported meanwhile are kept for those calls. However
-        it ends early (closed, garbage-collected, or an exception, KeyboardInterrupt
-        included) it aborts its unfinished requests; once closed it steps once more to
-        report them, unless it is closed inside a step."""
-        box: collections.deque[RequestOutput] = collections.deque()
-        for rid in ids:
-            self._inbox[rid] = box
-        unfinished = dict.fromkeys(ids)
-        closed = False
-        try:
-            bar.start(len(ids))
-            while unfinished:
-                if not box:
-                    self._step()
-                    continue
-                out = box.popleft()
-                bar.advanced(out, delta=out.request_id in deltas)
-                if out.finished:
-                    del unfinished[out.request_id]
-                yield out
-        except GeneratorExit:
-            closed = True
-            raise
-        finally:
-            bar.close()
-            for rid in ids:
-                self._inbox.pop(rid, None)
-            for rid in unfinished:
-                self._abort(rid)
-            if closed and unfinished and not self._stepping:
-                self._step()  # reports, and so forgets, the aborted requests
-
-    def _step(self) -> None:
-        """Runs one engine step and files each output for the call that waits for its
-        request; outputs no call waits for (an ended call's) are dropped."""
-        if not self.engine.has_unfinished():
-            raise RuntimeError(
-                "requests of this call are unfinished but the engine has none: were their "
-                "outputs taken by a direct engine.step()?"
-            )
-        self._stepping = True  # till every output is filed: a stream closed meanwhile waits
-        try:
-            for out in self.engine.step():
-                box = self._inbox.get(out.request_id)
-                if box is not None:
-                    box.append(out)
-        finally:
-            self._stepping = False
-            deferred, self._deferred_aborts = self._deferred_aborts, []
-            for rid in deferred:
-                self.engine.abort(rid)
-
-    def _abort(self, request_id: str) -> None:
-        """Aborts a request now, or after the step in progress (a stream collected inside
-        one)."""
-        if self._stepping:
-            self._deferred_aborts.append(request_id)
-        else:
-            self.engine.abort(request_id)
 
     def _submit(
         self,

@@ -20,8 +20,9 @@ from flax import nnx
 
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
+from paxkv.engine.endings import Endings
 from paxkv.engine.pipeline import AsyncPipeline
-from paxkv.engine.requests import Request, RequestRegistry
+from paxkv.engine.requests import RequestRegistry
 from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.sync_step import SyncStepper
 from paxkv.engine.weights_update import WeightUpdater
@@ -98,14 +99,14 @@ class Engine:
             buckets=self._buckets,
             history_slack=config.num_decode_steps,
         )
-        # Reported by the next step: aborted requests, and what a weight update's steps made.
-        self._aborted: list[RequestOutput] = []
         self.metrics = EngineMetrics()
+        # Final outputs of ended requests, reported by the next step.
+        self.endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
         self._stepper = SyncStepper(
             self.runner,
             self.scheduler,
             self.batch_builder,
-            report=self.report,
+            report=self.endings.report,
             metrics=self.metrics,
             eos_token_ids=self.eos_token_ids,
             num_decode_steps=config.num_decode_steps,
@@ -115,23 +116,24 @@ class Engine:
                 self.runner,
                 self.scheduler,
                 self.batch_builder,
-                report=self.report,
+                report=self.endings.report,
                 on_token=self.metrics.on_token,
                 eos_token_ids=self.eos_token_ids,
             )
             if config.async_scheduling
             else None
         )
+        self.endings.pipeline = self._pipeline
         self.paused = False  # `pause`: `step` then does nothing
         self._weights = WeightUpdater(
             self.runner,
             self.scheduler,
             self.requests,
             self._pipeline,
-            end_request=self._end_request,
+            end_request=self.endings.end,
             step=self.step,
             has_unfinished=self.has_unfinished,
-            defer=self._defer,
+            defer=self.endings.defer,
         )
 
     @property
@@ -190,7 +192,7 @@ class Engine:
         different `cache_salt` never share prefix-cache pages. An id may be used again
         once its request's final output was reported (an aborted one's: by `step`).
         """
-        if any(o.request_id == request_id for o in self._aborted):
+        if self.endings.is_pending(request_id):
             raise ValueError(
                 f"request_id={request_id!r} was aborted and its final output is not yet "
                 "reported: reuse the id after the next step"
@@ -212,26 +214,8 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Ends a request now (finish reason "abort") and frees every page it holds; the
         next `step` reports it. An unknown or already finished id is a no-op, as in vLLM."""
-        if self._end_request(str(request_id)) is None:
+        if self.endings.end(str(request_id)) is None:
             logging.debug("paxkv: abort(%r): no unfinished request of that id", request_id)
-
-    def _end_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
-        """Aborts a request (with `error`: because something tied to it failed); the next
-        `step` reports it. None if it is not unfinished."""
-        req = self.requests.pop(request_id)
-        if req is None:
-            return None
-        self.scheduler.abort(req.seqs)
-        if self._pipeline is not None:
-            self._pipeline.forget(req.seqs)
-        try:
-            out = req.output(self.tokenizer)
-        except Exception:  # what failed may be the output itself: report the bare tokens
-            out = req.bare_output()
-        out.error = error
-        self._aborted.append(out)
-        self._on_finished(req)
-        return out
 
     def _after_failed_step(self, error: BaseException) -> None:
         """Makes the engine usable after a step raised `error`. A sync step's host state
@@ -248,27 +232,17 @@ class Engine:
         message = f"{what} was lost: a step raised {type(error).__name__}"
         logging.error("paxkv: %s; aborting the running requests", message)
         for rid in dict.fromkeys(seq.request_id for seq in self.scheduler.running):
-            self._end_request(rid, message)
+            self.endings.end(rid, message)
         if self._pipeline is not None:
             self._pipeline.inflight = None  # its sequences are all aborted
         if lost:
             self.pool.uncache_all()
 
-    def end_failed(self) -> None:
-        """Ends the requests of sequences whose host work failed (`Scheduler.fail`):
-        finish reason "abort" and the error in their output; the others go on."""
-        for seq, error in self.scheduler.take_failed():
-            out = self._end_request(seq.request_id, error)
-            if out is not None:
-                logging.warning(
-                    "paxkv: request %r failed and was aborted: %s", seq.request_id, error
-                )
-
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, or ended but not yet reported by `step`."""
         return (
             self.scheduler.has_unfinished()
-            or bool(self._aborted)
+            or self.endings.pending
             or (self._pipeline is not None and self._pipeline.busy)
         )
 
@@ -302,14 +276,13 @@ class Engine:
             return []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        self.end_failed()
+        self.endings.end_failed()
         plan = self.scheduler.prune(plan)
         t_sched = time.perf_counter()
         if not plan.chunks and (self._pipeline is None or not self._pipeline.busy):
-            if self.scheduler.has_unfinished() and not self._aborted:
+            if self.scheduler.has_unfinished() and not self.endings.pending:
                 raise RuntimeError("the scheduler made no progress with requests pending")
-            aborted, self._aborted = self._aborted, []
-            return aborted
+            return self.endings.take()
         try:
             if self._pipeline is not None:
                 outputs, t1, t2 = self._pipeline.step(plan)
@@ -318,28 +291,10 @@ class Engine:
         except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
             self._after_failed_step(e)
             raise
-        self.end_failed()
+        self.endings.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
         self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)
-        aborted, self._aborted = self._aborted, []
-        return aborted + outputs
-
-    def report(self, request_ids) -> list[RequestOutput]:
-        """The outputs of the requests `request_ids` now; finished ones are forgotten.
-        Requests whose host work failed are ended first (`end_failed`)."""
-        self.end_failed()
-        outputs, finished = self.requests.report(request_ids)
-        for req in finished:
-            self._on_finished(req)
-        return outputs
-
-    def _defer(self, outputs: list[RequestOutput]) -> None:
-        """Reports `outputs` with the next step's (before them)."""
-        self._aborted[:0] = outputs
-
-    def _on_finished(self, req: Request) -> None:
-        for seq in req.seqs:
-            self.metrics.on_finish(seq)
+        return self.endings.take() + outputs
 
     # Introspection.
 

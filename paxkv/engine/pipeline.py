@@ -40,7 +40,7 @@ class AsyncPipeline:
       runner: dispatches steps and fetches their samples.
       scheduler: records the placeholders and their resolved tokens.
       batch_builder: lays out each plan.
-      report: the outputs of the given request ids now (`Engine.report`).
+      report: the outputs of the given request ids now (`Endings.report`).
       on_token: called with the time since a sequence's previous token (None for its
         first) for each token resolved.
       eos_token_ids: the model's end-of-sequence tokens.

@@ -28,7 +28,7 @@ class SyncStepper:
       runner: dispatches steps (or N-step decode loops) and fetches their samples.
       scheduler: reserves pages ahead and records the samples.
       batch_builder: lays out each plan.
-      report: the outputs of the given request ids now (`Engine.report`).
+      report: the outputs of the given request ids now (`Endings.report`).
       metrics: counts decode loops and the gaps between tokens.
       eos_token_ids: the model's end-of-sequence tokens.
       num_decode_steps: decode iterations per compiled call when a plan allows it.

@@ -46,7 +46,7 @@ class WeightUpdater:
       scheduler: preempts for "recompute" and holds the queue "wait" holds back.
       requests: the engine's requests, told each new version.
       pipeline: the async pipeline, drained first (None without async scheduling).
-      end_request: aborts a request with a reason (`Engine._end_request`).
+      end_request: aborts a request with a reason (`Endings.end`).
       step: runs one engine step ("wait" steps until the started requests finish).
       has_unfinished: whether the engine has requests left.
       defer: hands outputs of the steps an update ran to the engine's next `step`.

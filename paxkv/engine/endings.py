@@ -1,0 +1,102 @@
+"""How an engine's requests end and are reported.
+
+A request ends finished (its outputs reported by the step that finished it, then
+forgotten) or aborted: by `Engine.abort`, because host work tied to it failed
+(`Scheduler.fail`), or by a weight update or a lost KV cache. An aborted request's pages
+go back to the pool at once, and its final output waits here until the next step
+reports it, exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import logging
+
+from paxkv.engine.requests import Request, RequestRegistry
+from paxkv.host.scheduler import Scheduler
+from paxkv.metrics import EngineMetrics
+from paxkv.request import RequestOutput
+
+
+class Endings:
+    """The final outputs an engine owes its next step, and how requests end.
+
+    Args:
+      requests: the engine's requests.
+      scheduler: frees an ended request's sequences and names the failed ones.
+      metrics: told of every request that ends.
+      tokenizer: detokenizes a final output (None: token ids only).
+    """
+
+    def __init__(
+        self,
+        requests: RequestRegistry,
+        scheduler: Scheduler,
+        metrics: EngineMetrics,
+        tokenizer: Any,
+    ) -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.pipeline: Any = None  # the async pipeline, told to forget ended sequences
+        self._pending: list[RequestOutput] = []  # reported by the next step
+
+    @property
+    def pending(self) -> bool:
+        """Whether final outputs wait for the next step."""
+        return bool(self._pending)
+
+    def is_pending(self, request_id: str) -> bool:
+        """Whether `request_id` ended and its final output is not yet reported."""
+        return any(o.request_id == request_id for o in self._pending)
+
+    def end(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Aborts a request (with `error`: because something tied to it failed); the next
+        step reports it. None if it is not unfinished."""
+        req = self.requests.pop(request_id)
+        if req is None:
+            return None
+        self.scheduler.abort(req.seqs)
+        if self.pipeline is not None:
+            self.pipeline.forget(req.seqs)
+        try:
+            out = req.output(self.tokenizer)
+        except Exception:  # what failed may be the output itself: report the bare tokens
+            out = req.bare_output()
+        out.error = error
+        self._pending.append(out)
+        self._finished(req)
+        return out
+
+    def end_failed(self) -> None:
+        """Ends the requests of sequences whose host work failed (`Scheduler.fail`):
+        finish reason "abort" and the error in their output; the others go on."""
+        for seq, error in self.scheduler.take_failed():
+            if self.end(seq.request_id, error) is not None:
+                logging.warning(
+                    "paxkv: request %r failed and was aborted: %s", seq.request_id, error
+                )
+
+    def report(self, request_ids) -> list[RequestOutput]:
+        """The outputs of the requests `request_ids` now; finished ones are forgotten.
+        Requests whose host work failed are ended first (`end_failed`)."""
+        self.end_failed()
+        outputs, finished = self.requests.report(request_ids)
+        for req in finished:
+            self._finished(req)
+        return outputs
+
+    def defer(self, outputs: list[RequestOutput]) -> None:
+        """Reports `outputs` with the next step's (before the other pending ones)."""
+        self._pending[:0] = outputs
+
+    def take(self) -> list[RequestOutput]:
+        """The pending final outputs, now reported (forgotten here)."""
+        taken, self._pending = self._pending, []
+        return taken
+
+    def _finished(self, req: Request) -> None:
+        for seq in req.seqs:
+            self.metrics.on_finish(seq)
