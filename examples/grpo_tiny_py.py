@@ -114,9 +114,15 @@ def rollout(
     length: int,
     tag: str,
 ) -> Rollout:
-    """Samples `params.n` completions of every prompt through `engine`; packs each
-    prompt + completion into a row of `length` tokens."""
-    ids = [engine.add_request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    """Samples `params.n` completions of every prompt through `engine` (prompt i's
+    completions with seeds `params.seed + i * n + j`, all distinct); packs each prompt +
+    completion into a row of `length` tokens."""
+    ids = [
+        engine.add_request(
+            f"{tag}-{i}", p, dataclasses.replace(params, seed=params.seed + i * params.n)
+        )
+        for i, p in enumerate(prompts)
+    ]
     final = engine.run_until_done()
     n = len(prompts) * params.n
     tokens = np.zeros((n, length), np.int32)
@@ -200,7 +206,7 @@ def run(
             n=group_size,
             temperature=1.0,
             max_tokens=max_tokens,
-            seed=(seed * 1_000_003 + it * 1_000) % 2**31,
+            seed=(seed * 1_000_003 + it * 1_000) % 2**30,
             logprobs=0,
         )
         t = time.perf_counter()
@@ -217,8 +223,9 @@ def run(
         gap = float(np.max(np.abs(logps - batch.engine_logps) * batch.mask))
 
         t = time.perf_counter()
+        # It returns after its finiteness check has read every new array, so the time
+        # includes the copies.
         version = engine.update_weights(params)
-        jax.block_until_ready(engine.runner.params)
         t_update = time.perf_counter() - t
 
         record = Iteration(
