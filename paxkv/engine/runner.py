@@ -26,7 +26,7 @@ from paxkv.engine.params import ParamSource
 from paxkv.engine.sampling import Sampled
 from paxkv.engine.step import DecodeLimits, StepBatch
 from paxkv.host.batch import HostBatch
-from paxkv.host.kv_groups import KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache
 from paxkv.sharding import shardings
 
@@ -100,7 +100,7 @@ class ModelRunner(StepRunner):
         self.mesh = mesh
         # On a mesh the cache is born sharded: no device ever holds all of it.
         # Which layers share a page table (one group unless the model mixes windows).
-        self.kv_groups = KVGroupLayout.for_model(mc, hybrid=config.hybrid_kv_cache)
+        self.kv_groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
         self.kv_cache = self._new_cache()
         if mesh is not None:  # weights spread over the mesh's devices (a no-op for
             # weights loaded into their shardings already, `paxkv.models.load_model`)
@@ -238,7 +238,7 @@ class FakeRunner(StepRunner):
         max_position_embeddings: int | None = None,
         layer_windows: tuple[int | None, ...] = (None,),
     ) -> None:
-        self.kv_groups = KVGroupLayout.from_windows(layer_windows, hybrid=config.hybrid_kv_cache)
+        self.kv_groups = KVCacheGroups.from_windows(layer_windows, hybrid=config.hybrid_kv_cache)
         self.model_config = types.SimpleNamespace(
             vocab_size=vocab_size,
             eos_token_ids=eos_token_ids,
