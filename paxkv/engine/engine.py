@@ -11,7 +11,7 @@ that it stays flat after warm-up.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +29,7 @@ from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
 from paxkv.metrics import EngineMetrics, engine_stats
-from paxkv.request import RequestOutput, SamplingParams
+from paxkv.request import RequestOutput, SamplingParams, check_token_ids
 from paxkv.sharding import shardings
 
 
@@ -203,11 +203,56 @@ class Engine:
             arrival_time=arrival_time,
             cache_salt=cache_salt,
         )
+        return self._queue(req)
+
+    def _queue(self, req: Request) -> str:
         self.metrics.on_arrival(req.arrival_time)
         self.metrics.prompt_tokens += len(req.prompt_token_ids)
         for seq in req.seqs:
             self.scheduler.add(seq)
         return req.request_id
+
+    def add_score_request(
+        self,
+        request_id: str | None,
+        prompt_token_ids: Sequence[int],
+        completion_token_ids: Sequence[int],
+        *,
+        top_logprobs: int = 0,
+        priority: int = 0,
+    ) -> str:
+        """Queues a teacher-forced scoring of `completion_token_ids` after
+        `prompt_token_ids`; returns its id. It generates nothing: its output, finished
+        right after its prefill (reason "length"), has `scores`, f32[len(completion)],
+        each completion token's logprob given everything before it (and in
+        `prompt_logprobs` those positions' entries with `top_logprobs` alternatives).
+        The prompt part may come from the prefix cache, so the completions of one
+        prompt share its pages. Raises ValueError to reject it (e.g. an id outside the
+        vocabulary, or prompt + completion longer than max_model_len).
+        """
+        prompt = check_token_ids("prompt_token_ids", prompt_token_ids, lo=None)
+        completion = check_token_ids("completion_token_ids", completion_token_ids, lo=None)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty: the first token has no logprob")
+        vocab, max_len = self.model_config.vocab_size, self.config.max_model_len
+        for name, ids in (("prompt_token_ids", prompt), ("completion_token_ids", completion)):
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}[{bad}]={ids[bad]} is outside the vocabulary [0, {vocab})")
+        if len(prompt) + len(completion) > max_len:
+            raise ValueError(
+                f"completion_token_ids: {len(completion)} tokens after a prompt of "
+                f"{len(prompt)} exceed max_model_len={max_len}"
+            )
+        params = SamplingParams(max_tokens=0, prompt_logprobs=top_logprobs)
+        req = self.requests.create(
+            request_id,
+            {"prompt_token_ids": prompt + completion},
+            params,
+            priority=priority,
+            score_from=len(prompt),
+        )
+        return self._queue(req)
 
     def abort(self, request_id: str) -> None:
         """Ends a request now (finish reason "abort") and frees every page it holds; the
@@ -327,7 +372,9 @@ class Engine:
         """Compiles every bucket now, so no request waits for a compilation later.
 
         `progress(done, total)` is called after each shape (for a progress bar).
-        Steps with penalties compile their history bucket when they first run.
+        Steps with penalties compile their history bucket when they first run, and
+        steps that score prompt rows (`prompt_logprobs`, `add_score_request`) their
+        scored-row bucket R (`HostBatch.score_rows`), once per (T, R) shape.
         """
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))
