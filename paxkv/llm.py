@@ -11,13 +11,14 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
 from paxkv.progress import logging_above_bars
-from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
+from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams, check_token_ids
 from paxkv.sharding import shardings
 
 Prompts = str | dict | Sequence[str | dict]
@@ -230,6 +231,62 @@ class LLM:
                 self.engine.abort(rid)
             if pending:
                 self.engine.step()  # reports, and so forgets, the aborted requests
+
+    def score(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        completions: Sequence[str | Sequence[int]],
+        *,
+        use_tqdm: UseTqdm = False,
+    ) -> list[np.ndarray]:
+        """Teacher-forced log-probabilities: for each pair `(prompts[i], completions[i])`,
+        f32[len(completion tokens)], each completion token's logprob given the prompt and
+        the completion tokens before it, under the raw distribution (log_softmax of the
+        f32 logits). Nothing is generated.
+
+        A prompt or completion is a string (tokenized on its own: the completion's
+        tokens follow the prompt's) or a list of token ids. Pairs are scored in one
+        batch (`Engine.add_score_request`); to score n completions of one prompt, repeat
+        the prompt: they share its cached pages. Every pair is validated before any
+        runs: a bad one raises ValueError naming its index.
+        """
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+        if self.engine.paused:
+            raise RuntimeError("the engine is paused: engine.resume() it first")
+        pairs = [
+            (self._token_ids("prompts", i, p), self._token_ids("completions", i, c))
+            for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+        ]
+        ids = [str(next(self._request_ids)) for _ in pairs]
+        for i, (rid, (p, c)) in enumerate(zip(ids, pairs, strict=True)):
+            try:
+                self.engine.add_score_request(rid, p, c)
+            except (TypeError, ValueError) as e:
+                for queued in ids[:i]:
+                    self.engine.abort(queued)
+                self.engine.step()  # reports, and so forgets, the aborted requests
+                raise type(e)(f"pair {i}: {e}") from None
+        bar = _Progress(use_tqdm)
+        bar.start(len(ids))
+        final: dict[str, np.ndarray] = {}
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.scores is not None:
+                        final[out.request_id] = out.scores
+                        bar.advanced(out, delta=False)
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def _token_ids(self, what: str, index: int, text_or_ids: Any) -> list[int]:
+        """A prompt or completion of `score` as token ids (a string is tokenized)."""
+        if not isinstance(text_or_ids, str):
+            return check_token_ids(f"{what}[{index}]", text_or_ids, lo=None)
+        if self.engine.tokenizer is None:
+            raise ValueError(f"{what}[{index}] is a string, and the model has no tokenizer")
+        return list(self.engine.tokenizer.encode(text_or_ids))
 
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
         """Installs new weights without a recompilation (`Engine.update_weights`);

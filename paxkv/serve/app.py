@@ -136,6 +136,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
         stream=stream,
         include_usage=include_usage,
         token_ids=_token_ids_flag(body),
+        echo=body.get("echo") is True,
     )
 
 
@@ -183,6 +184,7 @@ async def _serve(
     stream: bool,
     include_usage: bool,
     token_ids: bool,
+    echo: bool = False,
 ) -> Response:
     """Submits one engine request per prompt and answers with their completions."""
     submissions = [
@@ -196,6 +198,8 @@ async def _serve(
         chat_response=chat_response,
         top_logprobs=params[0].logprobs or 0,
         token_ids=token_ids,
+        echo=echo,
+        decode=None if state.tokenizer is None else state.tokenizer.decode,
     )
     header = {
         "id": response_id,
