@@ -207,3 +207,28 @@ def test_fake_runner_host_path_scores():
     out = engine.run_until_done()["s"]
     np.testing.assert_array_equal(out.scores, np.full(30, -1.0, np.float32))
     assert [d and next(iter(d)) for d in out.prompt_logprobs[10:]] == list(range(20, 50))
+
+
+def test_llm_score_pairs_strings_and_ids(tiny):
+    from paxkv import LLM
+
+    config, model, _ = tiny
+    llm = LLM("tiny", dtype="float32", warmup=False, config=small_config(64, max_logprobs=K))
+    prompt = _tokens(config.vocab_size, 20, 21)
+    comps = [_tokens(config.vocab_size, n, 30 + n) for n in (4, 9)]
+    # Two completions of one prompt (repeated: they share its cached pages), and a
+    # string pair (the tiny model's tokenizer is bytes).
+    got = llm.score([prompt, prompt, "def f(x):"], [comps[0], comps[1], " return x"])
+    for p, c, s in zip([prompt, prompt], comps, got, strict=False):
+        dense = _dense_logprobs(model, p + c)
+        np.testing.assert_allclose(
+            s, [dense[len(p) + j - 1, t] for j, t in enumerate(c)], atol=ATOL
+        )
+    p, c = list(b"def f(x):"), list(b" return x")
+    dense = _dense_logprobs(model, p + c)
+    np.testing.assert_allclose(
+        got[2], [dense[len(p) + j - 1, t] for j, t in enumerate(c)], atol=ATOL
+    )
+    with pytest.raises(ValueError, match=r"pair 1: completion_token_ids\[0\]"):
+        llm.score([prompt, prompt], [comps[0], [config.vocab_size]])
+    assert not llm.engine.has_unfinished()  # the valid pair before it was withdrawn
