@@ -29,7 +29,7 @@ from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
 from paxkv.metrics import EngineMetrics, engine_stats
-from paxkv.request import RequestOutput, SamplingParams, check_token_ids
+from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
 
 
@@ -221,36 +221,13 @@ class Engine:
         top_logprobs: int = 0,
         priority: int = 0,
     ) -> str:
-        """Queues a teacher-forced scoring of `completion_token_ids` after
-        `prompt_token_ids`; returns its id. It generates nothing: its output, finished
-        right after its prefill (reason "length"), has `scores`, f32[len(completion)],
-        each completion token's logprob given everything before it (and in
-        `prompt_logprobs` those positions' entries with `top_logprobs` alternatives).
-        The prompt part may come from the prefix cache, so the completions of one
-        prompt share its pages. Raises ValueError to reject it (e.g. an id outside the
-        vocabulary, or prompt + completion longer than max_model_len).
-        """
-        prompt = check_token_ids("prompt_token_ids", prompt_token_ids, lo=None)
-        completion = check_token_ids("completion_token_ids", completion_token_ids, lo=None)
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty: the first token has no logprob")
-        vocab, max_len = self.model_config.vocab_size, self.config.max_model_len
-        for name, ids in (("prompt_token_ids", prompt), ("completion_token_ids", completion)):
-            bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name}[{bad}]={ids[bad]} is outside the vocabulary [0, {vocab})")
-        if len(prompt) + len(completion) > max_len:
-            raise ValueError(
-                f"completion_token_ids: {len(completion)} tokens after a prompt of "
-                f"{len(prompt)} exceed max_model_len={max_len}"
-            )
-        params = SamplingParams(max_tokens=0, prompt_logprobs=top_logprobs)
-        req = self.requests.create(
-            request_id,
-            {"prompt_token_ids": prompt + completion},
-            params,
-            priority=priority,
-            score_from=len(prompt),
+        """Queues the teacher-forced scoring of a completion after a prompt; returns its
+        id. Its output (nothing generated, finish reason "length") has `scores`, each
+        completion token's logprob (f32[len(completion)]); the prompt part may come from
+        the prefix cache. ValueError rejects it (`RequestRegistry.create_score`)."""
+        ids = (prompt_token_ids, completion_token_ids)
+        req = self.requests.create_score(
+            request_id, *ids, top_logprobs=top_logprobs, priority=priority
         )
         return self._queue(req)
 

@@ -25,6 +25,7 @@ from paxkv.request import (
     SamplingParams,
     check_float,
     check_int,
+    check_token_ids,
     normalize_prompt,
 )
 
@@ -400,6 +401,40 @@ class RequestRegistry:
         request = Request(request_id, text, ids, seqs, arrival, [(self.weight_version, 0)])
         self._requests[request_id] = request
         return request
+
+    def create_score(
+        self,
+        request_id: str | None,
+        prompt_token_ids: Any,
+        completion_token_ids: Any,
+        *,
+        top_logprobs: int = 0,
+        priority: int = 0,
+    ) -> Request:
+        """Validates and registers a score request (`Engine.add_score_request`): prompt +
+        completion, nothing generated, the completion's positions scored. ValueError
+        names the field: an id outside the vocabulary, or a completion past max_model_len."""
+        prompt = check_token_ids("prompt_token_ids", prompt_token_ids, lo=None)
+        completion = check_token_ids("completion_token_ids", completion_token_ids, lo=None)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty: the first token has no logprob")
+        vocab = self.vocab_size
+        for name, ids in (("prompt_token_ids", prompt), ("completion_token_ids", completion)):
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}[{bad}]={ids[bad]} is outside the vocabulary [0, {vocab})")
+        if len(prompt) + len(completion) > self.max_model_len:
+            raise ValueError(
+                f"completion_token_ids: {len(completion)} tokens after a prompt of "
+                f"{len(prompt)} exceed max_model_len={self.max_model_len}"
+            )
+        return self.create(
+            request_id,
+            {"prompt_token_ids": prompt + completion},
+            SamplingParams(max_tokens=0, prompt_logprobs=top_logprobs),
+            priority=priority,
+            score_from=len(prompt),
+        )
 
     def report(self, request_ids: Iterable[str]) -> tuple[list[RequestOutput], list[Request]]:
         """The outputs of the requests `request_ids` now, as each one's output kind says
