@@ -23,7 +23,7 @@ from paxkv.engine import step as steps
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.params import ParamSource
-from paxkv.engine.sampling import Sampled
+from paxkv.engine.sampling import Sampled, Scored
 from paxkv.engine.step import DecodeLimits, StepBatch
 from paxkv.host.batch import HostBatch
 from paxkv.host.kv_groups import KVCacheGroups
@@ -216,7 +216,8 @@ def fake_token(tokens: np.ndarray, positions: np.ndarray, vocab_size: int) -> np
 class FakeRunner(StepRunner):
     """A step runner with no model and no device: each sequence's next token is
     `fake_token(its last input token, that token's position)`, its logprob -1, and its
-    top logprobs the next `max_logprobs` ids after it. Deterministic and
+    top logprobs the next `max_logprobs` ids after it; a scored row's target likewise
+    (logprob -1, rank 1, top ids the target and those after it). Deterministic and
     batch-independent, like the real greedy step, so the engine's host path runs
     unchanged over it.
 
@@ -270,6 +271,11 @@ class FakeRunner(StepRunner):
         out = fake_token(inputs, hb.positions[last], self.model_config.vocab_size)
         sampled = self._samples(out, self.config.max_num_seqs)
         self._prev = sampled.tokens
+        if hb.score_rows.shape[0]:
+            scored = self._samples(hb.score_targets, hb.score_rows.shape[0])
+            sampled = sampled.replace(
+                scored=Scored(scored.logprobs, scored.ranks, scored.top_ids, scored.top_logprobs)
+            )
         return sampled
 
     def fetch(self, handle: Sampled) -> Sampled:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.batch_rows import BatchRows
+from paxkv.host.prompt_scores import score_spans
 from paxkv.host.sampling_columns import (
     INT_COLUMN,
     ROW_INT_COLUMNS,
@@ -144,6 +145,12 @@ class HostBatch:
     # i32[T]: for rows whose token the host does not know yet, the index of the
     # in-flight step's output that holds it (async scheduling); -1 elsewhere.
     token_src: np.ndarray
+    # i32[R] each: the packed rows whose prompt logprob is wanted (`score_spans`, in
+    # plan order) and their target tokens; padded with row 0 and target 0. R = 0 when
+    # no chunk scores, else the smallest token bucket that holds them (R <= T), so a
+    # step compiles one extra shape per (T, R) pair it meets.
+    score_rows: np.ndarray
+    score_targets: np.ndarray
 
 
 def build_host_batch(
@@ -223,6 +230,7 @@ def build_host_batch(
             histories[i] = chunks[i].seq.penalty_history()
     history = penalty_histories(histories, s_pad, history_slack=history_slack)
 
+    score_rows, score_targets = _scored_rows(chunks, cu, buckets)
     token_src = np.full(t_pad, -1, np.int32)
     if pending:
         for i, c in enumerate(chunks):
@@ -240,4 +248,27 @@ def build_host_batch(
         ints,
         history,
         token_src,
+        score_rows,
+        score_targets,
     )
+
+
+def _scored_rows(
+    chunks: Sequence, cu: np.ndarray, buckets: Buckets
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(score_rows, score_targets)` of a step whose chunk i starts at packed row cu[i]."""
+    spans = score_spans(chunks)
+    if not spans:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    num = sum(hi - lo for _, lo, hi in spans)
+    r_pad = Buckets.pick(num, buckets.tokens, "scored rows in the step")
+    rows = np.zeros(r_pad, np.int32)
+    targets = np.zeros(r_pad, np.int32)
+    at = 0
+    for i, lo, hi in spans:
+        c = chunks[i]
+        first = cu[i] + lo - c.start
+        rows[at : at + hi - lo] = np.arange(first, first + hi - lo)
+        targets[at : at + hi - lo] = c.seq.prompt_scores.targets(lo, hi)
+        at += hi - lo
+    return rows, targets
