@@ -157,7 +157,7 @@ class ModelRunner(StepRunner):
                 batch,
                 token_src,
                 self._prev_tokens,
-                attention_backend=self.config.attention_backend,
+                attention_backend=self.config.step_attention_backend,
                 num_logprobs=self.config.max_logprobs,
             )
         self._prev_tokens = sampled.tokens
@@ -171,7 +171,7 @@ class ModelRunner(StepRunner):
                 self.kv_cache,
                 batch,
                 limits,
-                attention_backend=self.config.attention_backend,
+                attention_backend=self.config.step_attention_backend,
                 num_steps=self.config.num_decode_steps,
                 num_logprobs=self.config.max_logprobs,
             )
