@@ -103,10 +103,7 @@ class Engine:
         )
         self._buckets = config.buckets()
         self.batch_builder = BatchBuilder(
-            self.scheduler,
-            page_size=config.page_size,
-            buckets=self._buckets,
-            history_slack=config.num_decode_steps,
+            self.scheduler, page_size=config.page_size, buckets=self._buckets
         )
         # Reported by the next step: aborted requests, and what a weight update's steps made.
         self._aborted: list[RequestOutput] = []
@@ -326,8 +323,9 @@ class Engine:
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compiles every bucket now, so no request waits for a compilation later.
 
-        `progress(done, total)` is called after each shape (for a progress bar).
-        Steps with penalties compile their history bucket when they first run.
+        `progress(done, total)` is called after each shape (for a progress bar). Each
+        shape compiles with and without penalty histories, so no sampling parameter
+        compiles anything later.
         """
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx, struct
 
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample
-from paxkv.host.batch import HostBatch
+from paxkv.host.batch import HostBatch, history_length
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
 
@@ -65,10 +65,14 @@ class StepBatch:
         pages_per_seq: int,
         page_size: int,
         num_groups: int = 1,
+        *,
+        penalties: bool = False,
     ) -> StepBatch:
         """A batch of the given bucket shape with no live sequence (warm-up compiles it);
-        `num_groups` page tables per sequence (KV-cache groups)."""
+        `num_groups` page tables per sequence (KV-cache groups); `penalties`: the shape's
+        variant with penalty histories (`SamplingBatch`)."""
         groups = () if num_groups == 1 else (num_groups,)
+        history_len = history_length(pages_per_seq, page_size) if penalties else 0
         table = PageTable(
             block_tables=jnp.zeros((*groups, num_seqs, pages_per_seq), jnp.int32),
             kv_lens=jnp.zeros(num_seqs, jnp.int32),
@@ -81,7 +85,7 @@ class StepBatch:
             positions=jnp.zeros(num_tokens, jnp.int32),
             table=table,
             logits_indices=jnp.zeros(num_seqs, jnp.int32),
-            sampling=SamplingBatch.create([], num_seqs),
+            sampling=SamplingBatch.create([], num_seqs, history_len=history_len),
         )
 
 
