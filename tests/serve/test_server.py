@@ -296,3 +296,31 @@ def test_bench_client_measures_a_poisson_trace(server):
     assert summary["total_output_tokens"] == sum(trace.output_lens)
     assert 0 < summary["ttft"]["p50_ms"] <= summary["e2e_latency"]["p99_ms"]
     assert "TTFT" in bench_client.format_summary(summary)
+
+
+def test_no_request_compiles_after_warmup(server, client):
+    """The server compiles every step shape before it listens: requests with every
+    sampling feature, penalties included, on short and long prompts compile nothing."""
+    before = server.metrics()["paxkv:num_compilations_total"]
+    assert before > 0
+    sampling = dict(
+        max_tokens=8,
+        temperature=0.9,
+        top_p=0.9,
+        seed=1,
+        stop=["\n\n"],
+        extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.05},
+    )
+    for prompt in ("def f(x):", "x = 1\n" * 15):  # other token and page buckets
+        client.completions.create(
+            model=MODEL, prompt=prompt, frequency_penalty=0.5, logprobs=5, n=2, **sampling
+        )
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            presence_penalty=0.4,
+            logprobs=True,
+            top_logprobs=3,
+            **sampling,
+        )
+    assert server.metrics()["paxkv:num_compilations_total"] == before
