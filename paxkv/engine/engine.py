@@ -94,10 +94,7 @@ class Engine:
         )
         self._buckets = config.buckets()
         self.batch_builder = BatchBuilder(
-            self.scheduler,
-            page_size=config.page_size,
-            buckets=self._buckets,
-            history_slack=config.num_decode_steps,
+            self.scheduler, page_size=config.page_size, buckets=self._buckets
         )
         self.metrics = EngineMetrics()
         # Final outputs of ended requests, reported by the next step.
@@ -311,10 +308,11 @@ class Engine:
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compiles every bucket now, so no request waits for a compilation later.
 
-        `progress(done, total)` is called after each shape (for a progress bar).
-        Steps with penalties compile their history bucket when they first run, and
-        steps that score prompt rows (`prompt_logprobs`, `add_score_request`) their
-        scored-row bucket R (`HostBatch.score_rows`), once per (T, R) shape.
+        `progress(done, total)` is called after each shape (for a progress bar). Each
+        shape compiles with and without penalty histories, so no sampling parameter
+        compiles anything later. Steps that score prompt rows (`prompt_logprobs`,
+        `add_score_request`) compile their scored-row bucket R (`HostBatch.score_rows`)
+        when first met, once per (T, R) shape.
         """
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))

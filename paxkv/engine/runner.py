@@ -64,7 +64,7 @@ class StepRunner:
     def warmup(
         self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
     ) -> None:
-        """Compiles the step for every `(T, S, pages per sequence)` shape."""
+        """Compiles every step a batch of a `(T, S, pages per sequence)` shape can run."""
 
     def restore_cache(self) -> bool:
         """After a call that raised: whether the KV cache was lost (donated to a call
@@ -196,12 +196,15 @@ class ModelRunner(StepRunner):
     def warmup(
         self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
     ) -> None:
-        """Compiles the one-step function (and the N-step loop) for every shape."""
+        """Compiles the one-step function (and the N-step loop) for every shape, each
+        with and without penalty histories (the two variants a step can have)."""
+        page_size, num_groups = self.config.page_size, self.kv_groups.num_groups
         for i, (t, s, p) in enumerate(shapes):
-            batch = StepBatch.empty(t, s, p, self.config.page_size, self.kv_groups.num_groups)
-            jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
-            if self.config.num_decode_steps > 1:
-                self._run_loop(batch, DecodeLimits.from_host([], [], s))
+            for penalties in (False, True):
+                batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
+                jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
+                if self.config.num_decode_steps > 1:
+                    jax.block_until_ready(self._run_loop(batch, DecodeLimits.from_host([], [], s)))
             if progress is not None:
                 progress(i + 1, len(shapes))
 

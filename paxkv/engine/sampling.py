@@ -29,7 +29,9 @@ class SamplingBatch:
     `history` lists, per sequence with penalties, the distinct tokens of its prompt and
     output: `history[0]` their ids (-1 pads), `history[1]` how often each was
     generated, `history[2]` whether it is in the prompt; H = 0 when no sequence of the
-    step has penalties, and the penalty code then compiles away.
+    step has penalties, and the penalty code then compiles away, else the tokens the
+    step's pages hold (`paxkv.host.batch.history_length`): each step shape has two
+    variants, and warm-up compiles both.
     """
 
     floats: jax.Array  # f32[S, len(SAMPLING_FLOATS)] (`paxkv.host.sampling_columns`)
@@ -55,15 +57,15 @@ class SamplingBatch:
         seeds: Sequence[int] | None = None,
         counters: Sequence[int] | None = None,
         histories: Sequence[tuple[list[int], list[int], list[int]] | None] = (),
-        history_slack: int = 1,
+        history_len: int | None = None,
     ) -> SamplingBatch:
         """The batch of `params` padded to `size` rows (seeds default to the params' or 0,
-        counters to 0; see `paxkv.host.batch.sampling_arrays`)."""
+        counters to 0; histories and their length H: `paxkv.host.batch.sampling_arrays`)."""
         n = len(params)
         seeds = [p.seed or 0 for p in params] if seeds is None else seeds
         counters = [0] * n if counters is None else counters
         floats, ints, history = sampling_arrays(
-            params, seeds, counters, size, histories=histories, history_slack=history_slack
+            params, seeds, counters, size, histories=histories, history_len=history_len
         )
         return cls(jnp.asarray(floats), jnp.asarray(ints), jnp.asarray(history))
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx, struct
 
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
-from paxkv.host.batch import HostBatch
+from paxkv.host.batch import HostBatch, history_length
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
 
@@ -77,10 +77,14 @@ class StepBatch:
         page_size: int,
         num_groups: int = 1,
         num_scored: int = 0,
+        *,
+        penalties: bool = False,
     ) -> StepBatch:
         """A batch of the given bucket shape with no live sequence (warm-up compiles it);
-        `num_groups` page tables per sequence (KV-cache groups), `num_scored` scored rows."""
+        `num_groups` page tables per sequence (KV-cache groups), `num_scored` scored rows;
+        `penalties`: the shape's variant with penalty histories (`SamplingBatch`)."""
         groups = () if num_groups == 1 else (num_groups,)
+        history_len = history_length(pages_per_seq, page_size) if penalties else 0
         table = PageTable(
             block_tables=jnp.zeros((*groups, num_seqs, pages_per_seq), jnp.int32),
             kv_lens=jnp.zeros(num_seqs, jnp.int32),
@@ -93,7 +97,7 @@ class StepBatch:
             positions=jnp.zeros(num_tokens, jnp.int32),
             table=table,
             logits_indices=jnp.zeros(num_seqs, jnp.int32),
-            sampling=SamplingBatch.create([], num_seqs),
+            sampling=SamplingBatch.create([], num_seqs, history_len=history_len),
             score_rows=jnp.zeros(num_scored, jnp.int32),
             score_targets=jnp.zeros(num_scored, jnp.int32),
         )
