@@ -37,9 +37,7 @@ class NgramProposer:
         self.max_n = max_n
         self._tokens: list[int] = []
         # n -> n-gram -> position of the token after its latest occurrence (not the suffix)
-        self._next: dict[int, dict[tuple[int, ...], int]] = {
-            n: {} for n in range(min_n, max_n + 1)
-        }
+        self._next: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.extend(tokens)
 
     def __len__(self) -> int:
