@@ -1,36 +1,17 @@
 """Device code for paged attention: Pallas kernels, their references, and the KV write.
 
-Nothing in this package knows about requests; it consumes int32 arrays. The page layout
-it reads, as plain facts without JAX, is `paxkv.kv_layout`. The TPU and GPU kernels load
-when a call first picks their backend (`dispatch`).
+Nothing in this package knows about requests; it consumes int32 arrays, and it imports
+nothing of the rest of paxkv. This file imports nothing either, so that the host core
+reads the page format (`layout`: plain facts, no JAX) without loading JAX; import what
+you use from its module:
+
+- `dispatch`: `ragged_paged_attention` (one entry point, every backend), `BACKENDS`,
+  `resolve_backend`;
+- `reference`: `ragged_paged_attention_reference`, the oracle; `xla`:
+  `ragged_paged_attention_xla`, the pure-JAX loop the CPU runs;
+- `contract`: the shapes, validation and token layout every backend shares
+  (`AttentionShapes`, `attention_inputs`, `attention_op`, `compute_dtype`);
+- `kv_write`: `write_kv_pages`, `pack_kv_pages`; `quantization`: `quantize`, `dequantize`;
+- `layout`: the page format (`NULL_PAGE`, KV dtype names, page geometry and bytes);
+- `tpu/`, `gpu/`: the Mosaic and Triton kernels, loaded when a call picks them.
 """
-
-from .contract import (
-    AttentionInputs,
-    AttentionShapes,
-    attention_inputs,
-    attention_op,
-    compute_dtype,
-)
-from .dispatch import BACKENDS, ragged_paged_attention, resolve_backend
-from .kv_write import pack_kv_pages, write_kv_pages
-from .quantization import dequantize, quantize
-from .reference import ragged_paged_attention_reference
-from .xla import ragged_paged_attention_xla
-
-__all__ = [
-    "BACKENDS",
-    "AttentionInputs",
-    "AttentionShapes",
-    "attention_inputs",
-    "attention_op",
-    "compute_dtype",
-    "dequantize",
-    "pack_kv_pages",
-    "quantize",
-    "ragged_paged_attention",
-    "ragged_paged_attention_reference",
-    "ragged_paged_attention_xla",
-    "resolve_backend",
-    "write_kv_pages",
-]

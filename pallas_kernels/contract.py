@@ -12,13 +12,13 @@ Shape vocabulary (used in every shape comment in the project):
 
 Page layout: one layer's pages are one array `kv_pages [P, Hkv, ps, 2 * D]`: for KV
 head h, token j of a page is one row, its key in lanes `0 .. D - 1` and its value in
-lanes `D .. 2 D - 1` (see `paxkv.kv_layout`). A page is one contiguous block holding K and V
+lanes `D .. 2 D - 1` (see `paxkv.pallas_kernels.layout`). A page is one contiguous block holding K and V
 of every KV head of the layer, so moving a page (or a run of its heads) between HBM
 and on-chip memory is a single DMA, and the per-head slices `[ps, D]` are the tiles the
 matrix unit consumes. Quantized pages carry per-token-per-head scales
 `kv_scales bf16[P, Hkv, 2, L]` beside them: `[p, h, KEY, j]` is token j's key scale,
 `[p, h, VALUE, j]` its value scale, and lanes `j >= ps` (L >= ps; on TPU ps rounded up
-to 128, see `kv_layout.scale_lanes`) are padding, never read.
+to 128, see `layout.scale_lanes`) are padding, never read.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from paxkv.kv_layout import (
+from .layout import (
     FLOAT_PAGE_DTYPES,
     MAX_PAGE_SIZE,
     MIN_PAGE_SIZE,

@@ -6,9 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paxkv.kv_layout import QUANTIZED_PAGE_DTYPES
-
 from .contract import token_layout
+from .layout import QUANTIZED_PAGE_DTYPES
 from .quantization import quantize
 
 
@@ -83,7 +82,7 @@ def pack_kv_pages(
     """K and V pages held apart, as the kernels' one array: `(kv_pages [P, Hkv, ps, 2 * D],
     kv_scales bf16[P, Hkv, 2, L] or None)`, each token's key then its value (and each
     head's key scales, then its value scales, padded with ones to `scale_lanes` = L
-    lanes, default ps; see `kv_layout.scale_lanes`). A copy: for caches made elsewhere, not
+    lanes, default ps; see `layout.scale_lanes`). A copy: for caches made elsewhere, not
     for a step's hot path."""
     if k_pages.shape != v_pages.shape or k_pages.ndim != 4:
         raise ValueError(

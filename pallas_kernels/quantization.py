@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paxkv.kv_layout import QUANTIZED_PAGE_DTYPES, SCALE_DTYPE
+from .layout import QUANTIZED_PAGE_DTYPES, SCALE_DTYPE
 
 
 def dtype_max(dtype) -> float:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paxkv.kv_layout import KEY, NULL_PAGE, VALUE, kv_lanes
-
 from .contract import AttentionInputs, attention_op, token_layout
+from .layout import KEY, NULL_PAGE, VALUE, kv_lanes
 from .quantization import dequantize
 
 # Bytes of gathered K/V one lax.map iteration may hold; bounds the reference's memory.

@@ -17,9 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from paxkv.kv_layout import KEY, NULL_PAGE, VALUE, cdiv, kv_lanes
-
 from .contract import AttentionInputs, attention_op, token_layout
+from .layout import KEY, NULL_PAGE, VALUE, cdiv, kv_lanes
 from .quantization import dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -11,7 +11,7 @@ _LAZY = {
     "PagedKVCache": "paxkv.kv_cache",
     "PageTable": "paxkv.kv_cache",
     "PagePool": "paxkv.host.page_pool",
-    "NULL_PAGE": "paxkv.kv_layout",
+    "NULL_PAGE": "paxkv.pallas_kernels.layout",
     "LLM": "paxkv.llm",
     "Engine": "paxkv.engine.engine",
     "EngineConfig": "paxkv.engine.config",

@@ -374,6 +374,12 @@ def test_the_server_names_its_flag_and_answers_400_without_jinja2(tmp_path, monk
     for name in ("jinja2", "jinja2.ext", "jinja2.sandbox"):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(protocol.ApiError) as e:
-        protocol.chat_prompt(body, server, tokenizer)
+        protocol.chat_prompt(
+            body,
+            server,
+            tokenizer,
+            max_model_len=512,
+            limits=protocol.Limits(trust_request_chat_template=True),
+        )
     assert e.value.status == 400 and e.value.param == "chat_template"
     assert "chat templates need jinja2" in e.value.message and "'.[serve]'" in e.value.message

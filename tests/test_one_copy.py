@@ -1,5 +1,5 @@
 """One copy of each page-format fact: `NULL_PAGE` and the KV cache dtypes live only in
-`paxkv/kv_layout.py`, and a second definition anywhere in the package sources fails here.
+`pallas_kernels/layout.py`, and a second definition anywhere in the package sources fails here.
 
 The sources are read as syntax trees (nothing is imported), so a copy is found wherever
 it sits, even in a module no test imports.
@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The package sources: paxkv/ and the folders mapped into its namespace (pyproject's
 # package-dir).
 SOURCE_DIRS = ("paxkv", "pallas_kernels", "models", "configs")
-HOME = "paxkv/kv_layout.py"
+HOME = "pallas_kernels/layout.py"
 
 # Names only the home may bind.
 HOME_NAMES = (
@@ -128,4 +128,4 @@ def test_a_second_copy_is_found(copy, check):
     """The checks above fail when a copy is added to another module."""
     sources = dict(SOURCES)
     sources["paxkv/host/page_pool.py"] = ast.parse(copy)
-    assert check(sources) == sorted([HOME, "paxkv/host/page_pool.py"])
+    assert sorted(check(sources)) == sorted([HOME, "paxkv/host/page_pool.py"])

@@ -12,13 +12,12 @@ import dataclasses
 
 import numpy as np
 
-from paxkv.kv_layout import SCALE_DTYPE, cdiv
-
 from ..contract import (
     AttentionShapes,
     compute_dtype,
     is_quantized,
 )
+from ..layout import SCALE_DTYPE, cdiv
 from .kernel import decode_tile_rows
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)

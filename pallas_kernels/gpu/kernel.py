@@ -37,8 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from paxkv.kv_layout import KEY, NULL_PAGE, VALUE
-
+from ..layout import KEY, NULL_PAGE, VALUE
 from .jax_compat import plgpu
 
 

@@ -38,14 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from paxkv.kv_layout import cdiv
-
 from ..contract import (
     AttentionInputs,
     AttentionShapes,
     attention_op,
     compute_dtype,
 )
+from ..layout import cdiv
 from .block_sizes import (
     TARGET_DECODE_PROGRAMS,
     BlockSizes,

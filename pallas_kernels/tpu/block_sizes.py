@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from paxkv.kv_layout import SCALE_DTYPE, cdiv
-
 from ..contract import AttentionShapes, compute_dtype
+from ..layout import SCALE_DTYPE, cdiv
 from .kernel import STATS_LANES
 
 # VMEM and SMEM of the smallest supported TensorCore (v4: 16 MiB, 1 MiB); used when no

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from paxkv.kv_layout import KEY, VALUE, kv_lanes
+from ..layout import KEY, VALUE, kv_lanes
 
 # Finite, so a row that has seen nothing yet gives exp(MASK - MASK) = 1 (then zeroed
 # by `where`) rather than exp(-inf + inf) = NaN.

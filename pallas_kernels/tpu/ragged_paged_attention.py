@@ -31,9 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from paxkv.kv_layout import SCALE_DTYPE
-
 from ..contract import AttentionInputs, AttentionShapes, attention_op, compute_dtype, token_layout
+from ..layout import SCALE_DTYPE
 from .block_sizes import BlockSizes, ChipInfo, chip_info, tile_rows, vmem_bytes
 from .kernel import STATS_LANES, KernelConfig, ragged_paged_attention_kernel
 

@@ -38,8 +38,17 @@ import numpy as np
 from absl import app, flags, logging
 
 from paxkv.benchmarks.timing import median_seconds
-from paxkv.kv_layout import KEY, VALUE, cdiv, is_quantized, kv_lanes, page_bytes, scale_lanes
-from paxkv.pallas_kernels import dequantize, pack_kv_pages, quantize
+from paxkv.pallas_kernels.kv_write import pack_kv_pages
+from paxkv.pallas_kernels.layout import (
+    KEY,
+    VALUE,
+    cdiv,
+    is_quantized,
+    kv_lanes,
+    page_bytes,
+    scale_lanes,
+)
+from paxkv.pallas_kernels.quantization import dequantize, quantize
 
 IMPLS = ("paxkv", "paxkv-1-item", "jax-pallas", "xla-dense")
 

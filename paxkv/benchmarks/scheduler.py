@@ -22,7 +22,7 @@ from paxkv.host.batch import Buckets, build_host_batch
 from paxkv.host.page_pool import PagePool
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState as Sequence
-from paxkv.kv_layout import cdiv
+from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import SamplingParams
 
 _NUM_SEQS = flags.DEFINE_integer("num_seqs", 256, "Running sequences.")

@@ -6,8 +6,14 @@ import dataclasses
 from typing import Any
 
 from paxkv.host.batch import Buckets
-from paxkv.kv_layout import KV_CACHE_DTYPES, MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv, valid_page_size
 from paxkv.pallas_kernels.dispatch import BACKENDS, DETERMINISTIC, resolve_backend
+from paxkv.pallas_kernels.layout import (
+    KV_CACHE_DTYPES,
+    MAX_PAGE_SIZE,
+    MIN_PAGE_SIZE,
+    cdiv,
+    valid_page_size,
+)
 from paxkv.request import check_bool, check_float, check_int
 
 

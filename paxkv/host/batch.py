@@ -23,7 +23,7 @@ from paxkv.host.sampling_columns import (
     padding_floats,
     sampling_floats,
 )
-from paxkv.kv_layout import NULL_PAGE, cdiv
+from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 
 __all__ = ["Buckets", "HostBatch", "build_host_batch"]
 

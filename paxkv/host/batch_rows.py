@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paxkv.host.sampling_columns import ROW_INTS, padding_floats, sampling_floats
-from paxkv.kv_layout import NULL_PAGE
+from paxkv.pallas_kernels.layout import NULL_PAGE
 from paxkv.request import SamplingParams
 
 

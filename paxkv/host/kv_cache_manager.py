@@ -32,7 +32,7 @@ from paxkv.host.prefix_cache import CachedPrefix, PrefixCache
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SequenceState
 from paxkv.host.sequence_pages import SequencePages
-from paxkv.kv_layout import NULL_PAGE, cdiv
+from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 
 
 class KVCacheManager:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.sequence import SequenceState
-from paxkv.kv_layout import NULL_PAGE
+from paxkv.pallas_kernels.layout import NULL_PAGE
 
 
 def kv_usage(kv: KVCacheManager, running: Iterable[SequenceState]) -> dict[str, float]:

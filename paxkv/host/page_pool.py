@@ -26,7 +26,9 @@ import collections
 import operator
 from collections.abc import Hashable, Iterable
 
-from paxkv.kv_layout import NULL_PAGE  # never allocated; padded block-table entries point here
+from paxkv.pallas_kernels.layout import (
+    NULL_PAGE,  # never allocated; padded block-table entries point here
+)
 
 _DETACHED = -1  # prev/next value of a page that is not in the free queue
 

@@ -27,7 +27,7 @@ from absl import logging
 from paxkv.host.kv_groups import first_page_read
 from paxkv.host.page_pool import PagePool
 from paxkv.host.sequence_pages import PageKey, SequencePages
-from paxkv.kv_layout import NULL_PAGE
+from paxkv.pallas_kernels.layout import NULL_PAGE
 
 if TYPE_CHECKING:
     from paxkv.host.sequence import SequenceState

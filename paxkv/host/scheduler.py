@@ -31,7 +31,7 @@ from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
-from paxkv.kv_layout import cdiv
+from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import SamplingParams
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]

@@ -9,7 +9,7 @@ import jax
 
 from paxkv.kv_cache.page_table import PageTable
 from paxkv.kv_cache.paged_cache import PagedKVCache
-from paxkv.pallas_kernels import ragged_paged_attention
+from paxkv.pallas_kernels.dispatch import ragged_paged_attention
 from paxkv.sharding import shardings
 
 

@@ -5,7 +5,7 @@ pytree mechanism in paxkv): an update returns a new value, e.g. `table.replace(k
 Under `jit` with the cache donated, the functional write updates the pages in place.
 
 Page layout (per layer): one array `[P, Hkv, ps, 2 * D]`, each token's key then its
-value in one row (`paxkv.kv_layout`), so one page is one contiguous block covering
+value in one row (`paxkv.pallas_kernels.layout`), so one page is one contiguous block covering
 K and V of every KV head; moving it between HBM and on-chip memory is a single DMA, and
 the per-head `[ps, D]` tiles are what the matrix unit consumes. Layers are separate
 arrays (a tuple), so a layer's pages are handed to a kernel without a copy. Quantized
@@ -34,8 +34,8 @@ from flax import struct
 
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache.page_table import PageTable
-from paxkv.kv_layout import SCALE_DTYPE, TPU_LANES, resolve_kv_cache_dtype, scale_lanes
-from paxkv.pallas_kernels import write_kv_pages
+from paxkv.pallas_kernels.kv_write import write_kv_pages
+from paxkv.pallas_kernels.layout import SCALE_DTYPE, TPU_LANES, resolve_kv_cache_dtype, scale_lanes
 
 
 @struct.dataclass

@@ -20,9 +20,9 @@ import jax
 from absl import app, flags
 
 from paxkv.host.kv_groups import KVCacheGroups
-from paxkv.kv_layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
 from paxkv.launch import exit_with_error, list_in_help, platform
 from paxkv.launch import flags as launch_flags
+from paxkv.pallas_kernels.layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
 from paxkv.tools.load_bench import (
     SETUPS,
     WORKLOADS,

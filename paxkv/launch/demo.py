@@ -12,7 +12,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from paxkv.launch import exit_with_error, platform
-from paxkv.pallas_kernels import BACKENDS
+from paxkv.pallas_kernels.dispatch import BACKENDS
 from paxkv.tools.demo import format_result, run_demo
 
 _NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences in the ragged batch.")

@@ -16,10 +16,10 @@ import sys
 from absl import app, flags
 from tqdm import tqdm
 
-from paxkv.kv_layout import KV_CACHE_DTYPES
 from paxkv.launch import exit_with_error, list_in_help, platform
 from paxkv.models import load_model
 from paxkv.models.train import load_corpus, stdlib_root
+from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES
 from paxkv.progress import logging_above_bars
 from paxkv.tools import quality
 

@@ -1,7 +1,7 @@
 """KV capacity arithmetic: how many sequences a memory budget holds, paged against contiguous.
 
 Plain Python and NumPy, no JAX: every byte count comes from the model's config fields
-and the page layout of `paxkv.kv_layout`, the one the engine allocates. The accounting
+and the page layout of `paxkv.pallas_kernels.layout`, the one the engine allocates. The accounting
 is per device, weights and KV cache only. The report built from these numbers is
 `paxkv.tools.capacity_report`.
 
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from paxkv.host.kv_groups import KVCacheGroups
-from paxkv.kv_layout import cdiv, kv_page_bytes, page_bytes, resolve_kv_cache_dtype
+from paxkv.pallas_kernels.layout import cdiv, kv_page_bytes, page_bytes, resolve_kv_cache_dtype
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 
 GIB = 2**30
@@ -46,7 +46,7 @@ DEVICE_HBM_GIB: dict[str, float] = {
     "H100": 80,
     "H200": 141,
 }
-# The platform of each device (the cache's layout differs on TPU: `kv_layout.scale_lanes`).
+# The platform of each device (the cache's layout differs on TPU: `layout.scale_lanes`).
 DEVICE_PLATFORM: dict[str, str] = {
     "v5e": "tpu",
     "v6e": "tpu",

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from paxkv.kv_layout import KV_CACHE_DTYPES
+from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 from paxkv.tools.capacity import (
     DEVICE_PLATFORM,

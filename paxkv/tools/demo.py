@@ -21,8 +21,8 @@ import numpy as np
 
 from paxkv.host.page_pool import PagePool
 from paxkv.kv_cache import PagedKVCache
-from paxkv.kv_layout import cdiv, page_bytes
-from paxkv.pallas_kernels import ragged_paged_attention, resolve_backend
+from paxkv.pallas_kernels.dispatch import ragged_paged_attention, resolve_backend
+from paxkv.pallas_kernels.layout import cdiv, page_bytes
 from paxkv.tools.page_tables import page_table_from_host
 from paxkv.tools.workloads import DEMO_PROMPT_LENS
 
@@ -58,7 +58,7 @@ def run_demo(
 ) -> DemoResult:
     """Builds the paged batch, runs one decode step, and measures memory and error.
 
-    `backend` is a name of `paxkv.pallas_kernels.BACKENDS`; ValueError, before any work,
+    `backend` is a name of `paxkv.pallas_kernels.dispatch.BACKENDS`; ValueError, before any work,
     for "tpu" or "gpu" on a platform without that device.
     """
     platform = jax.default_backend()

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from absl import app, flags, logging
 
-from paxkv.kv_layout import KV_CACHE_DTYPES, SCALE_DTYPE, resolve_kv_cache_dtype
+from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES, SCALE_DTYPE, resolve_kv_cache_dtype
 
 if TYPE_CHECKING:
     from paxkv.pallas_kernels.gpu.jax_compat import TritonKernel

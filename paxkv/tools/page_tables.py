@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxkv.kv_cache import PageTable
-from paxkv.kv_layout import NULL_PAGE, cdiv
+from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 
 
 def pad_page_table(

@@ -31,8 +31,8 @@ from flax import nnx
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.step import forward_logits
 from paxkv.kv_cache import PagedKVCache, PageTable
-from paxkv.kv_layout import cdiv
 from paxkv.models.train import spaced_windows
+from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import SamplingParams
 
 REFERENCE_DTYPE = "auto"

@@ -5,7 +5,7 @@ import pytest
 
 from paxkv.host.batch_rows import BatchRows
 from paxkv.host.sampling_columns import FLOAT_COLUMN, ROW_INTS
-from paxkv.kv_layout import NULL_PAGE
+from paxkv.pallas_kernels.layout import NULL_PAGE
 from paxkv.request import SamplingParams
 
 

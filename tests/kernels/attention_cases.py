@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from paxkv.pallas_kernels import compute_dtype
+from paxkv.pallas_kernels.contract import compute_dtype
 
 # Relative tolerances keyed by the dtype of the output.
 TOLERANCES = {np.dtype(np.float32): 1e-5, np.dtype(ml_dtypes.bfloat16): 2e-2}

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from attention_cases import TOLERANCES, make_case
 
-from paxkv.pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
-from paxkv.pallas_kernels.dispatch import DETERMINISTIC
+from paxkv.pallas_kernels.dispatch import DETERMINISTIC, ragged_paged_attention
 from paxkv.pallas_kernels.gpu import BlockSizes
+from paxkv.pallas_kernels.reference import ragged_paged_attention_reference
 
 # Four KV heads make TARGET_DECODE_PROGRAMS / 4 = 66 shares the default plan aims for;
 # with 16-token KV blocks the batch's 89 blocks exceed it, so it cuts sequence 0 (19

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.pallas_kernels import AttentionShapes
+from paxkv.pallas_kernels.contract import AttentionShapes
 from paxkv.pallas_kernels.gpu import BlockSizes
 from paxkv.pallas_kernels.gpu.block_sizes import (
     SHARED_MEMORY_LIMIT_BYTES,

@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 from attention_cases import GRID, TOLERANCES, GridPoint, make_case, tolerance
 
-from paxkv.pallas_kernels import AttentionShapes, compute_dtype
-from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
-from paxkv.pallas_kernels.contract import attention_inputs
+from paxkv.pallas_kernels.contract import AttentionShapes, attention_inputs, compute_dtype
 from paxkv.pallas_kernels.gpu import BlockSizes, ragged_paged_attention_gpu
 from paxkv.pallas_kernels.gpu.block_sizes import TARGET_DECODE_PROGRAMS
 from paxkv.pallas_kernels.gpu.jax_compat import triton_kernels_in, triton_lowering_target
@@ -27,6 +25,7 @@ from paxkv.pallas_kernels.gpu.ragged_paged_attention import (
     decode_items,
     decode_plan,
 )
+from paxkv.pallas_kernels.reference import ragged_paged_attention_reference as reference
 
 # float16 is not in the shared table: 4x its output rounding (2^-11), as bf16's 2e-2 is of
 # bf16's 2^-8 rounding.

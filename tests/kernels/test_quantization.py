@@ -7,9 +7,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paxkv.kv_layout import SCALE_DTYPE
-from paxkv.pallas_kernels import dequantize, quantize
-from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
+from paxkv.pallas_kernels.layout import SCALE_DTYPE
+from paxkv.pallas_kernels.quantization import dequantize, quantize
+from paxkv.pallas_kernels.reference import ragged_paged_attention_reference as reference
 
 # Page dtype -> (largest finite value, mantissa bits, smallest subnormal exponent).
 FORMATS = {

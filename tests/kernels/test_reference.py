@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from attention_cases import GRID, TOLERANCES, make_case, naive_attention
 
-from paxkv.pallas_kernels import pack_kv_pages
-from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
+from paxkv.pallas_kernels.kv_write import pack_kv_pages
+from paxkv.pallas_kernels.reference import ragged_paged_attention_reference as reference
 
 
 def _i32(*xs):

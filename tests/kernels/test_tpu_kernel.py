@@ -25,8 +25,8 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # race detec
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from paxkv.pallas_kernels import AttentionShapes
-from paxkv.pallas_kernels import ragged_paged_attention_reference as reference
+from paxkv.pallas_kernels.contract import AttentionShapes
+from paxkv.pallas_kernels.reference import ragged_paged_attention_reference as reference
 from paxkv.pallas_kernels.tpu import BlockSizes, ragged_paged_attention_tpu
 from paxkv.pallas_kernels.tpu import kernel as kernel_module
 from paxkv.pallas_kernels.tpu import ragged_paged_attention as rpa_module
@@ -397,8 +397,8 @@ _DEVICELESS_PRELUDE = """
 import re, sys
 import jax, numpy as np, ml_dtypes
 from jax.experimental import topologies
-from paxkv.pallas_kernels import attention_inputs
-from paxkv.kv_layout import SCALE_DTYPE, scale_lanes
+from paxkv.pallas_kernels.contract import attention_inputs
+from paxkv.pallas_kernels.layout import SCALE_DTYPE, scale_lanes
 from paxkv.pallas_kernels.tpu import BlockSizes
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info, vmem_bytes
 from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention

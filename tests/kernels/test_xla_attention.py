@@ -5,12 +5,9 @@ import numpy as np
 import pytest
 from attention_cases import GRID, TOLERANCES, make_case
 
-from paxkv.pallas_kernels import (
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-    ragged_paged_attention_xla,
-    resolve_backend,
-)
+from paxkv.pallas_kernels.dispatch import ragged_paged_attention, resolve_backend
+from paxkv.pallas_kernels.reference import ragged_paged_attention_reference
+from paxkv.pallas_kernels.xla import ragged_paged_attention_xla
 
 
 @pytest.mark.parametrize("point", GRID, ids=lambda p: p.name)

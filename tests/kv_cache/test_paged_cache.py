@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from paxkv.kv_cache import PagedKVCache
-from paxkv.kv_layout import KEY, NULL_PAGE, SCALE_DTYPE, VALUE, page_bytes
-from paxkv.pallas_kernels import dequantize, ragged_paged_attention_reference, write_kv_pages
+from paxkv.pallas_kernels.kv_write import write_kv_pages
+from paxkv.pallas_kernels.layout import KEY, NULL_PAGE, SCALE_DTYPE, VALUE, page_bytes
+from paxkv.pallas_kernels.quantization import dequantize
+from paxkv.pallas_kernels.reference import ragged_paged_attention_reference
 from paxkv.tools.page_tables import page_table_from_host
 
 PAGE = 8
@@ -176,7 +178,7 @@ def test_write_rejects_mismatched_heads():
 
 
 def test_page_bytes_and_nbytes_agree():
-    # On TPU the scales of pages of 64 are padded to 128 lanes (`kv_layout.scale_lanes`),
+    # On TPU the scales of pages of 64 are padded to 128 lanes (`layout.scale_lanes`),
     # and counted.
     cases = [("auto", None, 16), ("int8", None, 16), ("int8", "tpu", 16), ("int8", "cpu", 64)]
     for kv, platform, ps in [*cases, ("int8", "tpu", 64)]:

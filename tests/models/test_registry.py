@@ -2,16 +2,17 @@
 type's config class, model class and Hugging Face type, and sharding rules by family."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import transformers
-from absl import flags
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import paxkv.models
 from paxkv import configs
-from paxkv.launch import flags as launch_flags
 from paxkv.models import (
     BYTE_LEVEL_PRESETS,
     CHECKPOINTS,
@@ -41,19 +42,48 @@ def test_the_launch_apps_know_the_names_the_python_api_knows():
     )
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_config_flag_accepts_every_name(name):
+# The launch apps' flags, parsed in a child process: they are absl's process-wide flags,
+# which another test file's app (on the same xdist worker) may define too.
+_PARSE_CONFIG_FLAG = """
+import json, sys
+from absl import flags
+from paxkv.launch import flags as launch_flags
+out = {}
+for name in sys.argv[1:]:
     flags.FLAGS(["app", f"--config={name}"])
+    setup = launch_flags.serving_setup()
     try:
-        setup = launch_flags.serving_setup()
-        if setup.random_weights or setup.checkpoint:
-            # What the app loads is a name `load_model` resolves (the tests below).
-            assert launch_flags._model_source(setup) in NAMES
-        else:  # a real model's shapes: the app asks for its weights, not for a known name
-            with pytest.raises(ValueError, match="pass --model_dir"):
-                launch_flags._model_source(setup)
-    finally:
-        flags.FLAGS.unparse_flags()
+        source = launch_flags._model_source(setup)
+    except ValueError as e:
+        source = "error: " + str(e)
+    flags.FLAGS.unparse_flags()
+    out[name] = [setup.name, source, setup.random_weights, bool(setup.checkpoint)]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def parsed_config_flags():
+    run = subprocess.run(
+        [sys.executable, "-c", _PARSE_CONFIG_FLAG, *NAMES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_flag_accepts_every_name(name, parsed_config_flags):
+    parsed_name, source, random_weights, checkpoint = parsed_config_flags[name]
+    assert parsed_name == name
+    if random_weights or checkpoint:
+        # What the app loads is a name `load_model` resolves (the tests below).
+        assert source in NAMES
+    else:  # a real model's shapes: the app asks for its weights, not for a known name
+        assert source.startswith("error: ") and "pass --model_dir" in source
+    setup = configs.get_config(name)
     assert setup.name == name
     assert setup.model.replace(scan_layers=False) == PRESETS.get(name, PRESETS["tiny"])
     assert setup.random_weights == (name in BYTE_LEVEL_PRESETS)

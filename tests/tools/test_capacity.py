@@ -1,6 +1,6 @@
 """The capacity planner: exact numbers on hand-checkable inputs, trade-offs, the report.
 
-The bytes of a page are `paxkv.kv_layout`'s, tested in tests/test_kv_layout.py.
+The bytes of a page are `paxkv.pallas_kernels.layout`'s, tested in tests/test_kv_layout.py.
 """
 
 import itertools
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from paxkv.kv_layout import KV_CACHE_DTYPES
 from paxkv.models import PRESETS, init_model
 from paxkv.models.llama_config import TINY
+from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES
 from paxkv.tools import capacity as plan
 from paxkv.tools.capacity_report import build_report
 from paxkv.tools.workloads import Workload

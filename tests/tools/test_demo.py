@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from paxkv.kv_layout import cdiv
+from paxkv.pallas_kernels.layout import cdiv
 from paxkv.tools.demo import format_result, run_demo
 
 

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paxkv import kv_layout
+from paxkv.pallas_kernels import layout as kv_layout
 
 
 @pytest.mark.parametrize(
