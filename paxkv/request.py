@@ -18,6 +18,8 @@ import numpy as np
 
 # The largest value of an integer field that reaches the device (as int32).
 INT32_MAX = 2**31 - 1
+# The largest seed of an engine or a model's initialisation (`jax.random.key` takes an int64).
+MAX_SEED = 2**63 - 1
 
 
 def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 from paxkv.host.batch import Buckets
 from paxkv.kv_layout import KV_CACHE_DTYPES, MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv, valid_page_size
 from paxkv.pallas_kernels.dispatch import BACKENDS, resolve_backend
-from paxkv.request import check_bool, check_float, check_int
+from paxkv.request import MAX_SEED, check_bool, check_float, check_int
 
 
 def _field(default, help: str, *, choices: tuple[str, ...] | None = None):
@@ -72,7 +72,7 @@ class EngineConfig:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), lo=1)
         check_int("max_model_len", self.max_model_len, lo=1)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, lo=0, hi=MAX_SEED)
         check_int("max_logprobs", self.max_logprobs, lo=0)
         check_int("bucket_growth", self.bucket_growth, lo=2)
         if not valid_page_size(self.page_size):
