@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Literal
 
@@ -13,6 +14,10 @@ from .xla import ragged_paged_attention_xla
 
 Backend = Literal["auto", "reference", "xla", "tpu", "gpu"]
 BACKENDS = ("auto", "reference", "xla", "tpu", "gpu")
+# `backend + DETERMINISTIC` (e.g. "auto+deterministic") is `backend` with
+# `deterministic=True`: the form a caller that passes only a backend name (a model's
+# `attention_backend`) can ask for it in.
+DETERMINISTIC = "+deterministic"
 
 # Kernel modules load on first use, so the reference path never imports Pallas.
 _KERNELS = {
@@ -43,6 +48,7 @@ def ragged_paged_attention(
     interpret: Any = False,
     block_sizes: Any = None,
     decode_only: bool = False,
+    deterministic: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on the chosen backend; semantics of the reference.
 
@@ -58,7 +64,17 @@ def ragged_paged_attention(
     the kernel's `BlockSizes` (None: its defaults); the reference takes none.
     `decode_only` is a static promise that every live sequence has at most one query
     row: the GPU kernel then launches no prefill grid; the other backends ignore it.
+
+    `deterministic` (static; or `backend` suffixed with `DETERMINISTIC`): each sequence's
+    reduction order depends on its own lengths only, never on its batch-mates, so its
+    rows are bitwise the same in any batch. Only the GPU kernel changes for it (its
+    split plan from each sequence's own length, `BlockSizes.split_tokens`); "xla" and
+    the TPU kernel already reduce each row over its own sequence's KV blocks in a fixed
+    order, and "reference" reduces over the table's padded width (it changes with the
+    page bucket: about 1e-7 at f32). See docs/python_api.md, "Reproducible sampling".
     """
+    if backend.endswith(DETERMINISTIC):
+        backend, deterministic = backend.removesuffix(DETERMINISTIC), True
     name = resolve_backend(backend)
     if name in ("reference", "xla"):
         if block_sizes is not None:
@@ -71,4 +87,10 @@ def ragged_paged_attention(
     tunables = {} if block_sizes is None else {"block_sizes": block_sizes}
     if name == "gpu":
         tunables["decode_only"] = decode_only
+        if deterministic:
+            from .gpu.block_sizes import DETERMINISTIC_SPLIT_TOKENS, BlockSizes
+
+            bs = block_sizes or BlockSizes()
+            split_tokens = bs.split_tokens or DETERMINISTIC_SPLIT_TOKENS
+            tunables["block_sizes"] = dataclasses.replace(bs, split_tokens=split_tokens)
     return kernel.impl(inputs, **tunables, interpret=interpret)

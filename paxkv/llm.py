@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
@@ -18,7 +19,7 @@ from paxkv import chat as chat_templates
 from paxkv.engine import Engine, EngineConfig
 from paxkv.output_router import OutputRouter
 from paxkv.progress import logging_above_bars
-from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
+from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams, check_token_ids
 from paxkv.sharding import shardings
 
 Prompts = str | dict | Sequence[str | dict]
@@ -81,23 +82,16 @@ class LLM:
     ) -> None:
         if not isinstance(warmup, bool):
             raise TypeError(f"warmup must be a bool, got {warmup!r}")
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_kwargs) - known)
-        if unknown:
-            raise TypeError(
-                f"LLM() got unknown arguments {unknown}; engine options are {sorted(known)}"
-            )
         # The one place paxkv reaches up to the models package, lazily: it turns a name
         # into a model. `Engine` takes a model object and needs no such import.
         models = importlib.import_module("paxkv.models")
+        _check_engine_kwargs(engine_kwargs)  # before any loading
         # On a mesh the weights are loaded straight into their shardings.
         mesh = mesh if mesh is not None else shardings.default_mesh()
         model_config, module, tokenizer = models.load_model(
             model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
         )
-        if config is None:
-            config = default_engine_config(model_config, seed)
-        config = dataclasses.replace(config, **engine_kwargs)
+        config = _engine_config(config or default_engine_config(model_config, seed), engine_kwargs)
         self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
@@ -179,7 +173,7 @@ class LLM:
                 "tokenizer.json with the tokenizers package (pip install -e '.[tokenizers]')"
             )
         conversations = chat_templates.parse_conversations(messages)
-        templates = self._chat_templates
+        templates = self.chat_templates
         texts = chat_templates.render(
             templates.get(chat_template),
             conversations,
@@ -223,6 +217,46 @@ class LLM:
         }
         yield from self._router.outputs(ids, bar, deltas)
 
+    def score(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        completions: Sequence[str | Sequence[int]],
+        *,
+        use_tqdm: UseTqdm = False,
+    ) -> list[np.ndarray]:
+        """Teacher-forced log-probabilities: for each pair `(prompts[i], completions[i])`,
+        f32[len(completion tokens)], each completion token's logprob given the prompt and
+        the completion tokens before it, under the raw distribution (log_softmax of the
+        f32 logits). Nothing is generated.
+
+        A prompt or completion is a string (tokenized on its own: the completion's
+        tokens follow the prompt's) or a list of token ids. Pairs are scored in one
+        batch (`Engine.add_score_request`); to score n completions of one prompt, repeat
+        the prompt: they share its cached pages. Every pair is validated before any
+        runs: a bad one raises ValueError naming its index.
+        """
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+        if self.engine.paused:
+            raise RuntimeError("the engine is paused: engine.resume() it first")
+        tok = self.engine.tokenizer
+        pairs = [
+            (_token_ids(tok, "prompts", i, p), _token_ids(tok, "completions", i, c))
+            for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+        ]
+        ids = [str(next(self._request_ids)) for _ in pairs]
+        for i, (rid, (p, c)) in enumerate(zip(ids, pairs, strict=True)):
+            try:
+                self.engine.add_score_request(rid, p, c)
+            except (TypeError, ValueError) as e:
+                for queued in ids[:i]:
+                    self.engine.abort(queued)
+                self.engine.step()  # reports, and so forgets, the aborted requests
+                raise type(e)(f"pair {i}: {e}") from None
+        outs = self._router.outputs(ids, _Progress(use_tqdm), set())
+        final = {out.request_id: out.scores for out in outs if out.finished}
+        return [final[i] for i in ids]
+
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
         """Installs new weights without a recompilation (`Engine.update_weights`);
         returns the new weight version.
@@ -235,42 +269,18 @@ class LLM:
         checkpoint or tree that does not match.
         """
         if isinstance(weights, (str, os.PathLike)):
-            weights = self._read_weights(os.fspath(weights))
+            weights = read_params(os.fspath(weights), self._model_config, self.engine.mesh)
             copy = False  # the loaded arrays are the engine's alone
         return self.engine.update_weights(weights, policy=policy, copy=copy)
-
-    def _read_weights(self, path: str) -> Any:
-        """The parameter state of the checkpoint at `path`, in the model's dtype."""
-        models = importlib.import_module("paxkv.models")
-        if not os.path.isdir(path):
-            raise ValueError(f"{path!r} is not a checkpoint directory")
-        mine = self._model_config
-        theirs = models.read_hf_config(path).replace(dtype=mine.dtype, scan_layers=mine.scan_layers)
-        if theirs != mine:
-            differ = [
-                f"{f.name}={getattr(theirs, f.name)!r} (the model's: {getattr(mine, f.name)!r})"
-                for f in dataclasses.fields(mine)
-                if getattr(theirs, f.name) != getattr(mine, f.name)
-            ]
-            raise ValueError(f"checkpoint {path} is of another architecture: {', '.join(differ)}")
-        _, module, _ = models.load_model(
-            path, dtype=mine.dtype, mesh=self.engine.mesh, scan_layers=mine.scan_layers
-        )
-        return nnx.state(module, nnx.Param)
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters (see `Engine.stats`)."""
         return self.engine.stats()
 
-    @property
+    @functools.cached_property
     def chat_templates(self) -> chat_templates.ChatTemplates:
         """The checkpoint's chat templates (`tokenizer_config.json`, `chat_template.jinja`;
         none for a preset), read on first use."""
-        return self._chat_templates
-
-    @functools.cached_property
-    def _chat_templates(self) -> chat_templates.ChatTemplates:
-        """The checkpoint's chat templates, read on first use."""
         return chat_templates.ChatTemplates.from_checkpoint(
             self._checkpoint_dir, self._tokenizer_config_file
         )
@@ -375,4 +385,52 @@ class _Progress:
         return (
             f"est. speed input: {self._input_tokens / elapsed:.2f} toks/s, "
             f"output: {self._output_tokens / elapsed:.2f} toks/s"
+        )
+
+
+def _token_ids(tokenizer: Any, what: str, index: int, text_or_ids: Any) -> list[int]:
+    """A prompt or completion of `LLM.score` as token ids (a string is tokenized)."""
+    if not isinstance(text_or_ids, str):
+        return check_token_ids(f"{what}[{index}]", text_or_ids, lo=None)
+    if tokenizer is None:
+        raise ValueError(f"{what}[{index}] is a string, and the model has no tokenizer")
+    return list(tokenizer.encode(text_or_ids))
+
+
+def read_params(path: str, model_config: Any, mesh: Any = None) -> Any:
+    """The parameter state of the checkpoint at `path` (Hugging Face safetensors or
+    orbax), loaded in `model_config`'s dtype into `mesh`'s shardings; ValueError naming
+    the differing fields if its `config.json` is of another architecture than
+    `model_config` (dtype and how layers are held aside)."""
+    models = importlib.import_module("paxkv.models")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a checkpoint directory")
+    mine = model_config
+    theirs = models.read_hf_config(path).replace(dtype=mine.dtype, scan_layers=mine.scan_layers)
+    if theirs != mine:
+        differ = [
+            f"{f.name}={getattr(theirs, f.name)!r} (the model's: {getattr(mine, f.name)!r})"
+            for f in dataclasses.fields(mine)
+            if getattr(theirs, f.name) != getattr(mine, f.name)
+        ]
+        raise ValueError(f"checkpoint {path} is of another architecture: {', '.join(differ)}")
+    _, module, _ = models.load_model(
+        path, dtype=mine.dtype, mesh=mesh, scan_layers=mine.scan_layers
+    )
+    return nnx.state(module, nnx.Param)
+
+
+def _engine_config(config: EngineConfig, engine_kwargs: dict[str, Any]) -> EngineConfig:
+    """`config` with `engine_kwargs` (`EngineConfig` fields) in place."""
+    _check_engine_kwargs(engine_kwargs)
+    return dataclasses.replace(config, **engine_kwargs)
+
+
+def _check_engine_kwargs(engine_kwargs: dict[str, Any]) -> None:
+    """TypeError naming any argument that is not an `EngineConfig` field."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_kwargs) - known)
+    if unknown:
+        raise TypeError(
+            f"LLM() got unknown arguments {unknown}; engine options are {sorted(known)}"
         )

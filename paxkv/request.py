@@ -132,6 +132,15 @@ class SamplingParams:
     temperature and truncation, vLLM's "raw_logprobs"), with each token's rank; None
     reports none. `n > 1` samples several completions of the same prompt.
 
+    `prompt_logprobs=k` reports, for every prompt position after the first, the
+    log-probability of the actual prompt token given the tokens before it, with its rank
+    and the k most likely tokens there (vLLM's semantics; same raw distribution as
+    `logprobs`); the engine computes them on the device during the prefill, and such a
+    request never reads the prefix cache (every position must be computed).
+    `max_tokens=0` (only with `prompt_logprobs`) generates nothing: the request ends
+    after its prefill with finish reason "length" (scoring; vLLM's echo without
+    generation).
+
     `stop` strings (a str or a list; they need a tokenizer) are matched on the output
     text as it is decoded: the first token whose text completes one ends the completion
     with finish reason "stop" and `stop_reason` the string; its tokens are kept up to
@@ -159,6 +168,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -183,19 +193,26 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if self.seed is not None:
             put("seed", check_int("seed", self.seed, lo=0, hi=INT32_MAX))
-        put("max_tokens", check_int32("max_tokens", check_int("max_tokens", self.max_tokens, lo=1)))
+        put("max_tokens", check_int32("max_tokens", check_int("max_tokens", self.max_tokens, lo=0)))
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {stop!r}")
         put("stop_token_ids", tuple(check_token_ids("stop_token_ids", list(stop), hi=INT32_MAX)))
         put("ignore_eos", check_bool("ignore_eos", self.ignore_eos))
-        if isinstance(self.logprobs, (bool, np.bool_)):
-            raise TypeError(
-                f"logprobs must be an integer k (the top-k log-probabilities to report per "
-                f"token, 0: the chosen token's only) or None, got {self.logprobs!r}"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)):
+                raise TypeError(
+                    f"{name} must be an integer k (the top-k log-probabilities to report per "
+                    f"token, 0: the actual token's only) or None, got {value!r}"
+                )
+            if value is not None:
+                put(name, check_int32(name, check_int(name, value, lo=0)))
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError(
+                "max_tokens=0 must be in [1, inf] without prompt_logprobs (max_tokens=0 "
+                "generates nothing: it scores the prompt, and needs prompt_logprobs)"
             )
-        if self.logprobs is not None:
-            put("logprobs", check_int32("logprobs", check_int("logprobs", self.logprobs, lo=0)))
         for name in ("presence_penalty", "frequency_penalty"):
             value = check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
@@ -331,6 +348,14 @@ class RequestOutput:
     # The weight versions (`Engine.weight_version`) its output tokens were sampled
     # under, oldest first: one unless weights were updated while it ran.
     weight_versions: tuple[int, ...] = ()
+    # With `SamplingParams.prompt_logprobs` (once the prefill has run): per prompt
+    # position, None for the first (and, for a score request, for the prompt before
+    # the scored completion), then {token id: Logprob} holding the actual token and
+    # the top-k. `scores` holds the actual tokens' logprobs of the scored positions
+    # alone (f32[num scored]: every position after the first, or a score request's
+    # completion tokens, `Engine.add_score_request`).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    scores: np.ndarray | None = None
 
 
 def normalize_prompt(prompt) -> tuple[str | None, list[int] | None]:

@@ -25,6 +25,9 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK = 16  # smallest M, N and K of a Triton tensor-core dot
 MAX_KV_BLOCK = 512
 MAX_SPLITS = 64
+# KV tokens per share of a split decode sequence under `deterministic=True` (the
+# dispatch's `BlockSizes.split_tokens`): a 4096-token sequence is cut into 8 shares.
+DETERMINISTIC_SPLIT_TOKENS = 512
 # The split plan aims for this many decode programs: two waves on an H100/H200 (132
 # SMs), so a batch of a few long sequences still fills the GPU.
 TARGET_DECODE_PROGRAMS = 2 * 132
@@ -71,6 +74,15 @@ class BlockSizes:
         split plan cuts the live decodes' KV blocks into about TARGET_DECODE_PROGRAMS
         programs each call, never more than this many per sequence (1: no split, no
         combine). Default: 64, or the KV blocks of the longest sequence the table holds.
+      split_tokens: None (default): the split plan sizes the shares from every live
+        decode's length (about TARGET_DECODE_PROGRAMS programs a call), so where a
+        sequence's KV reduction is cut, and so its rounding, depends on its batch-mates.
+        A power of two >= 16: every decode sequence is cut into shares of
+        `max(split_tokens, cdiv(its blocks, num_splits) blocks)` KV tokens (at least one
+        block), a plan from its own length only, and the shares are merged in a fixed
+        order: its output is then bitwise the same in any batch (`deterministic=True`
+        of the dispatch), at the cost of a grid of `S * num_splits` programs and a
+        serial combine.
       prefill_block_m: rows of a prefill tile, in (query token, query head) pairs: a
         tile holds `max(1, prefill_block_m // Gp)` tokens of one sequence, Gp being G
         rounded up to a power of two. A power of two >= 16. Default: 128 for 16-bit dots
@@ -93,6 +105,7 @@ class BlockSizes:
 
     decode_kv_block: int | None = None
     num_splits: int | None = None
+    split_tokens: int | None = None
     prefill_block_m: int | None = None
     prefill_kv_block: int | None = None
     decode_num_warps: int | None = None
@@ -110,6 +123,13 @@ class BlockSizes:
                     f"BlockSizes.{name}={value!r} must be None or a power of two in "
                     f"[{MIN_BLOCK}, {MAX_KV_BLOCK}]"
                 )
+        if self.split_tokens is not None and (
+            not _is_power_of_two(self.split_tokens) or self.split_tokens < MIN_BLOCK
+        ):
+            raise ValueError(
+                f"BlockSizes.split_tokens={self.split_tokens!r} must be None or a power of two "
+                f">= {MIN_BLOCK}"
+            )
         if self.prefill_block_m is not None and (
             not _is_power_of_two(self.prefill_block_m) or self.prefill_block_m < MIN_BLOCK
         ):
@@ -135,6 +155,13 @@ class BlockSizes:
             raise ValueError(
                 f"BlockSizes.check_shared_memory={self.check_shared_memory!r} must be a bool"
             )
+
+    @property
+    def split_blocks(self) -> int | None:
+        """`split_tokens` in decode KV blocks (at least one), of resolved block sizes."""
+        if self.split_tokens is None:
+            return None
+        return max(1, self.split_tokens // self.decode_kv_block)
 
     def resolve(
         self, shapes: AttentionShapes, q_dtype, page_dtype, *, interpret: bool = False

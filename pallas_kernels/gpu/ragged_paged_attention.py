@@ -166,40 +166,50 @@ def work_items(counts: jax.Array, num_items: int) -> tuple[jax.Array, jax.Array]
     return jnp.where(live, seq, -1), jnp.where(live, index, 0)
 
 
-def decode_items(shapes: AttentionShapes, num_splits: int) -> int:
+def decode_items(shapes: AttentionShapes, num_splits: int, own_length: bool = False) -> int:
     """W, the static number of decode work items: enough for any plan `decode_plan` makes.
 
     Each sequence gets at most num_splits items; and with chunks of at least
     `cdiv(total, target)` blocks, sum_s cdiv(blocks_s, chunk) < target + S, target being
-    TARGET_DECODE_PROGRAMS per KV head.
+    TARGET_DECODE_PROGRAMS per KV head. A plan from each sequence's own length
+    (`own_length`) has no such bound: S * num_splits.
     """
     s = shapes.max_num_seqs
+    if num_splits == 1 or own_length:
+        return s * num_splits
     target = cdiv(TARGET_DECODE_PROGRAMS, shapes.num_kv_heads)
-    return s if num_splits == 1 else min(s * num_splits, target + s)
+    return min(s * num_splits, target + s)
 
 
 def decode_plan(
-    inputs: AttentionInputs, cfg: KernelConfig, num_splits: int
+    inputs: AttentionInputs, cfg: KernelConfig, num_splits: int, split_blocks: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The decode kernel's split plan for this call's live lengths.
 
     Returns `(item_seq, item_lo, item_hi i32[W], split bool[S])`: work item w covers KV
     blocks `[item_lo[w], item_hi[w])` (of the loop `visible_range` describes) of decode
-    sequence `item_seq[w]` (-1: idle); `split[s]` says sequence s has more than one item.
-    The live decodes' blocks are cut into chunks of `max(cdiv(total, target),
-    cdiv(blocks_s, num_splits))` blocks, target being TARGET_DECODE_PROGRAMS per KV head:
-    about two waves of programs whatever the padded batch, and at most num_splits items
-    per sequence (FlashInfer's plan picks its KV chunk size from the live lengths alike).
+    sequence `item_seq[w]` (-1: idle; a sequence's items are consecutive); `split[s]`
+    says sequence s has more than one item. With `split_blocks=None` the live decodes' blocks are cut
+    into chunks of `max(cdiv(total, target), cdiv(blocks_s, num_splits))` blocks, target
+    being TARGET_DECODE_PROGRAMS per KV head: about two waves of programs whatever the
+    padded batch, and at most num_splits items per sequence (FlashInfer's plan picks its
+    KV chunk size from the live lengths alike). With `split_blocks`, chunks of
+    `max(split_blocks, cdiv(blocks_s, num_splits))` blocks: sequence s's cut depends on
+    its own length only (`BlockSizes.split_tokens`).
     """
     shapes = inputs.shapes
-    s, w = shapes.max_num_seqs, decode_items(shapes, num_splits)
+    s = shapes.max_num_seqs
+    w = decode_items(shapes, num_splits, own_length=split_blocks is not None)
     q_lens = inputs.cu_q_lens[1:] - inputs.cu_q_lens[:-1]
     decode = (jnp.arange(s) < inputs.num_seqs[0]) & (q_lens == 1)
     last = inputs.kv_lens - 1
     blocks = jnp.where(decode, visible_range(last, last, cfg)[3], 0)
-    target = cdiv(TARGET_DECODE_PROGRAMS, shapes.num_kv_heads)
-    chunk = jnp.maximum(pl.cdiv(jnp.sum(blocks), target), pl.cdiv(blocks, num_splits))
-    chunk = jnp.maximum(chunk, 1)
+    if split_blocks is None:
+        target = cdiv(TARGET_DECODE_PROGRAMS, shapes.num_kv_heads)
+        least = pl.cdiv(jnp.sum(blocks), target)
+    else:
+        least = split_blocks
+    chunk = jnp.maximum(jnp.maximum(least, pl.cdiv(blocks, num_splits)), 1)
     counts = pl.cdiv(blocks, chunk)
     item_seq, index = work_items(counts, w)
     seq = jnp.maximum(item_seq, 0)
@@ -217,9 +227,9 @@ def _decode(
 ) -> jax.Array:
     """`out` [T, Hq, D] with the rows of decode sequences written."""
     shapes = inputs.shapes
-    splits = block_sizes.num_splits
-    w, hq, d = decode_items(shapes, splits), shapes.num_q_heads, shapes.head_dim
-    item_seq, item_lo, item_hi, split = decode_plan(inputs, cfg, splits)
+    splits, own = block_sizes.num_splits, block_sizes.split_blocks
+    w, hq, d = decode_items(shapes, splits, own is not None), shapes.num_q_heads, shapes.head_dim
+    item_seq, item_lo, item_hi, split = decode_plan(inputs, cfg, splits, own)
     out_shape = [jax.ShapeDtypeStruct(out.shape, out.dtype)]
     if splits > 1:
         out_shape += [
@@ -252,8 +262,11 @@ def _decode(
     out, acc, row_max, denom = result
     # The shares of split sequences, merged into their rows; other rows are left as the
     # kernel wrote them.
-    share_seq = jnp.where(split[jnp.maximum(item_seq, 0)], item_seq, -1)
-    merged = combine_splits(acc, row_max, denom, share_seq, shapes.max_num_seqs)
+    if own is None:
+        share_seq = jnp.where(split[jnp.maximum(item_seq, 0)], item_seq, -1)
+        merged = combine_splits(acc, row_max, denom, share_seq, shapes.max_num_seqs)
+    else:
+        merged = combine_in_order(acc, row_max, denom, item_seq, shapes.max_num_seqs, splits)
     rows = jnp.where(split, inputs.cu_q_lens[:-1], shapes.num_tokens)
     return out.at[rows].set(merged.astype(out.dtype), mode="drop")
 
@@ -287,6 +300,52 @@ def combine_splits(
     )
     weighted = jnp.where(saw[..., None], weight[..., None] * acc, 0.0)
     out = jax.ops.segment_sum(weighted, ids, num_segments, indices_are_sorted=True)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+def combine_in_order(
+    acc: jax.Array,
+    row_max: jax.Array,
+    denom: jax.Array,
+    item_seq: jax.Array,
+    num_seqs: int,
+    max_shares: int,
+) -> jax.Array:
+    """`combine_splits` for shares laid out as `work_items` lays them (each sequence's
+    consecutive), summed share after share: each sequence's result depends on its own
+    shares only (no float scatter-add, whose order a GPU does not fix).
+
+    acc f32[W, Hq, D], row_max, denom f32[W, Hq] as `combine_splits` takes them;
+    item_seq i32[W] the sequence of each share (-1: none), at most `max_shares` (static)
+    per sequence. Returns f32[num_seqs, Hq, D]; rows of sequences with fewer than two
+    shares are zeros (their kernel program wrote them).
+    """
+    ids = jnp.where(item_seq >= 0, item_seq, num_seqs)  # idle items: past the end, dropped
+    counts = jnp.zeros(num_seqs, jnp.int32).at[ids].add(1, mode="drop")
+    first = jnp.cumsum(counts) - counts  # i32[S]: the item of each sequence's first share
+    split = counts > 1
+
+    def share(k):  # share k of every sequence: (ok bool[S, Hq], max, denom, acc)
+        ok = split & (k < counts)
+        w = jnp.where(ok, first + k, 0)
+        d = denom[w]
+        saw = ok[:, None] & (d > 0)
+        return saw, jnp.where(saw, row_max[w], -jnp.inf), d, acc[w]
+
+    top = jnp.full(row_max.shape[1:], -jnp.inf)[None].repeat(counts.shape[0], 0)
+    top = jax.lax.fori_loop(0, max_shares, lambda k, t: jnp.maximum(t, share(k)[1]), top)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+
+    def add(k, carry):
+        total, out = carry
+        saw, m, d, a = share(k)
+        weight = jnp.where(saw, jnp.exp(m - top), 0.0)
+        return total + weight * jnp.where(saw, d, 0.0), out + jnp.where(
+            saw[..., None], weight[..., None] * a, 0.0
+        )
+
+    zeros = jnp.zeros((counts.shape[0], *acc.shape[1:]), jnp.float32)
+    total, out = jax.lax.fori_loop(0, max_shares, add, (zeros[..., 0], zeros))
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 

@@ -19,17 +19,12 @@ class BatchBuilder:
       scheduler: whose plans, and whose persistent batch holds their rows.
       page_size: tokens per page.
       buckets: the step's declared padded sizes.
-      history_slack: distinct tokens the device may add to a penalty history (the
-        decode steps of one call).
     """
 
-    def __init__(
-        self, scheduler: Scheduler, *, page_size: int, buckets: Buckets, history_slack: int
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, *, page_size: int, buckets: Buckets) -> None:
         self.scheduler = scheduler
         self.page_size = page_size
         self.buckets = buckets
-        self.history_slack = history_slack
 
     def build_batch(
         self, plan: SchedulerOutput, pending: dict[int, int] | None = None
@@ -49,7 +44,6 @@ class BatchBuilder:
             buckets=self.buckets,
             rows=self.scheduler.batch_rows,
             pending=pending,
-            history_slack=self.history_slack,
         )
         while True:
             try:

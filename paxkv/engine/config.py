@@ -7,7 +7,7 @@ from typing import Any
 
 from paxkv.host.batch import Buckets
 from paxkv.kv_layout import KV_CACHE_DTYPES, MAX_PAGE_SIZE, MIN_PAGE_SIZE, cdiv, valid_page_size
-from paxkv.pallas_kernels.dispatch import BACKENDS, resolve_backend
+from paxkv.pallas_kernels.dispatch import BACKENDS, DETERMINISTIC, resolve_backend
 from paxkv.request import MAX_SEED, check_bool, check_float, check_int
 
 
@@ -46,6 +46,12 @@ class EngineConfig:
         "For models with sliding-window layers: a page table per layer group, window "
         "groups holding only the pages inside their window (`paxkv.host.kv_groups`); "
         "off: uniform paging, one table, every layer keeps every page.",
+    )
+    deterministic: bool = _field(
+        False,
+        "Greedy and seeded outputs bitwise independent of batch-mates: one step shape "
+        "(the largest bucket of each axis) and an attention reduction order from each "
+        "sequence's own length (docs/python_api.md, 'Reproducible sampling').",
     )
     seed: int = 0
     watermark: float = 0.01
@@ -95,6 +101,7 @@ class EngineConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("async_scheduling", self.async_scheduling)
         check_bool("hybrid_kv_cache", self.hybrid_kv_cache)
+        check_bool("deterministic", self.deterministic)
         for name in ("token_buckets", "seq_buckets", "page_buckets"):
             sizes = getattr(self, name)
             if sizes is not None:
@@ -148,11 +155,27 @@ class EngineConfig:
         """Block-table entries of the longest sequence."""
         return cdiv(self.max_model_len, self.page_size)
 
+    @property
+    def step_attention_backend(self) -> str:
+        """The backend the steps pass the model: `attention_backend`, asking for the
+        batch-invariant reduction order when `deterministic`."""
+        return self.attention_backend + (DETERMINISTIC if self.deterministic else "")
+
     def buckets(self) -> Buckets:
         """The step shapes: each list grows by `bucket_growth` and ends at its limit.
 
-        `seq_buckets=None` ties the sequence count to the token bucket.
+        `seq_buckets=None` ties the sequence count to the token bucket. `deterministic`
+        keeps only the largest bucket of each axis: XLA's matmuls round a row
+        differently at different row counts (measured on the CPU, f32: up to 2e-5 in a
+        [M, 128] x [128, 512] dot between M = 4 and 64), so every step has one shape.
         """
+        if self.deterministic:
+            return Buckets(
+                (self.max_num_batched_tokens,),
+                (self.max_num_seqs,),
+                (self.pages_per_seq,),
+                self.max_num_seqs,
+            )
         g = self.bucket_growth
         tokens = self.token_buckets or _geometric(
             min(16, self.max_num_batched_tokens), self.max_num_batched_tokens, g

@@ -88,6 +88,26 @@ class Endings:
             self._finished(req)
         return outputs
 
+    def after_failed_step(self, error: BaseException, *, cache_lost: bool) -> None:
+        """Keeps the engine usable after a step raised `error`. A sync step's host state
+        is as before it, and it runs again, unless the device's KV cache was lost
+        (`cache_lost`: donated to the call that raised; the runner made an empty one):
+        then every request with KV in it is aborted (the next step reports them with
+        why), its pages go back to the pool, and the prefix cache is emptied. With async
+        scheduling the in-flight step's tokens are lost too: the running requests are
+        aborted either way. Waiting requests hold no KV and go on."""
+        if not cache_lost and self.pipeline is None:
+            return
+        what = "the KV cache" if cache_lost else "the step in flight"
+        message = f"{what} was lost: a step raised {type(error).__name__}"
+        logging.error("paxkv: %s; aborting the running requests", message)
+        for rid in dict.fromkeys(seq.request_id for seq in self.scheduler.running):
+            self.end(rid, message)
+        if self.pipeline is not None:
+            self.pipeline.inflight = None  # its sequences are all aborted
+        if cache_lost:
+            self.scheduler.kv_cache_manager.pool.uncache_all()
+
     def defer(self, outputs: list[RequestOutput]) -> None:
         """Reports `outputs` with the next step's (before the other pending ones)."""
         self._pending[:0] = outputs

@@ -11,7 +11,7 @@ that it stays flat after warm-up.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,7 +22,7 @@ from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
 from paxkv.engine.pipeline import AsyncPipeline
-from paxkv.engine.requests import RequestRegistry
+from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.sync_step import SyncStepper
 from paxkv.engine.weights_update import WeightUpdater
@@ -94,10 +94,7 @@ class Engine:
         )
         self._buckets = config.buckets()
         self.batch_builder = BatchBuilder(
-            self.scheduler,
-            page_size=config.page_size,
-            buckets=self._buckets,
-            history_slack=config.num_decode_steps,
+            self.scheduler, page_size=config.page_size, buckets=self._buckets
         )
         self.metrics = EngineMetrics()
         # Final outputs of ended requests, reported by the next step.
@@ -205,38 +202,39 @@ class Engine:
             arrival_time=arrival_time,
             cache_salt=cache_salt,
         )
+        return self._queue(req)
+
+    def _queue(self, req: Request) -> str:
         self.metrics.on_arrival(req.arrival_time)
         self.metrics.prompt_tokens += len(req.prompt_token_ids)
         for seq in req.seqs:
             self.scheduler.add(seq)
         return req.request_id
 
+    def add_score_request(
+        self,
+        request_id: str | None,
+        prompt_token_ids: Sequence[int],
+        completion_token_ids: Sequence[int],
+        *,
+        top_logprobs: int = 0,
+        priority: int = 0,
+    ) -> str:
+        """Queues the teacher-forced scoring of a completion after a prompt; returns its
+        id. Its output (nothing generated, finish reason "length") has `scores`, each
+        completion token's logprob (f32[len(completion)]); the prompt part may come from
+        the prefix cache. ValueError rejects it (`RequestRegistry.create_score`)."""
+        ids = (prompt_token_ids, completion_token_ids)
+        req = self.requests.create_score(
+            request_id, *ids, top_logprobs=top_logprobs, priority=priority
+        )
+        return self._queue(req)
+
     def abort(self, request_id: str) -> None:
         """Ends a request now (finish reason "abort") and frees every page it holds; the
         next `step` reports it. An unknown or already finished id is a no-op, as in vLLM."""
         if self.endings.end(str(request_id)) is None:
             logging.debug("paxkv: abort(%r): no unfinished request of that id", request_id)
-
-    def _after_failed_step(self, error: BaseException) -> None:
-        """Makes the engine usable after a step raised `error`. A sync step's host state
-        is as before it, and it runs again, unless the device's KV cache was lost
-        (donated to the call that raised; the runner makes an empty one): then every
-        request with KV in it is aborted (the next `step` reports them with why), its
-        pages go back to the pool, and the prefix cache is emptied. With async
-        scheduling the in-flight step's tokens are lost too: the running requests are
-        aborted either way. Waiting requests hold no KV and go on."""
-        lost = self.runner.restore_cache()
-        if not lost and self._pipeline is None:
-            return
-        what = "the KV cache" if lost else "the step in flight"
-        message = f"{what} was lost: a step raised {type(error).__name__}"
-        logging.error("paxkv: %s; aborting the running requests", message)
-        for rid in dict.fromkeys(seq.request_id for seq in self.scheduler.running):
-            self.endings.end(rid, message)
-        if self._pipeline is not None:
-            self._pipeline.inflight = None  # its sequences are all aborted
-        if lost:
-            self.pool.uncache_all()
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, or ended but not yet reported by `step`."""
@@ -289,7 +287,7 @@ class Engine:
             else:
                 outputs, t1, t2 = self._stepper.step(plan)
         except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
-            self._after_failed_step(e)
+            self.endings.after_failed_step(e, cache_lost=self.runner.restore_cache())
             raise
         self.endings.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
@@ -310,8 +308,11 @@ class Engine:
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compiles every bucket now, so no request waits for a compilation later.
 
-        `progress(done, total)` is called after each shape (for a progress bar).
-        Steps with penalties compile their history bucket when they first run.
+        `progress(done, total)` is called after each shape (for a progress bar). Each
+        shape compiles with and without penalty histories, so no sampling parameter
+        compiles anything later. Steps that score prompt rows (`prompt_logprobs`,
+        `add_score_request`) compile their scored-row bucket R (`HostBatch.score_rows`)
+        when first met, once per (T, R) shape.
         """
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from paxkv.engine.batch_builder import BatchBuilder
+from paxkv.engine.recording import record_scores
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import PLACEHOLDER_TOKEN
@@ -31,6 +32,7 @@ class InFlight:
 
     sampled: Sampled  # padded to max_num_seqs rows
     placeholders: tuple[tuple[SequenceState, int, int], ...]
+    plan: SchedulerOutput  # what it ran: its scored rows are read from it
 
 
 class AsyncPipeline:
@@ -111,14 +113,16 @@ class AsyncPipeline:
                 for i, c in enumerate(plan.chunks)
                 if c.samples and len(c.seq.output_token_ids) > counts[i]
             )
-            self.inflight = InFlight(launched, placeholders)
+            self.inflight = InFlight(launched, placeholders, plan)
         return outputs, t1, t2
 
     def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
         """Waits for an in-flight step and puts its sampled tokens in place."""
         sampled = self.runner.fetch(inflight.sampled)
         now = time.monotonic()
-        touched = []
+        # Scored sequences that ended with this step (max_tokens=0) are reported now,
+        # with their prompt logprobs in place.
+        touched = [s for s in record_scores(inflight.plan, sampled) if s.finish_reason]
         for seq, row, index in inflight.placeholders:
             if index >= len(seq.output_token_ids):
                 continue  # dropped: the sequence stopped at an earlier token

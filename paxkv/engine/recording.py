@@ -1,12 +1,14 @@
-"""Recording a step's samples: the sampled tokens (on the host) handed to the scheduler."""
+"""Recording a step's samples: the sampled tokens (on the host) handed to the scheduler,
+and the prompt logprobs of its scored rows handed to their sequences."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from paxkv.engine.sampling import Sampled, sample_result
+from paxkv.host.prompt_scores import score_spans
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
-from paxkv.host.sequence import SeqStatus
+from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.request import FinishReason
 
 
@@ -21,6 +23,8 @@ def record_samples(
     loop's (None: every sampling chunk got a token). A sequence whose result cannot be
     read fails alone. Returns, per token recorded, the time since the sequence's previous
     token (None for its first)."""
+    if valid is None:
+        record_scores(plan, samples)
     tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
     running = SeqStatus.RUNNING
     sampled, previous = [], []
@@ -52,3 +56,26 @@ def record_samples(
         for c, before, got in zip(plan.chunks, previous, sampled, strict=True)
         if got is not None
     ]
+
+
+def record_scores(plan: SchedulerOutput, samples: Sampled) -> list[SequenceState]:
+    """Stores the prompt logprobs of `plan`'s scored rows (host arrays, `Sampled.scored`)
+    in their sequences' `prompt_scores`; returns those sequences, in plan order."""
+    spans = score_spans(plan.chunks)
+    if not spans:
+        return []
+    scored = samples.scored
+    seqs, at = [], 0
+    for i, lo, hi in spans:
+        seq = plan.chunks[i].seq
+        end = at + hi - lo
+        seq.prompt_scores.record(
+            lo,
+            scored.logprobs[at:end],
+            scored.ranks[at:end],
+            scored.top_ids[at:end],
+            scored.top_logprobs[at:end],
+        )
+        seqs.append(seq)
+        at = end
+    return seqs

@@ -9,7 +9,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from paxkv.detokenizer import IncrementalDetokenizer, StopStrings, decode_stream
+from paxkv.host.prompt_scores import PromptScores
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState
 from paxkv.request import (
@@ -22,6 +25,7 @@ from paxkv.request import (
     SamplingParams,
     check_float,
     check_int,
+    check_token_ids,
     normalize_prompt,
 )
 
@@ -55,6 +59,9 @@ class Request:
     # `(weight version, outputs sampled before it)` for each version since it arrived.
     version_starts: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(0, 0)])
     _progress: list[_Progress] | None = dataclasses.field(default=None, repr=False)
+    # `(prompt_logprobs, scores)` once built, and whether a delta output carried them.
+    _prompt_out: tuple[list, np.ndarray] | None = dataclasses.field(default=None, repr=False)
+    _prompt_sent: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -111,7 +118,8 @@ class Request:
                 or (seq.finish_reason is not None and not progress.sent_finished)
             ):
                 completions.append(_completion(seq, progress, delta))
-        if not completions:
+        prompt_logprobs, scores = self._prompt_logprobs(tokenizer, delta)
+        if not completions and prompt_logprobs is None:
             return None
         return RequestOutput(
             request_id=self.request_id,
@@ -124,7 +132,35 @@ class Request:
             # would cost more than the delta itself.
             metrics=self._metrics() if finished or not delta else None,
             weight_versions=self.weight_versions(),
+            prompt_logprobs=prompt_logprobs,
+            scores=scores,
         )
+
+    def _prompt_logprobs(self, tokenizer: Any, delta: bool) -> tuple[list | None, Any]:
+        """`(prompt_logprobs, scores)` for an output now: None until the prefill has run
+        (and in a delta output, after the first that carried them); built once."""
+        ps = self.seqs[0].prompt_scores
+        if ps is None or not ps.complete or (delta and self._prompt_sent):
+            return None, None
+        if self._prompt_out is None:
+            ids = self.prompt_token_ids
+            entries: list[dict[int, Logprob] | None] = [None] * ps.first
+            for i, pos in enumerate(range(ps.first, len(ids))):
+                d = {
+                    t: Logprob(lp, r, _decode(tokenizer, t))
+                    for r, (t, lp) in enumerate(
+                        zip(ps.top_ids[i].tolist(), ps.top_logprobs[i].tolist(), strict=True), 1
+                    )
+                }
+                token = ids[pos]
+                d.setdefault(
+                    token,
+                    Logprob(float(ps.logprobs[i]), int(ps.ranks[i]), _decode(tokenizer, token)),
+                )
+                entries.append(d)
+            self._prompt_out = (entries, ps.logprobs.copy())
+        self._prompt_sent = True
+        return self._prompt_out
 
     def bare_output(self) -> RequestOutput:
         """The request's tokens and finish reasons only (no text, logprobs or metrics):
@@ -328,9 +364,12 @@ class RequestRegistry:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        score_from: int = 1,
     ) -> Request:
         """Validates a request and registers it with its sequences; ValueError or
-        TypeError (naming the argument and showing its value) rejects it."""
+        TypeError (naming the argument and showing its value) rejects it. With
+        `params.prompt_logprobs`, the prompt positions from `score_from` on are scored
+        (by its first sequence; the others may share its prompt's cached pages)."""
         if request_id is None:
             request_id = self._new_id()
         elif not isinstance(request_id, str):
@@ -359,9 +398,45 @@ class RequestRegistry:
             )
             for i in range(params.n)
         ]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_scores = PromptScores(ids, score_from, params.prompt_logprobs)
         request = Request(request_id, text, ids, seqs, arrival, [(self.weight_version, 0)])
         self._requests[request_id] = request
         return request
+
+    def create_score(
+        self,
+        request_id: str | None,
+        prompt_token_ids: Any,
+        completion_token_ids: Any,
+        *,
+        top_logprobs: int = 0,
+        priority: int = 0,
+    ) -> Request:
+        """Validates and registers a score request (`Engine.add_score_request`): prompt +
+        completion, nothing generated, the completion's positions scored. ValueError
+        names the field: an id outside the vocabulary, or a completion past max_model_len."""
+        prompt = check_token_ids("prompt_token_ids", prompt_token_ids, lo=None)
+        completion = check_token_ids("completion_token_ids", completion_token_ids, lo=None)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty: the first token has no logprob")
+        vocab = self.vocab_size
+        for name, ids in (("prompt_token_ids", prompt), ("completion_token_ids", completion)):
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}[{bad}]={ids[bad]} is outside the vocabulary [0, {vocab})")
+        if len(prompt) + len(completion) > self.max_model_len:
+            raise ValueError(
+                f"completion_token_ids: {len(completion)} tokens after a prompt of "
+                f"{len(prompt)} exceed max_model_len={self.max_model_len}"
+            )
+        return self.create(
+            request_id,
+            {"prompt_token_ids": prompt + completion},
+            SamplingParams(max_tokens=0, prompt_logprobs=top_logprobs),
+            priority=priority,
+            score_from=len(prompt),
+        )
 
     def report(self, request_ids: Iterable[str]) -> tuple[list[RequestOutput], list[Request]]:
         """The outputs of the requests `request_ids` now, as each one's output kind says
@@ -408,11 +483,13 @@ class RequestRegistry:
                 "are matched on the text and need a tokenizer, and the engine has none: "
                 "pass Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir))"
             )
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(
-                f"request {request_id!r}: logprobs={params.logprobs} exceeds the engine's "
-                f"max_logprobs={self.max_logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(
+                    f"request {request_id!r}: {name}={k} exceeds the engine's "
+                    f"max_logprobs={self.max_logprobs}"
+                )
         text, ids = normalize_prompt(prompt)
         if ids is None:
             if self.tokenizer is None:

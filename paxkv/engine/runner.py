@@ -23,10 +23,10 @@ from paxkv.engine import step as steps
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.params import ParamSource
-from paxkv.engine.sampling import Sampled
+from paxkv.engine.sampling import Sampled, Scored
 from paxkv.engine.step import DecodeLimits, StepBatch
 from paxkv.host.batch import HostBatch
-from paxkv.host.kv_groups import KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache
 from paxkv.sharding import shardings
 
@@ -64,7 +64,7 @@ class StepRunner:
     def warmup(
         self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
     ) -> None:
-        """Compiles the step for every `(T, S, pages per sequence)` shape."""
+        """Compiles every step a batch of a `(T, S, pages per sequence)` shape can run."""
 
     def restore_cache(self) -> bool:
         """After a call that raised: whether the KV cache was lost (donated to a call
@@ -100,7 +100,7 @@ class ModelRunner(StepRunner):
         self.mesh = mesh
         # On a mesh the cache is born sharded: no device ever holds all of it.
         # Which layers share a page table (one group unless the model mixes windows).
-        self.kv_groups = KVGroupLayout.for_model(mc, hybrid=config.hybrid_kv_cache)
+        self.kv_groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
         self.kv_cache = self._new_cache()
         if mesh is not None:  # weights spread over the mesh's devices (a no-op for
             # weights loaded into their shardings already, `paxkv.models.load_model`)
@@ -157,7 +157,7 @@ class ModelRunner(StepRunner):
                 batch,
                 token_src,
                 self._prev_tokens,
-                attention_backend=self.config.attention_backend,
+                attention_backend=self.config.step_attention_backend,
                 num_logprobs=self.config.max_logprobs,
             )
         self._prev_tokens = sampled.tokens
@@ -171,7 +171,7 @@ class ModelRunner(StepRunner):
                 self.kv_cache,
                 batch,
                 limits,
-                attention_backend=self.config.attention_backend,
+                attention_backend=self.config.step_attention_backend,
                 num_steps=self.config.num_decode_steps,
                 num_logprobs=self.config.max_logprobs,
             )
@@ -196,12 +196,15 @@ class ModelRunner(StepRunner):
     def warmup(
         self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
     ) -> None:
-        """Compiles the one-step function (and the N-step loop) for every shape."""
+        """Compiles the one-step function (and the N-step loop) for every shape, each
+        with and without penalty histories (the two variants a step can have)."""
+        page_size, num_groups = self.config.page_size, self.kv_groups.num_groups
         for i, (t, s, p) in enumerate(shapes):
-            batch = StepBatch.empty(t, s, p, self.config.page_size, self.kv_groups.num_groups)
-            jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
-            if self.config.num_decode_steps > 1:
-                self._run_loop(batch, DecodeLimits.from_host([], [], s))
+            for penalties in (False, True):
+                batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
+                jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
+                if self.config.num_decode_steps > 1:
+                    jax.block_until_ready(self._run_loop(batch, DecodeLimits.from_host([], [], s)))
             if progress is not None:
                 progress(i + 1, len(shapes))
 
@@ -216,7 +219,8 @@ def fake_token(tokens: np.ndarray, positions: np.ndarray, vocab_size: int) -> np
 class FakeRunner(StepRunner):
     """A step runner with no model and no device: each sequence's next token is
     `fake_token(its last input token, that token's position)`, its logprob -1, and its
-    top logprobs the next `max_logprobs` ids after it. Deterministic and
+    top logprobs the next `max_logprobs` ids after it; a scored row's target likewise
+    (logprob -1, rank 1, top ids the target and those after it). Deterministic and
     batch-independent, like the real greedy step, so the engine's host path runs
     unchanged over it.
 
@@ -238,7 +242,7 @@ class FakeRunner(StepRunner):
         max_position_embeddings: int | None = None,
         layer_windows: tuple[int | None, ...] = (None,),
     ) -> None:
-        self.kv_groups = KVGroupLayout.from_windows(layer_windows, hybrid=config.hybrid_kv_cache)
+        self.kv_groups = KVCacheGroups.from_windows(layer_windows, hybrid=config.hybrid_kv_cache)
         self.model_config = types.SimpleNamespace(
             vocab_size=vocab_size,
             eos_token_ids=eos_token_ids,
@@ -270,6 +274,11 @@ class FakeRunner(StepRunner):
         out = fake_token(inputs, hb.positions[last], self.model_config.vocab_size)
         sampled = self._samples(out, self.config.max_num_seqs)
         self._prev = sampled.tokens
+        if hb.score_rows.shape[0]:
+            scored = self._samples(hb.score_targets, hb.score_rows.shape[0])
+            sampled = sampled.replace(
+                scored=Scored(scored.logprobs, scored.ranks, scored.top_ids, scored.top_logprobs)
+            )
         return sampled
 
     def fetch(self, handle: Sampled) -> Sampled:

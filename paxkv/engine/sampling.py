@@ -29,7 +29,9 @@ class SamplingBatch:
     `history` lists, per sequence with penalties, the distinct tokens of its prompt and
     output: `history[0]` their ids (-1 pads), `history[1]` how often each was
     generated, `history[2]` whether it is in the prompt; H = 0 when no sequence of the
-    step has penalties, and the penalty code then compiles away.
+    step has penalties, and the penalty code then compiles away, else the tokens the
+    step's pages hold (`paxkv.host.batch.history_length`): each step shape has two
+    variants, and warm-up compiles both.
     """
 
     floats: jax.Array  # f32[S, len(SAMPLING_FLOATS)] (`paxkv.host.sampling_columns`)
@@ -55,15 +57,15 @@ class SamplingBatch:
         seeds: Sequence[int] | None = None,
         counters: Sequence[int] | None = None,
         histories: Sequence[tuple[list[int], list[int], list[int]] | None] = (),
-        history_slack: int = 1,
+        history_len: int | None = None,
     ) -> SamplingBatch:
         """The batch of `params` padded to `size` rows (seeds default to the params' or 0,
-        counters to 0; see `paxkv.host.batch.sampling_arrays`)."""
+        counters to 0; histories and their length H: `paxkv.host.batch.sampling_arrays`)."""
         n = len(params)
         seeds = [p.seed or 0 for p in params] if seeds is None else seeds
         counters = [0] * n if counters is None else counters
         floats, ints, history = sampling_arrays(
-            params, seeds, counters, size, histories=histories, history_slack=history_slack
+            params, seeds, counters, size, histories=histories, history_len=history_len
         )
         return cls(jnp.asarray(floats), jnp.asarray(ints), jnp.asarray(history))
 
@@ -73,19 +75,34 @@ class SamplingBatch:
 
 
 @struct.dataclass
+class Scored:
+    """A step's scored rows (prompt logprobs): each row's target token under the raw
+    distribution `log_softmax(logits)`, and the K most likely tokens there."""
+
+    logprobs: jax.Array  # f32[R]; of the target token
+    ranks: jax.Array  # i32[R]; the target's rank, 1 = the most likely
+    top_ids: jax.Array  # i32[R, K]
+    top_logprobs: jax.Array  # f32[R, K]
+
+
+@struct.dataclass
 class Sampled:
-    """One step's samples: the token of every row and what the API reports about it."""
+    """One step's samples: the token of every row and what the API reports about it,
+    and (`scored`, None when the step scores no row) its prompt logprobs."""
 
     tokens: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S]; of the chosen token, under log_softmax(logits)
     top_ids: jax.Array  # i32[S, K]; the K most likely tokens (K = 0: none asked)
     top_logprobs: jax.Array  # f32[S, K]
     ranks: jax.Array  # i32[S]; the chosen token's rank, 1 = the most likely
+    scored: Scored | None = None
 
     def padded(self, rows: int) -> Sampled:
-        """Padded with zero rows to `rows` rows."""
+        """Its per-sequence arrays padded with zero rows to `rows` rows."""
         pad = rows - self.tokens.shape[0]
-        return jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), self)
+        per_row = self.replace(scored=None)
+        per_row = jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), per_row)
+        return per_row.replace(scored=self.scored)
 
 
 def apply_penalties(
@@ -177,6 +194,22 @@ def sample(
     ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs, ranks)
+
+
+def score(
+    logits: jax.Array,  # f32[R, V]
+    targets: jax.Array,  # i32[R]
+    *,
+    num_logprobs: int = 0,
+) -> Scored:
+    """Each row's target token's logprob and rank, and the `num_logprobs` most likely
+    tokens, under `log_softmax(logits)` in f32 (no penalty, temperature or truncation):
+    vLLM's prompt logprobs. Costs O(R * V); only these reductions leave the device."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    return Scored(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
 
 
 def sample_result(

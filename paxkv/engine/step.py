@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample
-from paxkv.host.batch import HostBatch
+from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
+from paxkv.host.batch import HostBatch, history_length
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
 
@@ -38,6 +38,10 @@ class StepBatch:
     table: PageTable
     logits_indices: jax.Array  # i32[S]; the packed row of each sequence's last token
     sampling: SamplingBatch
+    # i32[R] each: rows whose prompt logprob is wanted and their target tokens
+    # (`paxkv.host.prompt_scores`); R = 0: none, and the scoring compiles away.
+    score_rows: jax.Array
+    score_targets: jax.Array
 
     @classmethod
     def from_host(cls, hb: HostBatch, page_size: int) -> tuple[StepBatch, jax.Array]:
@@ -53,9 +57,16 @@ class StepBatch:
             page_size=page_size,
         )
         sampling = SamplingBatch(a["sampling_floats"], a["sampling_ints"], a["penalty_history"])
-        return cls(a["tokens"], a["positions"], table, a["logits_indices"], sampling), a[
-            "token_src"
-        ]
+        batch = cls(
+            a["tokens"],
+            a["positions"],
+            table,
+            a["logits_indices"],
+            sampling,
+            a["score_rows"],
+            a["score_targets"],
+        )
+        return batch, a["token_src"]
 
     @classmethod
     def empty(
@@ -65,10 +76,15 @@ class StepBatch:
         pages_per_seq: int,
         page_size: int,
         num_groups: int = 1,
+        num_scored: int = 0,
+        *,
+        penalties: bool = False,
     ) -> StepBatch:
         """A batch of the given bucket shape with no live sequence (warm-up compiles it);
-        `num_groups` page tables per sequence (KV-cache groups)."""
+        `num_groups` page tables per sequence (KV-cache groups), `num_scored` scored rows;
+        `penalties`: the shape's variant with penalty histories (`SamplingBatch`)."""
         groups = () if num_groups == 1 else (num_groups,)
+        history_len = history_length(pages_per_seq, page_size) if penalties else 0
         table = PageTable(
             block_tables=jnp.zeros((*groups, num_seqs, pages_per_seq), jnp.int32),
             kv_lens=jnp.zeros(num_seqs, jnp.int32),
@@ -81,7 +97,9 @@ class StepBatch:
             positions=jnp.zeros(num_tokens, jnp.int32),
             table=table,
             logits_indices=jnp.zeros(num_seqs, jnp.int32),
-            sampling=SamplingBatch.create([], num_seqs),
+            sampling=SamplingBatch.create([], num_seqs, history_len=history_len),
+            score_rows=jnp.zeros(num_scored, jnp.int32),
+            score_targets=jnp.zeros(num_scored, jnp.int32),
         )
 
 
@@ -150,23 +168,28 @@ def model_step(
     so the next step can read its input tokens from them on the device. A sequence
     whose last token is fed from `prev_tokens` (async scheduling) has that token, which
     the host has not seen, counted in its penalty history before it samples.
+    With scored rows (R > 0) the logits of the S sampling rows and the R scored rows are
+    one matmul, and `sampled.scored` holds their prompt logprobs (`score`).
     """
     model = nnx.merge(graphdef, params)
     fed = prev_tokens[jnp.maximum(token_src, 0)]
     tokens_in = jnp.where(token_src >= 0, fed, batch.tokens)
     last = batch.logits_indices
     sampling = add_to_history(batch.sampling, tokens_in[last], token_src[last] >= 0)
-    sampled, kv_cache = forward_sample(
+    num_sampled = last.shape[0]
+    logits, kv_cache = forward_logits(
         model,
         tokens_in,
         batch.positions,
         kv_cache,
         batch.table,
-        last,
-        sampling,
+        jnp.concatenate([last, batch.score_rows]),
         attention_backend=attention_backend,
-        num_logprobs=num_logprobs,
     )
+    sampled = sample(logits[:num_sampled], sampling, num_logprobs=num_logprobs)
+    if batch.score_rows.shape[0]:
+        scored = score(logits[num_sampled:], batch.score_targets, num_logprobs=num_logprobs)
+        sampled = sampled.replace(scored=scored)
     sampled = sampled.padded(prev_tokens.shape[0])
     mesh = getattr(model, "mesh", None)
     if mesh is not None:  # replicated, like the next step's prev_tokens input

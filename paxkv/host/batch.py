@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.batch_rows import BatchRows
+from paxkv.host.prompt_scores import score_spans
 from paxkv.host.sampling_columns import (
     INT_COLUMN,
     ROW_INT_COLUMNS,
@@ -69,15 +70,15 @@ class Buckets:
         return [(t, s, p) for t, s in pairs for p in self.pages]
 
 
-MIN_HISTORY = 16  # the smallest penalty-history bucket
+MIN_HISTORY = 16  # the shortest penalty history of an ad-hoc batch (`sampling_arrays`)
 
 
-def history_bucket(needed: int) -> int:
-    """The padded length of a step's penalty history: 0 when no sequence has penalties,
-    else a power of two >= max(needed, MIN_HISTORY), so steps compile few shapes."""
-    if needed <= 0:
-        return 0
-    return max(MIN_HISTORY, 1 << (needed - 1).bit_length())
+def history_length(pages_per_seq: int, page_size: int) -> int:
+    """H of a step with penalties in page bucket `pages_per_seq`: the tokens its pages
+    hold. A sequence samples only after the K/V of all its tokens is written, so its
+    distinct tokens (the host's and those the device adds: a fed token, the tokens of a
+    decode loop) fit; and H is fixed per step shape, so warm-up compiles it."""
+    return pages_per_seq * page_size
 
 
 def sampling_arrays(
@@ -87,15 +88,15 @@ def sampling_arrays(
     size: int,
     *,
     histories: Sequence[tuple[list[int], list[int], list[int]] | None] = (),
-    history_slack: int = 1,
+    history_len: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(floats, ints, history i32[3, size, H])` of the given sequences' sampling
     parameters, padded to `size` rows (columns: `paxkv.host.sampling_columns`).
 
     `histories[i]` is sequence i's `(ids, output counts, in prompt)` when it has penalties
-    (`SequenceState.penalty_history`), else None. `history` holds them as rows padded
-    with id -1, with room for `history_slack` more distinct tokens (the device adds the
-    tokens it samples or feeds that the host has not seen); H = 0 when none has one.
+    (`SequenceState.penalty_history`), else None; `history` holds them as rows padded
+    with id -1 (`penalty_histories`). H is `history_len`, or with None 0 when no sequence
+    has a history, else a power of two >= `MIN_HISTORY` with room for one more token.
     """
     n = len(params)
     floats = padding_floats(size)
@@ -105,22 +106,25 @@ def sampling_arrays(
         ints[:n, INT_COLUMN["top_k"]] = [p.top_k for p in params]
         ints[:n, INT_COLUMN["seed"]] = seeds
         ints[:n, INT_COLUMN["counter"]] = counters
-    return floats, ints, penalty_histories(histories, size, history_slack=history_slack)
+    if history_len is None:
+        needed = max((len(h[0]) + 1 for h in histories if h is not None), default=0)
+        history_len = max(MIN_HISTORY, 1 << (needed - 1).bit_length()) if needed else 0
+    return floats, ints, penalty_histories(histories, size, history_len)
 
 
 def penalty_histories(
     histories: Sequence[tuple[list[int], list[int], list[int]] | None],
     size: int,
-    *,
-    history_slack: int = 1,
+    length: int,
 ) -> np.ndarray:
-    """i32[3, size, H]: the sequences' penalty histories as rows padded with id -1 (see
-    `sampling_arrays`); H = 0 when none has one."""
-    needed = max((len(h[0]) for h in histories if h is not None), default=-history_slack)
-    history = np.zeros((3, size, history_bucket(needed + history_slack)), np.int32)
+    """i32[3, size, length]: the sequences' penalty histories (see `sampling_arrays`) as
+    rows padded with id -1; ValueError if one is longer than `length`."""
+    history = np.zeros((3, size, length), np.int32)
     history[0] = -1
     for i, h in enumerate(histories):
         if h is not None:
+            if len(h[0]) > length:
+                raise ValueError(f"a penalty history of {len(h[0])} tokens exceeds {length=}")
             history[:, i, : len(h[0])] = h
     return history
 
@@ -140,10 +144,16 @@ class HostBatch:
     # `paxkv.host.sampling_columns`.
     sampling_floats: np.ndarray
     sampling_ints: np.ndarray
-    penalty_history: np.ndarray  # i32[3, S, H]: see `sampling_arrays`
+    penalty_history: np.ndarray  # i32[3, S, H]: see `sampling_arrays`; H = 0 or P * page size
     # i32[T]: for rows whose token the host does not know yet, the index of the
     # in-flight step's output that holds it (async scheduling); -1 elsewhere.
     token_src: np.ndarray
+    # i32[R] each: the packed rows whose prompt logprob is wanted (`score_spans`, in
+    # plan order) and their target tokens; padded with row 0 and target 0. R = 0 when
+    # no chunk scores, else the smallest token bucket that holds them (R <= T), so a
+    # step compiles one extra shape per (T, R) pair it meets.
+    score_rows: np.ndarray
+    score_targets: np.ndarray
 
 
 def build_host_batch(
@@ -153,7 +163,6 @@ def build_host_batch(
     buckets: Buckets,
     rows: BatchRows,
     pending: dict[int, int] | None = None,
-    history_slack: int = 1,
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
@@ -163,8 +172,8 @@ def build_host_batch(
     `Scheduler.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
     in-flight step's output that holds the token the sequence's last row needs;
-    `token_src` points there. `history_slack`: distinct tokens the device may add to a
-    penalty history (the decode steps of one call).
+    `token_src` points there. A step where a sequence with penalties samples carries
+    histories of `history_length(P, page_size)` tokens, else of none.
     """
     chunks = plan.chunks
     n = len(chunks)
@@ -221,8 +230,10 @@ def build_host_batch(
     for i in penalised.tolist():
         if chunks[i].samples:
             histories[i] = chunks[i].seq.penalty_history()
-    history = penalty_histories(histories, s_pad, history_slack=history_slack)
+    length = history_length(p_pad, page_size) if any(h is not None for h in histories) else 0
+    history = penalty_histories(histories, s_pad, length)
 
+    score_rows, score_targets = _scored_rows(chunks, cu, buckets)
     token_src = np.full(t_pad, -1, np.int32)
     if pending:
         for i, c in enumerate(chunks):
@@ -240,4 +251,27 @@ def build_host_batch(
         ints,
         history,
         token_src,
+        score_rows,
+        score_targets,
     )
+
+
+def _scored_rows(
+    chunks: Sequence, cu: np.ndarray, buckets: Buckets
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(score_rows, score_targets)` of a step whose chunk i starts at packed row cu[i]."""
+    spans = score_spans(chunks)
+    if not spans:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    num = sum(hi - lo for _, lo, hi in spans)
+    r_pad = Buckets.pick(num, buckets.tokens, "scored rows in the step")
+    rows = np.zeros(r_pad, np.int32)
+    targets = np.zeros(r_pad, np.int32)
+    at = 0
+    for i, lo, hi in spans:
+        c = chunks[i]
+        first = cu[i] + lo - c.start
+        rows[at : at + hi - lo] = np.arange(first, first + hi - lo)
+        targets[at : at + hi - lo] = c.seq.prompt_scores.targets(lo, hi)
+        at += hi - lo
+    return rows, targets

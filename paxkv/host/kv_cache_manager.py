@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from paxkv.host.batch_rows import BatchRows
-from paxkv.host.kv_groups import KVGroupLayout, first_page_read, peak_pages
+from paxkv.host.kv_groups import KVCacheGroups, first_page_read, peak_pages
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import CachedPrefix, PrefixCache
 from paxkv.host.reservation import PagedReservation
@@ -57,7 +57,7 @@ class KVCacheManager:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         reservation: PagedReservation | None = None,
-        kv_groups: KVGroupLayout | None = None,
+        kv_groups: KVCacheGroups | None = None,
         max_chunk_tokens: int | None = None,
     ) -> None:
         self.pool = pool
@@ -69,7 +69,7 @@ class KVCacheManager:
                 f"reservation={self.reservation.name!r} holds contiguous regions: "
                 "turn prefix caching off"
             )
-        self.kv_groups = kv_groups or KVGroupLayout.uniform(1)
+        self.kv_groups = kv_groups or KVCacheGroups.uniform(1)
         self.num_groups = self.kv_groups.num_groups
         # A window group lets pages go only under the paged policy: a contiguous
         # reservation holds its region whole.

@@ -41,14 +41,14 @@ class KVCacheGroup:
 
 
 @dataclasses.dataclass(frozen=True)
-class KVGroupLayout:
+class KVCacheGroups:
     """The KV-cache groups of a model and where each layer's K/V live (see module doc)."""
 
     groups: tuple[KVCacheGroup, ...]
 
     def __post_init__(self) -> None:
         if not self.groups:
-            raise ValueError("a KV group layout needs at least one group")
+            raise ValueError("KV-cache groups need at least one group")
         layers = sorted(i for g in self.groups for i in g.layers)
         if layers != list(range(len(layers))):
             raise ValueError(f"groups must cover layers 0..L-1 exactly once, got {layers}")
@@ -57,12 +57,12 @@ class KVGroupLayout:
                 raise ValueError(f"window={g.window} must be positive or None")
 
     @classmethod
-    def uniform(cls, num_layers: int, window: int | None = None) -> KVGroupLayout:
+    def uniform(cls, num_layers: int, window: int | None = None) -> KVCacheGroups:
         """One group of every layer (one page table per sequence), slot l = layer l."""
         return cls((KVCacheGroup(window, tuple(range(num_layers))),))
 
     @classmethod
-    def from_windows(cls, windows: Sequence[int | None], *, hybrid: bool = True) -> KVGroupLayout:
+    def from_windows(cls, windows: Sequence[int | None], *, hybrid: bool = True) -> KVCacheGroups:
         """Groups for layers with the given windows (None: global), one entry per layer.
 
         Layers of one window size all alike: one group with that window. Mixed sizes:
@@ -89,7 +89,7 @@ class KVGroupLayout:
         return cls(tuple(groups))
 
     @classmethod
-    def for_model(cls, model_config: Any, *, hybrid: bool = True) -> KVGroupLayout:
+    def for_model(cls, model_config: Any, *, hybrid: bool = True) -> KVCacheGroups:
         """The layout of a model config with `layer_sliding_windows` (one window or None
         per layer), or else one `sliding_window` for its `num_layers` layers."""
         windows = getattr(model_config, "layer_sliding_windows", None)

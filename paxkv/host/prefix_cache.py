@@ -127,13 +127,14 @@ class PrefixCache:
         return key if len(self.windows) == 1 else (group, key)
 
     def lookup(self, seq: SequenceState) -> CachedPrefix:
-        """The longest cached prefix of seq's tokens, leaving its last token to compute."""
+        """The longest cached prefix of seq's tokens, leaving its last token (and every
+        row whose prompt logprob is wanted, `SequenceState.cacheable_tokens`) to compute."""
         num_groups = len(self.windows)
         if not self.enabled:
             return CachedPrefix([[] for _ in range(num_groups)], [])
         tokens = seq.prompt_token_ids + seq.output_token_ids
         ps = self.page_size
-        keys = page_keys(tokens, ps, num_pages=(len(tokens) - 1) // ps, salt=self._salt(seq))
+        keys = page_keys(tokens, ps, num_pages=seq.cacheable_tokens() // ps, salt=self._salt(seq))
         lookup = self.pool.lookup
         if self.windows == (None,):
             hits = []

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from paxkv.host.admission import Admission, chunk_tokens
 from paxkv.host.batch_rows import BatchRows
 from paxkv.host.kv_cache_manager import KVCacheManager
-from paxkv.host.kv_groups import KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.host.kv_usage import kv_usage
 from paxkv.host.page_pool import PagePool
 from paxkv.host.plan import ScheduledChunk, SchedulerOutput
@@ -66,7 +66,7 @@ class Scheduler(SequenceQueues):
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         reservation: PagedReservation | None = None,
-        kv_groups: KVGroupLayout | None = None,
+        kv_groups: KVCacheGroups | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")

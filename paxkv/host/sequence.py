@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from paxkv.host.prompt_scores import PromptScores
 from paxkv.request import FinishReason, SamplingParams
 
 # The top-k of one output token: (token ids, their logprobs, the chosen token's rank).
@@ -51,6 +52,8 @@ class SequenceState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # With prompt_logprobs (or a score request): the logprobs of its prompt positions.
+    prompt_scores: PromptScores | None = dataclasses.field(default=None, repr=False)
     _prompt_set: frozenset[int] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +111,14 @@ class SequenceState:
         ids = [*prompt, *(t for t in counts if t not in prompt)]
         return ids, [counts.get(t, 0) for t in ids], [int(t in prompt) for t in ids]
 
+    def cacheable_tokens(self) -> int:
+        """Leading tokens the prefix cache may serve: all but the last, and none from
+        the first row whose prompt logprob is wanted on (`PromptScores`)."""
+        n = self.num_tokens - 1
+        if self.prompt_scores is not None:
+            n = min(n, self.prompt_scores.cacheable_tokens)
+        return n
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens."""
@@ -131,7 +142,10 @@ class SequenceState:
         now: float,
     ) -> FinishReason | None:
         """Appends a sampled token at time `now`; returns why it ends the sequence (a stop
-        token, max_tokens or `max_model_len`), or None."""
+        token, max_tokens or `max_model_len`), or None. With max_tokens=0 (scoring) the
+        token is dropped: the prefill was all the sequence asked for."""
+        if self.params.max_tokens == 0:
+            return FinishReason.LENGTH
         self.append_output(token, logprob, top)
         if self.first_token_time is None:
             self.first_token_time = now

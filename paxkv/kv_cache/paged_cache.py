@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from absl import logging
 from flax import struct
 
-from paxkv.host.kv_groups import KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache.page_table import PageTable
 from paxkv.kv_layout import SCALE_DTYPE, TPU_LANES, resolve_kv_cache_dtype, scale_lanes
 from paxkv.pallas_kernels import write_kv_pages
@@ -67,22 +67,22 @@ class PagedKVCache:
         head_dim: int,
         dtype=jnp.bfloat16,
         kv_cache_dtype: str = "auto",
-        layout: KVGroupLayout | None = None,
+        kv_groups: KVCacheGroups | None = None,
         stacked: bool = False,
         platform: str | None = None,
     ) -> PagedKVCache:
         """A zero-filled cache; `kv_cache_dtype` "int8"/"fp8" stores pages quantized.
-        With a `layout` of several groups, `layout.num_slots` arrays shared by groups.
+        With `kv_groups` of several groups, `kv_groups.num_slots` arrays shared by groups.
         `stacked`: the slots as one array (`slot_pages`), for scanned layers. `platform`
-        (None: JAX's default backend) sets the scales' lanes (`layout.scale_lanes`)."""
+        (None: JAX's default backend) sets the scales' lanes (`scale_lanes`)."""
         page_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         static = {}
         num_arrays = num_layers
-        if layout is not None and layout.hybrid:
-            if layout.num_layers != num_layers:
-                raise ValueError(f"{layout.num_layers=} != {num_layers=}")
-            static = {"layer_slots": layout.layer_slot, "layer_groups": layout.layer_group}
-            num_arrays = layout.num_slots
+        if kv_groups is not None and kv_groups.hybrid:
+            if kv_groups.num_layers != num_layers:
+                raise ValueError(f"{kv_groups.num_layers=} != {num_layers=}")
+            static = {"layer_slots": kv_groups.layer_slot, "layer_groups": kv_groups.layer_group}
+            num_arrays = kv_groups.num_slots
         rows = num_pages
         if stacked:
             static["slot_pages"] = num_pages
@@ -111,10 +111,10 @@ class PagedKVCache:
         num_pages: int,
         page_size: int,
         kv_cache_dtype: str = "auto",
-        layout: KVGroupLayout | None = None,
+        kv_groups: KVCacheGroups | None = None,
     ) -> PagedKVCache:
         """A zero-filled cache for a model with `model_config`'s num_layers, num_kv_heads,
-        head_dim and dtype, laid out for the KV-cache groups `layout` (None: one), and
+        head_dim and dtype, laid out for the KV-cache groups `kv_groups` (None: one), and
         stacked when the model's layers are (`scan_layers`)."""
         mc = model_config
         return cls.create(
@@ -125,7 +125,7 @@ class PagedKVCache:
             head_dim=mc.head_dim,
             dtype=mc.dtype,
             kv_cache_dtype=kv_cache_dtype,
-            layout=layout,
+            kv_groups=kv_groups,
             stacked=getattr(mc, "scan_layers", False),
         )
 

@@ -19,7 +19,7 @@ import json
 import jax
 from absl import flags
 
-from paxkv.host.kv_groups import KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
 from paxkv.launch import exit_with_error, list_in_help, platform, run_app
 from paxkv.launch import flags as launch_flags
@@ -116,7 +116,7 @@ def _run() -> dict:
         fixed_prompt_len=_range(_FIXED_PROMPT),
         fixed_output_len=_range(_FIXED_OUTPUT),
     )
-    layout = KVGroupLayout.for_model(model_cfg, hybrid=engine_cfg.hybrid_kv_cache)
+    layout = KVCacheGroups.for_model(model_cfg, hybrid=engine_cfg.hybrid_kv_cache)
     # A page of the grouped cache holds `num_slots` layers: more of them fit the budget.
     grouped_pages = num_pages * model_cfg.num_layers // layout.num_slots
     names = [s for s in SETUPS if s in _SETUPS.value]

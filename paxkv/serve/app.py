@@ -251,6 +251,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
         include_usage=include_usage,
         token_ids=_token_ids_flag(body),
         cache_salt=salt,
+        echo=body.get("echo") is True,
     )
 
 
@@ -319,6 +320,7 @@ async def _serve(
     include_usage: bool,
     token_ids: bool,
     cache_salt: str | None,
+    echo: bool = False,
 ) -> Response:
     """Submits one engine request per prompt and answers with their completions."""
     submissions = [
@@ -332,6 +334,8 @@ async def _serve(
         chat_response=chat_response,
         top_logprobs=params[0].logprobs or 0,
         token_ids=token_ids,
+        echo=echo,
+        decode=None if state.tokenizer is None else state.tokenizer.decode,
     )
     header = {
         "id": response_id,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from paxkv import chat
@@ -42,7 +42,6 @@ _SAMPLING_FIELDS = (
 # Fields that would change the output in ways this server does not implement: refused
 # with 400 unless absent or at their no-op value (vLLM implements some; OpenAI all).
 _UNSUPPORTED = {
-    "echo": (None, False),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "min_tokens": (None, 0),
@@ -209,6 +208,7 @@ def sampling_params(
     """
     _check_supported(body)
     _check_limits(body, limits)
+    echo = _echo(body, chat_request=chat_request)
     kwargs = {f: body[f] for f in _SAMPLING_FIELDS if body.get(f) is not None}
     if "stop_token_ids" in kwargs and not isinstance(kwargs["stop_token_ids"], list):
         raise ApiError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
@@ -231,6 +231,10 @@ def sampling_params(
             kwargs["logprobs"] = 0 if top is None else top
     elif body.get("logprobs") is not None:
         kwargs["logprobs"] = body["logprobs"]
+    if echo and (kwargs.get("logprobs") is not None or kwargs["max_tokens"] == 0):
+        # The echoed prompt's logprobs (vLLM's echo), computed in the prefill; with
+        # max_tokens=0 nothing is generated.
+        kwargs["prompt_logprobs"] = kwargs.get("logprobs") or 0
     try:
         params = SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
@@ -243,6 +247,21 @@ def sampling_params(
             param = max_name
         raise bad_request(e, param=param) from None
     return params
+
+
+def _echo(body: Mapping[str, Any], *, chat_request: bool) -> bool:
+    """Whether a completions request echoes its prompt (`echo`; not for chat, and not
+    streamed here)."""
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        return False
+    if chat_request:
+        raise ApiError(400, "echo is not supported by this server for chat", param="echo")
+    if not isinstance(echo, bool):
+        raise ApiError(400, f"echo must be a boolean, got {echo!r:.80}", param="echo")
+    if body.get("stream"):
+        raise ApiError(400, "echo with stream=true is not supported by this server", param="echo")
+    return True
 
 
 def _check_limits(body: Mapping[str, Any], limits: Limits) -> None:
@@ -474,6 +493,12 @@ class Choices:
       top_logprobs: k of `SamplingParams.logprobs`: chat's `top_logprobs` lists these.
       token_ids: write tokens as "token_id:<id>" in logprobs (vLLM's
         `return_tokens_as_token_ids`).
+      echo: completions only, not streamed: each choice's text (and, with logprobs,
+        its logprobs) starts with its prompt's, as vLLM's echo: the first prompt token
+        with logprob None, the others with their prompt logprobs.
+      decode: token ids to text (the tokenizer's `decode`), for the echoed prompt's
+        text and its first token; None: the prompt's text is empty and its tokens are
+        written as "token_id:<id>".
     """
 
     def __init__(
@@ -484,8 +509,14 @@ class Choices:
         chat_response: bool,
         top_logprobs: int = 0,
         token_ids: bool = False,
+        echo: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self._k = top_logprobs
+        self._echo = echo
+        self._decode = decode
+        # Per prompt: its echoed text and logprob entries (offsets from 0).
+        self._echoed: dict[int, tuple[str, list[dict[str, Any]]]] = {}
         self._prompt_index = {rid: i for i, rid in enumerate(request_ids)}
         self._n = n
         self._chat = chat_response
@@ -502,6 +533,8 @@ class Choices:
     def add(self, out: RequestOutput) -> list[dict[str, Any]]:
         """Records a delta output; the chunk choices it makes."""
         base = self._prompt_index[out.request_id] * self._n
+        if self._echo and base // self._n not in self._echoed:
+            self._echoed[base // self._n] = self._echo_prompt(out)
         if out.finished:
             self.prompt_tokens += len(out.prompt_token_ids)
             if out.error is not None:
@@ -559,23 +592,55 @@ class Choices:
         choices = []
         for i, parts in enumerate(self._text):
             reason, stop_reason = self._finish[i]
-            asked = bool(self._logprobs[i]) or None
+            logprobs = self._logprobs[i]
+            if self._echo:
+                text, entries = self._echoed.get(i // self._n, ("", []))
+                shift = sum(len(e["token"]) for e in entries)
+                parts = [text, *parts]
+                logprobs = entries + [{**e, "offset": e["offset"] + shift} for e in logprobs]
+            asked = bool(logprobs) or None
             if self._chat:
                 choice = {
                     "index": i,
                     "message": {"role": "assistant", "content": "".join(parts)},
-                    "logprobs": {"content": self._logprobs[i]} if asked else None,
+                    "logprobs": {"content": logprobs} if asked else None,
                 }
             else:
                 choice = {
                     "index": i,
                     "text": "".join(parts),
-                    "logprobs": _merge(self._logprobs[i]) if asked else None,
+                    "logprobs": _merge(logprobs) if asked else None,
                 }
             choice["finish_reason"] = reason
             choice["stop_reason"] = stop_reason
             choices.append(choice)
         return choices
+
+    def _echo_prompt(self, out: RequestOutput) -> tuple[str, list[dict[str, Any]]]:
+        """The echoed text of `out`'s prompt, and its logprob entries when it has them."""
+        ids = out.prompt_token_ids
+        text = out.prompt if out.prompt is not None else ""
+        if out.prompt is None and self._decode is not None:
+            text = self._decode(list(ids))
+        if out.prompt_logprobs is None:
+            return text, []
+        entries, offset = [], 0
+        for token, top in zip(ids, out.prompt_logprobs, strict=True):
+            if top is None:  # nothing before it (vLLM: None; OpenAI: null)
+                first = None if self._decode is None else self._decode([token])
+                name = self._token(token, Logprob(0.0, decoded_token=first))
+                entry = {"token": name, "logprob": None, "top": None, "offset": offset}
+            else:
+                name = self._token(token, top[token])
+                entry = {
+                    "token": name,
+                    "logprob": top[token].logprob,
+                    "top": {self._token(t, lp): lp.logprob for t, lp in top.items()},
+                    "offset": offset,
+                }
+            entries.append(entry)
+            offset += len(name)
+        return text, entries
 
     def _token(self, token: int, lp: Logprob) -> str:
         if self._token_ids or lp.decoded_token is None:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from paxkv.host.kv_groups import KVGroupLayout
+from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_layout import cdiv, kv_page_bytes, page_bytes, resolve_kv_cache_dtype
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 
@@ -395,7 +395,7 @@ def plan_capacity(
     usable = max(num_pages - 1, 0)
     pages = cdiv(lengths, page_size)
     contiguous_bytes = max_model_len * one_page * model.num_layers // page_size
-    layout = KVGroupLayout.for_model(model)
+    layout = KVCacheGroups.for_model(model)
     group_pages = group_pages_held(layout, lengths, page_size)
     group_num_pages = int(kv_budget_bytes // (one_page * layout.num_slots))
     return CapacityPlan(
@@ -426,7 +426,7 @@ def plan_capacity(
 
 
 def group_pages_held(
-    layout: KVGroupLayout, lengths: np.ndarray, page_size: int
+    layout: KVCacheGroups, lengths: np.ndarray, page_size: int
 ) -> np.ndarray:  # i64[N]
     """Pages a sequence of each final length holds over every group of `layout` while
     it decodes its last token: a global group all of its pages, a window group of W the

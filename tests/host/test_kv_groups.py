@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_prefix_cache import _step
 
 from paxkv.host.batch import Buckets, build_host_batch
-from paxkv.host.kv_groups import KVCacheGroup, KVGroupLayout, first_page_read
+from paxkv.host.kv_groups import KVCacheGroup, KVCacheGroups, first_page_read
 from paxkv.host.page_pool import NULL_PAGE, PagePool
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SeqStatus
@@ -48,13 +48,13 @@ def _sched(layout, num_pages=64, budget=64, max_model_len=64, page_size=PS, **kw
 
 
 # One global layer and one window-8 layer.
-HYBRID = KVGroupLayout.from_windows([None, 8])
+HYBRID = KVCacheGroups.from_windows([None, 8])
 
 
 def test_layout_of_gemma3_1b():
     # 26 layers, every sixth global (5, 11, 17, 23), the others a 512-token window.
     windows = [None if i % 6 == 5 else 512 for i in range(26)]
-    layout = KVGroupLayout.from_windows(windows)
+    layout = KVCacheGroups.from_windows(windows)
     assert [(g.window, len(g.layers)) for g in layout.groups] == [
         (None, 4),
         *[(512, 4)] * 5,
@@ -72,16 +72,16 @@ def test_layout_of_gemma3_1b():
 
 
 def test_layout_uniform_cases():
-    assert KVGroupLayout.from_windows([None] * 4) == KVGroupLayout.uniform(4)
-    mistral = KVGroupLayout.from_windows([4096] * 3)
+    assert KVCacheGroups.from_windows([None] * 4) == KVCacheGroups.uniform(4)
+    mistral = KVCacheGroups.from_windows([4096] * 3)
     assert mistral.groups == (KVCacheGroup(4096, (0, 1, 2)),) and mistral.has_windows
-    assert not KVGroupLayout.from_windows([4096] * 3, hybrid=False).has_windows
-    off = KVGroupLayout.from_windows([None, 8, 8], hybrid=False)
+    assert not KVCacheGroups.from_windows([4096] * 3, hybrid=False).has_windows
+    off = KVCacheGroups.from_windows([None, 8, 8], hybrid=False)
     assert off.groups == (KVCacheGroup(None, (0, 1, 2)),) and not off.hybrid
-    gemma2 = KVGroupLayout.from_windows([4096, None] * 3)
+    gemma2 = KVCacheGroups.from_windows([4096, None] * 3)
     assert [(g.window, g.layers) for g in gemma2.groups] == [(None, (1, 3, 5)), (4096, (0, 2, 4))]
     with pytest.raises(ValueError, match="window=0"):
-        KVGroupLayout.from_windows([0, None])
+        KVCacheGroups.from_windows([0, None])
 
 
 def test_window_group_lets_go_of_pages_behind_it():
@@ -113,7 +113,7 @@ def test_window_group_needs_few_pages_at_submit():
     with pytest.raises(ValueError, match="needs 57 pages but the whole pool has 23"):
         s.check_fits(190, SamplingParams(max_tokens=10))  # 50 + 7
     s.check_fits(50, SamplingParams(max_tokens=10))  # 15 + 7
-    window_only = _sched(KVGroupLayout.from_windows([8, 8]), num_pages=24, budget=16)
+    window_only = _sched(KVCacheGroups.from_windows([8, 8]), num_pages=24, budget=16)
     window_only.max_model_len = window_only.kv_cache_manager.max_model_len = 256
     window_only.check_fits(190, SamplingParams(max_tokens=10))  # 7 pages at any length
 
@@ -179,7 +179,7 @@ def test_random_workloads_with_groups(arrivals, windows, page_size, num_pages, b
     token a chunk's queries read is in its group's table with the right contents, a
     window group holds no page wholly behind its window, every page in use has as many
     holders as its reference count, and the step's arrays equal the tables."""
-    layout = KVGroupLayout.from_windows(windows)
+    layout = KVCacheGroups.from_windows(windows)
     s = _sched(
         layout,
         num_pages=num_pages,

@@ -209,7 +209,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop", "empty string"),
     ("completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
     ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
-    ("completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo", "not supported"),
     ("completions", {"prompt": "x" * 120, "max_tokens": 16}, 400, "max_tokens", "max_model_len"),
     ("completions", {"prompt": "x" * 200}, 400, "prompt", "longer than max_model_len"),
     ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
@@ -368,3 +368,31 @@ def test_cache_salt_separates_tenants(server):
     assert prefix_hits(server) == before + 32  # the same salt: both full pages
     r = httpx.post(f"{server.url}/completions", json={"prompt": "x", "cache_salt": 3}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_no_request_compiles_after_warmup(server, client):
+    """The server compiles every step shape before it listens: requests with every
+    sampling feature, penalties included, on short and long prompts compile nothing."""
+    before = server.metrics()["paxkv:num_compilations_total"]
+    assert before > 0
+    sampling = dict(
+        max_tokens=8,
+        temperature=0.9,
+        top_p=0.9,
+        seed=1,
+        stop=["\n\n"],
+        extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.05},
+    )
+    for prompt in ("def f(x):", "x = 1\n" * 15):  # other token and page buckets
+        client.completions.create(
+            model=MODEL, prompt=prompt, frequency_penalty=0.5, logprobs=5, n=2, **sampling
+        )
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            presence_penalty=0.4,
+            logprobs=True,
+            top_logprobs=3,
+            **sampling,
+        )
+    assert server.metrics()["paxkv:num_compilations_total"] == before

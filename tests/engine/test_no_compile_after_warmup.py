@@ -1,0 +1,92 @@
+"""After `warmup()`, no request compiles anything: every sampling feature, in every
+execution mode, runs on the step shapes warm-up compiled.
+
+Engines share compilations (the steps are jitted at module level), so an earlier test
+may have compiled some of these shapes already; what is asserted is only that the
+count does not move after warm-up, which holds either way. The shapes here (a 4-page
+bucket, a 24-token bucket) are ones no other test uses, so run alone this file also
+checks that warm-up compiles them itself.
+"""
+
+import numpy as np
+import pytest
+from engine_configs import small_config
+
+from paxkv import SamplingParams
+from paxkv.engine import Engine
+
+# Two token and two page buckets: short prompts and long ones land in different shapes.
+BUCKETS = dict(token_buckets=(24, 64), page_buckets=(4, 16))
+MODES = {
+    "sync": {},
+    "multi_step": {"num_decode_steps": 4},
+    "async": {"async_scheduling": True},
+}
+
+
+def _workload(vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
+    """Every sampling feature, on short and long prompts."""
+    rng = np.random.default_rng(0)
+    short = [7, 8, 9]
+    # 110 distinct tokens: a penalty history as long as the step's pages allow at the end.
+    longest = rng.permutation(vocab_size)[:110].tolist()
+    medium = rng.integers(0, vocab_size, 40).tolist()
+    sampled = dict(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
+    cases = [
+        SamplingParams(presence_penalty=0.7, **sampled),
+        SamplingParams(frequency_penalty=0.5, **sampled),
+        SamplingParams(repetition_penalty=1.3, **sampled),
+        SamplingParams(
+            presence_penalty=-0.5, frequency_penalty=1.0, repetition_penalty=0.8, **sampled
+        ),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0),
+        SamplingParams(logprobs=5, **sampled),
+        SamplingParams(logprobs=20, frequency_penalty=0.2, **sampled),
+        SamplingParams(n=3, **sampled),
+        SamplingParams(n=2, repetition_penalty=1.2, **sampled),
+        SamplingParams(top_k=5, **sampled),
+        SamplingParams(top_p=0.8, **sampled),
+        SamplingParams(min_p=0.2, **sampled),
+        SamplingParams(top_k=3, top_p=0.9, min_p=0.05, presence_penalty=0.3, **sampled),
+        SamplingParams(stop=["a", "zz"], temperature=1.0, seed=2, max_tokens=8),
+        SamplingParams(stop_token_ids=[3, 4, 5], temperature=1.0, seed=3, max_tokens=8),
+    ]
+    work = [(p, c) for p in (short, medium) for c in cases]
+    # The longest sequence the engine serves (110 + 18 = max_model_len), with penalties.
+    work.append((longest, SamplingParams(frequency_penalty=0.4, max_tokens=18, ignore_eos=True)))
+    work.append((longest, SamplingParams(max_tokens=18, ignore_eos=True, logprobs=3)))
+    return work
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_request_compiles_after_warmup(tiny, mode):
+    config, model, tokenizer = tiny
+    engine = Engine(
+        model,
+        small_config(num_pages=128, **BUCKETS, **MODES[mode]),
+        tokenizer=tokenizer,
+    )
+    engine.warmup()
+    warm = engine.num_compilations
+    work = _workload(config.vocab_size)
+    # Each request alone (penalised or not, every bucket), then all at once, then a
+    # mix where penalised requests join a batch already running.
+    finished = {}
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"alone{i}", {"prompt_token_ids": prompt}, params)
+        finished |= engine.run_until_done()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"all{i}", {"prompt_token_ids": prompt}, params)
+    finished |= engine.run_until_done()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"mix{i}", {"prompt_token_ids": prompt}, params)
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    finished |= engine.run_until_done()
+    assert len(finished) == 3 * len(work)
+    # None failed (a request whose step cannot be laid out is aborted, not compiled).
+    reasons = {c.finish_reason for o in finished.values() for c in o.outputs}
+    assert reasons <= {"length", "stop"}, reasons
+    assert engine.num_compilations == warm, (
+        f"{engine.num_compilations - warm} compilations after warm-up ({mode})"
+    )
