@@ -60,6 +60,7 @@ class GemmaConfig:
 
     def __post_init__(self):
         hf_fields.check_shared_fields(self)
+        hf_fields.check_positive(self, "rope_local_theta", "query_pre_attn_scalar")
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive")
         if isinstance(self.layer_types, list):

@@ -7,6 +7,7 @@ gets the same message whatever the family: the field's name and the value found.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,11 +94,42 @@ def dtype(hf: Mapping[str, Any]) -> str:
     return value
 
 
+# The sizes every family's config has, each at least 1.
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def check_positive(config: Any, *names: str) -> None:
+    """ValueError showing the value unless each field of `config` named is a finite
+    number > 0 (a norm epsilon of 0 or below, or a RoPE base of 0, make every output
+    NaN or zero without any other error)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name}={value!r} must be a number")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value} must be a finite number > 0")
+
+
 def check_shared_fields(config: Any) -> None:
     """The checks every family's frozen config makes on the fields they share (dtype,
-    heads, head dim); a list `eos_token_id` becomes a tuple. ValueError showing the value."""
+    sizes, heads, head dim, norm epsilon, RoPE base); a list `eos_token_id` becomes a
+    tuple. ValueError showing the value."""
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r} must be one of {DTYPES}")
+    for name in SIZE_FIELDS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    check_positive(config, "rms_norm_eps", "rope_theta")
     if config.num_kv_heads < 1 or config.num_heads % config.num_kv_heads:
         raise ValueError(
             f"num_heads={config.num_heads} must be a multiple of num_kv_heads={config.num_kv_heads}"

@@ -26,6 +26,17 @@ class Llama3RopeScaling:
     high_freq_factor: float
     original_max_position_embeddings: int
 
+    def __post_init__(self):
+        try:
+            hf_fields.check_positive(self, *(f.name for f in dataclasses.fields(self)))
+        except ValueError as e:
+            raise ValueError(f"rope_scaling.{e}") from None
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor} (the band between is interpolated)"
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -128,6 +139,12 @@ class LlamaConfig:
         # Qwen3's head_dim is its own (128), not hidden_size / heads; transformers'
         # class default stands in when the file omits it.
         default_head_dim = 128 if qk_norm else hidden_size // num_heads
+        if hf.get("head_dim") is None and not qk_norm and hidden_size % num_heads:
+            raise ValueError(
+                f"field 'hidden_size'={hidden_size} is not a multiple of "
+                f"num_attention_heads={num_heads}, and there is no head_dim to say the "
+                "heads' width"
+            )
         rope_theta = _field(hf, "rope_theta", float, default=None)
         if rope_theta is None:
             rope_theta = _field(rope, "rope_theta", float, default=10000.0, parent="rope_scaling")

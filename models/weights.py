@@ -35,6 +35,9 @@ ORBAX_PARAMS_DIR = "params"
 
 # Buffers some older Llama checkpoints carry; derived from the config, so skipped.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# safetensors' names of the floating dtypes (F64, F32, F16, BF16, F8_E4M3, ...); an
+# integer or bool tensor would be cast to float silently and give garbage.
+_FLOAT_DTYPE_PREFIXES = ("F", "BF")
 
 
 def _abstract_model(config: ModelConfig):
@@ -115,11 +118,14 @@ def _tensor_files(path: str) -> dict[str, str]:
 
 def _open_safetensors(file: str):
     """`safe_open(file)` for numpy; ValueError naming the file (and the tensors cut off,
-    if it was truncated) when it is not a complete safetensors file."""
+    if it was truncated) when it is not a complete safetensors file, OSError naming it
+    when it cannot be opened (a directory, say)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         return safe_open(file, framework="numpy")
+    except OSError as e:  # a directory, a device, no permission: Rust's message omits the name
+        raise OSError(f"{file}: cannot open as a safetensors file ({e})") from e
     except SafetensorError as e:
         cut = _tensors_past_end(file)
         detail = f"; tensors cut off at byte {os.path.getsize(file)}: {cut}" if cut else ""
@@ -184,7 +190,8 @@ def load_hf_checkpoint(
     ValueError naming the file, and the field or tensor, for a `config.json` that is
     invalid or lacks a field (`read_hf_config`), an index or safetensors file that is
     unreadable or truncated, a missing tensor, an unexpected one, a shape that does not
-    match the config, and tensors holding NaN or inf (checked as each is read).
+    match the config, a tensor of integers or bools, and tensors holding NaN or inf
+    (checked as each is read); OSError naming the file for one that cannot be opened.
     """
     path = os.fspath(path)
     config = read_hf_config(path)
@@ -236,7 +243,13 @@ def load_hf_checkpoint(
             want_hf = layer_shape[::-1] if transpose else layer_shape
             for name in names:
                 f, file = handle(name)
-                shape = tuple(_read_slice(f, file, name).get_shape())
+                stored = _read_slice(f, file, name)
+                if not stored.get_dtype().startswith(_FLOAT_DTYPE_PREFIXES):
+                    raise ValueError(
+                        f"{file}: tensor {name} is stored as {stored.get_dtype()}; weights "
+                        "must be floating point (F32, F16, BF16, ...), not integers or bools"
+                    )
+                shape = tuple(stored.get_shape())
                 if shape != want_hf:
                     raise ValueError(
                         f"{file}: tensor {name} has shape {shape}, expected {want_hf} "

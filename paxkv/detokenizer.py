@@ -102,11 +102,46 @@ def decode_stream(tokenizer: Any) -> TokenStream:
     return make() if make is not None else WindowStream(tokenizer.decode)
 
 
+class StopStrings:
+    """A request's stop strings, indexed once (shared by its completions) for matching
+    text as it grows.
+
+    Finding the strings that end in new text costs, per new character, one set lookup
+    per distinct length of the strings, whatever their number: no scan of each string
+    over the text. Repeated strings count once, at their first place in the list.
+    """
+
+    def __init__(self, strings: Sequence[str]) -> None:
+        self.strings = tuple(strings)
+        self._rank: dict[str, int] = {}  # each string -> its first place in the list
+        for i, stop in enumerate(self.strings):
+            self._rank.setdefault(stop, i)
+        self._lengths = sorted({len(stop) for stop in self._rank})
+        self.max_len = self._lengths[-1] if self._lengths else 0
+
+    def first_match(self, window: str, new: int) -> tuple[int, str] | None:
+        """Among the strings ending in the last `new` characters of `window`, the one
+        that starts first (then the one listed first): `(its start in window, it)`;
+        None if none ends there."""
+        best: tuple[int, int] | None = None  # (start, rank)
+        size = len(window)
+        for end in range(max(size - new, 0) + 1, size + 1):
+            for length in self._lengths:
+                start = end - length
+                if start < 0 or (best is not None and start > best[0]):
+                    continue
+                rank = self._rank.get(window[start:end])
+                if rank is not None and (best is None or (start, rank) < best):
+                    best = (start, rank)
+        return None if best is None else (best[0], self.strings[best[1]])
+
+
 class IncrementalDetokenizer:
     """The text of one completion, built one final token at a time, with stop strings.
 
-    Stop strings are matched on the text after each token, scanning only the token's
-    text and the `max(len(stop)) - 1` characters before it. The first token whose text
+    Stop strings are matched on the text after each token, looking only for strings
+    that end in the token's text (`StopStrings`), so a token costs in proportion to
+    its text, not to the number of strings or the length of the completion. The first token whose text
     completes one ends the text: `stop_reason` is the string, and the text is cut
     before it (after it with `include_stop_str_in_output`), as vLLM cuts it. Among
     strings the same token completes, the one that starts first wins (then the one
@@ -118,7 +153,8 @@ class IncrementalDetokenizer:
 
     Args:
       stream: the tokenizer's streaming decoder (`decode_stream`).
-      stop: the stop strings (non-empty).
+      stop: the stop strings (non-empty), or a request's `StopStrings` (built once for
+        its completions).
       include_stop_str_in_output: keep a matched stop string in the text.
       keep_text: keep the whole text, for `text` (cumulative and final outputs).
       deltas: keep the text not yet taken, for `take_delta` (delta outputs).
@@ -128,15 +164,15 @@ class IncrementalDetokenizer:
         self,
         stream: TokenStream,
         *,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopStrings = (),
         include_stop_str_in_output: bool = False,
         keep_text: bool = True,
         deltas: bool = False,
     ) -> None:
         self._stream = stream
-        self._stop = tuple(stop)
+        self._stop = stop if isinstance(stop, StopStrings) else StopStrings(stop)
         self._include = include_stop_str_in_output
-        self._scan = max(map(len, self._stop), default=1) - 1  # old chars a new match may start in
+        self._scan = max(self._stop.max_len - 1, 0)  # old chars a new match may start in
         self._holdback = 0 if include_stop_str_in_output else self._scan
         self._keep_text = keep_text
         self._deltas = deltas
@@ -191,7 +227,10 @@ class IncrementalDetokenizer:
     def _append(self, piece: str) -> bool:
         if not piece:
             return False
-        match = self._match(piece) if self._stop else None
+        # A string ending inside the tail would have ended the text already.
+        match = (
+            self._stop.first_match(self._tail + piece, len(piece)) if self._stop.strings else None
+        )
         if self._keep_text:
             self._chunks.append(piece)
         if self._deltas:
@@ -208,17 +247,6 @@ class IncrementalDetokenizer:
         self._cut(before + start + (len(stop) if self._include else 0))
         self.finished = True
         return True
-
-    def _match(self, piece: str) -> tuple[int, str] | None:
-        """The first stop string the window (tail + piece) holds: `(where it starts in
-        the window, the string)`. One ending inside the tail would have ended the text."""
-        window = self._tail + piece
-        best = None
-        for stop in self._stop:
-            i = window.find(stop)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        return best
 
     def _cut(self, length: int) -> None:
         """Keeps the first `length` characters. Only characters not shown yet go: the

@@ -18,6 +18,12 @@ import numpy as np
 
 # The largest value of an integer field that reaches the device (as int32).
 INT32_MAX = 2**31 - 1
+# The most stop strings one request may give, and the longest: each token's text is
+# matched against them (a server's `protocol.Limits` may allow fewer).
+MAX_STOP_STRINGS = 1024
+MAX_STOP_STRING_CHARS = 1024
+# The largest seed of an engine or a model's initialisation (`jax.random.key` takes an int64).
+MAX_SEED = 2**63 - 1
 
 
 def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
@@ -59,18 +65,29 @@ def check_bool(name: str, value: Any) -> bool:
 
 
 def check_stop_strings(stop: Any) -> tuple[str, ...]:
-    """`SamplingParams.stop` as a tuple: a str, a sequence of non-empty strs, or None (none)."""
+    """`SamplingParams.stop` as a tuple: a str, a sequence of at most `MAX_STOP_STRINGS`
+    non-empty strs of at most `MAX_STOP_STRING_CHARS` characters, or None (none)."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         stop = [stop]
     elif isinstance(stop, bytes) or not isinstance(stop, Sequence):
         raise TypeError(f"stop must be a str, a list of str or None, got {stop!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(
+            f"stop has {len(stop)} strings, over the limit of {MAX_STOP_STRINGS} "
+            "(paxkv.request.MAX_STOP_STRINGS)"
+        )
     for i, s in enumerate(stop):
         if not isinstance(s, str):
             raise TypeError(f"stop[{i}] must be a str, got {s!r} ({type(s).__name__})")
         if not s:
             raise ValueError(f"stop[{i}] is an empty string, which would end every completion")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"stop[{i}] has {len(s)} characters, over the limit of {MAX_STOP_STRING_CHARS} "
+                "(paxkv.request.MAX_STOP_STRING_CHARS)"
+            )
     return tuple(stop)
 
 
@@ -129,7 +146,8 @@ class SamplingParams:
     with finish reason "stop" and `stop_reason` the string; its tokens are kept up to
     and including that token, and its text is cut before the string (after it with
     `include_stop_str_in_output`), as vLLM cuts it. Among strings that the same token
-    completes, the one that starts first wins. The text of a stop token (EOS or one of
+    completes, the one that starts first wins. At most `MAX_STOP_STRINGS` (1024) strings of
+    at most `MAX_STOP_STRING_CHARS` (1024) characters each. The text of a stop token (EOS or one of
     `stop_token_ids`) is left out of the text unless `include_stop_str_in_output`.
     `output_kind` says what each output of the request holds (`RequestOutputKind`).
 

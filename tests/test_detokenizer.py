@@ -5,10 +5,17 @@ token, must concatenate to it exactly, whatever splits characters across tokens.
 """
 
 import random
+import time
 
 import pytest
 
-from paxkv.detokenizer import IncrementalDetokenizer, Utf8Stream, WindowStream, decode_stream
+from paxkv.detokenizer import (
+    IncrementalDetokenizer,
+    StopStrings,
+    Utf8Stream,
+    WindowStream,
+    decode_stream,
+)
 from paxkv.models import ByteTokenizer, HFTokenizer
 
 TEXT = "héllo wörld € 😀 日本語 naïve: ok"
@@ -191,3 +198,41 @@ def test_holding_back_without_stop_strings_is_nothing():
         _detok(ByteTokenizer(), keep_text=False).text()
     with pytest.raises(RuntimeError, match="keeps no delta"):
         _detok(ByteTokenizer()).take_delta()
+
+
+def _first_match_by_scanning(stops, text, before):
+    """The oracle: each string searched over `text` on its own (the scan StopStrings
+    replaces); the earliest start among matches ending after `before`, then the first
+    listed."""
+    best = None
+    for rank, stop in enumerate(stops):
+        i = text.find(stop)
+        while i >= 0 and i + len(stop) <= before:
+            i = text.find(stop, i + 1)
+        if i >= 0 and (best is None or (i, rank) < best):
+            best = (i, rank)
+    return None if best is None else (best[0], stops[best[1]])
+
+
+def test_stop_strings_find_the_match_that_scanning_each_string_finds():
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choices("abc", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 6))]
+        text = "".join(rng.choices("abc", k=rng.randint(1, 12)))
+        new = rng.randint(1, len(text))
+        index = StopStrings(stops)
+        want = _first_match_by_scanning(stops, text, len(text) - new)
+        assert index.first_match(text, new) == want, (stops, text, new)
+
+
+def test_many_stop_strings_cost_per_token_what_a_few_do():
+    # 200k strings (3 lengths): a scan of each string per token would take minutes of
+    # CPU here; matching by length takes a few lookups per character.
+    rng = random.Random(1)
+    stops = ["".join(rng.choices("xyz", k=rng.randint(12, 14))) for _ in range(200_000)]
+    text = "".join(rng.choices("abcdefgh ", k=1000)) + "STOP"
+    detok = _detok(ByteTokenizer(), stop=[*stops, "STOP"], keep_text=False, deltas=True)
+    start = time.thread_time()
+    assert _add(detok, list(text.encode())) == len(text)
+    assert detok.stop_reason == "STOP"
+    assert time.thread_time() - start < 2.0

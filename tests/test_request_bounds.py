@@ -27,3 +27,15 @@ def test_a_lone_surrogate_is_a_value_error():
     with pytest.raises(ValueError, match="not valid Unicode"):
         normalize_prompt({"prompt": "\udfff"})
     assert normalize_prompt("ab") == ("ab", None)
+
+
+def test_stop_strings_are_bounded_in_count_and_length():
+    from paxkv.request import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+    SamplingParams(stop=["ab"] * MAX_STOP_STRINGS)  # the limits are taken
+    SamplingParams(stop="x" * MAX_STOP_STRING_CHARS)
+    with pytest.raises(ValueError, match=rf"stop has {MAX_STOP_STRINGS + 1} strings, over"):
+        SamplingParams(stop=["ab"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(ValueError, match=rf"stop\[1\] has {MAX_STOP_STRING_CHARS + 1} characters"):
+        SamplingParams(stop=["ok", "x" * (MAX_STOP_STRING_CHARS + 1)])
+    assert MAX_STOP_STRINGS == MAX_STOP_STRING_CHARS == 1024  # as SamplingParams' doc says

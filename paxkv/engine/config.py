@@ -14,7 +14,7 @@ from paxkv.pallas_kernels.layout import (
     cdiv,
     valid_page_size,
 )
-from paxkv.request import check_bool, check_float, check_int
+from paxkv.request import MAX_SEED, check_bool, check_float, check_int
 
 
 def _field(default, help: str, *, choices: tuple[str, ...] | None = None):
@@ -84,7 +84,7 @@ class EngineConfig:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), lo=1)
         check_int("max_model_len", self.max_model_len, lo=1)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, lo=0, hi=MAX_SEED)
         check_int("max_logprobs", self.max_logprobs, lo=0)
         check_int("bucket_growth", self.bucket_growth, lo=2)
         if not valid_page_size(self.page_size):

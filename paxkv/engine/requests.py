@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from paxkv.detokenizer import IncrementalDetokenizer, decode_stream
+from paxkv.detokenizer import IncrementalDetokenizer, StopStrings, decode_stream
 from paxkv.host.prompt_scores import PromptScores
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState
@@ -99,7 +99,9 @@ class Request:
         outputs end there whatever its sequence holds (e.g. aborted: no `stop` needed).
         """
         if self._progress is None:
-            self._progress = [_new_progress(seq, tokenizer) for seq in self.seqs]
+            # One index of the stop strings for all its completions.
+            strings = StopStrings(self.seqs[0].params.stop)
+            self._progress = [_new_progress(seq, tokenizer, strings) for seq in self.seqs]
         finished = True
         for seq, progress in zip(self.seqs, self._progress, strict=True):
             _take(seq, progress, tokenizer, stop)
@@ -203,14 +205,14 @@ StopFn = Callable[[SequenceState, int], None]
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
-def _new_progress(seq: SequenceState, tokenizer: Any) -> _Progress:
+def _new_progress(seq: SequenceState, tokenizer: Any, stop: StopStrings) -> _Progress:
     if tokenizer is None:
         return _Progress(None)
     p = seq.params
     delta = p.output_kind is _DELTA
     detokenizer = IncrementalDetokenizer(
         decode_stream(tokenizer),
-        stop=p.stop,
+        stop=stop,
         include_stop_str_in_output=p.include_stop_str_in_output,
         keep_text=not delta,
         deltas=delta,

@@ -1,10 +1,11 @@
-"""Launch apps over the library: `paxkv-generate` and `paxkv-plan`.
+"""Launch apps over the library: `paxkv-generate`, `paxkv-serve`, `paxkv-plan`, ...
 
 `flags.py` holds the flags the apps share and builds library objects from them; each
 app's `main()` parses its flags, builds, and runs. Here, so that they import without
-defining any flag: `exit_with_error`, how every app ends on bad input, `list_in_help`,
-what every app's `--help` lists, and `read_prompts`, which reads the prompt files of
-`paxkv-generate`.
+defining any flag (or importing JAX): `run_app`, how every app starts, and
+`exit_with_error`, how it ends on bad input; `define_seed`, every app's `--seed`;
+`list_in_help`, what every app's `--help` lists; and `read_prompts`, which reads the
+prompt files of `paxkv-generate`.
 """
 
 from __future__ import annotations
@@ -12,9 +13,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
-from absl.flags import FLAGS  # not `flags`: that name is the submodule `paxkv.launch.flags`
+from absl import app
+from absl.flags import (  # not `flags`: that name is the submodule `paxkv.launch.flags`
+    FLAGS,
+    DEFINE_integer,
+    Error,
+    FlagHolder,
+)
+
+from paxkv.request import MAX_SEED
 
 
 def exit_with_error(message: str, status: int = 2) -> NoReturn:
@@ -23,6 +33,25 @@ def exit_with_error(message: str, status: int = 2) -> NoReturn:
     line = " ".join(message.split())  # a multi-line message still prints as one line
     print(f"error: {line}", file=sys.stderr)
     sys.exit(status)
+
+
+def run_app(main: Callable[[list[str]], None]) -> None:
+    """`absl.app.run(main)`, where a flag absl refuses (`--num_pages=abc`, a value out of
+    its bounds or choices, an unknown flag) ends the app as any bad input does: one
+    `error:` line, exit 2 (absl's own parser prints a FATAL block and exits 1)."""
+    app.run(main, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except Error as e:
+        exit_with_error(str(e))
+
+
+def define_seed(default: int, help_text: str) -> FlagHolder[int]:
+    """An app's `--seed`, bounded by what it seeds (`MAX_SEED`: an int64 for JAX)."""
+    return DEFINE_integer("seed", default, help_text, lower_bound=0, upper_bound=MAX_SEED)
 
 
 def list_in_help(app_module: str, doc: str | None, *shared_modules: str) -> None:

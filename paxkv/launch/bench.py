@@ -17,10 +17,10 @@ import dataclasses
 import json
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from paxkv.host.kv_groups import KVCacheGroups
-from paxkv.launch import exit_with_error, list_in_help, platform
+from paxkv.launch import exit_with_error, list_in_help, platform, run_app
 from paxkv.launch import flags as launch_flags
 from paxkv.pallas_kernels.layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
 from paxkv.tools.load_bench import (
@@ -173,7 +173,7 @@ def run() -> None:
     for name, value in BENCH_DEFAULTS.items():
         flags.FLAGS.set_default(name, value)
     list_in_help(__name__, __doc__, launch_flags.__name__)
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,16 @@ reads none of the serving flags of `paxkv.launch.flags`.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
-from paxkv.launch import exit_with_error, platform
+from paxkv.launch import define_seed, exit_with_error, platform, run_app
 from paxkv.pallas_kernels.dispatch import BACKENDS
 from paxkv.tools.demo import format_result, run_demo
 
 _NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences in the ragged batch.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 4096, "Longest sequence the model serves.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the lengths and values.")
+_SEED = define_seed(0, "Seed of the lengths and values.")
 _BACKEND = flags.DEFINE_enum(
     "backend",
     "auto",
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """The `paxkv-demo` console script."""
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

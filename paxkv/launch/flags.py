@@ -15,13 +15,16 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
 from absl import flags, logging
 
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.engine.config import EngineConfig
-from paxkv.launch import platform
+from paxkv.launch import define_seed, platform
 from paxkv.llm import LLM
 from paxkv.models import CONFIG_FILE, DTYPES, ModelConfig, read_hf_config
+from paxkv.pallas_kernels.layout import kv_page_bytes, resolve_kv_cache_dtype
+from paxkv.request import INT32_MAX
 from paxkv.sharding.mesh_shape import MeshShape
 
 CONFIG = flags.DEFINE_string("config", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
@@ -40,7 +43,7 @@ SCAN_LAYERS = flags.DEFINE_bool(
     "layer, not all of them (deep models compile in seconds); unset: the set-up's "
     "(on for the real-size set-ups).",
 )
-SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights, sampling and the planner's draws.")
+SEED = define_seed(0, "Seed of random weights, sampling and the planner's draws.")
 
 
 # Why an app's engine limits differ from the Python API's (`LLM` has no set-up).
@@ -64,7 +67,9 @@ def _define_engine_flags() -> dict[str, flags.FlagHolder]:
         elif kind is bool:
             holders[f.name] = flags.DEFINE_bool(f.name, None, help_text)
         elif kind is int:
-            holders[f.name] = flags.DEFINE_integer(f.name, None, help_text, lower_bound=1)
+            holders[f.name] = flags.DEFINE_integer(
+                f.name, None, help_text, lower_bound=1, upper_bound=INT32_MAX
+            )
         else:
             raise TypeError(f"EngineConfig.{f.name}: no flag type for {kind.__name__}")
     return holders
@@ -227,14 +232,42 @@ def build_llm(setup: ServingSetup, *, warmup: bool = False) -> LLM:
     """An `LLM` serving `setup`: `--model_dir`'s weights, the set-up's shipped checkpoint,
     or random ones where the set-up allows. `warmup`: compile every step shape first
     (a server); off by default, since a one-shot run compiles only the shapes it uses
-    and its timing says "compilation included"."""
-    return LLM(
-        _model_source(setup),
-        dtype=DTYPE.value,
-        seed=SEED.value,
-        scan_layers=setup.model.scan_layers,
-        config=setup.engine,
-        warmup=warmup,
+    and its timing says "compilation included".
+
+    ValueError naming the settings to lower when the device runs out of memory
+    (XLA's RESOURCE_EXHAUSTED) for the weights, the KV cache or a step.
+    """
+    try:
+        return LLM(
+            _model_source(setup),
+            dtype=DTYPE.value,
+            seed=SEED.value,
+            scan_layers=setup.model.scan_layers,
+            config=setup.engine,
+            warmup=warmup,
+        )
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(_out_of_memory(setup, e)) from None
+
+
+def _out_of_memory(setup: ServingSetup, error: Exception) -> str:
+    """What to lower when building `setup`'s engine ran out of device memory."""
+    model, engine = setup.model, setup.engine
+    per_page = kv_page_bytes(
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        page_size=engine.page_size,
+        head_dim=model.head_dim,
+        page_dtype=resolve_kv_cache_dtype(engine.kv_cache_dtype, model.dtype),
+    )
+    first_line = str(error).strip().splitlines()[0][:200]
+    return (
+        f"out of device memory ({first_line}): --num_pages={engine.num_pages} asks for a "
+        f"KV cache of up to {engine.num_pages * per_page / 2**30:.1f} GiB besides the "
+        "weights; lower --num_pages (paxkv-plan sizes it for a device), or "
+        "--max_num_batched_tokens / --max_num_seqs"
     )
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
 
-from paxkv.launch import exit_with_error, list_in_help, platform, read_prompts
+from paxkv.launch import exit_with_error, list_in_help, platform, read_prompts, run_app
 from paxkv.launch import flags as launch_flags
 from paxkv.request import RequestOutput, SamplingParams
 
@@ -102,7 +102,7 @@ def run() -> None:
     """Console-script entry point (`paxkv-generate`)."""
     flags.FLAGS.set_default("config", DEFAULT_CONFIG)
     list_in_help(__name__, __doc__, launch_flags.__name__)
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

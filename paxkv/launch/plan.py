@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
 from paxkv.configs import ServingSetup
-from paxkv.launch import exit_with_error, list_in_help
+from paxkv.launch import exit_with_error, list_in_help, run_app
 from paxkv.launch import flags as launch_flags
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 from paxkv.tools import capacity
@@ -181,7 +181,7 @@ def _mesh_remedy(setup: ServingSetup, mesh: MeshShape) -> str | None:
 def run() -> None:
     """The `paxkv-plan` console script."""
     list_in_help(__name__, __doc__, launch_flags.__name__)
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

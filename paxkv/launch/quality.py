@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
-from paxkv.launch import exit_with_error, list_in_help, platform
+from paxkv.launch import exit_with_error, list_in_help, platform, run_app
 from paxkv.models import load_model
 from paxkv.models.train import load_corpus, stdlib_root
 from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES
@@ -115,7 +115,7 @@ def _evaluate_with_a_bar(model, config: quality.QualityConfig) -> dict:
 def run() -> None:
     """Console-script entry point (`paxkv-quality`)."""
     list_in_help(__name__, __doc__)
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

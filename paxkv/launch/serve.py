@@ -22,10 +22,10 @@ import os
 import signal
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from paxkv import chat  # no JAX: the flags below are defined before JAX is imported
-from paxkv.launch import exit_with_error, list_in_help
+from paxkv.launch import exit_with_error, list_in_help, run_app
 
 DEFAULT_CONFIG = "tiny-py"
 
@@ -81,12 +81,13 @@ def main(argv: list[str]) -> None:
     try:
         import uvicorn  # noqa: F401 (the serve extra's)
 
-        from paxkv.serve.app import ServerState, run_server
+        from paxkv.serve.app import ServerState, bind, run_server
         from paxkv.serve.frontend import AsyncEngine
         from paxkv.serve.protocol import Limits
     except ImportError as e:
         exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install -e '.[serve]'")
     try:
+        sock = bind(_HOST.value, _PORT.value)  # before loading: a bad address fails at once
         _check_chat_template_flag()
         launch_flags.init_runtime()
         setup = launch_flags.serving_setup()
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> None:
         ),
         expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
     )
-    run_server(state, host=_HOST.value, port=_PORT.value, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
+    run_server(state, sock=sock, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
 
 
 # What makes --chat_template a file's name rather than Jinja source.
@@ -177,7 +178,7 @@ def run() -> None:
 
     flags.FLAGS.set_default("config", DEFAULT_CONFIG)
     list_in_help(__name__, __doc__, launch_flags.__name__)
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from absl import app, flags
+from absl import flags
 
-from paxkv.launch import exit_with_error
+from paxkv.launch import define_seed, exit_with_error, run_app
 
 _URL = flags.DEFINE_string("server_url", "http://127.0.0.1:8000/v1", "The server's API root.")
 _MODEL = flags.DEFINE_string("model", None, "Model name to send; unset: the server's default.")
@@ -29,7 +29,7 @@ _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 512, "The server's max_mo
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 256, "Prompt token ids are drawn below this.")
 _PROMPT_LEN = flags.DEFINE_list("prompt_len", ["16", "64"], "fixed: prompt length range lo,hi.")
 _OUTPUT_LEN = flags.DEFINE_list("output_len", ["16", "64"], "fixed: output length range lo,hi.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths, prompts and arrivals.")
+_SEED = define_seed(0, "Seed of lengths, prompts and arrivals.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the summary as JSON here.")
 
 
@@ -76,7 +76,7 @@ def _range(flag: flags.FlagHolder) -> tuple[int, int]:
 
 def run() -> None:
     """Console-script entry point (`paxkv-serve-bench`)."""
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import os
 import shutil
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from paxkv.launch import exit_with_error, list_in_help, platform
+from paxkv.launch import define_seed, exit_with_error, list_in_help, platform, run_app
 from paxkv.models import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -49,7 +49,7 @@ _LEARNING_RATE = flags.DEFINE_float(
 _WARMUP_STEPS = flags.DEFINE_integer(
     "warmup_steps", _DEFAULTS.warmup_steps, "Linear warmup steps.", lower_bound=0
 )
-_SEED = flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initialisation and the batches.")
+_SEED = define_seed(_DEFAULTS.seed, "Seed of the initialisation and the batches.")
 _LOG_EVERY = flags.DEFINE_integer(
     "log_every", _DEFAULTS.log_every, "Steps between progress log lines.", lower_bound=1
 )
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     """Console-script entry point (`paxkv-train`)."""
     list_in_help(__name__, __doc__)
-    app.run(main)
+    run_app(main)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -97,8 +98,31 @@ async def _http_error(request: Request, e: HTTPException) -> Response:
     return _error(ApiError(e.status_code, f"{e.detail}: {request.method} {request.url.path}"))
 
 
-def run_server(state: ServerState, *, host: str, port: int, shutdown_grace_s: float) -> None:
-    """Serves `state` with uvicorn until SIGTERM or SIGINT.
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: a free port), for `run_server` to listen on.
+
+    Binding first, before the model loads, makes an address that cannot be served an
+    error at start (ValueError naming it: a host that does not resolve or is not this
+    machine's, a port in use or not allowed), not after the warm-up.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host={host!r} is not an address to listen on ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on --host={host} --port={port}: {e.strerror}") from None
+    return sock
+
+
+def run_server(state: ServerState, *, sock: socket.socket, shutdown_grace_s: float) -> None:
+    """Serves `state` with uvicorn on `sock` (see `bind`) until SIGTERM or SIGINT.
 
     Then it stops accepting connections and lets the requests in flight run for up to
     `shutdown_grace_s` seconds; those still running then are answered 503 (streams: an
@@ -124,14 +148,14 @@ def run_server(state: ServerState, *, host: str, port: int, shutdown_grace_s: fl
 
     config = uvicorn.Config(
         build_app(state),
-        host=host,
-        port=port,
         # Past the grace period, time for the ended requests' last bytes.
         timeout_graceful_shutdown=shutdown_grace_s + 5.0,
         log_level="info",
         access_log=False,
     )
-    Server(config).run()
+    host, port = sock.getsockname()[:2]
+    logging.info("paxkv-serve: listening on http://%s:%d", host, port)
+    Server(config).run(sockets=[sock])
 
 
 Handler = Callable[[ServerState, Request], Awaitable[Response]]

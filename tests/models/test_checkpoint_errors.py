@@ -115,6 +115,57 @@ CONFIG_CASES = [
         lambda p: edit_config(p, rope_theta=float("inf")),
         ["field 'rope_theta' must be a number, got inf"],
     ),
+    # Values of the right type that make every output zero or NaN without an error.
+    (
+        "negative_norm_eps",
+        lambda p: edit_config(p, rms_norm_eps=-1),
+        ["rms_norm_eps=-1.0 must be a finite number > 0"],
+    ),
+    ("zero_norm_eps", lambda p: edit_config(p, rms_norm_eps=0), ["rms_norm_eps=0.0 must be"]),
+    (
+        "nan_norm_eps",
+        lambda p: edit_config(p, rms_norm_eps=float("nan")),
+        ["field 'rms_norm_eps' must be a number, got nan"],
+    ),
+    ("zero_rope_theta", lambda p: edit_config(p, rope_theta=0), ["rope_theta=0.0 must be"]),
+    (
+        "negative_rope_factor",
+        lambda p: edit_config(
+            p,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": -8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        ["rope_scaling.factor=-8.0 must be a finite number > 0"],
+    ),
+    (
+        "rope_band_empty",
+        lambda p: edit_config(
+            p,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        ["rope_scaling.high_freq_factor=4.0 must exceed low_freq_factor=4.0"],
+    ),
+    (
+        "heads_do_not_divide",
+        lambda p: edit_config(p, head_dim=None, hidden_size=130),
+        ["'hidden_size'=130 is not a multiple of num_attention_heads=4"],
+    ),
+    (
+        "zero_positions",
+        lambda p: edit_config(p, max_position_embeddings=0),
+        ["field 'max_position_embeddings' must be >= 1, got 0"],
+    ),
     (
         "rope_scaling_field",
         lambda p: edit_config(p, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
@@ -180,7 +231,23 @@ SAFETENSORS_CASES = [
         ["not a complete safetensors file"],
     ),
     ("empty", "model.safetensors", lambda f: f.write_bytes(b""), ["header too small"]),
+    (
+        "int8_weights",
+        "model.safetensors",
+        lambda f: rewrite_tensors(f, _to_int8),
+        [f"tensor {UP_PROJ} is stored as I8; weights must be floating point"],
+    ),
+    (
+        "bool_weights",
+        "model.safetensors",
+        lambda f: rewrite_tensors(f, lambda t: t.update({UP_PROJ: t[UP_PROJ] > 0})),
+        [f"tensor {UP_PROJ} is stored as BOOL"],
+    ),
 ]
+
+
+def _to_int8(tensors):
+    tensors[UP_PROJ] = np.round(tensors[UP_PROJ] * 100).astype(np.int8)
 
 
 @pytest.mark.parametrize(
@@ -190,6 +257,28 @@ def test_safetensors_errors_name_the_file(hf_dir, file, damage, parts):
     damage(hf_dir / file)
     with pytest.raises(ValueError, match=names(hf_dir / file, *parts)):
         load_model(hf_dir)
+
+
+def test_a_directory_for_the_weights_file_is_an_os_error_naming_it(hf_dir):
+    (hf_dir / "model.safetensors").unlink()
+    (hf_dir / "model.safetensors").mkdir()
+    with pytest.raises(OSError, match=names(hf_dir / "model.safetensors", "cannot open")):
+        load_model(hf_dir)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be a finite number > 0"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be"),
+        ({"rope_theta": -1.0}, "rope_theta=-1.0 must be"),
+        ({"head_dim": 0}, "head_dim=0 must be an integer >= 1"),
+        ({"intermediate_size": -4}, "intermediate_size=-4 must be"),
+    ],
+)
+def test_configs_built_in_python_check_the_same_values(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CONFIG.replace(**change)
 
 
 def _drop_shard(path):

@@ -1,6 +1,6 @@
 """The capacity planner: exact numbers on hand-checkable inputs, trade-offs, the report.
 
-The bytes of a page are `paxkv.pallas_kernels.layout`'s, tested in tests/test_kv_layout.py.
+The bytes of a page are `paxkv.pallas_kernels.layout`'s, tested in tests/kernels/test_layout.py.
 """
 
 import itertools
