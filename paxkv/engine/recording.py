@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from paxkv.engine.sampling import Sampled, sample_result
-from paxkv.host.prompt_scores import score_spans
+from paxkv.host.plan import score_spans
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.request import FinishReason

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.batch_rows import BatchRows
-from paxkv.host.prompt_scores import score_spans
+from paxkv.host.plan import score_spans
 from paxkv.host.sampling_columns import (
     INT_COLUMN,
     ROW_INT_COLUMNS,

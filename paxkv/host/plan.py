@@ -10,6 +10,7 @@ sequences afterwards.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from paxkv.host.sequence import SeqStatus, SequenceState
@@ -88,3 +89,17 @@ class SchedulerOutput:
             return self
         kept = tuple(c for c in self.chunks if c.seq.status is SeqStatus.RUNNING)
         return SchedulerOutput(kept, self.preempted)
+
+
+def score_spans(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, int, int]]:
+    """`(chunk index, lo, hi)` for each chunk of a plan that scores rows, in plan order:
+    its positions lo .. hi - 1 (`PromptScores.rows`). The step's scored rows are these,
+    concatenated; the layout and the recording both read them from here."""
+    spans = []
+    for i, c in enumerate(chunks):
+        scores = c.seq.prompt_scores
+        if scores is not None:
+            lo, hi = scores.rows(c.start, c.start + c.num_tokens)
+            if lo < hi:
+                spans.append((i, lo, hi))
+    return spans

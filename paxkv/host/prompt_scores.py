@@ -12,12 +12,8 @@ logits never reach the host.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from paxkv.host.plan import ScheduledChunk
 
 
 class PromptScores:
@@ -80,17 +76,3 @@ class PromptScores:
         self.ranks[i : i + m] = ranks
         self.top_ids[i : i + m] = top_ids[:, : self.k]
         self.top_logprobs[i : i + m] = top_logprobs[:, : self.k]
-
-
-def score_spans(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, int, int]]:
-    """`(chunk index, lo, hi)` for each chunk of a plan that scores rows, in plan order:
-    its positions lo .. hi - 1 (`PromptScores.rows`). The step's scored rows are these,
-    concatenated; the layout and the recording both read them from here."""
-    spans = []
-    for i, c in enumerate(chunks):
-        scores = c.seq.prompt_scores
-        if scores is not None:
-            lo, hi = scores.rows(c.start, c.start + c.num_tokens)
-            if lo < hi:
-                spans.append((i, lo, hi))
-    return spans
