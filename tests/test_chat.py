@@ -13,7 +13,7 @@ pytest.importorskip("jinja2")
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from paxkv import chat  # noqa: E402
+from paxkv import chat, template_sandbox  # noqa: E402
 
 SPECIALS = [
     "<|begin_of_text|>",
@@ -349,7 +349,7 @@ def test_jinja2_is_imported_only_to_render(monkeypatch):
     ):
         chat.render("{{ 'not compiled before' }}", [[USER]])
     with pytest.raises(ImportError, match=r"'.\[serve\]' for paxkv-serve"):
-        chat.require_jinja2()
+        template_sandbox.require_jinja2()
 
 
 def test_the_server_names_its_flag_and_answers_400_without_jinja2(tmp_path, monkeypatch):

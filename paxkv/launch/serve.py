@@ -24,7 +24,10 @@ import sys
 
 from absl import flags, logging
 
-from paxkv import chat  # no JAX: the flags below are defined before JAX is imported
+from paxkv import (  # no JAX: the flags below are defined before JAX is imported
+    chat,
+    template_sandbox,
+)
 from paxkv.launch import exit_with_error, list_in_help, run_app
 
 DEFAULT_CONFIG = "tiny-py"
@@ -148,7 +151,7 @@ def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
         )
     if templates.templates:
         try:
-            chat.require_jinja2()
+            template_sandbox.require_jinja2()
         except ImportError as e:
             raise ValueError(f"{templates.source} has a chat template, and {e}") from None
     return dataclasses.replace(templates, knob="--chat_template=")

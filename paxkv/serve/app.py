@@ -45,7 +45,7 @@ from starlette.types import Receive, Scope, Send
 
 from paxkv import chat
 from paxkv.metrics import PrometheusCollector
-from paxkv.serve import protocol
+from paxkv.serve import protocol, responses
 from paxkv.serve.frontend import AsyncEngine, EngineDead, QueueFull, RequestGroup, Submission
 from paxkv.serve.protocol import ApiError
 
@@ -278,7 +278,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         )
         return prompt, params
 
-    # The renderer stops itself at its time limit (`chat.RenderLimits`); this bounds
+    # The renderer stops itself at its time limit (`paxkv.template_sandbox.RenderLimits`); this bounds
     # the wait should any work escape it (tokenizing is not bounded by it).
     wait_s = state.limits.chat_template.time_s + 10.0
     try:
@@ -328,7 +328,7 @@ async def _serve(
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
     ]
     group = await state.front.submit(submissions)
-    choices = protocol.Choices(
+    choices = responses.Choices(
         group.request_ids,
         params[0].n,
         chat_response=chat_response,
@@ -356,7 +356,7 @@ async def _serve(
     return JSONResponse({**header, "choices": choices.response_choices(), "usage": choices.usage()})
 
 
-async def _collect(request: Request, group: RequestGroup, choices: protocol.Choices) -> None:
+async def _collect(request: Request, group: RequestGroup, choices: responses.Choices) -> None:
     """Takes every output of `group` into `choices`; returns early if the client leaves."""
 
     async def outputs() -> None:
@@ -382,7 +382,7 @@ async def _collect(request: Request, group: RequestGroup, choices: protocol.Choi
 
 async def _events(
     group: RequestGroup,
-    choices: protocol.Choices,
+    choices: responses.Choices,
     header: dict[str, Any],
     chat_response: bool,
     include_usage: bool,
