@@ -29,6 +29,7 @@ from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
+from paxkv.host.speculative import Speculator
 from paxkv.metrics import EngineMetrics, engine_stats
 from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
@@ -83,7 +84,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self.pool = PagePool(config.num_pages)
-        self.scheduler = _scheduler(config, self.pool, reservation, self.runner)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
+        self.scheduler = _scheduler(config, self.pool, reservation, self.runner, self.speculator)
         self.requests = RequestRegistry(
             self.scheduler,
             vocab_size=mc.vocab_size,
@@ -94,7 +97,10 @@ class Engine:
         )
         self._buckets = config.buckets()
         self.batch_builder = BatchBuilder(
-            self.scheduler, page_size=config.page_size, buckets=self._buckets
+            self.scheduler,
+            page_size=config.page_size,
+            buckets=self._buckets,
+            draft_width=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.metrics = EngineMetrics()
         # Final outputs of ended requests, reported by the next step.
@@ -298,12 +304,15 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The run's metrics so far (see `paxkv.metrics.engine_stats`)."""
-        return engine_stats(
+        stats = engine_stats(
             self.metrics,
             self.scheduler,
             num_compilations=self.num_compilations,
             compile_time_s=self.runner.compile_seconds,
         )
+        if self.speculator is not None:
+            stats.update(self.speculator.stats())
+        return stats
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compiles every bucket now, so no request waits for a compilation later.
@@ -320,7 +329,11 @@ class Engine:
 
 
 def _scheduler(
-    config: EngineConfig, pool: PagePool, reservation: PagedReservation | None, runner: StepRunner
+    config: EngineConfig,
+    pool: PagePool,
+    reservation: PagedReservation | None,
+    runner: StepRunner,
+    speculator: Speculator | None,
 ) -> Scheduler:
     """The host scheduler of an engine with `config`, over `pool` and the runner's KV
     groups (one group unless the model mixes windows)."""
@@ -334,4 +347,5 @@ def _scheduler(
         enable_prefix_caching=config.enable_prefix_caching,
         reservation=reservation,
         kv_groups=getattr(runner, "kv_groups", None),
+        speculator=speculator,
     )

@@ -23,7 +23,7 @@ from paxkv.engine import step as steps
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.params import ParamSource
-from paxkv.engine.sampling import Sampled, Scored
+from paxkv.engine.sampling import Sampled, Scored, Speculated
 from paxkv.engine.step import DecodeLimits, StepBatch
 from paxkv.host.batch import HostBatch
 from paxkv.host.kv_groups import KVCacheGroups
@@ -197,13 +197,20 @@ class ModelRunner(StepRunner):
         self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
     ) -> None:
         """Compiles the one-step function (and the N-step loop) for every shape, each
-        with and without penalty histories (the two variants a step can have)."""
+        with and without penalty histories (the two variants a step can have), and with
+        speculative decoding each of those with and without proposals."""
         page_size, num_groups = self.config.page_size, self.kv_groups.num_groups
+        spec = self.config.speculative_config
+        drafts = (0,) if spec is None else (0, spec.num_speculative_tokens)
         for i, (t, s, p) in enumerate(shapes):
             for penalties in (False, True):
-                batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
-                jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
+                for k in drafts:
+                    batch = StepBatch.empty(
+                        t, s, p, page_size, num_groups, penalties=penalties, num_draft=k
+                    )
+                    jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
                 if self.config.num_decode_steps > 1:
+                    batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
                     jax.block_until_ready(self._run_loop(batch, DecodeLimits.from_host([], [], s)))
             if progress is not None:
                 progress(i + 1, len(shapes))
@@ -220,9 +227,10 @@ class FakeRunner(StepRunner):
     """A step runner with no model and no device: each sequence's next token is
     `fake_token(its last input token, that token's position)`, its logprob -1, and its
     top logprobs the next `max_logprobs` ids after it; a scored row's target likewise
-    (logprob -1, rank 1, top ids the target and those after it). Deterministic and
-    batch-independent, like the real greedy step, so the engine's host path runs
-    unchanged over it.
+    (logprob -1, rank 1, top ids the target and those after it); speculative proposals
+    are accepted while each equals the fake token of the row before it, as a greedy
+    target would. Deterministic and batch-independent, like the real greedy step, so
+    the engine's host path runs unchanged over it.
 
     Args:
       vocab_size: the fake model's vocabulary.
@@ -274,12 +282,41 @@ class FakeRunner(StepRunner):
         out = fake_token(inputs, hb.positions[last], self.model_config.vocab_size)
         sampled = self._samples(out, self.config.max_num_seqs)
         self._prev = sampled.tokens
+        if hb.draft_tokens.shape[1]:
+            sampled = sampled.replace(spec=self._verify(hb, out))
         if hb.score_rows.shape[0]:
             scored = self._samples(hb.score_targets, hb.score_rows.shape[0])
             sampled = sampled.replace(
                 scored=Scored(scored.logprobs, scored.ranks, scored.top_ids, scored.top_logprobs)
             )
         return sampled
+
+    def _verify(self, hb: HostBatch, first: np.ndarray) -> Speculated:
+        """The greedy verdict on each sequence's proposals: it accepts them while each
+        equals the fake token after the row before it, then emits the fake token."""
+        rows, k = self.config.max_num_seqs, hb.draft_tokens.shape[1]
+        n = len(first)
+        tokens = np.full((rows, k + 1), -1, np.int32)
+        accepted = np.zeros(rows, np.int32)
+        for s in range(n):
+            count, row = int(hb.draft_counts[s]), int(hb.logits_indices[s])
+            drafts = hb.draft_tokens[s, :count]
+            # The target's token after each of the rows row .. row + count.
+            target = fake_token(
+                hb.tokens[row : row + count + 1],
+                hb.positions[row : row + count + 1],
+                self.model_config.vocab_size,
+            )
+            target[0] = first[s]
+            a = 0
+            while a < count and drafts[a] == target[a]:
+                a += 1
+            accepted[s] = a
+            tokens[s, : a + 1] = [*drafts[:a], target[a]]
+        per_token = self._samples(np.maximum(tokens, 0).reshape(-1), rows * (k + 1))
+        scores = Scored(per_token.logprobs, per_token.ranks, per_token.top_ids, per_token.top_logprobs)
+        scores = jax.tree.map(lambda a: a.reshape(rows, k + 1, *a.shape[1:]), scores)
+        return Speculated(accepted, tokens, scores)
 
     def fetch(self, handle: Sampled) -> Sampled:
         """The samples themselves (they are on the host already)."""

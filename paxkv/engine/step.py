@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx, struct
 
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
+from paxkv.engine.spec_verify import verify
 from paxkv.host.batch import HostBatch, history_length
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
@@ -36,12 +37,19 @@ class StepBatch:
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
     table: PageTable
-    logits_indices: jax.Array  # i32[S]; the packed row of each sequence's last token
+    # i32[S]; the packed row of each sequence's last known token (its last row, or the
+    # row before its speculative proposals)
+    logits_indices: jax.Array
     sampling: SamplingBatch
     # i32[R] each: rows whose prompt logprob is wanted and their target tokens
     # (`paxkv.host.prompt_scores`); R = 0: none, and the scoring compiles away.
     score_rows: jax.Array
     score_targets: jax.Array
+    # Speculative proposals (`ScheduledChunk.num_draft`): sequence s's tokens after its
+    # last known one, which follow it as query rows; k = 0: none, and the verification
+    # compiles away.
+    draft_tokens: jax.Array  # i32[S, k]
+    draft_counts: jax.Array  # i32[S]
 
     @classmethod
     def from_host(cls, hb: HostBatch, page_size: int) -> tuple[StepBatch, jax.Array]:
@@ -65,6 +73,8 @@ class StepBatch:
             sampling,
             a["score_rows"],
             a["score_targets"],
+            a["draft_tokens"],
+            a["draft_counts"],
         )
         return batch, a["token_src"]
 
@@ -79,10 +89,12 @@ class StepBatch:
         num_scored: int = 0,
         *,
         penalties: bool = False,
+        num_draft: int = 0,
     ) -> StepBatch:
         """A batch of the given bucket shape with no live sequence (warm-up compiles it);
         `num_groups` page tables per sequence (KV-cache groups), `num_scored` scored rows;
-        `penalties`: the shape's variant with penalty histories (`SamplingBatch`)."""
+        `penalties`: the shape's variant with penalty histories (`SamplingBatch`);
+        `num_draft`: with room for that many speculative tokens per sequence."""
         groups = () if num_groups == 1 else (num_groups,)
         history_len = history_length(pages_per_seq, page_size) if penalties else 0
         table = PageTable(
@@ -100,6 +112,8 @@ class StepBatch:
             sampling=SamplingBatch.create([], num_seqs, history_len=history_len),
             score_rows=jnp.zeros(num_scored, jnp.int32),
             score_targets=jnp.zeros(num_scored, jnp.int32),
+            draft_tokens=jnp.zeros((num_seqs, num_draft), jnp.int32),
+            draft_counts=jnp.zeros(num_seqs, jnp.int32),
         )
 
 
@@ -169,26 +183,47 @@ def model_step(
     whose last token is fed from `prev_tokens` (async scheduling) has that token, which
     the host has not seen, counted in its penalty history before it samples.
     With scored rows (R > 0) the logits of the S sampling rows and the R scored rows are
-    one matmul, and `sampled.scored` holds their prompt logprobs (`score`).
+    one matmul, and `sampled.scored` holds their prompt logprobs (`score`). With
+    speculative proposals (k > 0) the k rows after each sequence's sampling row join
+    that matmul, and `sampled.spec` holds the verdicts (`paxkv.engine.spec_verify`);
+    `sampled.tokens` then still holds what each sequence's first row sampled.
     """
     model = nnx.merge(graphdef, params)
     fed = prev_tokens[jnp.maximum(token_src, 0)]
     tokens_in = jnp.where(token_src >= 0, fed, batch.tokens)
     last = batch.logits_indices
     sampling = add_to_history(batch.sampling, tokens_in[last], token_src[last] >= 0)
-    num_sampled = last.shape[0]
+    num_sampled, k = last.shape[0], batch.draft_tokens.shape[1]
+    # The rows whose logits the step reads: each sequence's last known token, its
+    # proposals' rows after it (speculative steps), and the scored rows.
+    draft_rows = jnp.minimum(last[:, None] + jnp.arange(1, k + 1), tokens_in.shape[0] - 1)
     logits, kv_cache = forward_logits(
         model,
         tokens_in,
         batch.positions,
         kv_cache,
         batch.table,
-        jnp.concatenate([last, batch.score_rows]),
+        jnp.concatenate([last, draft_rows.reshape(-1), batch.score_rows]),
         attention_backend=attention_backend,
     )
     sampled = sample(logits[:num_sampled], sampling, num_logprobs=num_logprobs)
+    num_spec = num_sampled * (k + 1)
+    if k:
+        spec_logits = jnp.concatenate(
+            [logits[:num_sampled, None], logits[num_sampled:num_spec].reshape(num_sampled, k, -1)],
+            axis=1,
+        )
+        spec = verify(
+            spec_logits,
+            sampling,
+            batch.draft_tokens,
+            batch.draft_counts,
+            sampled.tokens,
+            num_logprobs=num_logprobs,
+        )
+        sampled = sampled.replace(spec=spec)
     if batch.score_rows.shape[0]:
-        scored = score(logits[num_sampled:], batch.score_targets, num_logprobs=num_logprobs)
+        scored = score(logits[num_spec:], batch.score_targets, num_logprobs=num_logprobs)
         sampled = sampled.replace(scored=scored)
     sampled = sampled.padded(prev_tokens.shape[0])
     mesh = getattr(model, "mesh", None)

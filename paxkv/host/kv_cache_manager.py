@@ -271,6 +271,15 @@ class KVCacheManager:
             held.slide_at = 0
         self.rows.truncate(held.row, num_pages)
 
+    def trim(self, seq: SequenceState, num_tokens: int) -> None:
+        """Gives back the table entries `seq` holds beyond those its first `num_tokens`
+        tokens need (pages taken for speculative positions it did not accept)."""
+        held = self._seqs.get(seq)
+        if held is not None:
+            keep = self.pages_to_hold(seq, num_tokens)
+            if len(held.tables[0]) > keep:
+                self._truncate(held, keep)
+
     def free(self, seq: SequenceState) -> None:
         """Returns every page `seq` holds to the pool, last page first (see `PagePool`),
         forgetting the prefix pages it registered but did not compute."""

@@ -1,0 +1,268 @@
+"""Speculative decoding on the host: the configuration, the proposals each decode
+carries into the step, when a sequence speculates, and the counts. No JAX.
+
+After the scheduler has planned a step (decodes, prefill chunks, admissions), the
+step's spare token budget goes to proposals: each decoding sequence that speculates
+gets up to `num_speculative_tokens` tokens proposed by prompt lookup
+(`paxkv.host.ngram_proposer`), as query rows after its last token, and the pages they
+need if the pool has them free. Speculation never preempts, never delays a prefill or
+an admission, and never proposes past the sequence's `max_tokens` or `max_model_len`
+(at most `remaining - 1` proposals, so the emitted tokens, at most proposals + 1, fit).
+The step verifies them (`paxkv.engine.spec_verify`) and the scheduler keeps what it
+accepts (`Scheduler.update`), giving back pages held only for rejected positions.
+
+When a sequence speculates (the adaptive rule): it keeps an exponential moving average
+of the fraction of its proposals accepted (weight `1/4` on each new draft, starting at
+1). A draft that leaves it below `min_acceptance` pauses the sequence's speculation for
+`8 * 2**m` steps (m: the pauses in a row before it, at most 5); after a pause it tries
+again from `min_acceptance`. A sequence for which the lookup finds nothing costs nothing
+(no rows). With `disable_by_batch_size`, no sequence speculates in a step planned while
+more sequences than that run (vLLM's option of that name): a full batch is compute
+bound, where extra query rows cost as much as they can save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from paxkv.host.ngram_proposer import NgramProposer
+from paxkv.host.plan import ScheduledChunk
+from paxkv.host.sequence import SequenceState
+from paxkv.pallas_kernels.layout import cdiv
+from paxkv.request import check_float, check_int
+
+if TYPE_CHECKING:
+    from paxkv.host.kv_cache_manager import KVCacheManager
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+EMA_WEIGHT = 0.25  # of each new draft's acceptance fraction
+PAUSE_STEPS = 8  # the first pause; each pause in a row doubles it
+MAX_PAUSE_DOUBLINGS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings, as vLLM's `speculative_config` names them.
+
+    Args:
+      method: "ngram" (prompt lookup: no extra model). "draft_model" is refused with a
+        message: a draft model proposer is not built.
+      num_speculative_tokens: most tokens proposed per sequence per step (k), 1..16.
+      prompt_lookup_min / prompt_lookup_max: the shortest and longest suffix matched
+        (`NgramProposer`); one unset takes the other's value, both unset: 2 and 5.
+      min_acceptance: the acceptance average below which a sequence pauses (module
+        docstring), in [0, 1); 0: never pause.
+      disable_by_batch_size: no speculation in steps planned with more running
+        sequences than this; None: no limit.
+      model: a draft model's name (method "draft_model" only).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    min_acceptance: float = 0.2
+    disable_by_batch_size: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method={self.method!r} must be one of {METHODS}"
+            )
+        if self.method == "draft_model":
+            raise ValueError(
+                "speculative_config.method='draft_model' is not supported yet: paxkv "
+                "proposes by prompt lookup only; use method='ngram'"
+            )
+        if self.model is not None:
+            raise ValueError(
+                f"speculative_config.model={self.model!r} needs method='draft_model', "
+                "which is not supported yet"
+            )
+        check_int(
+            "speculative_config.num_speculative_tokens",
+            self.num_speculative_tokens,
+            lo=1,
+            hi=MAX_SPECULATIVE_TOKENS,
+        )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = 2, 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        check_int("speculative_config.prompt_lookup_min", lo, lo=1)
+        check_int("speculative_config.prompt_lookup_max", hi, lo=1)
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        rate = check_float("speculative_config.min_acceptance", self.min_acceptance)
+        if not 0 <= rate < 1:
+            raise ValueError(f"speculative_config.min_acceptance={rate} must be in [0, 1)")
+        if self.disable_by_batch_size is not None:
+            check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, lo=1)
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """`value` as a config: a dict of its fields (vLLM's form), itself, or None;
+        an unknown key is a ValueError naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"speculative_config must be a dict or SpeculativeConfig, got {value!r}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; known: {sorted(names)}"
+            )
+        return cls(**value)
+
+
+class _SeqState:
+    """One sequence's proposer and acceptance record."""
+
+    __slots__ = ("average", "paused_until", "pauses", "proposer")
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+        self.average = 1.0
+        self.paused_until = 0
+        self.pauses = 0
+
+
+class Speculator:
+    """Proposes tokens for decoding sequences and keeps the counts (vLLM's metric
+    names: drafts, draft tokens, accepted tokens, accepted per position).
+
+    Args:
+      config: the settings.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self._seqs: weakref.WeakKeyDictionary[SequenceState, _SeqState] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._step = 0
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * self.k  # drafts whose position i was accepted
+        self.drafts_per_position = [0] * self.k  # drafts that proposed position i
+
+    def new_step(self, num_running: int) -> bool:
+        """Starts a step's planning; whether sequences may speculate in it."""
+        self._step += 1
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, seq: SequenceState, max_tokens: int) -> tuple[int, ...]:
+        """Up to `min(k, max_tokens)` proposed tokens after `seq`'s last one; empty when
+        it is paused or the lookup finds nothing."""
+        n = min(self.k, max_tokens)
+        if n <= 0:
+            return ()
+        state = self._seqs.get(seq)
+        if state is None:
+            c = self.config
+            proposer = NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+            state = self._seqs[seq] = _SeqState(proposer)
+        if self._step < state.paused_until:
+            return ()
+        proposer, total = state.proposer, seq.num_tokens
+        if len(proposer) < total:  # the tokens accepted since its last proposal
+            proposer.extend(seq.token_ids(len(proposer), total))
+        return tuple(proposer.propose(n))
+
+    def on_verified(self, seq: SequenceState, num_proposed: int, num_accepted: int) -> None:
+        """Counts a verified draft of `seq` and applies the adaptive rule."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_proposed):
+            self.drafts_per_position[i] += 1
+            if i < num_accepted:
+                self.accepted_per_position[i] += 1
+        state = self._seqs.get(seq)
+        if state is None:
+            return
+        rate = num_accepted / num_proposed
+        state.average += EMA_WEIGHT * (rate - state.average)
+        floor = self.config.min_acceptance
+        if state.average < floor:
+            state.paused_until = self._step + PAUSE_STEPS * 2 ** min(state.pauses, MAX_PAUSE_DOUBLINGS)
+            state.pauses += 1
+            state.average = floor
+        elif rate > 0:
+            state.pauses = 0
+
+    def stats(self) -> dict[str, Any]:
+        """The counts so far: drafts, draft and accepted tokens, the acceptance rate, the
+        mean accepted length (tokens emitted per draft: accepted + 1) and the
+        acceptance rate per position."""
+        drafts = self.num_drafts
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_acceptance_rate": (
+                self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+            ),
+            "spec_decode_mean_accepted_length": (
+                1 + self.num_accepted_tokens / drafts if drafts else 0.0
+            ),
+            "spec_decode_acceptance_per_position": [
+                a / d if d else 0.0
+                for a, d in zip(self.accepted_per_position, self.drafts_per_position, strict=True)
+            ],
+        }
+
+
+def add_proposals(
+    chunks: list[ScheduledChunk],
+    budget: int,
+    speculator: Speculator,
+    kv: KVCacheManager,
+    *,
+    max_model_len: int,
+    fail: Callable[[SequenceState, BaseException], None],
+) -> int:
+    """Gives the decodes of a planned step their proposals, in plan order, out of the
+    spare `budget` and the pool's free pages (module docstring); replaces those chunks
+    in `chunks` and returns the budget left. A sequence whose proposal raises fails
+    alone (`fail`) and leaves the step."""
+    ps = kv.page_size
+    for i, c in enumerate(chunks):
+        if budget <= 0:
+            break
+        seq = c.seq
+        if c.num_tokens != 1 or not c.samples or not c.num_output_tokens:
+            continue  # not a decode (a prefill, or the first token after one)
+        try:
+            drafts = speculator.propose(seq, min(budget, seq.remaining_tokens(max_model_len) - 1))
+            if not drafts:
+                continue
+            end = c.start + 1 + len(drafts)
+            if kv.needs_pages(seq, end) and not kv.allocate(seq, end):
+                continue  # no free pages: this step decodes it plainly
+        except Exception as e:  # isolated: only seq fails
+            fail(seq, e)
+            continue
+        chunks[i] = c._replace(
+            num_tokens=1 + len(drafts),
+            token_ids=(*c.token_ids, *drafts),
+            num_pages=cdiv(end, ps),
+            num_draft=len(drafts),
+        )
+        budget -= len(drafts)
+    return budget
