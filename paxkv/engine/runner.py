@@ -314,7 +314,9 @@ class FakeRunner(StepRunner):
             accepted[s] = a
             tokens[s, : a + 1] = [*drafts[:a], target[a]]
         per_token = self._samples(np.maximum(tokens, 0).reshape(-1), rows * (k + 1))
-        scores = Scored(per_token.logprobs, per_token.ranks, per_token.top_ids, per_token.top_logprobs)
+        scores = Scored(
+            per_token.logprobs, per_token.ranks, per_token.top_ids, per_token.top_logprobs
+        )
         scores = jax.tree.map(lambda a: a.reshape(rows, k + 1, *a.shape[1:]), scores)
         return Speculated(accepted, tokens, scores)
 

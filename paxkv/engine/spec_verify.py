@@ -58,9 +58,7 @@ def verify(
         sampling.temperature <= 0,
         jnp.stack(greedy, axis=1),
     )
-    tokens = verdict.tokens.at[:, 0].set(
-        jnp.where(counts == 0, sampled, verdict.tokens[:, 0])
-    )
+    tokens = verdict.tokens.at[:, 0].set(jnp.where(counts == 0, sampled, verdict.tokens[:, 0]))
     scores = score(
         logits.reshape(num_seqs * width, vocab),
         jnp.maximum(tokens, 0).reshape(-1),

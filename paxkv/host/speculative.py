@@ -71,9 +71,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(
-                f"speculative_config.method={self.method!r} must be one of {METHODS}"
-            )
+            raise ValueError(f"speculative_config.method={self.method!r} must be one of {METHODS}")
         if self.method == "draft_model":
             raise ValueError(
                 "speculative_config.method='draft_model' is not supported yet: paxkv "
@@ -200,7 +198,9 @@ class Speculator:
         state.average += EMA_WEIGHT * (rate - state.average)
         floor = self.config.min_acceptance
         if state.average < floor:
-            state.paused_until = self._step + PAUSE_STEPS * 2 ** min(state.pauses, MAX_PAUSE_DOUBLINGS)
+            state.paused_until = self._step + PAUSE_STEPS * 2 ** min(
+                state.pauses, MAX_PAUSE_DOUBLINGS
+            )
             state.pauses += 1
             state.average = floor
         elif rate > 0:
