@@ -11,11 +11,14 @@ an admission, and never proposes past the sequence's `max_tokens` or `max_model_
 The step verifies them (`paxkv.engine.spec_verify`) and the scheduler keeps what it
 accepts (`Scheduler.update`), giving back pages held only for rejected positions.
 
-When a sequence speculates (the adaptive rule): it keeps an exponential moving average
-of the fraction of its proposals accepted (weight `1/4` on each new draft, starting at
-1). A draft that leaves it below `min_acceptance` pauses the sequence's speculation for
-`8 * 2**m` steps (m: the pauses in a row before it, at most 5); after a pause it tries
-again from `min_acceptance`. A sequence for which the lookup finds nothing costs nothing
+How far a sequence speculates (the adaptive rule): it estimates the probability α
+that the target accepts a proposed token given it accepted the ones before, as
+`accepted / (accepted + rejections)` over its recent drafts (counts decayed by 3/4 at
+each draft; a first estimate of 1), and proposes position j only while `α**j`, the
+chance that position j is reached and accepted, is at least `min_acceptance`: k' =
+`floor(log(min_acceptance) / log(α))`, at most k. When k' falls to 0 the sequence
+pauses for `8 * 2**m` steps (m: the pauses in a row before it, at most 5) and then
+probes with one proposal. A sequence for which the lookup finds nothing costs nothing
 (no rows). With `disable_by_batch_size`, no sequence speculates in a step planned while
 more sequences than that run (vLLM's option of that name): a full batch is compute
 bound, where extra query rows cost as much as they can save.
@@ -24,6 +27,7 @@ bound, where extra query rows cost as much as they can save.
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-EMA_WEIGHT = 0.25  # of each new draft's acceptance fraction
+DECAY = 0.75  # of the acceptance counts at each draft
 PAUSE_STEPS = 8  # the first pause; each pause in a row doubles it
 MAX_PAUSE_DOUBLINGS = 5
 
@@ -54,8 +58,8 @@ class SpeculativeConfig:
       num_speculative_tokens: most tokens proposed per sequence per step (k), 1..16.
       prompt_lookup_min / prompt_lookup_max: the shortest and longest suffix matched
         (`NgramProposer`); one unset takes the other's value, both unset: 2 and 5.
-      min_acceptance: the acceptance average below which a sequence pauses (module
-        docstring), in [0, 1); 0: never pause.
+      min_acceptance: the least estimated chance of acceptance a proposed position
+        must have (module docstring), in [0, 1); 0: always propose k.
       disable_by_batch_size: no speculation in steps planned with more running
         sequences than this; None: no limit.
       model: a draft model's name (method "draft_model" only).
@@ -128,13 +132,23 @@ class SpeculativeConfig:
 class _SeqState:
     """One sequence's proposer and acceptance record."""
 
-    __slots__ = ("average", "paused_until", "pauses", "proposer")
+    __slots__ = ("accepted", "paused_until", "pauses", "proposer", "rejected")
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
-        self.average = 1.0
+        self.accepted = 1.0  # decayed counts of accepted proposals and of rejections
+        self.rejected = 0.0
         self.paused_until = 0
         self.pauses = 0
+
+    def depth(self, k: int, floor: float) -> int:
+        """Proposals worth making: the positions j <= k with alpha**j >= floor."""
+        alpha = self.accepted / (self.accepted + self.rejected)
+        if floor <= 0 or alpha >= 1:
+            return k
+        if alpha < floor - 1e-9:
+            return 0
+        return max(1, min(k, int(math.log(floor) / math.log(alpha) + 1e-9)))
 
 
 class Speculator:
@@ -177,6 +191,9 @@ class Speculator:
             state = self._seqs[seq] = _SeqState(proposer)
         if self._step < state.paused_until:
             return ()
+        n = min(n, state.depth(self.k, self.config.min_acceptance))
+        if n <= 0:
+            return ()
         proposer, total = state.proposer, seq.num_tokens
         if len(proposer) < total:  # the tokens accepted since its last proposal
             proposer.extend(seq.token_ids(len(proposer), total))
@@ -194,16 +211,16 @@ class Speculator:
         state = self._seqs.get(seq)
         if state is None:
             return
-        rate = num_accepted / num_proposed
-        state.average += EMA_WEIGHT * (rate - state.average)
+        state.accepted = DECAY * state.accepted + num_accepted
+        state.rejected = DECAY * state.rejected + (num_accepted < num_proposed)
         floor = self.config.min_acceptance
-        if state.average < floor:
+        if state.depth(self.k, floor) == 0:  # pause, then probe with one proposal
             state.paused_until = self._step + PAUSE_STEPS * 2 ** min(
                 state.pauses, MAX_PAUSE_DOUBLINGS
             )
             state.pauses += 1
-            state.average = floor
-        elif rate > 0:
+            state.accepted, state.rejected = floor, 1 - floor
+        elif num_accepted:
             state.pauses = 0
 
     def stats(self) -> dict[str, Any]:
