@@ -85,7 +85,8 @@ class Engine:
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self.pool = PagePool(config.num_pages)
         spec = config.speculative_config
-        self.speculator = Speculator(spec) if spec is not None else None
+        self._buckets = config.buckets()
+        self.speculator = Speculator(spec, self._buckets.tokens) if spec is not None else None
         self.scheduler = _scheduler(config, self.pool, reservation, self.runner, self.speculator)
         self.requests = RequestRegistry(
             self.scheduler,
@@ -95,7 +96,6 @@ class Engine:
             seed=config.seed,
             max_logprobs=config.max_logprobs,
         )
-        self._buckets = config.buckets()
         self.batch_builder = BatchBuilder(
             self.scheduler,
             page_size=config.page_size,

@@ -203,9 +203,8 @@ class Scheduler(SequenceQueues):
         self.peak_running = max(self.peak_running, len(self.running))
         spec = self.speculator
         if spec is not None and budget > 0 and spec.new_step(len(self.running)):
-            budget = add_proposals(
-                chunks, budget, spec, kv, max_model_len=self.max_model_len, fail=self.fail
-            )
+            spare = spec.spare_tokens(self.max_num_batched_tokens - budget, budget)
+            add_proposals(chunks, spare, spec, kv, max_model_len=self.max_model_len, fail=self.fail)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
     def _schedule_running(

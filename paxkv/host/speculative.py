@@ -2,12 +2,16 @@
 carries into the step, when a sequence speculates, and the counts. No JAX.
 
 After the scheduler has planned a step (decodes, prefill chunks, admissions), the
-step's spare token budget goes to proposals: each decoding sequence that speculates
-gets up to `num_speculative_tokens` tokens proposed by prompt lookup
+step's spare tokens go to proposals: each decoding sequence that speculates gets up to
+`num_speculative_tokens` tokens proposed by prompt lookup
 (`paxkv.host.ngram_proposer`), as query rows after its last token, and the pages they
-need if the pool has them free. Speculation never preempts, never delays a prefill or
-an admission, and never proposes past the sequence's `max_tokens` or `max_model_len`
-(at most `remaining - 1` proposals, so the emitted tokens, at most proposals + 1, fit).
+need if the pool has them free. The spare tokens are the budget left, and no more than
+the padding of the step's token bucket: the rows the step would compute anyway, so
+proposals never move a step to a larger (costlier) shape unless `grow_token_bucket`;
+they are shared evenly among the decodes that have proposals. Speculation never
+preempts, never delays a prefill or an admission, and never proposes past the
+sequence's `max_tokens` or `max_model_len` (at most `remaining - 1` proposals, so the
+emitted tokens, at most proposals + 1, fit).
 The step verifies them (`paxkv.engine.spec_verify`) and the scheduler keeps what it
 accepts (`Scheduler.update`), giving back pages held only for rejected positions.
 
@@ -36,7 +40,7 @@ from paxkv.host.ngram_proposer import NgramProposer
 from paxkv.host.plan import ScheduledChunk
 from paxkv.host.sequence import SequenceState
 from paxkv.pallas_kernels.layout import cdiv
-from paxkv.request import check_float, check_int
+from paxkv.request import check_bool, check_float, check_int
 
 if TYPE_CHECKING:
     from paxkv.host.kv_cache_manager import KVCacheManager
@@ -62,6 +66,8 @@ class SpeculativeConfig:
         must have (module docstring), in [0, 1); 0: always propose k.
       disable_by_batch_size: no speculation in steps planned with more running
         sequences than this; None: no limit.
+      grow_token_bucket: let proposals move a step to a larger token bucket (more
+        padded rows); off, they only fill the padding of the step's own bucket.
       model: a draft model's name (method "draft_model" only).
     """
 
@@ -71,6 +77,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     min_acceptance: float = 0.2
     disable_by_batch_size: int | None = None
+    grow_token_bucket: bool = False
     model: str | None = None
 
     def __post_init__(self) -> None:
@@ -107,6 +114,7 @@ class SpeculativeConfig:
         rate = check_float("speculative_config.min_acceptance", self.min_acceptance)
         if not 0 <= rate < 1:
             raise ValueError(f"speculative_config.min_acceptance={rate} must be in [0, 1)")
+        check_bool("speculative_config.grow_token_bucket", self.grow_token_bucket)
         if self.disable_by_batch_size is not None:
             check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, lo=1)
 
@@ -157,11 +165,13 @@ class Speculator:
 
     Args:
       config: the settings.
+      token_buckets: the step's token buckets (`paxkv.host.batch.Buckets.tokens`).
     """
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, token_buckets: tuple[int, ...]) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        self.token_buckets = token_buckets
         self._seqs: weakref.WeakKeyDictionary[SequenceState, _SeqState] = (
             weakref.WeakKeyDictionary()
         )
@@ -177,6 +187,13 @@ class Speculator:
         self._step += 1
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
+
+    def spare_tokens(self, planned: int, budget: int) -> int:
+        """Tokens proposals may add to a step of `planned` tokens with `budget` left."""
+        if self.config.grow_token_bucket:
+            return budget
+        bucket = next((b for b in self.token_buckets if b >= planned), planned)
+        return max(0, min(budget, bucket - planned))
 
     def propose(self, seq: SequenceState, max_tokens: int) -> tuple[int, ...]:
         """Up to `min(k, max_tokens)` proposed tokens after `seq`'s last one; empty when
@@ -247,26 +264,32 @@ class Speculator:
 
 def add_proposals(
     chunks: list[ScheduledChunk],
-    budget: int,
+    spare: int,
     speculator: Speculator,
     kv: KVCacheManager,
     *,
     max_model_len: int,
     fail: Callable[[SequenceState, BaseException], None],
 ) -> int:
-    """Gives the decodes of a planned step their proposals, in plan order, out of the
-    spare `budget` and the pool's free pages (module docstring); replaces those chunks
-    in `chunks` and returns the budget left. A sequence whose proposal raises fails
-    alone (`fail`) and leaves the step."""
+    """Gives the decodes of a planned step their proposals out of `spare` tokens
+    (`Speculator.spare_tokens`), shared evenly in plan order, and the pool's free pages
+    (module docstring); replaces those chunks in `chunks` and returns the tokens used. A
+    sequence whose proposal raises fails alone (`fail`) and leaves the step."""
     ps = kv.page_size
-    for i, c in enumerate(chunks):
-        if budget <= 0:
+    decodes = [
+        i
+        for i, c in enumerate(chunks)
+        if c.num_tokens == 1 and c.samples and c.num_output_tokens  # not after a prefill
+    ]
+    used = 0
+    for n, i in enumerate(decodes):
+        share = -(-(spare - used) // (len(decodes) - n))  # an even share of what is left
+        if share <= 0:
             break
+        c = chunks[i]
         seq = c.seq
-        if c.num_tokens != 1 or not c.samples or not c.num_output_tokens:
-            continue  # not a decode (a prefill, or the first token after one)
         try:
-            drafts = speculator.propose(seq, min(budget, seq.remaining_tokens(max_model_len) - 1))
+            drafts = speculator.propose(seq, min(share, seq.remaining_tokens(max_model_len) - 1))
             if not drafts:
                 continue
             end = c.start + 1 + len(drafts)
@@ -281,5 +304,5 @@ def add_proposals(
             num_pages=cdiv(end, ps),
             num_draft=len(drafts),
         )
-        budget -= len(drafts)
-    return budget
+        used += len(drafts)
+    return used

@@ -262,25 +262,41 @@ def test_fake_runner_greedy_equal_and_the_adaptive_rule_pauses():
     assert off.stats()["spec_decode_num_drafts"] > s["spec_decode_num_drafts"]
 
 
-def test_speculation_uses_only_spare_budget_and_free_pages():
-    # Proposals come after every other chunk, from the budget left: 8 decodes in a
-    # 12-token step leave 4 proposal tokens; and never from a page that is not free.
-    engine = _fake_engine(SPEC, max_num_batched_tokens=12, token_buckets=(12,))
-    engine.speculator.propose = lambda seq, n: (7,) * min(n, SPEC["num_speculative_tokens"])
+def _decoding(spec, n, **config):
+    """A fake engine whose speculator proposes 7s, with `n` sequences past prefill,
+    and the plan of its next step."""
+    engine = _fake_engine(spec, **config)
+    engine.speculator.propose = lambda seq, m: (7,) * min(m, SPEC["num_speculative_tokens"])
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    for i in range(8):
+    for i in range(n):
         engine.add_request(str(i), {"prompt_token_ids": [i + 1]}, params)
     engine.step()  # the prefills
-    plan = engine.scheduler.schedule()
-    assert [c.num_draft for c in plan.chunks] == [4, 0, 0, 0, 0, 0, 0, 0]
+    return engine, engine.scheduler.schedule()
+
+
+def test_speculation_uses_only_spare_budget_and_free_pages():
+    # Proposals come after every other chunk, from the budget left, shared evenly: 8
+    # decodes in a 12-token step leave 4 proposal tokens, one each for the first four.
+    engine, plan = _decoding(SPEC, 8, max_num_batched_tokens=12, token_buckets=(12,))
+    assert [c.num_draft for c in plan.chunks] == [1, 1, 1, 1, 0, 0, 0, 0]
     assert plan.num_tokens == 12
     first = plan.chunks[0]
     assert first.num_pages == -(-first.end // PAGE_SIZE)
-    assert first.token_ids == (first.token_ids[0], 7, 7, 7, 7)
+    assert first.token_ids == (first.token_ids[0], 7)
     for i in range(8):
         engine.abort(str(i))
     engine.step()
     assert engine.pool.num_in_use == 0
+    # Only the padding of the step's own token bucket: 8 decodes fill the 8-token
+    # bucket, and proposals would make it a 12-token step, unless allowed to.
+    buckets = dict(max_num_batched_tokens=12, token_buckets=(8, 12))
+    _, plan = _decoding(SPEC, 8, **buckets)
+    assert [c.num_draft for c in plan.chunks] == [0] * 8
+    _, plan = _decoding(SPEC | {"grow_token_bucket": True}, 8, **buckets)
+    assert [c.num_draft for c in plan.chunks] == [1, 1, 1, 1, 0, 0, 0, 0]
+    # 2 decodes in a 16-token bucket: 14 spare, at most k = 4 each.
+    _, plan = _decoding(SPEC, 2)
+    assert [c.num_draft for c in plan.chunks] == [4, 4]
     # A full pool: decodes run, proposals that need a new page do not.
     engine = _fake_engine(SPEC, num_pages=5)  # 4 usable pages
     engine.speculator.propose = lambda seq, n: (7,) * min(n, 4)

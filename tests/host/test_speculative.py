@@ -14,7 +14,7 @@ def _seq(tokens):
 
 
 def test_depth_follows_the_estimated_acceptance():
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=8, min_acceptance=0.2))
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=8, min_acceptance=0.2), (1024,))
     seq = _seq([1, 2, 3] * 4)
     spec.new_step(1)
     assert spec.propose(seq, 100) == (1, 2, 3, 1, 2, 3, 1, 2)  # alpha starts at 1: all k
@@ -31,7 +31,7 @@ def test_depth_follows_the_estimated_acceptance():
 
 
 def test_pause_then_probe_with_one():
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.5))
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.5), (1024,))
     seq = _seq([5, 6] * 5)
     spec.new_step(1)
     while spec.propose(seq, 100):  # all rejected until the depth reaches 0
@@ -52,7 +52,7 @@ def test_pause_then_probe_with_one():
 
 
 def test_counts_and_disable_by_batch_size():
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=4))
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=4), (1024,))
     assert spec.new_step(4) and not spec.new_step(5)
     seq = _seq([1, 1, 1])
     spec.on_verified(seq, 3, 2)
