@@ -8,8 +8,9 @@ n-gram proposals of k = each of `--ks`:
 - "code": Python prompts, greedy, one request at a time (so a step is one sequence's
   forward pass): mean accepted length (tokens emitted per verified draft) and target
   forward passes per output token (steps / generated tokens; 1.0 without speculation).
-- "random": prompts of random tokens sampled at temperature 1, 8 requests at once:
-  proposals are almost never accepted, which the adaptive rule
+- "random": `--random_model` (random weights) on prompts of random tokens, sampled at
+  temperature 1, 8 requests at once, with 1-token lookups (`prompt_lookup_min=1`):
+  proposals are made and almost never accepted, which the adaptive rule
   (`paxkv.host.speculative`) must notice, so speculation costs little.
 
 Each variant's engine is warmed up (nothing compiles later: checked) and runs its
@@ -27,7 +28,8 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "tiny-py", "A paxkv.models preset or checkpoint directory.")
+_MODEL = flags.DEFINE_string("model", "tiny-py", "The code workload's model (preset or directory).")
+_RANDOM_MODEL = flags.DEFINE_string("random_model", "tiny", "The random workload's model.")
 _KS = flags.DEFINE_list("ks", ["2", "4", "8"], "num_speculative_tokens values to compare.")
 _RUNS = flags.DEFINE_integer("runs", 3, "Timed passes per variant, alternated.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens generated per request.")
@@ -44,7 +46,7 @@ CODE_PROMPTS = (
 )
 
 
-def _engine(model: Any, tokenizer: Any, k: int | None, max_tokens: int) -> Any:
+def _engine(model: Any, tokenizer: Any, k: int | None, lookup_min: int | None) -> Any:
     from paxkv.engine import Engine, EngineConfig
 
     config = EngineConfig(
@@ -56,25 +58,29 @@ def _engine(model: Any, tokenizer: Any, k: int | None, max_tokens: int) -> Any:
         token_buckets=(16, 128),
         page_buckets=(16,),
         log_stats_interval_s=0,
-        speculative_config=None if k is None else _spec(k),
+        speculative_config=None if k is None else _spec(k, lookup_min),
     )
     return Engine(model, config, tokenizer=tokenizer)
 
 
-def _spec(k: int) -> dict:
-    spec = {"num_speculative_tokens": k}
+def _spec(k: int, lookup_min: int | None) -> dict:
+    spec = {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min}
     if _MIN_ACCEPTANCE.value is not None:
         spec["min_acceptance"] = _MIN_ACCEPTANCE.value
     return spec
 
 
-def _workloads(tokenizer: Any, vocab: int, max_tokens: int) -> dict[str, list[list[tuple]]]:
-    """Each workload as a list of batches of `(prompt ids, SamplingParams)`."""
+def _workloads(models: dict[str, tuple], max_tokens: int) -> dict[str, tuple]:
+    """Each workload: `(model, tokenizer, prompt_lookup_min, batches)`, a batch being a
+    list of `(prompt ids, SamplingParams)` run together."""
     from paxkv.request import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    model, tokenizer = models["code"]
     code = [[(tokenizer.encode(p), greedy)] for p in CODE_PROMPTS]
     rng = np.random.default_rng(0)
+    random_model, random_tokenizer = models["random"]
+    vocab = random_model.config.vocab_size
     random = [
         [
             (
@@ -84,7 +90,10 @@ def _workloads(tokenizer: Any, vocab: int, max_tokens: int) -> dict[str, list[li
             for i in range(8)
         ]
     ]
-    return {"code": code, "random": random}
+    return {
+        "code": (model, tokenizer, None, code),
+        "random": (random_model, random_tokenizer, 1, random),
+    }
 
 
 def _pass(engine: Any, batches: list[list[tuple]]) -> tuple[float, float, int, list]:
@@ -102,14 +111,15 @@ def _pass(engine: Any, batches: list[list[tuple]]) -> tuple[float, float, int, l
     return time.perf_counter() - w0, (time.thread_time_ns() - c0) / 1e9, tokens, ids
 
 
-def measure(model: Any, tokenizer: Any, ks: list[int], runs: int, max_tokens: int) -> dict:
+def measure(models: dict[str, tuple], ks: list[int], runs: int, max_tokens: int) -> dict:
     """Per workload and variant: tokens/s (median), CPU us per token, forward passes
-    per output token, mean accepted length, acceptance rate; and the ratio to "off"."""
-    work = _workloads(tokenizer, model.config.vocab_size, max_tokens)
+    per output token, mean accepted length, acceptance rate; and the ratio to "off".
+    `models` maps "code" and "random" to `(model, tokenizer)`."""
+    work = _workloads(models, max_tokens)
     variants: dict[str, int | None] = {"off": None} | {f"ngram k={k}": k for k in ks}
     results: dict[str, dict] = {}
-    for name, batches in work.items():
-        engines = {v: _engine(model, tokenizer, k, max_tokens) for v, k in variants.items()}
+    for name, (model, tokenizer, lookup_min, batches) in work.items():
+        engines = {v: _engine(model, tokenizer, k, lookup_min) for v, k in variants.items()}
         for e in engines.values():
             e.warmup()
         compiled = {v: e.num_compilations for v, e in engines.items()}
@@ -168,12 +178,17 @@ def main(argv: list[str]) -> None:
 
     from paxkv.models import load_model
 
-    _, model, tokenizer = load_model(_MODEL.value, dtype="float32")
+    models = {
+        name: load_model(m, dtype="float32")[1:]
+        for name, m in (("code", _MODEL.value), ("random", _RANDOM_MODEL.value))
+    }
     ks = [int(k) for k in _KS.value]
-    r = measure(model, tokenizer, ks, _RUNS.value, _MAX_TOKENS.value)
+    load = os.getloadavg()[0]
+    r = measure(models, ks, _RUNS.value, _MAX_TOKENS.value)
     print(
-        f"backend={jax.default_backend()} model={_MODEL.value} max_tokens={_MAX_TOKENS.value} "
-        f"runs={_RUNS.value} load={os.getloadavg()[0]:.2f}"
+        f"backend={jax.default_backend()} code: {_MODEL.value}, random: {_RANDOM_MODEL.value} "
+        f"max_tokens={_MAX_TOKENS.value} runs={_RUNS.value} "
+        f"load before/after={load:.2f}/{os.getloadavg()[0]:.2f}"
     )
     head = f"{'workload':<8}{'variant':<12}{'tok/s':>8}{'vs off':>8}{'cpu us/tok':>11}"
     print(head + f"{'passes/tok':>11}{'accepted len':>13}{'accept rate':>12}")

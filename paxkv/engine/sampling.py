@@ -200,10 +200,22 @@ def target_probs(
     """`(probs f32[S, V], greedy i32[S])`: the distribution `sample` draws each row's
     token from (penalties, temperature and truncation applied; in vocabulary order) and
     the token a greedy row takes. Speculative verification accepts against these."""
-    greedy, order, masked = _truncated(logits.astype(jnp.float32), params)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    probs = jnp.zeros_like(masked).at[rows, order].set(jax.nn.softmax(masked, axis=-1))
-    return probs, greedy
+    logits = logits.astype(jnp.float32)
+
+    def truncated() -> tuple[jax.Array, jax.Array]:
+        greedy, order, masked = _truncated(logits, params)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        probs = jnp.zeros_like(masked).at[rows, order].set(jax.nn.softmax(masked, axis=-1))
+        return probs, greedy
+
+    def whole() -> tuple[jax.Array, jax.Array]:  # no row truncates: no sort needed
+        adjusted = apply_penalties(logits, params)
+        temp = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+        greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
+        return jax.nn.softmax(adjusted / temp, axis=-1), greedy
+
+    truncates = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)
+    return jax.lax.cond(jnp.any(truncates), truncated, whole)
 
 
 def sample(

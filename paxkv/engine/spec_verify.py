@@ -19,11 +19,12 @@ from paxkv.engine.sampling import (
     SamplingBatch,
     Speculated,
     add_to_history,
+    apply_penalties,
     sampling_keys,
     score,
     target_probs,
 )
-from paxkv.engine.spec_accept import accept
+from paxkv.engine.spec_accept import Accepted, accept
 
 
 def verify(
@@ -40,23 +41,13 @@ def verify(
     `sample` reports them). Keys are the rows' sampling keys (seed, counter), so a
     seeded request's result does not depend on its batch."""
     num_seqs, width, vocab = logits.shape
-    k = width - 1
-    probs, greedy = [], []
-    params = sampling
-    for j in range(width):
-        p, g = target_probs(logits[:, j], params)
-        probs.append(p)
-        greedy.append(g)
-        if j < k:  # the proposal at j counts as generated for the positions after it
-            params = add_to_history(params, proposals[:, j], j < counts)
-    verdict = accept(
-        jnp.stack(probs, axis=1),
-        None,  # n-gram proposals: q is a point mass
-        proposals,
-        counts,
-        sampling_keys(sampling),
-        sampling.temperature <= 0,
-        jnp.stack(greedy, axis=1),
+    greedy_rows = sampling.temperature <= 0
+    # When every row is greedy only the argmax matters: the sampler's distributions
+    # (a sort of the vocabulary per row and position) are skipped at run time.
+    verdict = jax.lax.cond(
+        jnp.all(greedy_rows),
+        lambda: _greedy_verdict(logits, sampling, proposals, counts),
+        lambda: _verdict(logits, sampling, proposals, counts),
     )
     tokens = verdict.tokens.at[:, 0].set(jnp.where(counts == 0, sampled, verdict.tokens[:, 0]))
     scores = score(
@@ -66,3 +57,54 @@ def verify(
     )
     scores = jax.tree.map(lambda a: a.reshape(num_seqs, width, *a.shape[1:]), scores)
     return Speculated(verdict.num_accepted, tokens, scores)
+
+
+def _histories(sampling: SamplingBatch, proposals: jax.Array, counts: jax.Array) -> list:
+    """The sampling batch at each position: the proposals before it counted as generated."""
+    params, out = sampling, [sampling]
+    for j in range(proposals.shape[1]):
+        params = add_to_history(params, proposals[:, j], j < counts)
+        out.append(params)
+    return out
+
+
+def _greedy_verdict(
+    logits: jax.Array, sampling: SamplingBatch, proposals: jax.Array, counts: jax.Array
+) -> Accepted:
+    """`accept`'s verdict for greedy rows: the longest prefix equal to the argmax of the
+    penalised logits, then the argmax."""
+    argmax = jnp.stack(
+        [
+            jnp.argmax(apply_penalties(logits[:, j].astype(jnp.float32), params), axis=-1)
+            for j, params in enumerate(_histories(sampling, proposals, counts))
+        ],
+        axis=1,
+    ).astype(jnp.int32)  # i32[S, k+1]
+    k = proposals.shape[1]
+    ok = (proposals == argmax[:, :k]) & (jnp.arange(k)[None, :] < counts[:, None])
+    num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    slots = jnp.arange(k + 1)[None, :]
+    tokens = jnp.where(slots < num_accepted[:, None], jnp.pad(proposals, ((0, 0), (0, 1))), -1)
+    final = jnp.take_along_axis(argmax, num_accepted[:, None], axis=1)
+    tokens = jnp.where(slots == num_accepted[:, None], final, tokens)
+    return Accepted(num_accepted, tokens.astype(jnp.int32))
+
+
+def _verdict(
+    logits: jax.Array, sampling: SamplingBatch, proposals: jax.Array, counts: jax.Array
+) -> Accepted:
+    """`accept` against the sampler's distribution at each position."""
+    probs, greedy = [], []
+    for j, params in enumerate(_histories(sampling, proposals, counts)):
+        p, g = target_probs(logits[:, j], params)
+        probs.append(p)
+        greedy.append(g)
+    return accept(
+        jnp.stack(probs, axis=1),
+        None,  # n-gram proposals: q is a point mass
+        proposals,
+        counts,
+        sampling_keys(sampling),
+        sampling.temperature <= 0,
+        jnp.stack(greedy, axis=1),
+    )

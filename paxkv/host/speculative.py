@@ -21,8 +21,9 @@ that the target accepts a proposed token given it accepted the ones before, as
 each draft; a first estimate of 1), and proposes position j only while `α**j`, the
 chance that position j is reached and accepted, is at least `min_acceptance`: k' =
 `floor(log(min_acceptance) / log(α))`, at most k. When k' falls to 0 the sequence
-pauses for `8 * 2**m` steps (m: the pauses in a row before it, at most 5) and then
-probes with one proposal. A sequence for which the lookup finds nothing costs nothing
+pauses for `8 * 2**m` steps (m: the pauses in a row before it, at most 5; rounded up
+to a multiple of 8 steps, so paused sequences probe together) and then probes with one
+proposal. A sequence for which the lookup finds nothing costs nothing
 (no rows). With `disable_by_batch_size`, no sequence speculates in a step planned while
 more sequences than that run (vLLM's option of that name): a full batch is compute
 bound, where extra query rows cost as much as they can save.
@@ -232,9 +233,10 @@ class Speculator:
         state.rejected = DECAY * state.rejected + (num_accepted < num_proposed)
         floor = self.config.min_acceptance
         if state.depth(self.k, floor) == 0:  # pause, then probe with one proposal
-            state.paused_until = self._step + PAUSE_STEPS * 2 ** min(
-                state.pauses, MAX_PAUSE_DOUBLINGS
-            )
+            until = self._step + PAUSE_STEPS * 2 ** min(state.pauses, MAX_PAUSE_DOUBLINGS)
+            # Rounded up to a multiple of PAUSE_STEPS: paused sequences probe in the
+            # same steps, so most steps have no proposal at all (the cheaper variant).
+            state.paused_until = -(-until // PAUSE_STEPS) * PAUSE_STEPS
             state.pauses += 1
             state.accepted, state.rejected = floor, 1 - floor
         elif num_accepted:

@@ -37,14 +37,15 @@ def test_pause_then_probe_with_one():
     while spec.propose(seq, 100):  # all rejected until the depth reaches 0
         spec.on_verified(seq, len(spec.propose(seq, 100)), 0)
     paused_at = spec._step
-    for _ in range(PAUSE_STEPS - 1):
+    resume = -(-(paused_at + PAUSE_STEPS) // PAUSE_STEPS) * PAUSE_STEPS  # aligned
+    while spec._step + 1 < resume:
         spec.new_step(1)
         assert spec.propose(seq, 100) == ()
     spec.new_step(1)
-    assert spec._step == paused_at + PAUSE_STEPS
     assert len(spec.propose(seq, 100)) == 1  # the probe
     spec.on_verified(seq, 1, 0)  # rejected: a pause twice as long
-    for _ in range(2 * PAUSE_STEPS - 1):
+    resume = spec._step + 2 * PAUSE_STEPS
+    while spec._step + 1 < resume:
         spec.new_step(1)
         assert spec.propose(seq, 100) == ()
     spec.new_step(1)
@@ -52,7 +53,7 @@ def test_pause_then_probe_with_one():
 
 
 def test_counts_and_disable_by_batch_size():
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=4), (1024,))
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=4), (64,))
     assert spec.new_step(4) and not spec.new_step(5)
     seq = _seq([1, 1, 1])
     spec.on_verified(seq, 3, 2)
@@ -63,3 +64,9 @@ def test_counts_and_disable_by_batch_size():
     assert s["spec_decode_num_accepted_tokens"] == 2
     assert s["spec_decode_mean_accepted_length"] == pytest.approx(2.0)
     assert s["spec_decode_acceptance_per_position"] == [0.5, 0.5, 0.0]
+    # Proposals fill the padding of the step's token bucket: a 40-token step in the
+    # 64-token bucket has 24 spare rows (or all its budget left, with grow_token_bucket).
+    assert spec.spare_tokens(40, 100) == 24
+    assert spec.spare_tokens(64, 100) == 0
+    grow = Speculator(SpeculativeConfig(grow_token_bucket=True), (64,))
+    assert grow.spare_tokens(64, 100) == 100
