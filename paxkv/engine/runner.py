@@ -239,6 +239,9 @@ class FakeRunner(StepRunner):
       max_position_embeddings: the fake model's position limit (None: none).
       layer_windows: the fake model's sliding window per layer (None: global), which
         the engine groups layers by (`paxkv.host.kv_groups`); default: one global layer.
+      accept_fraction: None, the greedy rule above; else each sequence accepts
+        `round(fraction * proposals)` of its proposals whatever they are, and then the
+        fake token after the last accepted one (for host-path benchmarks).
     """
 
     def __init__(
@@ -249,7 +252,9 @@ class FakeRunner(StepRunner):
         eos_token_ids: tuple[int, ...] = (),
         max_position_embeddings: int | None = None,
         layer_windows: tuple[int | None, ...] = (None,),
+        accept_fraction: float | None = None,
     ) -> None:
+        self.accept_fraction = accept_fraction
         self.kv_groups = KVCacheGroups.from_windows(layer_windows, hybrid=config.hybrid_kv_cache)
         self.model_config = types.SimpleNamespace(
             vocab_size=vocab_size,
@@ -309,8 +314,11 @@ class FakeRunner(StepRunner):
             )
             target[0] = first[s]
             a = 0
-            while a < count and drafts[a] == target[a]:
-                a += 1
+            if self.accept_fraction is not None:
+                a = round(self.accept_fraction * count)
+            else:
+                while a < count and drafts[a] == target[a]:
+                    a += 1
             accepted[s] = a
             tokens[s, : a + 1] = [*drafts[:a], target[a]]
         per_token = self._samples(np.maximum(tokens, 0).reshape(-1), rows * (k + 1))
