@@ -31,9 +31,9 @@ from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
-from paxkv.host.speculative import Speculator, add_proposals
+from paxkv.host.speculative import Speculator, add_proposals, record_verified
 from paxkv.pallas_kernels.layout import cdiv
-from paxkv.request import FinishReason, SamplingParams
+from paxkv.request import SamplingParams
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
@@ -306,7 +306,9 @@ class Scheduler(SequenceQueues):
                 continue  # aborted while the step ran
             try:
                 if chunk.num_draft and result is not None:
-                    reason = self._record_verified(seq, chunk, result, eos_token_ids, now)
+                    reason = record_verified(
+                        self.speculator, kv, chunk, result, eos_token_ids, self.max_model_len, now
+                    )
                     if reason is None:
                         continue
                 else:
@@ -327,31 +329,6 @@ class Scheduler(SequenceQueues):
             self._finish(seq, reason, now)
             finished.append(seq)
         return finished
-
-    def _record_verified(
-        self,
-        seq: SequenceState,
-        chunk: ScheduledChunk,
-        results: list[tuple],
-        eos_token_ids: tuple[int, ...],
-        now: float,
-    ) -> FinishReason | None:
-        """Records a speculative chunk's emitted tokens (`update`) until one ends seq;
-        its cache then holds its last known token and the accepted proposals, and the
-        pages taken for rejected ones go back to the pool."""
-        accepted = len(results) - 1
-        self.speculator.on_verified(seq, chunk.num_draft, accepted)
-        seq.num_computed_tokens = end = chunk.start + 1 + accepted
-        kv = self.kv_cache_manager
-        if kv.needs_registering(seq, end):
-            kv.register_full_pages(seq)
-        for r in results:
-            top = r[2] if len(r) > 2 else None
-            reason = seq.record_sample(r[0], r[1], top, eos_token_ids, self.max_model_len, now)
-            if reason is not None:
-                return reason
-        kv.trim(seq, seq.num_tokens)
-        return None
 
     # Metrics.
 

@@ -41,7 +41,7 @@ from paxkv.host.ngram_proposer import NgramProposer
 from paxkv.host.plan import ScheduledChunk
 from paxkv.host.sequence import SequenceState
 from paxkv.pallas_kernels.layout import cdiv
-from paxkv.request import check_bool, check_float, check_int
+from paxkv.request import FinishReason, check_bool, check_float, check_int
 
 if TYPE_CHECKING:
     from paxkv.host.kv_cache_manager import KVCacheManager
@@ -308,3 +308,31 @@ def add_proposals(
         )
         used += len(drafts)
     return used
+
+
+def record_verified(
+    speculator: Speculator,
+    kv: KVCacheManager,
+    chunk: ScheduledChunk,
+    results: list[tuple],
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+    now: float,
+) -> FinishReason | None:
+    """Records a speculative chunk's emitted tokens (`Scheduler.update`: its accepted
+    proposals, then the target's token, each `(token, logprob[, top-k])`) until one ends
+    the sequence, and returns why it ended (or None). Its cache then holds its last known
+    token and the accepted proposals; pages taken for rejected ones go back to the pool."""
+    seq = chunk.seq
+    accepted = len(results) - 1
+    speculator.on_verified(seq, chunk.num_draft, accepted)
+    seq.num_computed_tokens = end = chunk.start + 1 + accepted
+    if kv.needs_registering(seq, end):
+        kv.register_full_pages(seq)
+    for r in results:
+        top = r[2] if len(r) > 2 else None
+        reason = seq.record_sample(r[0], r[1], top, eos_token_ids, max_model_len, now)
+        if reason is not None:
+            return reason
+    kv.trim(seq, seq.num_tokens)
+    return None
