@@ -60,6 +60,9 @@ class Engine:
         None: a `ModelRunner` of `model` (on `mesh`). With a runner, `model` may be None,
         e.g. `runner=lambda config: FakeRunner(32000, config)` runs the whole host path
         without a model or a device.
+      draft_model: the draft model when `config.speculative_config` has method
+        "draft_model": an NNX causal LM like `model`, with its vocabulary
+        (`paxkv.engine.draft`).
     """
 
     def __init__(
@@ -71,20 +74,29 @@ class Engine:
         mesh: Any = None,
         reservation: PagedReservation | None = None,
         runner: Callable[[EngineConfig], StepRunner] | None = None,
+        draft_model: nnx.Module | None = None,
     ) -> None:
         platform = jax.default_backend()
         self.config = config = (config or EngineConfig()).for_backend(platform)
+        spec = config.speculative_config
+        wants_draft = spec is not None and spec.method == "draft_model"
+        if wants_draft != (draft_model is not None) and runner is None:
+            raise ValueError(
+                "speculative_config method 'draft_model' needs draft_model= (the draft "
+                "model object; LLM loads it by name)"
+                if wants_draft
+                else "draft_model= needs speculative_config={'method': 'draft_model', ...}"
+            )
         if runner is not None:
             self.runner = runner(config)
         else:
             mesh = mesh if mesh is not None else shardings.default_mesh()
-            self.runner = ModelRunner(model, config, mesh)
+            self.runner = ModelRunner(model, config, mesh, draft_model)
         mc = self.model_config = self.runner.model_config
         config.check_serves(mc, platform)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self.pool = PagePool(config.num_pages)
-        spec = config.speculative_config
         self._buckets = config.buckets()
         self.speculator = Speculator(spec, self._buckets.tokens) if spec is not None else None
         self.scheduler = _scheduler(config, self.pool, reservation, self.runner, self.speculator)

@@ -79,9 +79,17 @@ class ModelRunner(StepRunner):
       model: the NNX causal LM (see `paxkv.engine.Engine`).
       config: the engine's settings, `num_decode_steps` decided.
       mesh: a `jax.sharding.Mesh` of one replica, or None for one device.
+      draft_model: the draft model of speculative decoding's "draft_model" method
+        (`paxkv.engine.draft`), with its own cache over the same pages; None: none.
     """
 
-    def __init__(self, model: nnx.Module, config: EngineConfig, mesh: Any = None) -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        config: EngineConfig,
+        mesh: Any = None,
+        draft_model: nnx.Module | None = None,
+    ) -> None:
         mc = model.config
         factor = 1
         if mesh is not None and hasattr(model, "duplicate_kv_heads"):
@@ -118,6 +126,7 @@ class ModelRunner(StepRunner):
             )
         self._cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
+        self.draft = None if draft_model is None else _Draft(draft_model, self)
 
     def _new_cache(self) -> PagedKVCache:
         """An empty KV cache of the engine's pages (on a mesh: born sharded)."""
@@ -132,9 +141,11 @@ class ModelRunner(StepRunner):
 
     def restore_cache(self) -> bool:
         """A new, empty cache in the old one's shardings if a step call that raised had
-        been given the cache (donated: its buffers are deleted). Whether it did."""
+        been given the cache (donated: its buffers are deleted), the draft model's too.
+        Whether it did."""
+        lost = self.draft is not None and self.draft.restore_cache()
         if not any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
-            return False
+            return lost
         self.kv_cache = jax.device_put(self._new_cache(), self._cache_shardings)
         return True
 
@@ -149,17 +160,21 @@ class ModelRunner(StepRunner):
         return self._compiles.seconds
 
     def _run_step(self, batch: StepBatch, token_src: jax.Array) -> Sampled:
+        draft = self.draft
         with self._compiles.counting():
-            sampled, self.kv_cache = steps.MODEL_STEP(
+            sampled, self.kv_cache, draft_cache = steps.MODEL_STEP(
                 self.graphdef,
                 self.params,
                 self.kv_cache,
                 batch,
                 token_src,
                 self._prev_tokens,
+                *(() if draft is None else (draft.graphdef, draft.params, draft.cache)),
                 attention_backend=self.config.step_attention_backend,
                 num_logprobs=self.config.max_logprobs,
             )
+        if draft is not None:
+            draft.cache = draft_cache
         self._prev_tokens = sampled.tokens
         return sampled
 
@@ -214,6 +229,57 @@ class ModelRunner(StepRunner):
                     jax.block_until_ready(self._run_loop(batch, DecodeLimits.from_host([], [], s)))
             if progress is not None:
                 progress(i + 1, len(shapes))
+
+
+class _Draft:
+    """A draft model's weights and its KV cache, whose pages mirror the target's (the
+    same page count and size, so the same block tables index both)."""
+
+    def __init__(self, model: nnx.Module, target: ModelRunner) -> None:
+        mc, config = model.config, target.config
+        if mc.vocab_size != target.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocab_size={mc.vocab_size} differs from the target's "
+                f"{target.model_config.vocab_size}: a draft must share the target's tokenizer"
+            )
+        groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
+        if groups.num_groups != 1 or target.kv_groups.num_groups != 1:
+            raise ValueError(
+                "speculative_config method 'draft_model' needs one KV-cache group in the "
+                "draft and the target (no hybrid sliding-window groups): the draft's cache "
+                "is indexed by the target's one block table"
+            )
+        self.graphdef, self.params = nnx.split(model)
+        self.mesh = target.mesh
+
+        def new_cache() -> PagedKVCache:
+            return shardings.sharded_cache(
+                lambda: PagedKVCache.for_model(
+                    mc, config.num_pages, config.page_size, config.kv_cache_dtype, groups
+                ),
+                mc.num_kv_heads,
+                self.mesh,
+            )
+
+        self._new_cache = new_cache
+        self.cache = new_cache()
+        if self.mesh is not None:
+            self.graphdef, self.params, self.cache = shardings.shard_engine_state(
+                self.graphdef, self.params, self.cache, self.mesh
+            )
+        else:
+            state = (self.params, self.cache)
+            self.params, self.cache = jax.device_put(
+                state, jax.tree.map(lambda x: x.sharding, state)
+            )
+        self._shardings = jax.tree.map(lambda a: a.sharding, self.cache)
+
+    def restore_cache(self) -> bool:
+        """A new, empty cache if a failed call had it donated; whether it had."""
+        if not any(a.is_deleted() for a in jax.tree.leaves(self.cache)):
+            return False
+        self.cache = jax.device_put(self._new_cache(), self._shardings)
+        return True
 
 
 def fake_token(tokens: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.ndarray:

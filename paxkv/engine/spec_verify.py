@@ -34,6 +34,7 @@ def verify(
     counts: jax.Array,  # i32[S]; proposals per sequence, 0..k
     sampled: jax.Array,  # i32[S]; what `sample` drew from logits[:, 0]
     *,
+    draft_probs: jax.Array | None = None,  # f32[S, k, V]; None: n-gram (point masses)
     num_logprobs: int = 0,
 ) -> Speculated:
     """Each sequence's accepted proposals and its next token from the target, with
@@ -47,7 +48,7 @@ def verify(
     verdict = jax.lax.cond(
         jnp.all(greedy_rows),
         lambda: _greedy_verdict(logits, sampling, proposals, counts),
-        lambda: _verdict(logits, sampling, proposals, counts),
+        lambda: _verdict(logits, sampling, proposals, counts, draft_probs),
     )
     tokens = verdict.tokens.at[:, 0].set(jnp.where(counts == 0, sampled, verdict.tokens[:, 0]))
     scores = score(
@@ -91,7 +92,11 @@ def _greedy_verdict(
 
 
 def _verdict(
-    logits: jax.Array, sampling: SamplingBatch, proposals: jax.Array, counts: jax.Array
+    logits: jax.Array,
+    sampling: SamplingBatch,
+    proposals: jax.Array,
+    counts: jax.Array,
+    draft_probs: jax.Array | None,
 ) -> Accepted:
     """`accept` against the sampler's distribution at each position."""
     probs, greedy = [], []
@@ -101,7 +106,7 @@ def _verdict(
         greedy.append(g)
     return accept(
         jnp.stack(probs, axis=1),
-        None,  # n-gram proposals: q is a point mass
+        draft_probs,  # None: n-gram proposals, q a point mass
         proposals,
         counts,
         sampling_keys(sampling),

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from paxkv.engine.draft import draft_proposals
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
 from paxkv.engine.spec_verify import verify
 from paxkv.host.batch import HostBatch, history_length
@@ -172,21 +173,27 @@ def model_step(
     batch: StepBatch,
     token_src: jax.Array,  # i32[T]; >= 0: take the token from prev_tokens
     prev_tokens: jax.Array,  # i32[max_num_seqs]; the previous step's sampled tokens
+    draft_graphdef: nnx.GraphDef | None = None,
+    draft_params: nnx.State | None = None,
+    draft_cache: PagedKVCache | None = None,
     *,
     attention_backend: str,
     num_logprobs: int = 0,
-) -> tuple[Sampled, PagedKVCache]:
+) -> tuple[Sampled, PagedKVCache, PagedKVCache | None]:
     """One model step: write the batch's K/V, attend, sample a token per sequence.
 
     Returns the samples padded to `max_num_seqs` rows (row i: the batch's sequence i),
-    so the next step can read its input tokens from them on the device. A sequence
+    so the next step can read its input tokens from them on the device, the cache, and
+    the draft model's cache. A sequence
     whose last token is fed from `prev_tokens` (async scheduling) has that token, which
     the host has not seen, counted in its penalty history before it samples.
     With scored rows (R > 0) the logits of the S sampling rows and the R scored rows are
     one matmul, and `sampled.scored` holds their prompt logprobs (`score`). With
     speculative proposals (k > 0) the k rows after each sequence's sampling row join
     that matmul, and `sampled.spec` holds the verdicts (`paxkv.engine.spec_verify`);
-    `sampled.tokens` then still holds what each sequence's first row sampled.
+    `sampled.tokens` then still holds what each sequence's first row sampled. With a
+    draft model (`paxkv.engine.draft`) the draft runs first and its proposals fill
+    those rows.
     """
     model = nnx.merge(graphdef, params)
     fed = prev_tokens[jnp.maximum(token_src, 0)]
@@ -197,6 +204,23 @@ def model_step(
     # The rows whose logits the step reads: each sequence's last known token, its
     # proposals' rows after it (speculative steps), and the scored rows.
     draft_rows = jnp.minimum(last[:, None] + jnp.arange(1, k + 1), tokens_in.shape[0] - 1)
+    proposals, draft_probs = batch.draft_tokens, None
+    if draft_graphdef is not None:
+        proposals, draft_probs, draft_cache = draft_proposals(
+            nnx.merge(draft_graphdef, draft_params),
+            tokens_in,
+            batch.positions,
+            draft_cache,
+            batch.table,
+            last,
+            batch.draft_counts,
+            sampling,
+            k,
+            attention_backend=attention_backend,
+        )
+        valid = jnp.arange(k)[None, :] < batch.draft_counts[:, None]
+        rows = jnp.where(valid, draft_rows, tokens_in.shape[0])
+        tokens_in = tokens_in.at[rows.reshape(-1)].set(proposals.reshape(-1), mode="drop")
     logits, kv_cache = forward_logits(
         model,
         tokens_in,
@@ -216,9 +240,10 @@ def model_step(
         spec = verify(
             spec_logits,
             sampling,
-            batch.draft_tokens,
+            proposals,
             batch.draft_counts,
             sampled.tokens,
+            draft_probs=draft_probs,
             num_logprobs=num_logprobs,
         )
         sampled = sampled.replace(spec=spec)
@@ -231,13 +256,13 @@ def model_step(
         sampled = sampled.replace(
             tokens=jax.lax.with_sharding_constraint(sampled.tokens, shardings.replicated(mesh))
         )
-    return sampled, kv_cache
+    return sampled, kv_cache, draft_cache
 
 
 MODEL_STEP = jax.jit(
     model_step,
     static_argnames=("attention_backend", "num_logprobs"),
-    donate_argnames=("kv_cache",),
+    donate_argnames=("kv_cache", "draft_cache"),
 )
 
 

@@ -58,8 +58,8 @@ class SpeculativeConfig:
     """Speculative decoding settings, as vLLM's `speculative_config` names them.
 
     Args:
-      method: "ngram" (prompt lookup: no extra model). "draft_model" is refused with a
-        message: a draft model proposer is not built.
+      method: "ngram" (prompt lookup: no extra model) or "draft_model" (a smaller
+        model with the target's tokenizer, `paxkv.engine.draft`).
       num_speculative_tokens: most tokens proposed per sequence per step (k), 1..16.
       prompt_lookup_min / prompt_lookup_max: the shortest and longest suffix matched
         (`NgramProposer`); one unset takes the other's value, both unset: 2 and 5.
@@ -69,7 +69,8 @@ class SpeculativeConfig:
         sequences than this; None: no limit.
       grow_token_bucket: let proposals move a step to a larger token bucket (more
         padded rows); off, they only fill the padding of the step's own bucket.
-      model: a draft model's name (method "draft_model" only).
+      model: the draft model's preset name or checkpoint directory (method
+        "draft_model" only; `LLM` loads it, an `Engine` takes the model object).
     """
 
     method: str = "ngram"
@@ -84,15 +85,15 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method={self.method!r} must be one of {METHODS}")
-        if self.method == "draft_model":
+        if self.method == "draft_model" and not isinstance(self.model, str):
             raise ValueError(
-                "speculative_config.method='draft_model' is not supported yet: paxkv "
-                "proposes by prompt lookup only; use method='ngram'"
+                f"speculative_config.method='draft_model' needs model= (the draft's preset "
+                f"name or checkpoint directory), got model={self.model!r}"
             )
-        if self.model is not None:
+        if self.method != "draft_model" and self.model is not None:
             raise ValueError(
                 f"speculative_config.model={self.model!r} needs method='draft_model', "
-                "which is not supported yet"
+                f"not {self.method!r}"
             )
         check_int(
             "speculative_config.num_speculative_tokens",
@@ -143,7 +144,7 @@ class _SeqState:
 
     __slots__ = ("accepted", "paused_until", "pauses", "proposer", "rejected")
 
-    def __init__(self, proposer: NgramProposer) -> None:
+    def __init__(self, proposer: NgramProposer | None) -> None:
         self.proposer = proposer
         self.accepted = 1.0  # decayed counts of accepted proposals and of rejections
         self.rejected = 0.0
@@ -198,20 +199,27 @@ class Speculator:
 
     def propose(self, seq: SequenceState, max_tokens: int) -> tuple[int, ...]:
         """Up to `min(k, max_tokens)` proposed tokens after `seq`'s last one; empty when
-        it is paused or the lookup finds nothing."""
+        it is paused or the lookup finds nothing. With a draft model, rows for that
+        many proposals (zeros: the draft fills them on the device)."""
         n = min(self.k, max_tokens)
         if n <= 0:
             return ()
         state = self._seqs.get(seq)
         if state is None:
             c = self.config
-            proposer = NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+            proposer = (
+                NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+                if c.method == "ngram"
+                else None
+            )
             state = self._seqs[seq] = _SeqState(proposer)
         if self._step < state.paused_until:
             return ()
         n = min(n, state.depth(self.k, self.config.min_acceptance))
         if n <= 0:
             return ()
+        if state.proposer is None:  # a draft model proposes on the device: rows only
+            return (0,) * n
         proposer, total = state.proposer, seq.num_tokens
         if len(proposer) < total:  # the tokens accepted since its last proposal
             proposer.extend(seq.token_ids(len(proposer), total))
