@@ -55,6 +55,7 @@ class KernelConfig:
     sliding_window: int | None
     compute_dtype: jnp.dtype  # operand dtype of both dots (their accumulators are f32)
     quantized: bool
+    sinks: bool = False  # an input f32[Hq] of per-query-head sink logits after the pages
 
     @property
     def precision(self) -> lax.Precision | None:
@@ -156,8 +157,9 @@ def interior_blocks(
 
 
 def _attend_kv_blocks(
-    q, pos, row_ok, kv: KvRefs, *, seq, kv_head, lo, hi, start, block_lo, block_hi, full, cfg
-):
+    q, pos, row_ok, kv: KvRefs, *, seq, kv_head, lo, hi, start, block_lo, block_hi, full, cfg,
+    init=None,
+):  # fmt: skip
     """Online softmax of a tile of query rows over KV blocks `[block_lo, block_hi)`.
 
     q: [M, D] (compute dtype, zero in masked rows); pos: i32[M] positions of the rows;
@@ -165,11 +167,13 @@ def _attend_kv_blocks(
     the pages holding a position in `[lo, hi]` (what some row of the tile sees) are read,
     and only those positions enter the softmax and the values. `full = (full_lo, full_hi)`
     are the blocks every row sees whole (`interior_blocks`): they run without masks
-    (`cfg.mask_free_interior`).
+    (`cfg.mask_free_interior`). `init = (row_max f32[M], denom f32[M])` is the softmax
+    state before the first block (default `-inf` and 0: nothing seen; a sink: its logit
+    and 1, `_sink_state`).
     Returns the unnormalized `(acc f32[M, D], row_max f32[M], denom f32[M])`: the weighted
     sum of values, the running max logit and the softmax denominator; `row_max = -inf` and
-    `denom = 0` for a row that saw nothing. Rows where `row_ok` is False hold finite
-    garbage: callers never store them.
+    `denom = 0` for a row that saw nothing (without a sink). Rows where `row_ok` is False
+    hold finite garbage: callers never store them.
     """
     num_rows, head_dim = q.shape
     bk, ps = cfg.kv_block, cfg.page_size
@@ -227,11 +231,9 @@ def _attend_kv_blocks(
         return alpha[:, None] * acc + pv, max_next, denom
 
     masked_body = functools.partial(body, masked=True)
-    carry = (
-        jnp.zeros((num_rows, head_dim), jnp.float32),
-        jnp.full((num_rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((num_rows,), jnp.float32),
-    )
+    if init is None:
+        init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.float32))
+    carry = (jnp.zeros((num_rows, head_dim), jnp.float32), *init)
     # Blocks before the interior (the window's edge), the interior, then the blocks after
     # it (the causal edge and a partly filled last block).
     if not cfg.mask_free_interior:
@@ -283,15 +285,30 @@ def _store_rows(ref, index, value, row_ok):
     plgpu.store(ref.at[(*rows, cols)], value, mask=mask)
 
 
-def _unpack(refs, quantized: bool, num_outputs: int):
-    """Splits a kernel's refs into `(inputs, scales, outputs)`. The first input, the
-    output buffer the call aliases to its first output, is dropped: the kernel writes it
-    through the output ref."""
+def _unpack(refs, cfg: KernelConfig, num_outputs: int):
+    """Splits a kernel's refs into `(inputs, scales, sinks, outputs)` (scales and sinks
+    None when the call has none). The first input, the output buffer the call aliases to
+    its first output, is dropped: the kernel writes it through the output ref."""
     inputs, outputs = refs[1 : len(refs) - num_outputs], refs[len(refs) - num_outputs :]
-    if quantized:
+    scales = sinks = None
+    if cfg.sinks:
+        *inputs, sinks = inputs
+    if cfg.quantized:
         *inputs, scales = inputs
-        return inputs, scales, outputs
-    return inputs, None, outputs
+    return inputs, scales, sinks, outputs
+
+
+def _sink_state(sinks_ref, heads, row_ok, first):
+    """The softmax state `(row_max, denom)` of tile rows before their first KV block with
+    attention sinks: each row's query head's sink logit (`sinks_ref f32[Hq]` at `heads
+    i32[M]`) and its weight `exp(0) = 1`, where `first` (bool, a scalar or per row) says
+    this program's blocks are the first of the row's sequence; elsewhere nothing seen
+    (`-inf`, 0), so the shares of a split sequence count its sink once. The sink brings
+    no value. A sink of -inf is exact too: the first block's `alpha = exp(-inf - m)` is 0.
+    """
+    sink = sinks_ref[jnp.where(row_ok, heads, 0)].astype(jnp.float32)
+    row_max = jnp.where(first, sink, -jnp.inf)
+    return row_max, jnp.where(first, jnp.ones_like(sink), jnp.zeros_like(sink))
 
 
 def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
@@ -305,13 +322,16 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
     `o [T, Hq, D]` (q dtype) and, when `split`, the partials `acc f32[W, Hq, D], row_max f32[W, Hq], denom f32[W, Hq]`. An
     item that covers its whole sequence writes the normalized row of `o` (the sequence's
     one query token) itself; an item that covers a share writes its partials, which
-    `combine_splits` merges. Idle items read no KV block and store nothing.
+    `combine_splits` merges. Idle items read no KV block and store nothing. With sinks
+    (`sinks f32[Hq]` after the pages and scales), the item holding a sequence's first KV
+    block starts from the sink (`_sink_state`).
     """
     (
         (item_seq, item_lo, item_hi, kv_lens, block_tables, cu_q_lens, q_ref, pages),
         scales,
+        sinks_ref,
         outs,
-    ) = _unpack(refs, cfg.quantized, 4 if split else 1)
+    ) = _unpack(refs, cfg, 4 if split else 1)
     kv = KvRefs(block_tables, pages, scales)
     item, kv_head = pl.program_id(0), pl.program_id(1)
     # Idle items have an empty block range and masked rows, rather than a `pl.when`
@@ -327,10 +347,11 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
     q = jnp.where(row_ok[:, None], q.astype(cfg.compute_dtype), 0)
     lo, hi, start, num_blocks = visible_range(last, last, cfg)
     block_lo, block_hi = item_lo[item], item_hi[item]
+    init = None if sinks_ref is None else _sink_state(sinks_ref, heads, row_ok, block_lo == 0)
     acc, row_max, denom = _attend_kv_blocks(
         q, jnp.full((num_rows,), last, jnp.int32), row_ok, kv, seq=seq, kv_head=kv_head,
         lo=lo, hi=hi, start=start, block_lo=block_lo, block_hi=block_hi,
-        full=interior_blocks(last, last, start, num_blocks, cfg), cfg=cfg,
+        full=interior_blocks(last, last, start, num_blocks, cfg), cfg=cfg, init=init,
     )  # fmt: skip
     whole = (block_lo == 0) & (block_hi == num_blocks)
     o_ref = outs[0]
@@ -356,8 +377,9 @@ def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
     (
         (block_seq, block_index, kv_lens, block_tables, cu_q_lens, q_ref, pages),
         scales,
+        sinks_ref,
         (o_ref,),
-    ) = _unpack(refs, cfg.quantized, 1)
+    ) = _unpack(refs, cfg, 1)
     kv = KvRefs(block_tables, pages, scales)
     block, kv_head = pl.program_id(0), pl.program_id(1)
     seq = block_seq[block]
@@ -384,10 +406,12 @@ def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
         first_pos = context + first
         last_pos = jnp.minimum(first_pos + _i32(rows - 1), kv_len - 1)
         lo, hi, start, num_blocks = visible_range(first_pos, last_pos, cfg)
+        init = None if sinks_ref is None else _sink_state(sinks_ref, heads, row_ok, True)
         acc, _, denom = _attend_kv_blocks(
             q, context + local, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi,
             start=start, block_lo=_i32(0), block_hi=num_blocks,
             full=interior_blocks(first_pos, last_pos, start, num_blocks, cfg), cfg=cfg,
+            init=init,
         )  # fmt: skip
         out = _normalize(acc, denom).astype(o_ref.dtype)
         _store_rows(o_ref, (tokens, heads), out, row_ok)

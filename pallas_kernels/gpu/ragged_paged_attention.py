@@ -141,6 +141,7 @@ def _ragged_paged_attention_gpu(
             sliding_window=inputs.sliding_window,
             compute_dtype=compute_dtype(q.dtype, inputs.kv_pages.dtype),
             quantized=shapes.quantized,
+            sinks=inputs.sinks is not None,
         )
 
     out = _decode(
@@ -401,5 +402,6 @@ def _prefill(
 
 def _kv_refs(inputs: AttentionInputs) -> tuple[jax.Array, ...]:
     """The operands both kernels take after their scalars: q, the pages and their scales
-    (in the kernels' view, `kv_views`)."""
-    return (inputs.q, *kv_views(inputs.kv_pages, inputs.kv_scales))
+    (in the kernels' view, `kv_views`), and the sinks when the call has them."""
+    sinks = () if inputs.sinks is None else (inputs.sinks,)
+    return (inputs.q, *kv_views(inputs.kv_pages, inputs.kv_scales), *sinks)

@@ -167,7 +167,7 @@ def test_one_dma_per_page_for_k_and_v(monkeypatch, page_dtype, copies):
         page_size=16, dtype=jnp.bfloat16, page_dtype=page_dtype, pad_seqs=0, pad_tokens=0,
     )  # fmt: skip
     out = ragged_paged_attention_tpu(
-        *case.args(), sm_scale=case.sm_scale, **case.scale_kwargs(),
+        *case.args(), sm_scale=case.sm_scale, **case.array_kwargs(),
         block_sizes=BlockSizes(64, 1, 1), interpret=INTERPRET,
     )  # fmt: skip
     jax.block_until_ready(out)
@@ -175,7 +175,7 @@ def test_one_dma_per_page_for_k_and_v(monkeypatch, page_dtype, copies):
     assert len(started) == copies
     np.testing.assert_allclose(
         np.asarray(out, np.float32),
-        np.asarray(reference(*case.args(), sm_scale=case.sm_scale, **case.scale_kwargs()), np.float32),
+        np.asarray(reference(*case.args(), sm_scale=case.sm_scale, **case.array_kwargs()), np.float32),
         rtol=TOLERANCES[np.dtype(jnp.bfloat16)], atol=TOLERANCES[np.dtype(jnp.bfloat16)],
     )  # fmt: skip
 
