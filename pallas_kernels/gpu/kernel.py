@@ -231,9 +231,10 @@ def _attend_kv_blocks(
         return alpha[:, None] * acc + pv, max_next, denom
 
     masked_body = functools.partial(body, masked=True)
+    acc = jnp.zeros((num_rows, head_dim), jnp.float32)
     if init is None:
         init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.float32))
-    carry = (jnp.zeros((num_rows, head_dim), jnp.float32), *init)
+    carry = (acc, *init)
     # Blocks before the interior (the window's edge), the interior, then the blocks after
     # it (the causal edge and a partly filled last block).
     if not cfg.mask_free_interior:

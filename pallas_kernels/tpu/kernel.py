@@ -118,11 +118,12 @@ def _start_softmax(cfg: KernelConfig, sinks_ref, stats, head_start) -> None:
     block's `alpha = exp(-inf - m_new)` is 0.
     """
     m_ref, l_ref, acc_ref = stats
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     if not cfg.sinks:
         m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         return
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     g = cfg.group_size
     shape = (cfg.rows, STATS_LANES)
