@@ -10,6 +10,7 @@ shared-memory estimate, against the H200's 227 KiB per block.
 
     python -m paxkv.tools.kernel_compile                      # the whole grid, markdown
     python -m paxkv.tools.kernel_compile --subset=ci          # defaults, every KV dtype, D 128/256
+    python -m paxkv.tools.kernel_compile --subset=sinks       # the grid's attention-sink cases
     python -m paxkv.tools.kernel_compile --json_out=paxkv/tools/gpu_kernel_resources.json
 
 These are compiled figures, not measured speed. XLA compiles the same module with the
@@ -374,7 +375,7 @@ def figures_json(results: Sequence[KernelResources]) -> dict[str, Any]:
 def define_flags() -> None:
     """Defines the command's flags; called only when run as a script, so that importing
     this module (the tests do) defines no global absl flags."""
-    flags.DEFINE_enum("subset", "grid", ["grid", "ci"], "Which configurations to compile.")
+    flags.DEFINE_enum("subset", "grid", ["grid", "ci", "sinks"], "Which configurations to compile.")
     flags.DEFINE_integer(
         "num_pages", None, "Pages of the (abstract) page arrays; unset: 513 (8 x 64 + 1)."
     )
@@ -387,7 +388,11 @@ def main(argv: list[str]) -> None:
     del argv
     from paxkv.pallas_kernels.gpu.block_sizes import SHARED_MEMORY_LIMIT_BYTES
 
-    cases = grid() if flags.FLAGS.subset == "grid" else ci_subset()
+    cases = {
+        "grid": grid,
+        "ci": ci_subset,
+        "sinks": lambda: [c for c in grid() if c.sinks],
+    }[flags.FLAGS.subset]()
     if flags.FLAGS.num_pages is not None:
         cases = [dataclasses.replace(c, num_pages=flags.FLAGS.num_pages) for c in cases]
     start = time.perf_counter()
