@@ -157,9 +157,8 @@ def interior_blocks(
 
 
 def _attend_kv_blocks(
-    q, pos, row_ok, kv: KvRefs, *, seq, kv_head, lo, hi, start, block_lo, block_hi, full, cfg,
-    init=None,
-):  # fmt: skip
+    q, pos, row_ok, kv: KvRefs, *, seq, kv_head, lo, hi, start, block_lo, block_hi, full, cfg
+):
     """Online softmax of a tile of query rows over KV blocks `[block_lo, block_hi)`.
 
     q: [M, D] (compute dtype, zero in masked rows); pos: i32[M] positions of the rows;
@@ -167,13 +166,11 @@ def _attend_kv_blocks(
     the pages holding a position in `[lo, hi]` (what some row of the tile sees) are read,
     and only those positions enter the softmax and the values. `full = (full_lo, full_hi)`
     are the blocks every row sees whole (`interior_blocks`): they run without masks
-    (`cfg.mask_free_interior`). `init = (row_max f32[M], denom f32[M])` is the softmax
-    state before the first block (default `-inf` and 0: nothing seen; a sink: its logit
-    and 1, `_sink_state`).
+    (`cfg.mask_free_interior`).
     Returns the unnormalized `(acc f32[M, D], row_max f32[M], denom f32[M])`: the weighted
     sum of values, the running max logit and the softmax denominator; `row_max = -inf` and
-    `denom = 0` for a row that saw nothing (without a sink). Rows where `row_ok` is False
-    hold finite garbage: callers never store them.
+    `denom = 0` for a row that saw nothing. Rows where `row_ok` is False hold finite
+    garbage: callers never store them.
     """
     num_rows, head_dim = q.shape
     bk, ps = cfg.kv_block, cfg.page_size
@@ -231,10 +228,11 @@ def _attend_kv_blocks(
         return alpha[:, None] * acc + pv, max_next, denom
 
     masked_body = functools.partial(body, masked=True)
-    acc = jnp.zeros((num_rows, head_dim), jnp.float32)
-    if init is None:
-        init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.float32))
-    carry = (acc, *init)
+    carry = (
+        jnp.zeros((num_rows, head_dim), jnp.float32),
+        jnp.full((num_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
     # Blocks before the interior (the window's edge), the interior, then the blocks after
     # it (the causal edge and a partly filled last block).
     if not cfg.mask_free_interior:
@@ -299,17 +297,26 @@ def _unpack(refs, cfg: KernelConfig, num_outputs: int):
     return inputs, scales, sinks, outputs
 
 
-def _sink_state(sinks_ref, heads, row_ok, first):
-    """The softmax state `(row_max, denom)` of tile rows before their first KV block with
-    attention sinks: each row's query head's sink logit (`sinks_ref f32[Hq]` at `heads
-    i32[M]`) and its weight `exp(0) = 1`, where `first` (bool, a scalar or per row) says
-    this program's blocks are the first of the row's sequence; elsewhere nothing seen
-    (`-inf`, 0), so the shares of a split sequence count its sink once. The sink brings
-    no value. A sink of -inf is exact too: the first block's `alpha = exp(-inf - m)` is 0.
+def _add_sinks(state, sinks_ref, heads, row_ok, include):
+    """The softmax state `(acc f32[M, D], row_max f32[M], denom f32[M])` of
+    `_attend_kv_blocks` with each row's attention sink added: its query head's logit
+    (`sinks_ref f32[Hq]` at `heads i32[M]`) joins the denominator, rescaled to the new max,
+    and adds no value. Only where `include` (a bool scalar): the program that holds its
+    sequence's first KV block, so the shares of a split sequence count the sink once.
+
+    Merged after the KV loop rather than as the loop's initial state: the loop keeps its
+    constant initial carry, and the kernels their registers (as a loop carry, the sink
+    spilled 12 bytes in the bf16 decode kernel at head_dim 256, which fits 128 registers
+    exactly without it). A sink of -inf adds nothing; a row that saw nothing and has a
+    finite sink gets `acc = 0`, `denom = 1`: zeros.
     """
+    acc, row_max, denom = state
     sink = sinks_ref[jnp.where(row_ok, heads, 0)].astype(jnp.float32)
-    row_max = jnp.where(first, sink, -jnp.inf)
-    return row_max, jnp.where(first, jnp.ones_like(sink), jnp.zeros_like(sink))
+    sink = jnp.where(include, sink, -jnp.inf)
+    top = jnp.maximum(row_max, sink)
+    top_safe = jnp.where(top == -jnp.inf, 0.0, top)  # neither a key nor a sink
+    scale = jnp.exp(row_max - top_safe)
+    return scale[:, None] * acc, top, scale * denom + jnp.exp(sink - top_safe)
 
 
 def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
@@ -325,7 +332,7 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
     one query token) itself; an item that covers a share writes its partials, which
     `combine_splits` merges. Idle items read no KV block and store nothing. With sinks
     (`sinks f32[Hq]` after the pages and scales), the item holding a sequence's first KV
-    block starts from the sink (`_sink_state`).
+    block adds it (`_add_sinks`).
     """
     (
         (item_seq, item_lo, item_hi, kv_lens, block_tables, cu_q_lens, q_ref, pages),
@@ -348,12 +355,14 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
     q = jnp.where(row_ok[:, None], q.astype(cfg.compute_dtype), 0)
     lo, hi, start, num_blocks = visible_range(last, last, cfg)
     block_lo, block_hi = item_lo[item], item_hi[item]
-    init = None if sinks_ref is None else _sink_state(sinks_ref, heads, row_ok, block_lo == 0)
     acc, row_max, denom = _attend_kv_blocks(
         q, jnp.full((num_rows,), last, jnp.int32), row_ok, kv, seq=seq, kv_head=kv_head,
         lo=lo, hi=hi, start=start, block_lo=block_lo, block_hi=block_hi,
-        full=interior_blocks(last, last, start, num_blocks, cfg), cfg=cfg, init=init,
+        full=interior_blocks(last, last, start, num_blocks, cfg), cfg=cfg,
     )  # fmt: skip
+    if sinks_ref is not None:
+        state = (acc, row_max, denom)
+        acc, row_max, denom = _add_sinks(state, sinks_ref, heads, row_ok, block_lo == 0)
     whole = (block_lo == 0) & (block_hi == num_blocks)
     o_ref = outs[0]
     out = _normalize(acc, denom).astype(o_ref.dtype)
@@ -407,12 +416,13 @@ def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
         first_pos = context + first
         last_pos = jnp.minimum(first_pos + _i32(rows - 1), kv_len - 1)
         lo, hi, start, num_blocks = visible_range(first_pos, last_pos, cfg)
-        init = None if sinks_ref is None else _sink_state(sinks_ref, heads, row_ok, True)
-        acc, _, denom = _attend_kv_blocks(
+        state = _attend_kv_blocks(
             q, context + local, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi,
             start=start, block_lo=_i32(0), block_hi=num_blocks,
             full=interior_blocks(first_pos, last_pos, start, num_blocks, cfg), cfg=cfg,
-            init=init,
         )  # fmt: skip
+        if sinks_ref is not None:
+            state = _add_sinks(state, sinks_ref, heads, row_ok, True)
+        acc, _, denom = state
         out = _normalize(acc, denom).astype(o_ref.dtype)
         _store_rows(o_ref, (tokens, heads), out, row_ok)
