@@ -17,7 +17,9 @@ sizes and the shared-memory estimate in `block_sizes.py`):
   the G heads and loops over the pages that block can see with an online softmax.
 
 Both kernels write their rows into one output buffer (aliased from one kernel to the
-next); padding rows are exact zeros.
+next); padding rows are exact zeros. Attention sinks (`sinks f32[Hq]`) are one more
+input of both kernels, added to each row's softmax state after its KV loop by the
+program holding the sequence's first KV block (`kernel._add_sinks`).
 
 Limits (ValueError at trace time): head_dim in (64, 128, 256); the shared contract's page
 sizes (powers of two in [8, 1024]). Triton tensors must be powers of two and a

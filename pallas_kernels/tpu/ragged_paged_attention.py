@@ -16,6 +16,9 @@ item's tokens x the `G = Hq / Hkv` query heads of one KV head (zero-padded); the
 kernel's output slots are scattered back to `[T, Hq, D]` after it. Both moves fuse
 with the head transpose that the `[M, D]` tile needs anyway.
 
+Sinks. Attention sinks (`sinks f32[Hq]`) go to the kernel whole, in SMEM; each item
+starts its rows' online softmax from their query heads' sinks (`kernel._start_softmax`).
+
 Decode. `BlockSizes(decode=True)` picks defaults for batches of single-token rows: one
 token per item (`M = G` rounded up to 8, so no rows are wasted on other sequences'
 queries) and larger page blocks. It stays exact for any batch, only slower on prefill
