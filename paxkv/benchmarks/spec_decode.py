@@ -16,7 +16,10 @@ n-gram proposals of k = each of `--ks`:
 Each variant's engine is warmed up (nothing compiles later: checked) and runs its
 workload once untimed, then `--runs` timed passes alternated across variants; reported: output tokens per second
 (median wall, and the calling thread's CPU time per token), and the ratio to "off".
-Greedy outputs of every variant are checked equal to "off" (they must be).
+Greedy outputs of every variant are checked equal to "off" (they must be). With
+`--draft_model` the code workload also runs a draft-model row (k = 4); its default,
+tiny-py itself, costs as much as the target, so that row shows the target's forward
+passes per token, not a speed-up.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ _RANDOM_MODEL = flags.DEFINE_string("random_model", "tiny", "The random workload
 _KS = flags.DEFINE_list("ks", ["2", "4", "8"], "num_speculative_tokens values to compare.")
 _RUNS = flags.DEFINE_integer("runs", 3, "Timed passes per variant, alternated.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens generated per request.")
+_DRAFT = flags.DEFINE_string(
+    "draft_model",
+    "tiny-py",
+    "The draft model of the code workload's draft_model row (k = 4); empty: no such row.",
+)
 _MIN_ACCEPTANCE = flags.DEFINE_float(
     "min_acceptance", None, "SpeculativeConfig.min_acceptance; unset: its default."
 )
@@ -46,7 +54,7 @@ CODE_PROMPTS = (
 )
 
 
-def _engine(model: Any, tokenizer: Any, k: int | None, lookup_min: int | None) -> Any:
+def _engine(model: Any, tokenizer: Any, spec: dict | None, draft: Any = None) -> Any:
     from paxkv.engine import Engine, EngineConfig
 
     config = EngineConfig(
@@ -58,13 +66,13 @@ def _engine(model: Any, tokenizer: Any, k: int | None, lookup_min: int | None) -
         token_buckets=(16, 128),
         page_buckets=(16,),
         log_stats_interval_s=0,
-        speculative_config=None if k is None else _spec(k, lookup_min),
+        speculative_config=spec,
     )
-    return Engine(model, config, tokenizer=tokenizer)
+    return Engine(model, config, tokenizer=tokenizer, draft_model=draft)
 
 
-def _spec(k: int, lookup_min: int | None) -> dict:
-    spec = {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min}
+def _spec(k: int, **fields: Any) -> dict:
+    spec = {"num_speculative_tokens": k, **fields}
     if _MIN_ACCEPTANCE.value is not None:
         spec["min_acceptance"] = _MIN_ACCEPTANCE.value
     return spec
@@ -111,15 +119,23 @@ def _pass(engine: Any, batches: list[list[tuple]]) -> tuple[float, float, int, l
     return time.perf_counter() - w0, (time.thread_time_ns() - c0) / 1e9, tokens, ids
 
 
-def measure(models: dict[str, tuple], ks: list[int], runs: int, max_tokens: int) -> dict:
+def measure(
+    models: dict[str, tuple], ks: list[int], runs: int, max_tokens: int, draft: Any = None
+) -> dict:
     """Per workload and variant: tokens/s (median), CPU us per token, forward passes
     per output token, mean accepted length, acceptance rate; and the ratio to "off".
-    `models` maps "code" and "random" to `(model, tokenizer)`."""
+    `models` maps "code" and "random" to `(model, tokenizer)`; with `draft`, the code
+    workload also runs a draft-model variant of k = 4."""
     work = _workloads(models, max_tokens)
-    variants: dict[str, int | None] = {"off": None} | {f"ngram k={k}": k for k in ks}
     results: dict[str, dict] = {}
     for name, (model, tokenizer, lookup_min, batches) in work.items():
-        engines = {v: _engine(model, tokenizer, k, lookup_min) for v, k in variants.items()}
+        variants: dict[str, tuple] = {"off": (None, None)}
+        for k in ks:
+            variants[f"ngram k={k}"] = (_spec(k, prompt_lookup_min=lookup_min), None)
+        if draft is not None and name == "code":
+            spec = _spec(4, method="draft_model", model="(object)")
+            variants["draft k=4"] = (spec, draft)
+        engines = {v: _engine(model, tokenizer, *args) for v, args in variants.items()}
         for e in engines.values():
             e.warmup()
         compiled = {v: e.num_compilations for v, e in engines.items()}
@@ -183,8 +199,9 @@ def main(argv: list[str]) -> None:
         for name, m in (("code", _MODEL.value), ("random", _RANDOM_MODEL.value))
     }
     ks = [int(k) for k in _KS.value]
+    draft = load_model(_DRAFT.value, dtype="float32")[1] if _DRAFT.value else None
     load = os.getloadavg()[0]
-    r = measure(models, ks, _RUNS.value, _MAX_TOKENS.value)
+    r = measure(models, ks, _RUNS.value, _MAX_TOKENS.value, draft)
     print(
         f"backend={jax.default_backend()} code: {_MODEL.value}, random: {_RANDOM_MODEL.value} "
         f"max_tokens={_MAX_TOKENS.value} runs={_RUNS.value} "

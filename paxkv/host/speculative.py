@@ -18,7 +18,8 @@ accepts (`Scheduler.update`), giving back pages held only for rejected positions
 How far a sequence speculates (the adaptive rule): it estimates the probability α
 that the target accepts a proposed token given it accepted the ones before, as
 `accepted / (accepted + rejections)` over its recent drafts (counts decayed by 3/4 at
-each draft; a first estimate of 1), and proposes position j only while `α**j`, the
+each draft; its first estimate is the same ratio over the engine's recent drafts of
+every sequence, decayed by 0.95 a draft, starting at 1), and proposes position j only while `α**j`, the
 chance that position j is reached and accepted, is at least `min_acceptance`: k' =
 `floor(log(min_acceptance) / log(α))`, at most k. When k' falls to 0 the sequence
 pauses for `8 * 2**m` steps (m: the pauses in a row before it, at most 5; rounded up
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-DECAY = 0.75  # of the acceptance counts at each draft
+DECAY = 0.75  # of a sequence's acceptance counts at each of its drafts
+GLOBAL_DECAY = 0.95  # of the engine's acceptance counts at each draft
 PAUSE_STEPS = 8  # the first pause; each pause in a row doubles it
 MAX_PAUSE_DOUBLINGS = 5
 
@@ -178,6 +180,9 @@ class Speculator:
             weakref.WeakKeyDictionary()
         )
         self._step = 0
+        # Every sequence's drafts, decayed by GLOBAL_DECAY each: a new sequence's
+        # first estimate of alpha (the workload's, rather than 1).
+        self._accepted, self._rejected = 1.0, 0.0
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -213,6 +218,10 @@ class Speculator:
                 else None
             )
             state = self._seqs[seq] = _SeqState(proposer)
+            state.accepted, state.rejected = self._accepted, self._rejected
+            if state.depth(self.k, c.min_acceptance) == 0:  # wait for the next probe
+                state.paused_until = -(-(self._step + 1) // PAUSE_STEPS) * PAUSE_STEPS
+                state.accepted, state.rejected = c.min_acceptance, 1 - c.min_acceptance
         if self._step < state.paused_until:
             return ()
         n = min(n, state.depth(self.k, self.config.min_acceptance))
@@ -227,6 +236,9 @@ class Speculator:
 
     def on_verified(self, seq: SequenceState, num_proposed: int, num_accepted: int) -> None:
         """Counts a verified draft of `seq` and applies the adaptive rule."""
+        rejected = num_accepted < num_proposed
+        self._accepted = GLOBAL_DECAY * self._accepted + num_accepted
+        self._rejected = GLOBAL_DECAY * self._rejected + rejected
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
@@ -238,7 +250,7 @@ class Speculator:
         if state is None:
             return
         state.accepted = DECAY * state.accepted + num_accepted
-        state.rejected = DECAY * state.rejected + (num_accepted < num_proposed)
+        state.rejected = DECAY * state.rejected + rejected
         floor = self.config.min_acceptance
         if state.depth(self.k, floor) == 0:  # pause, then probe with one proposal
             until = self._step + PAUSE_STEPS * 2 ** min(state.pauses, MAX_PAUSE_DOUBLINGS)

@@ -220,8 +220,10 @@ def test_bad_speculative_configs_are_refused():
         EngineConfig(speculative_config={"num_speculative_tokens": 17})
     with pytest.raises(ValueError, match="unknown keys"):
         EngineConfig(speculative_config={"num_speculative_tokenz": 2})
-    with pytest.raises(ValueError, match="draft_model"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "tiny"})
+    with pytest.raises(ValueError, match="needs model="):
+        EngineConfig(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="needs method='draft_model'"):
+        EngineConfig(speculative_config={"model": "tiny"})
     with pytest.raises(ValueError, match="method='eagle'"):
         EngineConfig(speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="prompt_lookup_min=4 exceeds"):

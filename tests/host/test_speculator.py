@@ -70,3 +70,17 @@ def test_counts_and_disable_by_batch_size():
     assert spec.spare_tokens(64, 100) == 0
     grow = Speculator(SpeculativeConfig(grow_token_bucket=True), (64,))
     assert grow.spare_tokens(64, 100) == 100
+
+
+def test_new_sequences_start_from_the_workloads_acceptance():
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.5), (64,))
+    spec.new_step(1)
+    first = _seq([1, 2] * 4)
+    assert len(spec.propose(first, 100)) == 4  # nothing known yet: alpha 1
+    for _ in range(20):  # the workload's drafts are all rejected
+        spec.on_verified(_seq([1]), 4, 0)
+    late = _seq([1, 2] * 4)
+    assert spec.propose(late, 100) == ()  # starts paused, until the next aligned probe
+    while spec._step % PAUSE_STEPS:
+        spec.new_step(1)
+    assert len(spec.propose(late, 100)) == 1
