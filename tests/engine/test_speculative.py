@@ -311,3 +311,27 @@ def test_speculation_uses_only_spare_budget_and_free_pages():
     # free page, and b's, which would need another, are not made.
     assert [c.num_draft for c in plan.chunks] == [4, 0]
     assert engine.pool.num_free == 0
+
+
+def test_stop_strings_end_inside_an_accepted_run():
+    from paxkv import LLM
+
+    prompts = ["for i in range(10):\n    print(i)\nfor j in range(10):\n", "import os\n"]
+    kw = dict(warmup=False, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    plain = LLM("tiny-py", **kw)
+    spec = LLM("tiny-py", speculative_config=SPEC, **kw)
+    for stop in (["    "], ["  ", "\n"]):
+        for include in (False, True):
+            p = SamplingParams(
+                temperature=0.0, max_tokens=40, stop=stop, include_stop_str_in_output=include
+            )
+            want = plain.generate(prompts, p, use_tqdm=False)
+            got = spec.generate(prompts, p, use_tqdm=False)
+            for g, w in zip(got, want, strict=True):
+                assert (g.outputs[0].text, g.outputs[0].token_ids) == (
+                    w.outputs[0].text,
+                    w.outputs[0].token_ids,
+                )
+                assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert spec.engine.pool.num_in_use == 0
