@@ -335,3 +335,13 @@ def test_stop_strings_end_inside_an_accepted_run():
                 assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
     assert spec.engine.pool.num_in_use == 0
+
+
+def test_greedy_equal_with_scanned_layers():
+    config, model, _ = load_model("tiny", dtype="float32", seed=0, scan_layers=True)
+    prompts = _prompts(config.vocab_size, seed=6)
+    want = _run(Engine(model, small_config(64)), prompts, GREEDY)
+    spec = Engine(model, small_config(64, speculative_config=SPEC))
+    assert _tokens(_run(spec, prompts, GREEDY)) == _tokens(want)
+    proposed, accepted = _spec_stats(spec)
+    assert 0 < accepted < proposed
