@@ -31,8 +31,10 @@ def test_greedy_equals_plain_decoding(name, other):
     # Gemma 3's sliding-window layers in one page table: the draft reads the same one.
     cfg = dict(hybrid_kv_cache=False)
     want = _run(Engine(model, small_config(256, **cfg)), prompts, GREEDY)
-    # The target as its own draft (accepted), and, for Llama, a random one (rejected).
-    drafts = ((model, True), (other, False)) if name == "tiny" else ((model, True),)
+    # For Llama the target as its own draft (accepted) and a random one (rejected); for
+    # the others, whose compiles are longer, the small random draft (the verification
+    # they share with n-gram proposals is tested with acceptance in test_speculative).
+    drafts = ((model, True), (other, False)) if name == "tiny" else ((other, False),)
     for draft, agrees in drafts:
         spec = Engine(model, small_config(256, speculative_config=DRAFT, **cfg), draft_model=draft)
         got = _run(spec, prompts, GREEDY)
