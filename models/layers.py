@@ -106,8 +106,8 @@ def dense_causal_attention(
     return jnp.einsum("hqk,khd->qhd", p, v, precision=hi).astype(q.dtype)
 
 
-def _precision(config: ModelConfig) -> jax.lax.Precision:
-    # float32 models are the test dtype: keep their matmuls exact on TPU/GPU too.
+def matmul_precision(config: ModelConfig) -> jax.lax.Precision:
+    """HIGHEST for float32 models (the test dtype: exact on TPU and GPU too), else DEFAULT."""
     if config.dtype == "float32":
         return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.DEFAULT
@@ -121,7 +121,7 @@ def linear(config: ModelConfig, d_in: int, d_out: int, *, bias: bool, rngs) -> n
         use_bias=bias,
         dtype=config.dtype,
         param_dtype=config.dtype,
-        precision=_precision(config),
+        precision=matmul_precision(config),
         kernel_init=nnx.initializers.normal(INIT_STD),
         rngs=rngs,
     )
@@ -160,7 +160,7 @@ def output_logits(model: Any, hidden: jax.Array) -> jax.Array:
     return jnp.dot(
         hidden.astype(w.dtype),
         w,
-        precision=_precision(model.config),
+        precision=matmul_precision(model.config),
         preferred_element_type=jnp.float32,
     )
 

@@ -1,0 +1,275 @@
+"""The sparse mixture-of-experts layer in Flax NNX: a top-k router and gated-MLP experts
+computed as grouped matmuls over the tokens sorted by expert.
+
+Each token goes to `top_k` of `num_experts` experts; the layer's output is the sum of
+those experts' outputs, weighted by the router. The work per token follows `top_k`, not
+the expert count: the (token, expert) pairs are sorted by expert and each expert
+multiplies only its own rows (`grouped_matmul`). On TPU and GPU that is
+`jax.lax.ragged_dot` (XLA's ragged dot on TPU, JAX's Triton kernel on GPU); on the CPU,
+where JAX lowers `ragged_dot` to a masked dense product over every group (the work of
+all experts for every row), it is a tiled gather of each tile's expert instead.
+
+On a mesh the experts are split over the `model` axis (expert parallelism) when it
+divides their number, else each expert's hidden features are (tensor parallelism inside
+the experts), by the family's `SplitRule`s. Activations are replicated within a replica,
+so every device already holds every token: it computes the rows routed to the experts it
+holds, and one all-reduce (`psum`) sums the partial outputs, the same collective as a
+row-parallel MLP's.
+
+Routing replay (RL): `MoE.__call__` returns the experts each token went to, and takes
+them back (`experts=`) to force that routing: the gate weights are then the router's
+probabilities at the given experts, normalised by the same rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paxkv.sharding import shardings
+from paxkv.sharding.mesh_shape import MODEL_AXIS
+from paxkv.sharding.shardings import COLUMN, EXPERT, ROW, SplitRule
+
+from .family import ModelConfig
+from .layers import ACTIVATIONS, INIT_STD, linear, matmul_precision
+from .moe_config import GROUPED_MATMULS
+
+# Each expert's three projections, in the order gate, up, down, by the Hugging Face
+# names of the families that use them.
+EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def route(
+    logits: jax.Array,  # [T, E]
+    top_k: int,
+    *,
+    renormalize: bool,
+    experts: jax.Array | None = None,  # i32[T, k]
+) -> tuple[jax.Array, jax.Array]:  # f32[T, k], i32[T, k]
+    """The gate weights and experts of each token: the softmax of its router logits (in
+    float32) at its `top_k` most probable experts, divided by their sum when
+    `renormalize` (Mixtral; Qwen3-MoE's `norm_topk_prob`; equal to the softmax over the
+    top-k logits). With `experts` given (routing replay) those are the experts, and the
+    weights the probabilities at them, normalised by the same rule.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if experts is None:
+        weights, experts = jax.lax.top_k(probs, top_k)
+    else:
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def tile_rows(num_rows: int, num_groups: int) -> int:
+    """The rows of a tile of `tiled_grouped_matmul`: the power of two at or above the
+    mean group size, so the tiles number at most about twice the groups and their
+    padding at most about twice the rows (a decode step's few rows: tiles of one row)."""
+    mean = -(-num_rows // num_groups)
+    return 1 << max(0, (mean - 1).bit_length())
+
+
+def tiled_grouped_matmul(
+    lhs: jax.Array,  # [M, K], rows sorted by group
+    rhs: jax.Array,  # [G, K, N]
+    group_sizes: jax.Array,  # i32[G]
+    *,
+    precision: Any = None,
+) -> jax.Array:  # [M, N]
+    """`grouped_matmul` by tiles: each group's rows are padded to whole tiles of
+    `tile_rows` rows, every tile is multiplied by its group's matrix (gathered per
+    tile), and the rows are read back. The tiles are at most
+    `(M + min(G, M) * (B - 1)) // B` (each non-empty group wastes under one tile), so the
+    work is about `M * K * N`, whatever the number of groups.
+    """
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    b = tile_rows(m, g)
+    num_tiles = (m + min(g, m) * (b - 1)) // b
+    group_end = jnp.cumsum(group_sizes)
+    group_start = group_end - group_sizes
+    tiles = (group_sizes + b - 1) // b
+    tile_end = jnp.cumsum(tiles)
+    rows = jnp.arange(m, dtype=group_sizes.dtype)
+    group = jnp.searchsorted(group_end, rows, side="right")  # G for rows past every group
+    valid = group < g
+    group = jnp.minimum(group, g - 1)
+    slot = (tile_end[group] - tiles[group]) * b + rows - group_start[group]
+    slot = jnp.where(valid, slot, num_tiles * b)  # out of bounds: dropped
+    padded = jnp.zeros((num_tiles * b, k), lhs.dtype).at[slot].set(lhs, mode="drop")
+    tile_group = jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right")
+    weights = rhs[jnp.minimum(tile_group, g - 1)]  # [tiles, K, N]; unused tiles are zeros
+    out = jnp.einsum(
+        "tbk,tkn->tbn", padded.reshape(num_tiles, b, k), weights, precision=precision
+    ).reshape(num_tiles * b, n)
+    out = out[jnp.minimum(slot, num_tiles * b - 1)]
+    return jnp.where(valid[:, None], out, 0).astype(lhs.dtype)
+
+
+def grouped_matmul(
+    lhs: jax.Array,  # [M, K], rows sorted by group
+    rhs: jax.Array,  # [G, K, N]
+    group_sizes: jax.Array,  # i32[G]
+    *,
+    impl: str = "auto",
+    precision: Any = None,
+) -> jax.Array:  # [M, N], lhs.dtype
+    """Row r of group j times `rhs[j]`: groups are consecutive runs of rows, group j the
+    `group_sizes[j]` rows after group j - 1's, and rows past `sum(group_sizes)` are
+    zero. `impl`: "ragged_dot" (`jax.lax.ragged_dot`), "tiled"
+    (`tiled_grouped_matmul`), or "auto": ragged_dot on TPU and GPU, tiled on the CPU
+    (see the module's docstring).
+    """
+    if impl not in GROUPED_MATMULS:
+        raise ValueError(f"impl={impl!r} must be one of {GROUPED_MATMULS}")
+    if impl == "auto":
+        impl = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    if impl == "tiled":
+        return tiled_grouped_matmul(lhs, rhs, group_sizes, precision=precision)
+    total = jnp.sum(group_sizes)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+    return jnp.where(jnp.arange(lhs.shape[0])[:, None] < total, out, 0).astype(lhs.dtype)
+
+
+def expert_mlp(
+    x: jax.Array,  # [T, hidden]
+    experts: jax.Array,  # i32[T, k]
+    weights: jax.Array,  # f32[T, k]
+    gate: jax.Array,  # [G, hidden, I]: the experts first_expert .. first_expert + G - 1
+    up: jax.Array,  # [G, hidden, I]
+    down: jax.Array,  # [G, I, hidden]
+    *,
+    first_expert: jax.Array | int = 0,
+    activation: str = "silu",
+    impl: str = "auto",
+    precision: Any = None,
+) -> jax.Array:  # f32[T, hidden]
+    """`sum_j weights[t, j] * down(act(gate(x[t])) * up(x[t]))` of the experts
+    `experts[t, j]`, counting only the G experts given (the rest contribute zero): each
+    (token, expert) pair is a row, the rows are sorted by expert, and each projection is
+    one `grouped_matmul`.
+    """
+    t, k = experts.shape
+    local = experts.reshape(-1) - first_expert  # [T * k]
+    num_local = gate.shape[0]
+    mine = (local >= 0) & (local < num_local)
+    key = jnp.where(mine, local, num_local)  # other devices' rows sort last, ungrouped
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    rows = x[order // k]  # [T * k, hidden]
+    mm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl, precision=precision)
+    h = ACTIVATIONS[activation](mm(rows, gate)) * mm(rows, up)
+    out = mm(h, down)  # [T * k, hidden], sorted
+    out = jnp.zeros_like(out).at[order].set(out)  # back to (token, slot) order
+    w = jnp.where(mine, weights.reshape(-1), 0.0)[:, None]
+    return jnp.sum((out.astype(jnp.float32) * w).reshape(t, k, -1), axis=1)
+
+
+class Experts(nnx.Module):
+    """`num_experts` gated MLPs, each projection stacked over the experts: gate and up
+    `[E, hidden, I]`, down `[E, I, hidden]` (`[in, out]` per expert, as NNX kernels),
+    named by `names` (gate, up, down)."""
+
+    def __init__(self, config: ModelConfig, names: tuple[str, str, str], *, rngs: nnx.Rngs):
+        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        init = nnx.initializers.normal(INIT_STD)
+        shapes = ((e, h, i), (e, h, i), (e, i, h))
+        for name, shape in zip(names, shapes, strict=True):
+            setattr(self, name, nnx.Param(init(rngs.params(), shape, config.dtype)))
+        self.names = names
+
+    def projections(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The gate, up and down weights."""
+        return tuple(getattr(self, name)[...] for name in self.names)
+
+
+class MoE(nnx.Module):
+    """A sparse MoE block: the router `gate` (`[hidden, E]`, no bias) and the `experts`.
+
+    `config` is the family's (`MoeConfig`): `num_experts`, `num_experts_per_tok` (k),
+    `intermediate_size` (each expert's), `norm_topk_prob` (renormalise the top-k
+    weights), `grouped_matmul`, `dtype`; `names` the experts' parameter names
+    (`EXPERT_NAMES`).
+    """
+
+    def __init__(self, config: ModelConfig, names: tuple[str, str, str], *, rngs: nnx.Rngs):
+        self.gate = linear(config, config.hidden_size, config.num_experts, bias=False, rngs=rngs)
+        self.experts = Experts(config, names, rngs=rngs)
+        self.config = config  # static: the expert fields, and the sharding rules' family
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, hidden]
+        *,
+        experts: jax.Array | None = None,  # i32[T, k]: replay this routing
+        mesh: Any = None,
+    ) -> tuple[jax.Array, jax.Array]:  # [T, hidden], i32[T, k]
+        """The block's output and the experts each token went to (`experts` if given).
+
+        With a `mesh`, the experts run per shard of its `model` axis as the weights are
+        split (see the module's docstring); the output is replicated.
+        """
+        c = self.config
+        weights, experts = route(
+            self.gate(x), c.num_experts_per_tok, renormalize=c.norm_topk_prob, experts=experts
+        )
+        gate, up, down = self.experts.projections()
+        run = lambda x, experts, weights, gate, up, down, first_expert=0: expert_mlp(
+            x,
+            experts,
+            weights,
+            gate,
+            up,
+            down,
+            first_expert=first_expert,
+            impl=c.grouped_matmul,
+            precision=matmul_precision(c),
+        )
+        if mesh is None:
+            return run(x, experts, weights, gate, up, down).astype(x.dtype), experts
+        names = self.experts.names
+        specs = [
+            shardings.param_spec(("experts", n), w.shape, c, mesh)
+            for n, w in zip(names, (gate, up, down), strict=True)
+        ]
+        if specs[0] == specs[1] == specs[2] == shardings.REPLICATED:
+            return run(x, experts, weights, gate, up, down).astype(x.dtype), experts
+        split_experts = specs[0] == shardings.kernel_spec(EXPERT, gate.ndim)
+
+        def per_shard(x, experts, weights, gate, up, down):
+            first = jax.lax.axis_index(MODEL_AXIS) * gate.shape[0] if split_experts else 0
+            return jax.lax.psum(run(x, experts, weights, gate, up, down, first), MODEL_AXIS)
+
+        rep = shardings.REPLICATED
+        out = shardings.shard_map(per_shard, mesh, in_specs=(rep, rep, rep, *specs), out_specs=rep)(
+            x, experts, weights, gate, up, down
+        )
+        return out.astype(x.dtype), experts
+
+
+def sharding_rules(names: tuple[str, str, str]) -> tuple[SplitRule, ...]:
+    """How experts named `names` split over the `model` axis: by expert when it divides
+    `num_experts` (expert parallelism), else by each expert's hidden feature when it
+    divides `intermediate_size` (gate and up by column, down by row), else replicated.
+    The router is replicated."""
+    gate, up, down = names
+    by_expert = tuple(SplitRule(("experts", n), EXPERT, "num_experts") for n in names)
+    inside = (
+        SplitRule(("experts", gate), COLUMN, "intermediate_size"),
+        SplitRule(("experts", up), COLUMN, "intermediate_size"),
+        SplitRule(("experts", down), ROW, "intermediate_size"),
+    )
+    return by_expert + inside
+
+
+def flops_per_token(config: ModelConfig) -> int:
+    """Multiply-adds x 2 of one token through one MoE block: the router and k experts."""
+    h, i = config.hidden_size, config.intermediate_size
+    return 2 * h * config.num_experts + 2 * config.num_experts_per_tok * 3 * h * i
