@@ -141,9 +141,9 @@ class MoeConfig:
                 f"num_attention_heads={num_heads}, and there is no head_dim to say the "
                 "heads' width"
             )
-        # transformers writes Qwen3-MoE's expert count as num_local_experts (its
-        # attribute map), the published configs as num_experts.
-        experts_key = "num_experts" if qwen and "num_experts" in hf else "num_local_experts"
+        experts_key = "num_experts" if qwen else "num_local_experts"
+        if qwen and hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
+            experts_key = "num_local_experts"  # as transformers writes it (an attribute map)
         return cls(
             vocab_size=_field(hf, "vocab_size", int),
             hidden_size=hidden_size,

@@ -1,0 +1,445 @@
+"""Mixtral and Qwen3-MoE: the MoE layer against loops, transformers' logits and routing,
+greedy generation against transformers', the paged path against the dense oracle,
+routing replay, the work per token, and config parsing."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_reference import PROMPT_LEN, write_checkpoint
+from test_gemma import check_engine_matches_dense
+from test_models import check_paged_matches_dense, perturbed_model
+
+from paxkv import LLM, SamplingParams
+from paxkv.models import MoeConfig, load_hf_checkpoint, load_model
+from paxkv.models import moe as moe_layer
+from paxkv.models.moe_config import MIXTRAL_8X7B, QWEN3_30B_A3B, TINY_MIXTRAL, TINY_QWEN3_MOE
+from paxkv.tools import capacity
+
+HI = jax.lax.Precision.HIGHEST
+CONFIGS = {
+    "mixtral": TINY_MIXTRAL,
+    "mixtral-window": TINY_MIXTRAL.replace(sliding_window=8),
+    "qwen3-moe": TINY_QWEN3_MOE,
+    "qwen3-moe-unnormalised": TINY_QWEN3_MOE.replace(norm_topk_prob=False),
+}
+
+
+# The grouped matmul and the router, against loops.
+
+
+def _loop_grouped_matmul(lhs, rhs, sizes):
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    row = 0
+    for g, size in enumerate(sizes):
+        out[row : row + size] = lhs[row : row + size] @ rhs[g]
+        row += size
+    return out  # rows past the groups stay zero
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[3, 0, 5, 1], [0, 0, 9, 0], [1, 1, 1, 1], [2, 0, 0, 3], [0, 0, 0, 0], [9, 0, 0, 0]],
+)
+def test_grouped_matmul_matches_a_loop(impl, sizes):
+    rng = np.random.default_rng(0)
+    lhs = rng.standard_normal((9, 16))
+    rhs = rng.standard_normal((4, 16, 8))
+    got = moe_layer.grouped_matmul(
+        jnp.asarray(lhs, jnp.float32),
+        jnp.asarray(rhs, jnp.float32),
+        jnp.asarray(sizes, jnp.int32),
+        impl=impl,
+        precision=HI,
+    )
+    np.testing.assert_allclose(got, _loop_grouped_matmul(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_grouped_matmul_on_many_groups():
+    rng = np.random.default_rng(1)
+    for rows, groups in ((200, 7), (5, 64), (64, 3)):
+        sizes = rng.multinomial(rows - 3, np.ones(groups) / groups)  # 3 rows past them
+        lhs, rhs = rng.standard_normal((rows, 12)), rng.standard_normal((groups, 12, 5))
+        got = moe_layer.tiled_grouped_matmul(
+            jnp.asarray(lhs, jnp.float32),
+            jnp.asarray(rhs, jnp.float32),
+            jnp.asarray(sizes, jnp.int32),
+            precision=HI,
+        )
+        want = _loop_grouped_matmul(lhs, rhs, sizes)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert not np.asarray(got[-3:]).any()
+
+
+def test_tile_rows():
+    # A power of two at or above the mean group: decode's few rows get one-row tiles.
+    assert [moe_layer.tile_rows(m, g) for m, g in ((16, 8), (3, 8), (128, 4), (130, 4))] == [
+        2,
+        1,
+        32,
+        64,
+    ]
+
+
+def test_route_by_hand():
+    logits = jnp.asarray([[1.0, 3.0, 2.0, 0.0]])
+    e = np.e
+    weights, experts = moe_layer.route(logits, 2, renormalize=True)
+    assert experts.tolist() == [[1, 2]]
+    # Renormalised top-k probabilities are the softmax of the top-k logits.
+    np.testing.assert_allclose(weights, [[e / (e + 1), 1 / (e + 1)]], rtol=1e-6)
+    probs = np.exp([1.0, 3.0, 2.0, 0.0]) / np.exp([1.0, 3.0, 2.0, 0.0]).sum()
+    weights, _ = moe_layer.route(logits, 2, renormalize=False)
+    np.testing.assert_allclose(weights, [probs[[1, 2]]], rtol=1e-6)
+    # Replayed experts: the probabilities there, by the same rule.
+    forced = jnp.asarray([[3, 0]])
+    weights, experts = moe_layer.route(logits, 2, renormalize=True, experts=forced)
+    assert experts.tolist() == [[3, 0]]
+    np.testing.assert_allclose(weights, [[1 / (1 + e), e / (1 + e)]], rtol=1e-6)
+    weights, _ = moe_layer.route(logits, 2, renormalize=False, experts=forced)
+    np.testing.assert_allclose(weights, [probs[[3, 0]]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+def test_expert_mlp_matches_a_token_loop(impl):
+    rng = np.random.default_rng(2)
+    t, h, i, e, k = 11, 16, 24, 6, 3
+    x = rng.standard_normal((t, h))
+    experts = np.stack([rng.permutation(e)[:k] for _ in range(t)])
+    weights = rng.random((t, k))
+    gate, up = rng.standard_normal((e, h, i)) / 4, rng.standard_normal((e, h, i)) / 4
+    down = rng.standard_normal((e, i, h)) / 5
+    silu = lambda v: v / (1 + np.exp(-v))
+
+    def loop(first, count):
+        out = np.zeros((t, h))
+        for s in range(t):
+            for j in range(k):
+                ex = experts[s, j]
+                if first <= ex < first + count:
+                    y = (silu(x[s] @ gate[ex]) * (x[s] @ up[ex])) @ down[ex]
+                    out[s] += weights[s, j] * y
+        return out
+
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    # All experts, and (as one device of an expert-parallel mesh holds) experts 2..4.
+    for first, count in ((0, e), (2, 3)):
+        got = moe_layer.expert_mlp(
+            f32(x),
+            jnp.asarray(experts, jnp.int32),
+            f32(weights),
+            f32(gate[first : first + count]),
+            f32(up[first : first + count]),
+            f32(down[first : first + count]),
+            first_expert=first,
+            impl=impl,
+            precision=HI,
+        )
+        np.testing.assert_allclose(got, loop(first, count), rtol=1e-5, atol=1e-5)
+
+
+# Against transformers.
+
+
+def _hf_router_choice(reference, tokens):
+    """Transformers' top-k experts per layer and token, by its router logits."""
+    import torch
+
+    with torch.no_grad():
+        out = reference(torch.tensor(tokens)[None], output_router_logits=True)
+    return [torch.topk(r.float(), r.shape[-1], dim=-1).indices.numpy() for r in out.router_logits]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_and_routing_match_transformers(name, tmp_path):
+    import torch
+
+    config = CONFIGS[name]
+    reference = write_checkpoint(config, tmp_path)
+    loaded, model = load_hf_checkpoint(tmp_path)
+    assert loaded == config
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)
+    with torch.no_grad():
+        expected = reference(torch.tensor(tokens)[None]).logits[0].numpy()
+    got, routing = model.dense_logits(jnp.asarray(tokens, jnp.int32), return_routing=True)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=1e-4)
+    k = config.num_experts_per_tok
+    ranked = _hf_router_choice(reference, tokens)
+    for layer in range(config.num_layers):
+        np.testing.assert_array_equal(np.asarray(routing[layer]), ranked[layer][:, :k])
+    # The routing is not trivial: every expert serves some token.
+    assert len(np.unique(np.asarray(routing))) == config.num_experts
+
+
+def _hf_greedy(reference, prompt, n):
+    import torch
+
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = reference(torch.tensor(tokens)[None]).logits[0, -1]
+            tokens.append(int(torch.argmax(logits)))
+    return tokens[len(prompt) :]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def greedy_prompts(vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(1, vocab_size, n).tolist() for n in (1, 9, 30)]
+
+
+@pytest.mark.parametrize("name", ["mixtral-window", "qwen3-moe"])
+def test_llm_greedy_matches_transformers(name, tmp_path):
+    config = CONFIGS[name]
+    reference = write_checkpoint(config, tmp_path)
+    prompts = greedy_prompts(config.vocab_size)
+    expected = [_hf_greedy(reference, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(model=str(tmp_path), warmup=False, num_pages=64, page_size=8, max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+# The paged path against the dense oracle.
+
+
+@pytest.mark.parametrize("name", ["mixtral-window", "qwen3-moe"])
+def test_paged_prefill_and_decode_match_dense(name):
+    check_paged_matches_dense(perturbed_model(CONFIGS[name]))
+
+
+@pytest.mark.parametrize("name", ["mixtral-window", "qwen3-moe"])
+def test_engine_greedy_matches_dense(name):
+    check_engine_matches_dense(perturbed_model(CONFIGS[name]))
+
+
+def test_scanned_layers_match_the_loop():
+    model = perturbed_model(TINY_QWEN3_MOE.replace(num_layers=3))
+    from paxkv.models import layer_stack
+
+    scanned = layer_stack.with_scan_layers(model, True)
+    assert scanned.layers.blocks[0].mlp.experts.gate_proj.get_value().shape == (3, 16, 128, 64)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, 30), jnp.int32)
+    want, routes = model.dense_logits(tokens, return_routing=True)
+    got, scanned_routes = scanned.dense_logits(tokens, return_routing=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_array_equal(scanned_routes, routes)
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+def test_grouped_matmuls_give_the_same_model(impl):
+    model = perturbed_model(TINY_MIXTRAL)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, 24), jnp.int32)
+    want = model.dense_logits(tokens)
+    model = perturbed_model(TINY_MIXTRAL.replace(grouped_matmul=impl))
+    got = model.dense_logits(tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+# Routing replay.
+
+
+def test_routing_replay():
+    model = perturbed_model(TINY_QWEN3_MOE)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, 20), jnp.int32)
+    logits, routing = model.dense_logits(tokens, return_routing=True)
+    assert routing.shape == (2, 20, 4) and routing.dtype == jnp.int32
+    # Replaying the rollout's own routing gives the same forward pass, bit for bit.
+    replayed, again = model.dense_logits(tokens, routing=routing, return_routing=True)
+    np.testing.assert_array_equal(replayed, logits)
+    np.testing.assert_array_equal(again, routing)
+    # Another routing is obeyed: the forward pass follows it, and changes.
+    other = (routing + 1) % TINY_QWEN3_MOE.num_experts
+    forced, used = model.dense_logits(tokens, routing=other, return_routing=True)
+    np.testing.assert_array_equal(used, other)
+    assert np.abs(np.asarray(forced) - np.asarray(logits)).max() > 1e-2
+
+
+def test_paged_step_returns_the_routing_of_its_rows():
+    from paxkv.kv_cache import PagedKVCache
+    from paxkv.tools.page_tables import page_table_from_host
+
+    model = perturbed_model(TINY_MIXTRAL)
+    tokens = np.random.default_rng(6).integers(0, 256, 13)
+    _, dense_routing = model.dense_logits(jnp.asarray(tokens, jnp.int32), return_routing=True)
+    cache = PagedKVCache.create(
+        num_layers=2, num_pages=4, num_kv_heads=2, page_size=8, head_dim=64, dtype=jnp.float32
+    )
+    table = page_table_from_host([[1, 2]], [13], [13], page_size=8, max_num_seqs=1, pages_per_seq=2)
+    positions = jnp.arange(13, dtype=jnp.int32)
+    hidden, _, routing = model(
+        jnp.asarray(tokens, jnp.int32),
+        positions,
+        cache,
+        table,
+        attention_backend="reference",
+        return_routing=True,
+    )
+    np.testing.assert_array_equal(routing, dense_routing)
+    replayed, _ = model(
+        jnp.asarray(tokens, jnp.int32),
+        positions,
+        cache,
+        table,
+        attention_backend="reference",
+        routing=routing,
+    )
+    np.testing.assert_array_equal(replayed, hidden)
+
+
+# Work per token: the MoE block's FLOPs and bytes follow top-k, not the expert count.
+
+
+def _moe_cost(num_experts, rows, top_k=2, impl="tiled"):
+    """XLA's cost analysis (of the program as lowered) of one MoE block on `rows` tokens."""
+    config = TINY_MIXTRAL.replace(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        hidden_size=64,
+        intermediate_size=64,
+        grouped_matmul=impl,
+    )
+    block = moe_layer.MoE(config, moe_layer.EXPERT_NAMES["mixtral"], rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(block)
+    run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)[0])
+    cost = run.lower(state, jnp.ones((rows, 64))).cost_analysis()
+    active = 2 * rows * top_k * 3 * 64 * 64  # the k experts' matmuls
+    expert_bytes = num_experts * 3 * 64 * 64 * 4
+    return cost["flops"] / active, cost["bytes accessed"], expert_bytes
+
+
+def test_moe_flops_and_bytes_follow_top_k():
+    for rows in (4, 64):  # a decode step's rows, and a prefill chunk's
+        for e in (4, 16, 64):
+            ratio = _moe_cost(e, rows)[0]
+            # Within 2x of the k experts' matmuls (tile padding, the router), whatever E.
+            assert 1.0 <= ratio <= 2.0, (rows, e, ratio)
+            # JAX's CPU lowering of ragged_dot multiplies every row by every expert,
+            # which is why the CPU takes the tiled path.
+            assert _moe_cost(e, rows, impl="ragged_dot")[0] >= 0.9 * e
+    # k = 4 does twice the work of k = 2.
+    assert 0.8 < _moe_cost(16, 64, top_k=4)[0] / _moe_cost(16, 64)[0] < 1.25
+    # A decode step (4 tokens x 2 experts) reads 8 experts' weights: going from 16 to 64
+    # experts adds under a tenth of the 48 new experts' bytes (the router's, the counts').
+    _, bytes_16, weights_16 = _moe_cost(16, 4)
+    _, bytes_64, weights_64 = _moe_cost(64, 4)
+    assert bytes_64 - bytes_16 < 0.1 * (weights_64 - weights_16)
+    assert bytes_64 < weights_64
+
+
+# Configs.
+
+# config.json as published: mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B.
+MIXTRAL_8X7B_HF = {
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+
+QWEN3_30B_A3B_HF = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize(
+    ("hf", "preset"),
+    [(MIXTRAL_8X7B_HF, MIXTRAL_8X7B), (QWEN3_30B_A3B_HF, QWEN3_30B_A3B)],
+    ids=["mixtral-8x7b", "qwen3-30b-a3b"],
+)
+def test_from_hf_parses_real_configs(hf, preset):
+    assert MoeConfig.from_hf(hf) == preset
+    assert MoeConfig.from_hf(json.loads(json.dumps(preset.to_hf()))) == preset
+
+
+def test_planner_counts_the_published_sizes():
+    # 46.7B parameters, 12.9B active (Mistral's figures); 30.5B and 3.3B (Qwen's).
+    assert capacity.num_parameters(MIXTRAL_8X7B) == 46_702_792_704
+    assert capacity.active_parameters(MIXTRAL_8X7B) == 12_879_925_248
+    assert capacity.num_parameters(QWEN3_30B_A3B) == 30_532_122_624
+    assert capacity.active_parameters(QWEN3_30B_A3B) == 3_353_032_704
+    assert capacity.expert_parameters(QWEN3_30B_A3B) == 48 * 128 * 3 * 2048 * 768
+
+
+@pytest.mark.parametrize(
+    ("hf", "change", "match"),
+    [
+        (QWEN3_30B_A3B_HF, {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        (QWEN3_30B_A3B_HF, {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+        (QWEN3_30B_A3B_HF, {"use_sliding_window": True}, "use_sliding_window=True"),
+        (QWEN3_30B_A3B_HF, {"num_experts": None}, "missing field 'num_experts'"),
+        (MIXTRAL_8X7B_HF, {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        (MIXTRAL_8X7B_HF, {"rope_scaling": {"rope_type": "yarn"}}, "rope_type='yarn'"),
+        (MIXTRAL_8X7B_HF, {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in"),
+        (MIXTRAL_8X7B_HF, {"num_local_experts": 8.0}, "'num_local_experts' must be an integer"),
+    ],
+)
+def test_from_hf_rejects_what_it_cannot_run(hf, change, match):
+    with pytest.raises(ValueError, match=match):
+        MoeConfig.from_hf({k: v for k, v in hf.items() if k not in change} | change)
+
+
+def test_tiny_presets_come_with_the_byte_tokenizer():
+    for name, preset in (("tiny-mixtral", TINY_MIXTRAL), ("tiny-qwen3-moe", TINY_QWEN3_MOE)):
+        config, model, tokenizer = load_model(name)
+        assert config is preset and tokenizer is not None
+        assert type(model).__name__ == "MoeForCausalLM"
