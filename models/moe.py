@@ -69,11 +69,19 @@ def route(
 
 
 def tile_rows(num_rows: int, num_groups: int) -> int:
-    """The rows of a tile of `tiled_grouped_matmul`: the power of two at or above the
-    mean group size, so the tiles number at most about twice the groups and their
-    padding at most about twice the rows (a decode step's few rows: tiles of one row)."""
-    mean = -(-num_rows // num_groups)
-    return 1 << max(0, (mean - 1).bit_length())
+    """The rows of a tile of `tiled_grouped_matmul`: the power of two at or above half
+    the mean group size, so a group wastes under one tile, the padding is at most about
+    half the rows, and the tiles number about three times the groups (a decode step's
+    few rows: tiles of one row)."""
+    half_mean = -(-num_rows // (2 * num_groups))
+    return 1 << max(0, (half_mean - 1).bit_length())
+
+
+def num_tiles(num_rows: int, num_groups: int) -> int:
+    """The most tiles `num_rows` rows in `num_groups` groups take: each non-empty group
+    wastes under one tile, `(M + min(G, M) * (B - 1)) // B` for B = `tile_rows`."""
+    b = tile_rows(num_rows, num_groups)
+    return (num_rows + min(num_groups, num_rows) * (b - 1)) // b
 
 
 def tiled_grouped_matmul(
@@ -84,33 +92,46 @@ def tiled_grouped_matmul(
     precision: Any = None,
 ) -> jax.Array:  # [M, N]
     """`grouped_matmul` by tiles: each group's rows are padded to whole tiles of
-    `tile_rows` rows, every tile is multiplied by its group's matrix (gathered per
-    tile), and the rows are read back. The tiles are at most
-    `(M + min(G, M) * (B - 1)) // B` (each non-empty group wastes under one tile), so the
-    work is about `M * K * N`, whatever the number of groups.
+    `tile_rows` (B) rows, and a loop over the tiles multiplies each by its group's
+    matrix, skipping the tiles left over (of the static `num_tiles`). The work is
+    `B x K x N` per tile, about `1.5 M x K x N` in all (at most `(M + min(G, M) * (B -
+    1)) x K x N`), whatever the number of groups; each tile reads its group's matrix
+    once, so a step whose rows touch few groups reads only those.
     """
     m, k = lhs.shape
     g, _, n = rhs.shape
-    b = tile_rows(m, g)
-    num_tiles = (m + min(g, m) * (b - 1)) // b
+    b, tiles_max = tile_rows(m, g), num_tiles(m, g)
     group_end = jnp.cumsum(group_sizes)
     group_start = group_end - group_sizes
     tiles = (group_sizes + b - 1) // b
     tile_end = jnp.cumsum(tiles)
     rows = jnp.arange(m, dtype=group_sizes.dtype)
-    group = jnp.searchsorted(group_end, rows, side="right")  # G for rows past every group
+    group = jnp.sum(rows[:, None] >= group_end[None, :], axis=1)  # G for rows past them
     valid = group < g
     group = jnp.minimum(group, g - 1)
     slot = (tile_end[group] - tiles[group]) * b + rows - group_start[group]
-    slot = jnp.where(valid, slot, num_tiles * b)  # out of bounds: dropped
-    padded = jnp.zeros((num_tiles * b, k), lhs.dtype).at[slot].set(lhs, mode="drop")
-    tile_group = jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right")
-    weights = rhs[jnp.minimum(tile_group, g - 1)]  # [tiles, K, N]; unused tiles are zeros
-    out = jnp.einsum(
-        "tbk,tkn->tbn", padded.reshape(num_tiles, b, k), weights, precision=precision
-    ).reshape(num_tiles * b, n)
-    out = out[jnp.minimum(slot, num_tiles * b - 1)]
-    return jnp.where(valid[:, None], out, 0).astype(lhs.dtype)
+    slot = jnp.where(valid, slot, tiles_max * b)  # past every tile
+    # Gathers, not scatters, move the rows (XLA:CPU's row scatters are slow): which row
+    # each padded slot holds (M: none, a zero row), and the tiles' groups.
+    source = jnp.full(tiles_max * b, m, slot.dtype).at[slot].set(rows, mode="drop")
+    padded = jnp.concatenate([lhs, jnp.zeros((1, k), lhs.dtype)])[source]
+    tile_ids = jnp.arange(tiles_max, dtype=tile_end.dtype)
+    tile_group = jnp.minimum(jnp.sum(tile_ids[:, None] >= tile_end[None, :], axis=1), g - 1)
+
+    def tile_product(_, tile):
+        x, group, used = tile
+        w = jax.lax.dynamic_index_in_dim(rhs, group, keepdims=False)  # [K, N]
+        y = jax.lax.cond(
+            used,
+            lambda: jnp.dot(x, w, precision=precision),
+            lambda: jnp.zeros((b, n), jnp.result_type(x, w)),
+        )
+        return None, y
+
+    tiles_in = (padded.reshape(tiles_max, b, k), tile_group, tile_ids < tile_end[-1])
+    _, out = jax.lax.scan(tile_product, None, tiles_in)
+    out = jnp.concatenate([out.reshape(tiles_max * b, n), jnp.zeros((1, n), out.dtype)])
+    return out[slot].astype(lhs.dtype)  # rows past every group read the zero row
 
 
 def grouped_matmul(
@@ -167,7 +188,7 @@ def expert_mlp(
     mm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl, precision=precision)
     h = ACTIVATIONS[activation](mm(rows, gate)) * mm(rows, up)
     out = mm(h, down)  # [T * k, hidden], sorted
-    out = jnp.zeros_like(out).at[order].set(out)  # back to (token, slot) order
+    out = out[jnp.argsort(order)]  # back to (token, slot) order
     w = jnp.where(mine, weights.reshape(-1), 0.0)[:, None]
     return jnp.sum((out.astype(jnp.float32) * w).reshape(t, k, -1), axis=1)
 
