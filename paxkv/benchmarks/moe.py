@@ -6,14 +6,16 @@ Two decoders with the same attention, embedding and LM head: a Mixtral-shaped Mo
 (`--experts` experts of `--expert_size` features, `--top_k` per token) and a dense
 Llama-shaped one whose MLP has `top_k * expert_size` features, so a token runs through
 the same number of parameters in both (the router's `hidden x experts` aside). For each
-token count T it times (median of --iters, compile excluded) the MLP block alone and the
-whole forward pass over T tokens (`dense_logits`), dense and MoE, the MoE with the
-grouped matmul the CPU uses ("tiled") and with `jax.lax.ragged_dot` (which JAX lowers
-on the CPU to every expert for every row), and reports XLA's FLOP count of each block.
+token count T it times (median of --iters, compile excluded; the CPU time of all the
+process's threads, and the wall time) the MLP block alone and the whole forward pass
+over T tokens (`dense_logits`), dense and MoE, the MoE with the grouped matmul the CPU
+uses ("tiled") and with `jax.lax.ragged_dot` (which JAX lowers on the CPU to every
+expert for every row).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -68,16 +70,21 @@ def configs(
     return moe, dense
 
 
-def _timed(fn: Any, state: Any, x: jax.Array, iters: int) -> tuple[float, float]:
-    """Median seconds of `fn(state, x)` (jitted) and XLA's FLOPs of it."""
+def _timed(fn: Any, state: Any, x: jax.Array, iters: int) -> dict[str, float]:
+    """Median wall and CPU seconds of `fn(state, x)` (jitted), and XLA's FLOPs of it."""
     run = jax.jit(fn)
     flops = run.lower(state, x).compile().cost_analysis()["flops"]
-    return median_seconds(lambda: run(state, x), iters=iters), float(flops)
+    call = lambda: run(state, x)
+    return {
+        "wall_s": median_seconds(call, iters=iters),
+        "cpu_s": median_seconds(call, iters=iters, clock=time.process_time),
+        "flops": float(flops),
+    }
 
 
 def measure(moe: MoeConfig, dense: LlamaConfig, tokens: int, *, iters: int) -> dict[str, Any]:
-    """Seconds and FLOPs of the MLP block and of the model over `tokens` tokens: dense,
-    and MoE by each grouped matmul of `IMPLS`."""
+    """Timings of the MLP block and of the model over `tokens` tokens (`_timed`): dense,
+    and MoE by each grouped matmul of `IMPLS`, keyed `dense_block`, `moe_tiled_model`..."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((tokens, moe.hidden_size)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, moe.vocab_size, tokens), jnp.int32)
@@ -85,9 +92,8 @@ def measure(moe: MoeConfig, dense: LlamaConfig, tokens: int, *, iters: int) -> d
     graphdef, state = nnx.split(MLP(dense, rngs=nnx.Rngs(0)))
     out["dense_block"] = _timed(lambda s, x: nnx.merge(graphdef, s)(x), state, x, iters)
     graphdef, state = nnx.split(init_model(dense))
-    out["dense_model"] = _timed(
-        lambda s, t: nnx.merge(graphdef, s).dense_logits(t), state, ids, iters
-    )
+    model = lambda s, t, g=graphdef: nnx.merge(g, s).dense_logits(t)
+    out["dense_model"] = _timed(model, state, ids, iters)
     for impl in IMPLS:
         config = moe.replace(grouped_matmul=impl)
         graphdef, state = nnx.split(MoE(config, EXPERT_NAMES["mixtral"], rngs=nnx.Rngs(0)))
@@ -97,6 +103,27 @@ def measure(moe: MoeConfig, dense: LlamaConfig, tokens: int, *, iters: int) -> d
         model = lambda s, t, g=graphdef: nnx.merge(g, s).dense_logits(t)
         out[f"moe_{impl}_model"] = _timed(model, state, ids, iters)
     return out
+
+
+COLUMNS = (
+    ("dense_block", "block: dense"),
+    ("moe_tiled_block", "MoE tiled"),
+    ("moe_ragged_dot_block", "MoE ragged_dot"),
+    ("dense_model", "model: dense"),
+    ("moe_tiled_model", "MoE tiled"),
+    ("moe_ragged_dot_model", "MoE ragged_dot"),
+)
+
+
+def table_row(r: dict[str, Any]) -> str:
+    """One markdown row of `measure`'s result: CPU ms (wall ms) of each column, and the
+    tiled MoE over dense for the block and the model."""
+    cell = lambda key: f"{r[key]['cpu_s'] * 1e3:.2f} ({r[key]['wall_s'] * 1e3:.2f})"
+    ratio = lambda a, b: f"{r[a]['cpu_s'] / r[b]['cpu_s']:.2f}"
+    cells = [cell(key) for key, _ in COLUMNS]
+    cells.insert(3, ratio("moe_tiled_block", "dense_block"))
+    cells.append(ratio("moe_tiled_model", "dense_model"))
+    return f"| {r['tokens']} | " + " | ".join(cells) + " |"
 
 
 def main(argv: list[str]) -> None:
@@ -119,24 +146,13 @@ def main(argv: list[str]) -> None:
         f"{dense.intermediate_size}: {capacity.num_parameters(dense) / 1e6:.1f} M; medians of "
         f"{_ITERS.value}"
     )
-    print(
-        "| T | block: dense ms | MoE tiled ms | MoE ragged_dot ms | tiled / dense | "
-        "FLOPs tiled / dense | ragged_dot / dense | model: dense ms | MoE tiled ms | "
-        "MoE ragged_dot ms | tiled / dense |"
-    )
-    print("|---:" * 11 + "|")
+    heads = [name for _, name in COLUMNS]
+    heads.insert(3, "tiled / dense")
+    print("CPU ms of all threads (wall ms)")
+    print("| T | " + " | ".join(heads) + " | tiled / dense |")
+    print("|---:" * (len(heads) + 2) + "|")
     for t in _TOKENS.value:
-        r = measure(moe, dense, int(t), iters=_ITERS.value)
-        ms = lambda key: f"{r[key][0] * 1e3:.2f}"
-        ratio = lambda a, b, i=0: f"{r[a][i] / r[b][i]:.2f}"
-        print(
-            f"| {r['tokens']} | {ms('dense_block')} | {ms('moe_tiled_block')} | "
-            f"{ms('moe_ragged_dot_block')} | {ratio('moe_tiled_block', 'dense_block')} | "
-            f"{ratio('moe_tiled_block', 'dense_block', 1)} | "
-            f"{ratio('moe_ragged_dot_block', 'dense_block', 1)} | {ms('dense_model')} | "
-            f"{ms('moe_tiled_model')} | {ms('moe_ragged_dot_model')} | "
-            f"{ratio('moe_tiled_model', 'dense_model')} |"
-        )
+        print(table_row(measure(moe, dense, int(t), iters=_ITERS.value)), flush=True)
 
 
 def run() -> None:
