@@ -68,13 +68,22 @@ def route(
     return weights, experts.astype(jnp.int32)
 
 
+# The fewest rows of a tile (unless all rows are fewer): a tile reads its group's whole
+# matrix, so on the CPU a few padded rows cost less than reading it again.
+MIN_TILE_ROWS = 8
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def tile_rows(num_rows: int, num_groups: int) -> int:
     """The rows of a tile of `tiled_grouped_matmul`: the power of two at or above half
-    the mean group size, so a group wastes under one tile, the padding is at most about
-    half the rows, and the tiles number about three times the groups (a decode step's
-    few rows: tiles of one row)."""
-    half_mean = -(-num_rows // (2 * num_groups))
-    return 1 << max(0, (half_mean - 1).bit_length())
+    the mean group size, at least `MIN_TILE_ROWS` and at most the rows' power of two. A
+    group wastes under one tile, so the padding is at most about the rows when groups
+    are large, and a decode step's groups of a row or two take one tile each."""
+    half_mean = _power_of_two_at_least(-(-num_rows // (2 * num_groups)))
+    return min(max(MIN_TILE_ROWS, half_mean), _power_of_two_at_least(num_rows))
 
 
 def num_tiles(num_rows: int, num_groups: int) -> int:
@@ -94,9 +103,10 @@ def tiled_grouped_matmul(
     """`grouped_matmul` by tiles: each group's rows are padded to whole tiles of
     `tile_rows` (B) rows, and a loop over the tiles multiplies each by its group's
     matrix, skipping the tiles left over (of the static `num_tiles`). The work is
-    `B x K x N` per tile, about `1.5 M x K x N` in all (at most `(M + min(G, M) * (B -
-    1)) x K x N`), whatever the number of groups; each tile reads its group's matrix
-    once, so a step whose rows touch few groups reads only those.
+    `B x K x N` per tile, at most `(M + min(G, M) * (B - 1)) x K x N` in all (about
+    twice the rows' when groups are large, at most B times when they hold a row or two),
+    whatever the number of groups; each tile reads its group's matrix once, so a step
+    whose rows touch few groups reads only those.
     """
     m, k = lhs.shape
     g, _, n = rhs.shape

@@ -81,10 +81,11 @@ def test_tiled_grouped_matmul_on_many_groups():
 
 
 def test_tile_rows_and_count():
-    # A power of two at or above half the mean group: decode's few rows get one-row tiles.
-    cases = ((16, 8), (3, 8), (128, 4), (130, 4))
-    assert [moe_layer.tile_rows(m, g) for m, g in cases] == [1, 1, 16, 32]
-    assert [moe_layer.num_tiles(m, g) for m, g in cases] == [16, 3, 11, 7]
+    # A power of two at or above half the mean group, at least 8 rows (unless there are
+    # fewer rows): a decode step's groups of a row or two take a tile each.
+    cases = ((16, 8), (3, 8), (128, 4), (130, 4), (128, 64))
+    assert [moe_layer.tile_rows(m, g) for m, g in cases] == [8, 4, 16, 32, 8]
+    assert [moe_layer.num_tiles(m, g) for m, g in cases] == [9, 3, 11, 7, 72]
 
 
 def test_route_by_hand():
@@ -354,15 +355,19 @@ def test_moe_flops_and_bytes_follow_top_k():
     for rows in (4, 64):  # a decode step's rows, and a prefill chunk's
         for top_k in (2, 4):
             active = 2 * rows * top_k * 3 * 64 * 64  # the k experts' matmuls
-            for e in (4, 16, 64):
+            work = {}
+            for e in (4, 16, 64, 256):
                 run, state = _moe_block(e, top_k, "tiled")
                 flops, nbytes = _traced_cost(run, state, x(rows))
                 router = 2 * rows * 64 * e
-                # The k experts' work, and at most as much again of tile padding,
-                # whatever the number of experts.
-                assert active + router <= flops <= 2 * active + router, (rows, top_k, e)
-                if rows * top_k < e:  # a decode step reads only its rows' experts
+                work[e] = flops - router
+                # The k experts' work, and at most 7 tile rows of padding to a row (one
+                # 8-row tile for each of a decode step's rows): bounded by k, not E.
+                assert active <= flops - router <= 8 * active, (rows, top_k, e)
+                if rows * top_k <= e:  # a decode step reads only its rows' experts
                     assert nbytes == 3 * rows * top_k * MATRIX_BYTES
+            # Once the experts outnumber the rows, more experts add no work.
+            assert len({w for e, w in work.items() if e >= rows * top_k}) == 1, work
     # JAX's CPU lowering of ragged_dot multiplies every row by every expert (XLA's cost
     # analysis; there is no loop in it), which is why the CPU takes the tiled path.
     for e in (4, 16, 64):
