@@ -7,7 +7,10 @@ the expert count: the (token, expert) pairs are sorted by expert and each expert
 multiplies only its own rows (`grouped_matmul`). On TPU and GPU that is
 `jax.lax.ragged_dot` (XLA's ragged dot on TPU, JAX's Triton kernel on GPU); on the CPU,
 where JAX lowers `ragged_dot` to a masked dense product over every group (the work of
-all experts for every row), it is a tiled gather of each tile's expert instead.
+all experts for every row), it is a loop over tiles of each expert's rows instead
+(`tiled_grouped_matmul`). The layouts and gated units of the families' experts are
+`ExpertForm`s: Mixtral's, Qwen3-MoE's, and gpt-oss's (biased router, fused interleaved
+gate/up with biases, clamped SwiGLU).
 
 On a mesh the experts are split over the `model` axis (expert parallelism) when it
 divides their number, else each expert's hidden features are (tensor parallelism inside
@@ -23,6 +26,9 @@ probabilities at the given experts, normalised by the same rule.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -34,15 +40,8 @@ from paxkv.sharding.mesh_shape import MODEL_AXIS
 from paxkv.sharding.shardings import COLUMN, EXPERT, ROW, SplitRule
 
 from .family import ModelConfig
-from .layers import ACTIVATIONS, INIT_STD, linear, matmul_precision
+from .layers import INIT_STD, linear, matmul_precision
 from .moe_config import GROUPED_MATMULS
-
-# Each expert's three projections, in the order gate, up, down, by the Hugging Face
-# names of the families that use them.
-EXPERT_NAMES = {
-    "mixtral": ("w1", "w3", "w2"),
-    "qwen": ("gate_proj", "up_proj", "down_proj"),
-}
 
 
 def route(
@@ -54,8 +53,8 @@ def route(
 ) -> tuple[jax.Array, jax.Array]:  # f32[T, k], i32[T, k]
     """The gate weights and experts of each token: the softmax of its router logits (in
     float32) at its `top_k` most probable experts, divided by their sum when
-    `renormalize` (Mixtral; Qwen3-MoE's `norm_topk_prob`; equal to the softmax over the
-    top-k logits). With `experts` given (routing replay) those are the experts, and the
+    `renormalize` (Mixtral, gpt-oss; Qwen3-MoE's `norm_topk_prob`; equal to the softmax
+    over the top-k logits). With `experts` given (routing replay) those are the experts, and the
     weights the probabilities at them, normalised by the same rule.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -169,70 +168,149 @@ def grouped_matmul(
     return jnp.where(jnp.arange(lhs.shape[0])[:, None] < total, out, 0).astype(lhs.dtype)
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """`silu(gate) * up` (Mixtral, Qwen3-MoE)."""
+    return jax.nn.silu(gate) * up
+
+
+def clamped_swiglu(gate_up: jax.Array, *, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's gated unit over one fused projection whose columns alternate gate, up:
+    `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
 def expert_mlp(
     x: jax.Array,  # [T, hidden]
     experts: jax.Array,  # i32[T, k]
     weights: jax.Array,  # f32[T, k]
-    gate: jax.Array,  # [G, hidden, I]: the experts first_expert .. first_expert + G - 1
-    up: jax.Array,  # [G, hidden, I]
-    down: jax.Array,  # [G, I, hidden]
+    w_in: Sequence[jax.Array],  # each [G, hidden, *]: experts first_expert .. + G - 1
+    w_out: jax.Array,  # [G, I, hidden]
     *,
+    b_in: Sequence[jax.Array] = (),  # each [G, *], one for each of w_in, or none
+    glu: Callable[..., jax.Array] = swiglu,
     first_expert: jax.Array | int = 0,
-    activation: str = "silu",
     impl: str = "auto",
     precision: Any = None,
 ) -> jax.Array:  # f32[T, hidden]
-    """`sum_j weights[t, j] * down(act(gate(x[t])) * up(x[t]))` of the experts
+    """`sum_j weights[t, j] * w_out(glu(x[t] w_in + b_in))` over the experts
     `experts[t, j]`, counting only the G experts given (the rest contribute zero): each
     (token, expert) pair is a row, the rows are sorted by expert, and each projection is
-    one `grouped_matmul`.
+    one `grouped_matmul`. `glu` maps the input projections (gate and up, or one fused)
+    to `[rows, I]`.
     """
     t, k = experts.shape
     local = experts.reshape(-1) - first_expert  # [T * k]
-    num_local = gate.shape[0]
+    num_local = w_out.shape[0]
     mine = (local >= 0) & (local < num_local)
     key = jnp.where(mine, local, num_local)  # other devices' rows sort last, ungrouped
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     rows = x[order // k]  # [T * k, hidden]
     mm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl, precision=precision)
-    h = ACTIVATIONS[activation](mm(rows, gate)) * mm(rows, up)
-    out = mm(h, down)  # [T * k, hidden], sorted
+    ins = [mm(rows, w) for w in w_in]
+    if b_in:  # each row's expert's bias (other devices' rows: any, their output is zero)
+        row_expert = jnp.minimum(key[order], num_local - 1)
+        ins = [a + b[row_expert].astype(a.dtype) for a, b in zip(ins, b_in, strict=True)]
+    out = mm(glu(*ins), w_out)  # [T * k, hidden], sorted
     out = out[jnp.argsort(order)]  # back to (token, slot) order
     w = jnp.where(mine, weights.reshape(-1), 0.0)[:, None]
     return jnp.sum((out.astype(jnp.float32) * w).reshape(t, k, -1), axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertForm:
+    """A family's MoE block as its checkpoints hold it, and its gated unit.
+
+    `router`: the router's attribute (`[hidden, E]`, with a bias when `router_bias`).
+    `inputs`: the experts' input projections, gate and up (`[E, hidden, I]` each), or one
+    fused projection whose columns alternate gate and up (`[E, hidden, 2 I]`); `output`
+    the down projection (`[E, I, hidden]`). `bias`: each has a bias `<name>_bias`
+    (`[E, out]`). `swiglu_limit` (with `swiglu_alpha`): gpt-oss's `clamped_swiglu` on
+    the fused projection; None: `swiglu` on gate and up.
+    """
+
+    router: str = "gate"
+    router_bias: bool = False
+    inputs: tuple[str, ...] = ("gate_proj", "up_proj")
+    output: str = "down_proj"
+    bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    def __post_init__(self):
+        if len(self.inputs) != (1 if self.swiglu_limit is not None else 2):
+            raise ValueError(
+                f"inputs={self.inputs}: the clamped SwiGLU takes one fused projection, "
+                "SwiGLU a gate and an up one"
+            )
+
+    @classmethod
+    def gpt_oss(cls, *, limit: float, alpha: float) -> ExpertForm:
+        """gpt-oss's: a biased `router`, fused `gate_up_proj` and `down_proj`, biases."""
+        return cls(
+            router="router",
+            router_bias=True,
+            inputs=("gate_up_proj",),
+            bias=True,
+            swiglu_limit=limit,
+            swiglu_alpha=alpha,
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The experts' parameters split over a mesh: the projections, the input biases."""
+        biases = tuple(f"{n}_bias" for n in self.inputs) if self.bias else ()
+        return (*self.inputs, self.output, *biases)
+
+    def glu(self) -> Callable[..., jax.Array]:
+        """The gated unit over the input projections' outputs."""
+        if self.swiglu_limit is None:
+            return swiglu
+        return functools.partial(clamped_swiglu, limit=self.swiglu_limit, alpha=self.swiglu_alpha)
+
+
+# The forms by family: Mixtral's `w1` (gate), `w3` (up), `w2` (down); Qwen3-MoE's names.
+MIXTRAL = ExpertForm(inputs=("w1", "w3"), output="w2")
+QWEN = ExpertForm()
+
+
 class Experts(nnx.Module):
-    """`num_experts` gated MLPs, each projection stacked over the experts: gate and up
-    `[E, hidden, I]`, down `[E, I, hidden]` (`[in, out]` per expert, as NNX kernels),
-    named by `names` (gate, up, down)."""
+    """`num_experts` gated MLPs, each projection stacked over the experts (`[E, in, out]`,
+    as NNX kernels), named and shaped as `form` says."""
 
-    def __init__(self, config: ModelConfig, names: tuple[str, str, str], *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, form: ExpertForm, *, rngs: nnx.Rngs):
         e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        width = i * (2 if len(form.inputs) == 1 else 1)
         init = nnx.initializers.normal(INIT_STD)
-        shapes = ((e, h, i), (e, h, i), (e, i, h))
-        for name, shape in zip(names, shapes, strict=True):
+        shapes = {**dict.fromkeys(form.inputs, (e, h, width)), form.output: (e, i, h)}
+        for name, shape in shapes.items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, config.dtype)))
-        self.names = names
+            if form.bias:
+                setattr(self, f"{name}_bias", nnx.Param(jnp.zeros((e, shape[-1]), config.dtype)))
+        self.form = form
 
-    def projections(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The gate, up and down weights."""
-        return tuple(getattr(self, name)[...] for name in self.names)
+    def __getitem__(self, name: str) -> jax.Array:
+        """The parameter `name`'s value."""
+        return getattr(self, name)[...]
 
 
 class MoE(nnx.Module):
-    """A sparse MoE block: the router `gate` (`[hidden, E]`, no bias) and the `experts`.
+    """A sparse MoE block: the router (`[hidden, E]`) and the `experts`, as `form` lays
+    them out (`MIXTRAL`, `QWEN`, `ExpertForm.gpt_oss`).
 
-    `config` is the family's (`MoeConfig`): `num_experts`, `num_experts_per_tok` (k),
+    `config` is the family's: `num_experts`, `num_experts_per_tok` (k),
     `intermediate_size` (each expert's), `norm_topk_prob` (renormalise the top-k
-    weights), `grouped_matmul`, `dtype`; `names` the experts' parameter names
-    (`EXPERT_NAMES`).
+    weights), `grouped_matmul`, `dtype`.
     """
 
-    def __init__(self, config: ModelConfig, names: tuple[str, str, str], *, rngs: nnx.Rngs):
-        self.gate = linear(config, config.hidden_size, config.num_experts, bias=False, rngs=rngs)
-        self.experts = Experts(config, names, rngs=rngs)
+    def __init__(self, config: ModelConfig, form: ExpertForm, *, rngs: nnx.Rngs):
+        h, e = config.hidden_size, config.num_experts
+        setattr(self, form.router, linear(config, h, e, bias=form.router_bias, rngs=rngs))
+        self.experts = Experts(config, form, rngs=rngs)
+        self.form = form
         self.config = config  # static: the expert fields, and the sharding rules' family
 
     def __call__(
@@ -247,60 +325,67 @@ class MoE(nnx.Module):
         With a `mesh`, the experts run per shard of its `model` axis as the weights are
         split (see the module's docstring); the output is replicated.
         """
-        c = self.config
+        c, form = self.config, self.form
+        logits = getattr(self, form.router)(x)
         weights, experts = route(
-            self.gate(x), c.num_experts_per_tok, renormalize=c.norm_topk_prob, experts=experts
+            logits, c.num_experts_per_tok, renormalize=c.norm_topk_prob, experts=experts
         )
-        gate, up, down = self.experts.projections()
-        run = lambda x, experts, weights, gate, up, down, first_expert=0: expert_mlp(
-            x,
-            experts,
-            weights,
-            gate,
-            up,
-            down,
-            first_expert=first_expert,
-            impl=c.grouped_matmul,
-            precision=matmul_precision(c),
-        )
-        if mesh is None:
-            return run(x, experts, weights, gate, up, down).astype(x.dtype), experts
-        names = self.experts.names
-        specs = [
-            shardings.param_spec(("experts", n), w.shape, c, mesh)
-            for n, w in zip(names, (gate, up, down), strict=True)
-        ]
-        if specs[0] == specs[1] == specs[2] == shardings.REPLICATED:
-            return run(x, experts, weights, gate, up, down).astype(x.dtype), experts
-        split_experts = specs[0] == shardings.kernel_spec(EXPERT, gate.ndim)
+        arrays = [self.experts[name] for name in form.names]
+        num_in = len(form.inputs)
 
-        def per_shard(x, experts, weights, gate, up, down):
-            first = jax.lax.axis_index(MODEL_AXIS) * gate.shape[0] if split_experts else 0
-            return jax.lax.psum(run(x, experts, weights, gate, up, down, first), MODEL_AXIS)
+        def run(x, experts, weights, *arrays, first_expert=0):
+            w_in, w_out, b_in = arrays[:num_in], arrays[num_in], arrays[num_in + 1 :]
+            return expert_mlp(
+                x,
+                experts,
+                weights,
+                w_in,
+                w_out,
+                b_in=b_in,
+                glu=form.glu(),
+                first_expert=first_expert,
+                impl=c.grouped_matmul,
+                precision=matmul_precision(c),
+            )
 
-        rep = shardings.REPLICATED
-        out = shardings.shard_map(per_shard, mesh, in_specs=(rep, rep, rep, *specs), out_specs=rep)(
-            x, experts, weights, gate, up, down
+        specs = (
+            [
+                shardings.param_spec(("experts", name), a.shape, c, mesh)
+                for name, a in zip(form.names, arrays, strict=True)
+            ]
+            if mesh is not None
+            else []
         )
+        if all(spec == shardings.REPLICATED for spec in specs):
+            out = run(x, experts, weights, *arrays)
+        else:
+            split_experts = specs[0] == shardings.kernel_spec(EXPERT, arrays[0].ndim)
+
+            def per_shard(x, experts, weights, *arrays):
+                first = jax.lax.axis_index(MODEL_AXIS) * arrays[0].shape[0] if split_experts else 0
+                partial = run(x, experts, weights, *arrays, first_expert=first)
+                return jax.lax.psum(partial, MODEL_AXIS)
+
+            rep = shardings.REPLICATED
+            out = shardings.shard_map(
+                per_shard, mesh, in_specs=(rep, rep, rep, *specs), out_specs=rep
+            )(x, experts, weights, *arrays)
+        if form.bias:  # the down bias, replicated: added once, after the all-reduce
+            out_bias = self.experts[f"{form.output}_bias"][experts].astype(jnp.float32)
+            out = out + jnp.einsum("tk,tkh->th", weights, out_bias)
         return out.astype(x.dtype), experts
 
 
-def sharding_rules(names: tuple[str, str, str]) -> tuple[SplitRule, ...]:
-    """How experts named `names` split over the `model` axis: by expert when it divides
+def sharding_rules(form: ExpertForm) -> tuple[SplitRule, ...]:
+    """How experts of `form` split over the `model` axis: by expert when it divides
     `num_experts` (expert parallelism), else by each expert's hidden feature when it
-    divides `intermediate_size` (gate and up by column, down by row), else replicated.
-    The router is replicated."""
-    gate, up, down = names
-    by_expert = tuple(SplitRule(("experts", n), EXPERT, "num_experts") for n in names)
+    divides `intermediate_size` (the inputs and their biases by column, keeping a fused
+    projection's gate and up pairs together, the output by row), else replicated. The
+    router and the output's bias are replicated."""
+    by_expert = tuple(SplitRule(("experts", n), EXPERT, "num_experts") for n in form.names)
+    inputs = form.names[: len(form.inputs)] + form.names[len(form.inputs) + 1 :]
     inside = (
-        SplitRule(("experts", gate), COLUMN, "intermediate_size"),
-        SplitRule(("experts", up), COLUMN, "intermediate_size"),
-        SplitRule(("experts", down), ROW, "intermediate_size"),
+        *(SplitRule(("experts", n), COLUMN, "intermediate_size") for n in inputs),
+        SplitRule(("experts", form.output), ROW, "intermediate_size"),
     )
     return by_expert + inside
-
-
-def flops_per_token(config: ModelConfig) -> int:
-    """Multiply-adds x 2 of one token through one MoE block: the router and k experts."""
-    h, i = config.hidden_size, config.intermediate_size
-    return 2 * h * config.num_experts + 2 * config.num_experts_per_tok * 3 * h * i

@@ -35,9 +35,9 @@ from .layers import (
 )
 from .moe_config import MoeConfig
 
-# The MoE block's attribute and its experts' names, by Hugging Face model type.
+# The MoE block's attribute and its layout, by Hugging Face model type.
 _MOE_ATTRIBUTE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
-_EXPERT_NAMES = {"mixtral": moe.EXPERT_NAMES["mixtral"], "qwen3_moe": moe.EXPERT_NAMES["qwen"]}
+_FORMS = {"mixtral": moe.MIXTRAL, "qwen3_moe": moe.QWEN}
 
 
 class MoeDecoderLayer(nnx.Module):
@@ -49,7 +49,7 @@ class MoeDecoderLayer(nnx.Module):
         self.self_attn = Attention(config, rngs=rngs, qk_norm=norm if config.qk_norm else None)
         self.post_attention_layernorm = norm(config.hidden_size)
         self.moe_attribute = _MOE_ATTRIBUTE[config.model_type]
-        block = moe.MoE(config, _EXPERT_NAMES[config.model_type], rngs=rngs)
+        block = moe.MoE(config, _FORMS[config.model_type], rngs=rngs)
         setattr(self, self.moe_attribute, block)
 
     def finish(
@@ -186,8 +186,8 @@ class MoeForCausalLM(nnx.Module):
 # Attention, embedding and LM head as the Llama family's; the experts split by expert
 # (or inside each expert), the router replicated (`moe.sharding_rules`).
 SHARDING_RULES_MOE = (
-    *moe.sharding_rules(moe.EXPERT_NAMES["mixtral"]),
-    *moe.sharding_rules(moe.EXPERT_NAMES["qwen"]),
+    *moe.sharding_rules(moe.MIXTRAL),
+    *moe.sharding_rules(moe.QWEN),
     *(rule for rule in SHARDING_RULES if "mlp" not in rule.modules),
 )
 

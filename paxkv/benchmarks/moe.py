@@ -27,7 +27,7 @@ from flax import nnx
 from paxkv.benchmarks.timing import median_seconds
 from paxkv.models import LlamaConfig, MoeConfig, init_model
 from paxkv.models.layers import MLP
-from paxkv.models.moe import EXPERT_NAMES, MoE
+from paxkv.models.moe import MIXTRAL, MoE
 
 _TOKENS = flags.DEFINE_list("tokens", ["1", "16", "128", "1024"], "Tokens per step (T).")
 _HIDDEN = flags.DEFINE_integer("hidden", 512, "Hidden size.")
@@ -96,7 +96,7 @@ def measure(moe: MoeConfig, dense: LlamaConfig, tokens: int, *, iters: int) -> d
     out["dense_model"] = _timed(model, state, ids, iters)
     for impl in IMPLS:
         config = moe.replace(grouped_matmul=impl)
-        graphdef, state = nnx.split(MoE(config, EXPERT_NAMES["mixtral"], rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(MoE(config, MIXTRAL, rngs=nnx.Rngs(0)))
         block = lambda s, x, g=graphdef: nnx.merge(g, s)(x)[0]
         out[f"moe_{impl}_block"] = _timed(block, state, x, iters)
         graphdef, state = nnx.split(init_model(config))

@@ -135,14 +135,63 @@ def test_expert_mlp_matches_a_token_loop(impl):
             f32(x),
             jnp.asarray(experts, jnp.int32),
             f32(weights),
-            f32(gate[first : first + count]),
-            f32(up[first : first + count]),
+            (f32(gate[first : first + count]), f32(up[first : first + count])),
             f32(down[first : first + count]),
             first_expert=first,
             impl=impl,
             precision=HI,
         )
         np.testing.assert_allclose(got, loop(first, count), rtol=1e-5, atol=1e-5)
+
+
+def test_clamped_swiglu_by_hand():
+    # Columns alternate gate, up: gate 9 is clamped to 7, up -8 to -7 and 8 to 7.
+    gate_up = jnp.asarray([[9.0, -8.0, 1.0, 8.0]])
+    got = moe_layer.clamped_swiglu(gate_up, limit=7.0, alpha=1.702)
+    sig = lambda v: 1 / (1 + np.exp(-v))
+    want = [[(-7 + 1) * 7 * sig(7 * 1.702), (7 + 1) * 1 * sig(1.702)]]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_gpt_oss_block_matches_transformers():
+    """gpt-oss's MoE block (a biased router, the fused and interleaved gate/up with
+    biases, the clamped SwiGLU) against transformers' `GptOssMLP`, with weights large
+    enough that the clamps bite."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    h, i, e, k = 64, 32, 8, 4
+    hf = GptOssMLP(
+        transformers.GptOssConfig(
+            hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k
+        )
+    ).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.5 if "bias" in name else 3.0 / np.sqrt(p.shape[-1]))
+    config = TINY_MIXTRAL.replace(
+        hidden_size=h, intermediate_size=i, num_experts=e, num_experts_per_tok=k
+    )
+    block = moe_layer.MoE(
+        config, moe_layer.ExpertForm.gpt_oss(limit=7.0, alpha=1.702), rngs=nnx.Rngs(0)
+    )
+    value = lambda t: jnp.asarray(t.detach().numpy())
+    block.router.kernel.set_value(value(hf.router.weight).T)
+    block.router.bias.set_value(value(hf.router.bias))
+    for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        getattr(block.experts, name).set_value(value(getattr(hf.experts, name)))
+    x = np.random.default_rng(8).standard_normal((1, 24, h)).astype(np.float32)
+    with torch.no_grad():
+        want, _ = hf(torch.tensor(x))
+        gate_up = hf.experts.gate_up_proj.numpy()
+    got, experts = block(jnp.asarray(x[0]))
+    np.testing.assert_allclose(got, want[0].numpy(), rtol=1e-5, atol=1e-5)
+    assert experts.shape == (24, k)
+    # The clamps were in force: some token's gate or up went past the limit.
+    pre = np.einsum("th,ehn->ten", x[0], gate_up)
+    assert np.abs(pre).max() > 7.0
 
 
 # Against transformers.
@@ -342,7 +391,7 @@ def _moe_block(num_experts, top_k, impl):
         intermediate_size=64,
         grouped_matmul=impl,
     )
-    block = moe_layer.MoE(config, moe_layer.EXPERT_NAMES["mixtral"], rngs=nnx.Rngs(0))
+    block = moe_layer.MoE(config, moe_layer.MIXTRAL, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(block)
     return (lambda state, x: nnx.merge(graphdef, state)(x)[0]), state
 
