@@ -83,11 +83,14 @@ def dense_causal_attention(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]
 ) -> jax.Array:  # [L, Hq, D], q.dtype
     """Plain causal softmax attention of one sequence, in float32 at HIGHEST precision.
 
     Query i sees keys `j <= i`, and with a window W only `j > i - W`. Logits are
     `sm_scale * q.k`, capped at `soft_cap * tanh(logits / soft_cap)` when it is set.
+    With `sinks`, head h's softmax has one more logit, `sinks[h]`, whose weight is dropped
+    (attention sinks, as gpt-oss defines them).
     """
     length, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
@@ -102,7 +105,12 @@ def dense_causal_attention(
     mask = j <= i
     if sliding_window is not None:
         mask &= j > i - sliding_window
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    s = jnp.where(mask, s, -jnp.inf)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:  # the sink as one more column, dropped after the softmax
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (*s.shape[:2], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     return jnp.einsum("hqk,khd->qhd", p, v, precision=hi).astype(q.dtype)
 
 
@@ -198,7 +206,9 @@ class Attention(nnx.Module):
 
     `bias` puts biases on q/k/v (Qwen2). `qk_norm`, when given, makes the norm of
     every q and of every k head over the head dim (`q_norm`, `k_norm`: Qwen3, Gemma 3),
-    applied after the projection and before RoPE.
+    applied after the projection and before RoPE. `sinks` gives the layer attention
+    sinks (gpt-oss): a learned logit per query head, `self_attn.sinks [Hq]` (Hugging
+    Face's name), that the caller passes to the attention as `attention_sinks()`.
     """
 
     def __init__(
@@ -208,6 +218,7 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         bias: bool = False,
         qk_norm: Callable[[int], nnx.Module] | None = None,
+        sinks: bool = False,
     ):
         h, d = config.hidden_size, config.head_dim
         self.q_proj = linear(config, h, config.num_heads * d, bias=bias, rngs=rngs)
@@ -216,6 +227,10 @@ class Attention(nnx.Module):
         self.o_proj = linear(config, config.num_heads * d, h, bias=False, rngs=rngs)
         self.q_norm = None if qk_norm is None else qk_norm(d)
         self.k_norm = None if qk_norm is None else qk_norm(d)
+        init = nnx.initializers.normal(INIT_STD)
+        self.sinks = (
+            nnx.Param(init(rngs.params(), (config.num_heads,), config.dtype)) if sinks else None
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
 
     def qkv(
@@ -229,6 +244,10 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def attention_sinks(self) -> jax.Array | None:  # f32[Hq]
+        """The layer's attention sinks as float32 (the attention's `sinks=`), or None."""
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def out(self, attn: jax.Array) -> jax.Array:
         """`attn [T, Hq, D]` -> `[T, hidden]`."""

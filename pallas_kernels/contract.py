@@ -19,6 +19,11 @@ matrix unit consumes. Quantized pages carry per-token-per-head scales
 `kv_scales bf16[P, Hkv, 2, L]` beside them: `[p, h, KEY, j]` is token j's key scale,
 `[p, h, VALUE, j]` its value scale, and lanes `j >= ps` (L >= ps; on TPU ps rounded up
 to 128, see `layout.scale_lanes`) are padding, never read.
+
+Attention sinks (gpt-oss): an optional learned logit per query head, `sinks f32[Hq]`,
+that joins every softmax denominator and contributes no value (see the reference's
+docstring). None (the default) is no sink, and compiles to exactly the kernels without
+one: every backend branches on it in Python, at trace time.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class AttentionInputs:
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[1]
     kv_scales: jax.Array | None  # bf16[P, Hkv, 2, L], quantized pages only
+    sinks: jax.Array | None  # f32[Hq], attention sinks; None: no sink
     sm_scale: float = dataclasses.field(metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(metadata=dict(static=True))
@@ -128,6 +134,7 @@ def attention_inputs(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     kv_scales: jax.Array | None = None,  # bf16[P, Hkv, 2, L], L >= ps
+    sinks: jax.Array | None = None,  # [Hq] float, any float dtype; used as f32
 ) -> AttentionInputs:
     """Validates the arguments of a ragged paged attention call and bundles them.
 
@@ -210,6 +217,15 @@ def attention_inputs(
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap={soft_cap!r} must be a positive float or None")
+    if sinks is not None:
+        if jnp.ndim(sinks) != 1 or jnp.shape(sinks)[0] != num_q_heads:
+            raise ValueError(
+                f"sinks.shape={jnp.shape(sinks)} must be [Hq]=({num_q_heads},): one logit per "
+                f"query head"
+            )
+        if not jnp.issubdtype(jnp.result_type(sinks), jnp.floating):
+            raise ValueError(f"sinks.dtype={jnp.result_type(sinks)} must be a float dtype")
+        sinks = jnp.asarray(sinks, jnp.float32)
 
     shapes = AttentionShapes(
         num_tokens=num_tokens,
@@ -239,6 +255,7 @@ def attention_inputs(
         cu_q_lens,
         num_seqs,
         kv_scales,
+        sinks,
         sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=sliding_window,
@@ -251,7 +268,7 @@ def attention_op(impl: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
     `impl(inputs, *, <tunables>)` becomes `op(q, kv_pages, kv_lens, block_tables, cu_q_lens,
     num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, kv_scales=None,
-    <tunables>)`: the arguments of `attention_inputs`, then impl's own
+    sinks=None, <tunables>)`: the arguments of `attention_inputs`, then impl's own
     keyword-only tunables. The op validates them with `attention_inputs` and calls impl
     with the bundle, so the signature and its validation exist once for every backend.
     `op.impl` is impl itself, for a caller that holds a validated bundle already.

@@ -54,7 +54,7 @@ def ragged_paged_attention(
 
     Called as `ragged_paged_attention(q, kv_pages, kv_lens, block_tables, cu_q_lens,
     num_seqs, *, sm_scale, soft_cap=None, sliding_window=None, kv_scales=None,
-    backend="auto", interpret=False, block_sizes=None, decode_only=False)`.
+    sinks=None, backend="auto", interpret=False, block_sizes=None, decode_only=False)`.
 
     Every backend computes exactly what `ragged_paged_attention_reference` documents.
     `backend="auto"` picks the platform's kernel (the "xla" loop on the CPU);

@@ -43,6 +43,9 @@ def _reference(inputs: AttentionInputs) -> jax.Array:
     max_len = pages_per_seq * page_size
     kv_positions = jnp.arange(max_len, dtype=jnp.int32)
     seq_ids, positions, valid = token_layout(inputs.cu_q_lens, kv_lens, inputs.num_seqs, num_tokens)
+    sinks = None
+    if inputs.sinks is not None:
+        sinks = inputs.sinks.reshape(num_kv_heads, group, 1)  # f32[Hkv, G, 1]
 
     def one_row(args):
         q_row, seq, pos, ok = args  # [Hq, D], (), (), ()
@@ -69,10 +72,14 @@ def _reference(inputs: AttentionInputs) -> jax.Array:
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(mask, s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.max(s, axis=-1, keepdims=True)  # [Hkv, G, 1]
+        if sinks is not None:
+            m = jnp.maximum(m, sinks)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.where(mask, jnp.exp(s - m), 0.0)
         denom = jnp.sum(p, axis=-1, keepdims=True)
+        if sinks is not None:  # the sink's share of the denominator; it has no value
+            denom += jnp.exp(sinks - m)
         o = jnp.einsum("kgl,kld->kgd", p, v, precision=jax.lax.Precision.HIGHEST)
         o = o / jnp.where(denom > 0, denom, 1.0)
         return o.reshape(num_q_heads, head_dim)
@@ -89,7 +96,7 @@ def ragged_paged_attention_reference(inputs: AttentionInputs) -> jax.Array:  # [
 
     Called as `ragged_paged_attention_reference(q, kv_pages, kv_lens, block_tables,
     cu_q_lens, num_seqs, *, sm_scale, soft_cap=None, sliding_window=None,
-    kv_scales=None)` (see `attention_op`), with the shapes of
+    kv_scales=None, sinks=None)` (see `attention_op`), with the shapes of
     `attention_inputs`; returns `[T, Hq, D]` in `q.dtype`.
 
     Semantics (every backend implements exactly this):
@@ -111,6 +118,12 @@ def ragged_paged_attention_reference(inputs: AttentionInputs) -> jax.Array:  # [
       `soft_cap` is set; softmax over the visible positions; output the weighted sum
       of the values. Everything is computed in float32 at HIGHEST precision and the
       result is cast to `q.dtype`.
+    * Attention sinks: with `sinks` (`f32[Hq]`), query head h's sink logit `s_h` joins
+      the softmax's denominator and brings no value: with `x_j` the visible logits
+      (soft-capped if set; the sink is not scaled or capped) and
+      `m = max(s_h, max_j x_j)`, the output is
+      `sum_j exp(x_j - m) v_j / (exp(s_h - m) + sum_j exp(x_j - m))`. A sink of
+      `-inf` is no sink.
     * Padding rows (at or past `cu_q_lens[num_seqs]`) and rows that see no position
       are exactly zero, never NaN.
     * Block-table entries that hold no visible position of a live row are never

@@ -76,12 +76,13 @@ def _xla_attention(inputs: AttentionInputs, *, block_pages: int) -> jax.Array:
             acc = acc * alpha[..., None] + jnp.einsum("kgl,kld->kgd", p, v, precision=_HIGHEST)
             return m_new, denom, acc
 
-        init = (
-            jnp.full((num_kv_heads, group), -jnp.inf),
-            jnp.zeros((num_kv_heads, group)),
-            jnp.zeros((num_kv_heads, group, head_dim)),
-        )
-        # The first block always holds the row's own position, so m is finite after it.
+        if inputs.sinks is None:
+            m, denom = jnp.full((num_kv_heads, group), -jnp.inf), jnp.zeros((num_kv_heads, group))
+        else:  # the sink is the state before any key: its logit, weight exp(0) = 1, no value
+            m, denom = inputs.sinks.reshape(num_kv_heads, group), jnp.ones((num_kv_heads, group))
+        init = (m, denom, jnp.zeros((num_kv_heads, group, head_dim)))
+        # The first block always holds the row's own position, so m is finite after it
+        # (and a sink of -inf, weighted exp(-inf - m) = 0 there, drops out).
         _, denom, acc = jax.lax.fori_loop(first, last + 1, block, init)
         return (acc / denom[..., None]).reshape(num_q_heads, head_dim)
 

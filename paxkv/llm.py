@@ -92,7 +92,8 @@ class LLM:
             model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
         )
         config = _engine_config(config or default_engine_config(model_config, seed), engine_kwargs)
-        self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
+        draft = _draft_model(models, config, tokenizer, dtype=dtype, seed=seed, mesh=mesh)
+        self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh, draft_model=draft)
         self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
         # Each live call's outputs, kept for it while another call steps the engine.
@@ -424,6 +425,28 @@ def _engine_config(config: EngineConfig, engine_kwargs: dict[str, Any]) -> Engin
     """`config` with `engine_kwargs` (`EngineConfig` fields) in place."""
     _check_engine_kwargs(engine_kwargs)
     return dataclasses.replace(config, **engine_kwargs)
+
+
+def _draft_model(
+    models: Any, config: EngineConfig, tokenizer: Any, *, dtype: str | None, seed: int, mesh: Any
+) -> Any:
+    """The draft model that `config.speculative_config` names (method "draft_model"),
+    loaded like the target; None without one. ValueError when its tokenizer differs
+    from the target's (a draft must propose the target's token ids)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    _, draft, draft_tokenizer = models.load_model(spec.model, dtype=dtype, seed=seed, mesh=mesh)
+    probe = "def f(x):\n    return [x, 'é', 3.14]  # draft\n"
+    if (tokenizer is None) != (draft_tokenizer is None) or (
+        tokenizer is not None and tokenizer.encode(probe) != draft_tokenizer.encode(probe)
+    ):
+        raise ValueError(
+            f"speculative_config.model={spec.model!r}: the draft's tokenizer differs from "
+            "the target's (they encode the same text to different ids); a draft model must "
+            "share the target's tokenizer"
+        )
+    return draft
 
 
 def _check_engine_kwargs(engine_kwargs: dict[str, Any]) -> None:

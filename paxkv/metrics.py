@@ -279,3 +279,34 @@ class PrometheusCollector:
         for i, g in enumerate(stats["kv_groups"]):
             groups.add_metric([str(i), str(g["window"] or "global")], g["pages_held"])
         yield groups
+        yield from self._speculation(stats)
+
+    SPEC_COUNTERS = (
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+    )
+
+    def _speculation(self, stats: dict[str, Any]) -> Iterable[Any]:
+        """Speculative decoding's counters (vLLM's names), when the engine speculates,
+        and the acceptance rate per proposal position."""
+        if "spec_decode_num_drafts" not in stats:
+            return
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name in self.SPEC_COUNTERS:
+            yield CounterMetricFamily(
+                f"{self._prefix}:{name}", name.replace("_", " "), value=stats[name]
+            )
+        for name in ("spec_decode_acceptance_rate", "spec_decode_mean_accepted_length"):
+            yield GaugeMetricFamily(
+                f"{self._prefix}:{name}", name.replace("_", " "), value=stats[name]
+            )
+        per_pos = GaugeMetricFamily(
+            f"{self._prefix}:spec_decode_acceptance_per_position",
+            "fraction of drafts whose proposal at a position was accepted",
+            labels=["position"],
+        )
+        for i, rate in enumerate(stats["spec_decode_acceptance_per_position"]):
+            per_pos.add_metric([str(i)], rate)
+        yield per_pos

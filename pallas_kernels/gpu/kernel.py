@@ -55,6 +55,7 @@ class KernelConfig:
     sliding_window: int | None
     compute_dtype: jnp.dtype  # operand dtype of both dots (their accumulators are f32)
     quantized: bool
+    sinks: bool = False  # an input f32[Hq] of per-query-head sink logits after the pages
 
     @property
     def precision(self) -> lax.Precision | None:
@@ -283,15 +284,39 @@ def _store_rows(ref, index, value, row_ok):
     plgpu.store(ref.at[(*rows, cols)], value, mask=mask)
 
 
-def _unpack(refs, quantized: bool, num_outputs: int):
-    """Splits a kernel's refs into `(inputs, scales, outputs)`. The first input, the
-    output buffer the call aliases to its first output, is dropped: the kernel writes it
-    through the output ref."""
+def _unpack(refs, cfg: KernelConfig, num_outputs: int):
+    """Splits a kernel's refs into `(inputs, scales, sinks, outputs)` (scales and sinks
+    None when the call has none). The first input, the output buffer the call aliases to
+    its first output, is dropped: the kernel writes it through the output ref."""
     inputs, outputs = refs[1 : len(refs) - num_outputs], refs[len(refs) - num_outputs :]
-    if quantized:
+    scales = sinks = None
+    if cfg.sinks:
+        *inputs, sinks = inputs
+    if cfg.quantized:
         *inputs, scales = inputs
-        return inputs, scales, outputs
-    return inputs, None, outputs
+    return inputs, scales, sinks, outputs
+
+
+def _add_sinks(state, sinks_ref, heads, row_ok, include):
+    """The softmax state `(acc f32[M, D], row_max f32[M], denom f32[M])` of
+    `_attend_kv_blocks` with each row's attention sink added: its query head's logit
+    (`sinks_ref f32[Hq]` at `heads i32[M]`) joins the denominator, rescaled to the new max,
+    and adds no value. Only where `include` (a bool scalar): the program that holds its
+    sequence's first KV block, so the shares of a split sequence count the sink once.
+
+    Merged after the KV loop rather than as the loop's initial state: the loop keeps its
+    constant initial carry, and the kernels their registers (as a loop carry, the sink
+    spilled 12 bytes in the bf16 decode kernel at head_dim 256, which fits 128 registers
+    exactly without it). A sink of -inf adds nothing; a row that saw nothing and has a
+    finite sink gets `acc = 0`, `denom = 1`: zeros.
+    """
+    acc, row_max, denom = state
+    sink = sinks_ref[jnp.where(row_ok, heads, 0)].astype(jnp.float32)
+    sink = jnp.where(include, sink, -jnp.inf)
+    top = jnp.maximum(row_max, sink)
+    top_safe = jnp.where(top == -jnp.inf, 0.0, top)  # neither a key nor a sink
+    scale = jnp.exp(row_max - top_safe)
+    return scale[:, None] * acc, top, scale * denom + jnp.exp(sink - top_safe)
 
 
 def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
@@ -305,13 +330,16 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
     `o [T, Hq, D]` (q dtype) and, when `split`, the partials `acc f32[W, Hq, D], row_max f32[W, Hq], denom f32[W, Hq]`. An
     item that covers its whole sequence writes the normalized row of `o` (the sequence's
     one query token) itself; an item that covers a share writes its partials, which
-    `combine_splits` merges. Idle items read no KV block and store nothing.
+    `combine_splits` merges. Idle items read no KV block and store nothing. With sinks
+    (`sinks f32[Hq]` after the pages and scales), the item holding a sequence's first KV
+    block adds it (`_add_sinks`).
     """
     (
         (item_seq, item_lo, item_hi, kv_lens, block_tables, cu_q_lens, q_ref, pages),
         scales,
+        sinks_ref,
         outs,
-    ) = _unpack(refs, cfg.quantized, 4 if split else 1)
+    ) = _unpack(refs, cfg, 4 if split else 1)
     kv = KvRefs(block_tables, pages, scales)
     item, kv_head = pl.program_id(0), pl.program_id(1)
     # Idle items have an empty block range and masked rows, rather than a `pl.when`
@@ -332,6 +360,9 @@ def decode_kernel(*refs, cfg: KernelConfig, split: bool) -> None:
         lo=lo, hi=hi, start=start, block_lo=block_lo, block_hi=block_hi,
         full=interior_blocks(last, last, start, num_blocks, cfg), cfg=cfg,
     )  # fmt: skip
+    if sinks_ref is not None:
+        state = (acc, row_max, denom)
+        acc, row_max, denom = _add_sinks(state, sinks_ref, heads, row_ok, block_lo == 0)
     whole = (block_lo == 0) & (block_hi == num_blocks)
     o_ref = outs[0]
     out = _normalize(acc, denom).astype(o_ref.dtype)
@@ -356,8 +387,9 @@ def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
     (
         (block_seq, block_index, kv_lens, block_tables, cu_q_lens, q_ref, pages),
         scales,
+        sinks_ref,
         (o_ref,),
-    ) = _unpack(refs, cfg.quantized, 1)
+    ) = _unpack(refs, cfg, 1)
     kv = KvRefs(block_tables, pages, scales)
     block, kv_head = pl.program_id(0), pl.program_id(1)
     seq = block_seq[block]
@@ -384,10 +416,13 @@ def prefill_kernel(*refs, cfg: KernelConfig, rows: int) -> None:
         first_pos = context + first
         last_pos = jnp.minimum(first_pos + _i32(rows - 1), kv_len - 1)
         lo, hi, start, num_blocks = visible_range(first_pos, last_pos, cfg)
-        acc, _, denom = _attend_kv_blocks(
+        state = _attend_kv_blocks(
             q, context + local, row_ok, kv, seq=seq, kv_head=kv_head, lo=lo, hi=hi,
             start=start, block_lo=_i32(0), block_hi=num_blocks,
             full=interior_blocks(first_pos, last_pos, start, num_blocks, cfg), cfg=cfg,
         )  # fmt: skip
+        if sinks_ref is not None:
+            state = _add_sinks(state, sinks_ref, heads, row_ok, True)
+        acc, _, denom = state
         out = _normalize(acc, denom).astype(o_ref.dtype)
         _store_rows(o_ref, (tokens, heads), out, row_ok)

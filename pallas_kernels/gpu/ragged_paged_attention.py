@@ -17,7 +17,9 @@ sizes and the shared-memory estimate in `block_sizes.py`):
   the G heads and loops over the pages that block can see with an online softmax.
 
 Both kernels write their rows into one output buffer (aliased from one kernel to the
-next); padding rows are exact zeros.
+next); padding rows are exact zeros. Attention sinks (`sinks f32[Hq]`) are one more
+input of both kernels, added to each row's softmax state after its KV loop by the
+program holding the sequence's first KV block (`kernel._add_sinks`).
 
 Limits (ValueError at trace time): head_dim in (64, 128, 256); the shared contract's page
 sizes (powers of two in [8, 1024]). Triton tensors must be powers of two and a
@@ -141,6 +143,7 @@ def _ragged_paged_attention_gpu(
             sliding_window=inputs.sliding_window,
             compute_dtype=compute_dtype(q.dtype, inputs.kv_pages.dtype),
             quantized=shapes.quantized,
+            sinks=inputs.sinks is not None,
         )
 
     out = _decode(
@@ -401,5 +404,6 @@ def _prefill(
 
 def _kv_refs(inputs: AttentionInputs) -> tuple[jax.Array, ...]:
     """The operands both kernels take after their scalars: q, the pages and their scales
-    (in the kernels' view, `kv_views`)."""
-    return (inputs.q, *kv_views(inputs.kv_pages, inputs.kv_scales))
+    (in the kernels' view, `kv_views`), and the sinks when the call has them."""
+    sinks = () if inputs.sinks is None else (inputs.sinks,)
+    return (inputs.q, *kv_views(inputs.kv_pages, inputs.kv_scales), *sinks)

@@ -62,6 +62,7 @@ class KernelConfig:
     quantized: bool
     compute_dtype: np.dtype  # operand dtype of both dots (`contract.compute_dtype`)
     items_per_step: int = 1  # work items one grid step runs in turn
+    sinks: bool = False  # an SMEM input f32[Hq] of per-query-head sink logits
 
     @property
     def block_tokens(self) -> int:
@@ -104,6 +105,41 @@ def _visible(cfg: KernelConfig, shape, col_start, first_pos, num_rows):
     if cfg.sliding_window is not None:
         vis &= r < d + cfg.sliding_window * g
     return vis
+
+
+def _start_softmax(cfg: KernelConfig, sinks_ref, stats, head_start) -> None:
+    """Resets the online-softmax state `(m, l, acc)` of every head of the block for a new
+    item.
+
+    Without sinks: `m = MASK_VALUE`, `l = 0`. With sinks, each row starts as if it had
+    seen its query head's sink logit and nothing else: `m = s_h`, `l = exp(s_h - m) = 1`
+    and no value, so the sink enters the denominator once and is rescaled with it (as
+    JAX's splash attention starts its rows). A sink of -inf is exact too: the first
+    block's `alpha = exp(-inf - m_new)` is 0.
+    """
+    m_ref, l_ref, acc_ref = stats
+    if not cfg.sinks:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        return
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    g = cfg.group_size
+    shape = (cfg.rows, STATS_LANES)
+    # Row r is query head r % G of the group (padding rows past the item's tokens too;
+    # they see nothing and give zeros whatever their sink).
+    head_of_row = lax.rem(lax.broadcasted_iota(jnp.int32, shape, 0), g)
+
+    def head(h, carry):
+        first = (head_start + h) * g  # the group's first query head
+        m = jnp.full(shape, sinks_ref[first], jnp.float32)
+        for j in range(1, g):
+            m = jnp.where(head_of_row == j, sinks_ref[first + j], m)
+        m_ref[h] = m
+        return carry
+
+    lax.fori_loop(0, cfg.kv_heads_per_block, head, 0)
 
 
 def _attend_block(
@@ -180,7 +216,7 @@ def ragged_paged_attention_kernel(
     # Inputs.
     q_ref,  # [hb, k, M, D] VMEM block of this step's k items
     kv_hbm,  # [P, Hkv, ps, 2 * D] HBM
-    *refs,  # ([scales_hbm] bf16[P, Hkv, 2, L]), o_ref, scratch...
+    *refs,  # ([scales_hbm] bf16[P, Hkv, 2, L]), ([sinks] f32[Hq] SMEM), o_ref, scratch...
     cfg: KernelConfig,
 ) -> None:
     """Grid step `(core, kv head block, w)`: attention of k items' rows for `hb` heads.
@@ -189,11 +225,14 @@ def ragged_paged_attention_kernel(
     from the first one its window can see to the one holding its last row, exact zeros
     for rows that see nothing (padding items and slots).
     """
+    scales_hbm = sinks_ref = k_scales = v_scales = None
     if cfg.quantized:
-        scales_hbm, o_ref, kvbuf, sbuf, k_scales, v_scales, *refs = refs
-    else:
-        o_ref, kvbuf, *refs = refs
-        k_scales = v_scales = None
+        scales_hbm, *refs = refs
+    if cfg.sinks:
+        sinks_ref, *refs = refs
+    o_ref, kvbuf, *refs = refs
+    if cfg.quantized:
+        sbuf, k_scales, v_scales, *refs = refs
     sems, slot_ref, m_ref, l_ref, acc_ref = refs
     ps, ppb, pps = cfg.page_size, cfg.pages_per_block, cfg.pages_per_seq
     hb = cfg.kv_heads_per_block
@@ -292,11 +331,9 @@ def ragged_paged_attention_kernel(
         def _():  # nothing of its own to overlap: the next item's block goes into `base`
             start_next(base)
 
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         bufs = (q_item, kvbuf, k_scales, v_scales)
         stats = (m_ref, l_ref, acc_ref)
+        _start_softmax(cfg, sinks_ref, stats, head_start)
 
         def body(block, carry):
             slot = lax.rem(base + block, 2)
@@ -331,7 +368,8 @@ def ragged_paged_attention_kernel(
         slot_ref[0] = lax.rem(base + num_blocks, 2)  # where the next item's first block is
 
         denom = l_ref[...][:, :, :1]  # [hb, M, 1]
-        # Rows that saw nothing (padding) have denom 0: exact zeros, never 0 / 0.
+        # Rows that saw nothing (padding) have denom 0, or a sink's share and acc 0: exact
+        # zeros, never 0 / 0.
         out = jnp.where(denom > 0, acc_ref[...] / jnp.where(denom > 0, denom, 1.0), 0.0)
         o_item[...] = out.astype(o_item.dtype)
         return carry

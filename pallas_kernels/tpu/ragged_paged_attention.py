@@ -16,6 +16,9 @@ item's tokens x the `G = Hq / Hkv` query heads of one KV head (zero-padded); the
 kernel's output slots are scattered back to `[T, Hq, D]` after it. Both moves fuse
 with the head transpose that the `[M, D]` tile needs anyway.
 
+Sinks. Attention sinks (`sinks f32[Hq]`) go to the kernel whole, in SMEM; each item
+starts its rows' online softmax from their query heads' sinks (`kernel._start_softmax`).
+
 Decode. `BlockSizes(decode=True)` picks defaults for batches of single-token rows: one
 token per item (`M = G` rounded up to 8, so no rows are wasted on other sequences'
 queries) and larger page blocks. It stays exact for any batch, only slower on prefill
@@ -39,12 +42,16 @@ from .kernel import STATS_LANES, KernelConfig, ragged_paged_attention_kernel
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
-def check_smem(shapes: AttentionShapes, bs: BlockSizes, chip: ChipInfo) -> None:
-    """Raises ValueError if the scalar-prefetched arrays overflow SMEM: the block table
-    (S x pages_per_seq int32) is by far the largest. `bs` is resolved."""
+def check_smem(
+    shapes: AttentionShapes, bs: BlockSizes, chip: ChipInfo, sinks: bool = False
+) -> None:
+    """Raises ValueError if the arrays in SMEM overflow it: the block table (S x
+    pages_per_seq int32) is by far the largest; `sinks` adds Hq float32 sink logits. `bs`
+    is resolved."""
     s = shapes.max_num_seqs
     items = num_item_slots(shapes.num_tokens, s, bs)
-    needed = 4 * (s + s * shapes.pages_per_seq + s + 1 + 1 + 3 * items + 1)
+    sink_words = shapes.num_q_heads if sinks else 0
+    needed = 4 * (s + s * shapes.pages_per_seq + s + 1 + 1 + 3 * items + 1 + sink_words)
     if needed > chip.smem_budget_bytes:
         raise ValueError(
             f"the scalar-prefetched block table (S={s} x pages_per_seq={shapes.pages_per_seq} "
@@ -167,10 +174,13 @@ def _ragged_paged_attention(
         quantized=quantized,
         compute_dtype=compute_dtype(q.dtype, kv_pages.dtype),
         items_per_step=k,
+        sinks=inputs.sinks is not None,
     )
     item_block = pl.BlockSpec((hb, None, k, rows, head_dim), lambda c, h, w, *_: (h, c, w, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = [item_block, hbm] + ([hbm] if quantized else [])
+    sinks = () if inputs.sinks is None else (inputs.sinks,)
+    in_specs += [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sinks)  # f32[Hq], whole
     ppb = bs.pages_per_block
     # K and V of hb heads of ppb pages, double-buffered.
     scratch = [pltpu.VMEM((2, ppb, hb, page_size, 2 * head_dim), kv_pages.dtype)]
@@ -217,6 +227,7 @@ def _ragged_paged_attention(
         q_items,
         kv_pages,
         *inputs.scales,
+        *sinks,
     )
 
     # Item slots back to packed rows: row t at offset o in sequence s sits in slot
@@ -258,7 +269,7 @@ def ragged_paged_attention_tpu(
         raise ValueError(f"{block_sizes=} must be a tpu.BlockSizes")
     chip = chip_info(interpret)
     block_sizes = block_sizes.resolve(shapes, q_dtype, page_dtype, chip=chip)
-    check_smem(shapes, block_sizes, chip)
+    check_smem(shapes, block_sizes, chip, sinks=inputs.sinks is not None)
     needed = sum(vmem_bytes(shapes, block_sizes, q_dtype, page_dtype).values())
     if shapes.num_tokens == 0:
         return jnp.zeros(inputs.q.shape, q_dtype)

@@ -66,6 +66,17 @@ _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at 
 _MAX_TOKENS = flags.DEFINE_integer("max_num_batched_tokens", 8192, "Tokens per step.")
 _CACHING = flags.DEFINE_bool("enable_prefix_caching", True, "Prefix caching.")
 _ASYNC = flags.DEFINE_bool("async_scheduling", False, "The async pipeline's host path.")
+_VOCAB = flags.DEFINE_integer(
+    "vocab", VOCAB, "The fake model's (and a generated trace's) vocabulary."
+)
+_SPEC_K = flags.DEFINE_integer(
+    "spec_k", 0, "Speculative decoding with n-gram proposals of up to this many tokens; 0: off."
+)
+_SPEC_ACCEPTANCE = flags.DEFINE_float(
+    "spec_acceptance",
+    None,
+    "With --spec_k: the fraction of each draft the fake runner accepts; unset: its greedy rule.",
+)
 _WINDOWS = flags.DEFINE_list(
     "layer_windows",
     ["global"],
@@ -88,9 +99,10 @@ def make_trace(
     output_len: int | None = None,
     prompt_len: int | None = None,
     shared_prefix: int = 0,
+    vocab: int = VOCAB,
 ) -> dict[str, Any]:
     """A trace as the module docstring describes it (`output_len` / `prompt_len`: fixed
-    lengths instead of log-normal ones)."""
+    lengths instead of log-normal ones; tokens drawn from `vocab`)."""
     rng = np.random.default_rng(seed)
     prompt_lens = _lognormal_mean(300, 2048).sample(rng, num_requests)
     if prompt_len is not None:
@@ -100,13 +112,13 @@ def make_trace(
     else:
         output_lens = np.full(num_requests, output_len)
     arrivals = np.cumsum(rng.exponential(1 / arrival_rate, num_requests)).astype(np.int64)
-    prefix = rng.integers(0, VOCAB, shared_prefix).tolist()
+    prefix = rng.integers(0, vocab, shared_prefix).tolist()
     return {
         "requests": [
             {
                 "id": f"req-{i}",
                 "arrival_step": int(arrivals[i]),
-                "prompt": prefix + rng.integers(0, VOCAB, int(prompt_lens[i])).tolist(),
+                "prompt": prefix + rng.integers(0, vocab, int(prompt_lens[i])).tolist(),
                 "max_tokens": int(output_lens[i]),
             }
             for i in range(num_requests)
@@ -142,11 +154,19 @@ def run(
     trace: dict[str, Any],
     config: EngineConfig,
     layer_windows: tuple[int | None, ...] = (None,),
+    *,
+    vocab: int = VOCAB,
+    accept_fraction: float | None = None,
 ) -> dict[str, Any]:
     """Replays `trace` through an engine over the fake runner, whose layers have
-    `layer_windows` (None: global); returns the results."""
+    `layer_windows` (None: global) and which accepts `accept_fraction` of each
+    speculative draft (`FakeRunner`); returns the results."""
     engine = Engine(
-        None, config, runner=lambda c: FakeRunner(VOCAB, c, layer_windows=layer_windows)
+        None,
+        config,
+        runner=lambda c: FakeRunner(
+            vocab, c, layer_windows=layer_windows, accept_fraction=accept_fraction
+        ),
     )
     clock = _Clock()
     # Instrument the parts of a step on this engine's objects only.
@@ -154,7 +174,7 @@ def run(
     decode_only = []  # per step: every chunk decodes one token
 
     def layout(plan, *args, **kwargs):
-        decode_only.append(plan.num_tokens == len(plan.chunks))
+        decode_only.append(all(c.num_tokens - c.num_draft == 1 for c in plan.chunks))
         return engine_layout(plan, *args, **kwargs)
 
     builder = engine.batch_builder
@@ -210,6 +230,8 @@ def run(
         "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
         "all_finished": produced == forced,
         "pages_in_use_at_end": engine.pool.num_in_use,
+        "generation_tokens": stats["generation_tokens"],
+        "speculation": engine.speculator.stats() if engine.speculator is not None else None,
         "per_step_us": {
             clock_name: {
                 "all": _summary(rows, clock_name, lambda r: True),
@@ -277,6 +299,7 @@ def main(argv: list[str]) -> None:
             output_len=_OUTPUT_LEN.value,
             prompt_len=_PROMPT_LEN.value,
             shared_prefix=_SHARED_PREFIX.value,
+            vocab=_VOCAB.value,
         )
     if _MAKE_TRACE.value is not None:
         with open(_MAKE_TRACE.value, "w") as f:
@@ -293,15 +316,31 @@ def main(argv: list[str]) -> None:
         async_scheduling=_ASYNC.value,
         num_decode_steps=1,
         log_stats_interval_s=0.0,
+        speculative_config=(
+            {
+                "num_speculative_tokens": _SPEC_K.value,
+                "prompt_lookup_min": 1,
+                "grow_token_bucket": True,
+            }
+            if _SPEC_K.value
+            else None
+        ),
     )
     windows = tuple(None if w == "global" else int(w) for w in _WINDOWS.value)
-    result = run(trace, config, windows)
+    result = run(trace, config, windows, vocab=_VOCAB.value, accept_fraction=_SPEC_ACCEPTANCE.value)
     print(
         f"steps {result['steps']}, preemptions {result['preemptions']}, peak running "
         f"{result['peak_running']}, prefix hit rate {result['prefix_hit_rate']:.1%}, "
         f"all finished {result['all_finished']}, pages in use at end "
         f"{result['pages_in_use_at_end']}"
     )
+    spec = result["speculation"]
+    if spec is not None:
+        print(
+            f"speculation: {spec['spec_decode_num_drafts']} drafts, mean accepted length "
+            f"{spec['spec_decode_mean_accepted_length']:.2f}, "
+            f"{result['generation_tokens'] / result['steps']:.1f} tokens per step"
+        )
     print(_table(result))
     if _JSON_OUT.value is not None:
         with open(_JSON_OUT.value, "w") as f:

@@ -19,12 +19,16 @@ class BatchBuilder:
       scheduler: whose plans, and whose persistent batch holds their rows.
       page_size: tokens per page.
       buckets: the step's declared padded sizes.
+      draft_width: most speculative proposals a chunk may carry (0: none).
     """
 
-    def __init__(self, scheduler: Scheduler, *, page_size: int, buckets: Buckets) -> None:
+    def __init__(
+        self, scheduler: Scheduler, *, page_size: int, buckets: Buckets, draft_width: int = 0
+    ) -> None:
         self.scheduler = scheduler
         self.page_size = page_size
         self.buckets = buckets
+        self.draft_width = draft_width
 
     def build_batch(
         self, plan: SchedulerOutput, pending: dict[int, int] | None = None
@@ -44,6 +48,7 @@ class BatchBuilder:
             buckets=self.buckets,
             rows=self.scheduler.batch_rows,
             pending=pending,
+            draft_width=self.draft_width,
         )
         while True:
             try:

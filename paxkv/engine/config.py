@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from paxkv.host.batch import Buckets
+from paxkv.host.speculative import SpeculativeConfig
 from paxkv.pallas_kernels.dispatch import BACKENDS, DETERMINISTIC, resolve_backend
 from paxkv.pallas_kernels.layout import (
     KV_CACHE_DTYPES,
@@ -68,13 +69,17 @@ class EngineConfig:
     num_decode_steps: int | None = _field(
         None,
         "Decode steps per compiled call (`paxkv.engine.step.decode_loop`) when every "
-        "scheduled sequence decodes; unset: 8 on accelerators, 1 on CPU.",
+        "scheduled sequence decodes; unset: 8 on accelerators, 1 on CPU or with "
+        "speculative decoding.",
     )
     async_scheduling: bool = _field(
         False,
         "Schedule step k+1 while the device runs step k (`paxkv.engine.pipeline`; needs "
         "num_decode_steps=1).",
     )
+    # Speculative decoding (`paxkv.host.speculative`): a `SpeculativeConfig` or a dict of
+    # its fields, as vLLM's `speculative_config`; None: off.
+    speculative_config: SpeculativeConfig | None = None
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
@@ -122,6 +127,20 @@ class EngineConfig:
             raise ValueError(f"num_pages={self.num_pages} must be at least 2 (page 0 is reserved)")
         if self.num_decode_steps is not None:
             check_int("num_decode_steps", self.num_decode_steps, lo=1)
+        spec = SpeculativeConfig.of(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and self.async_scheduling:
+            raise ValueError(
+                "speculative_config cannot be used with async_scheduling=True: a step's "
+                "proposals come from the tokens the step before accepted, which the host "
+                "must have read before it plans the step"
+            )
+        if spec is not None and (self.num_decode_steps or 1) > 1:
+            raise ValueError(
+                f"speculative_config cannot be used with num_decode_steps="
+                f"{self.num_decode_steps}: a speculative step already emits up to "
+                f"{spec.num_speculative_tokens + 1} tokens per sequence; set num_decode_steps=1"
+            )
         if self.async_scheduling and (self.num_decode_steps or 1) > 1:
             raise ValueError(
                 f"async_scheduling runs one decode step per call: set num_decode_steps=1, "
@@ -150,10 +169,11 @@ class EngineConfig:
             )
 
     def for_backend(self, backend: str) -> EngineConfig:
-        """This config with `num_decode_steps` decided for `backend` ("cpu", "gpu", "tpu")."""
+        """This config with `num_decode_steps` decided for `backend` ("cpu", "gpu", "tpu"):
+        1 with speculative decoding, whose steps emit several tokens already."""
         if self.num_decode_steps is not None:
             return self
-        one = backend == "cpu" or self.async_scheduling
+        one = backend == "cpu" or self.async_scheduling or self.speculative_config is not None
         return dataclasses.replace(self, num_decode_steps=1 if one else 8)
 
     @property

@@ -29,6 +29,7 @@ from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
+from paxkv.host.speculative import Speculator
 from paxkv.metrics import EngineMetrics, engine_stats
 from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
@@ -59,6 +60,9 @@ class Engine:
         None: a `ModelRunner` of `model` (on `mesh`). With a runner, `model` may be None,
         e.g. `runner=lambda config: FakeRunner(32000, config)` runs the whole host path
         without a model or a device.
+      draft_model: the draft model when `config.speculative_config` has method
+        "draft_model": an NNX causal LM like `model`, with its vocabulary
+        (`paxkv.engine.draft`).
     """
 
     def __init__(
@@ -70,20 +74,32 @@ class Engine:
         mesh: Any = None,
         reservation: PagedReservation | None = None,
         runner: Callable[[EngineConfig], StepRunner] | None = None,
+        draft_model: nnx.Module | None = None,
     ) -> None:
         platform = jax.default_backend()
         self.config = config = (config or EngineConfig()).for_backend(platform)
+        spec = config.speculative_config
+        wants_draft = spec is not None and spec.method == "draft_model"
+        if wants_draft != (draft_model is not None) and runner is None:
+            raise ValueError(
+                "speculative_config method 'draft_model' needs draft_model= (the draft "
+                "model object; LLM loads it by name)"
+                if wants_draft
+                else "draft_model= needs speculative_config={'method': 'draft_model', ...}"
+            )
         if runner is not None:
             self.runner = runner(config)
         else:
             mesh = mesh if mesh is not None else shardings.default_mesh()
-            self.runner = ModelRunner(model, config, mesh)
+            self.runner = ModelRunner(model, config, mesh, draft_model)
         mc = self.model_config = self.runner.model_config
         config.check_serves(mc, platform)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self.pool = PagePool(config.num_pages)
-        self.scheduler = _scheduler(config, self.pool, reservation, self.runner)
+        self._buckets = config.buckets()
+        self.speculator = Speculator(spec, self._buckets.tokens) if spec is not None else None
+        self.scheduler = _scheduler(config, self.pool, reservation, self.runner, self.speculator)
         self.requests = RequestRegistry(
             self.scheduler,
             vocab_size=mc.vocab_size,
@@ -92,9 +108,11 @@ class Engine:
             seed=config.seed,
             max_logprobs=config.max_logprobs,
         )
-        self._buckets = config.buckets()
         self.batch_builder = BatchBuilder(
-            self.scheduler, page_size=config.page_size, buckets=self._buckets
+            self.scheduler,
+            page_size=config.page_size,
+            buckets=self._buckets,
+            draft_width=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.metrics = EngineMetrics()
         # Final outputs of ended requests, reported by the next step.
@@ -298,12 +316,15 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The run's metrics so far (see `paxkv.metrics.engine_stats`)."""
-        return engine_stats(
+        stats = engine_stats(
             self.metrics,
             self.scheduler,
             num_compilations=self.num_compilations,
             compile_time_s=self.runner.compile_seconds,
         )
+        if self.speculator is not None:
+            stats.update(self.speculator.stats())
+        return stats
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compiles every bucket now, so no request waits for a compilation later.
@@ -320,7 +341,11 @@ class Engine:
 
 
 def _scheduler(
-    config: EngineConfig, pool: PagePool, reservation: PagedReservation | None, runner: StepRunner
+    config: EngineConfig,
+    pool: PagePool,
+    reservation: PagedReservation | None,
+    runner: StepRunner,
+    speculator: Speculator | None,
 ) -> Scheduler:
     """The host scheduler of an engine with `config`, over `pool` and the runner's KV
     groups (one group unless the model mixes windows)."""
@@ -334,4 +359,5 @@ def _scheduler(
         enable_prefix_caching=config.enable_prefix_caching,
         reservation=reservation,
         kv_groups=getattr(runner, "kv_groups", None),
+        speculator=speculator,
     )

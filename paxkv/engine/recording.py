@@ -21,8 +21,9 @@ def record_samples(
 ) -> list[float | None]:
     """Hands one iteration's samples to `scheduler.update`; `valid` masks a multi-step
     loop's (None: every sampling chunk got a token). A sequence whose result cannot be
-    read fails alone. Returns, per token recorded, the time since the sequence's previous
-    token (None for its first)."""
+    read fails alone. Returns, per token produced, the time since the sequence's previous
+    token (None for its first, and for the tokens after the first that one speculative
+    step produced for a sequence: they arrive together)."""
     if valid is None:
         record_scores(plan, samples)
     tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
@@ -32,7 +33,12 @@ def record_samples(
         seq = c.seq
         previous.append(seq.last_token_time)
         result = None
-        if c.samples and (valid is None or valid[i]) and seq.status is running:
+        if c.num_draft and seq.status is running:
+            try:
+                result = verified_results(samples, i, seq)
+            except Exception as e:  # isolated: only this sequence fails
+                scheduler.fail(seq, e)
+        elif c.samples and (valid is None or valid[i]) and seq.status is running:
             if seq.track_top:  # the top-k too
                 try:
                     result = sample_result(samples, i, seq)
@@ -51,10 +57,39 @@ def record_samples(
                     f"multi-step decode disagrees with the host about {c.seq.seq_id}: "
                     f"running={ran}, token produced={got is not None}"
                 )
+    gaps: list[float | None] = []
+    for c, before, got in zip(plan.chunks, previous, sampled, strict=True):
+        if got is None:
+            continue
+        gaps.append(None if before is None else c.seq.last_token_time - before)
+        if c.num_draft:  # the step's other tokens arrived with the first (vLLM's count)
+            gaps.extend([None] * (len(got) - 1))
+    return gaps
+
+
+def verified_results(samples: Sampled, row: int, seq: SequenceState) -> list[tuple]:
+    """Row `row`'s speculative verdict (`Sampled.spec`, host arrays) as
+    `Scheduler.update` takes it: `(token, logprob[, top-k])` for each accepted proposal
+    and the target's token after them."""
+    spec = samples.spec
+    n = int(spec.num_accepted[row]) + 1
+    tokens = spec.tokens[row, :n].tolist()
+    scores = spec.scores
+    logprobs = scores.logprobs[row, :n].tolist()
+    k = seq.params.logprobs
+    if k is None:
+        return list(zip(tokens, logprobs, strict=True))
     return [
-        None if before is None else c.seq.last_token_time - before
-        for c, before, got in zip(plan.chunks, previous, sampled, strict=True)
-        if got is not None
+        (
+            tokens[j],
+            logprobs[j],
+            (
+                tuple(scores.top_ids[row, j, :k].tolist()),
+                tuple(scores.top_logprobs[row, j, :k].tolist()),
+                int(scores.ranks[row, j]),
+            ),
+        )
+        for j in range(n)
     ]
 
 

@@ -23,7 +23,7 @@ from paxkv.engine import step as steps
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.params import ParamSource
-from paxkv.engine.sampling import Sampled, Scored
+from paxkv.engine.sampling import Sampled, Scored, Speculated
 from paxkv.engine.step import DecodeLimits, StepBatch
 from paxkv.host.batch import HostBatch
 from paxkv.host.kv_groups import KVCacheGroups
@@ -79,9 +79,17 @@ class ModelRunner(StepRunner):
       model: the NNX causal LM (see `paxkv.engine.Engine`).
       config: the engine's settings, `num_decode_steps` decided.
       mesh: a `jax.sharding.Mesh` of one replica, or None for one device.
+      draft_model: the draft model of speculative decoding's "draft_model" method
+        (`paxkv.engine.draft`), with its own cache over the same pages; None: none.
     """
 
-    def __init__(self, model: nnx.Module, config: EngineConfig, mesh: Any = None) -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        config: EngineConfig,
+        mesh: Any = None,
+        draft_model: nnx.Module | None = None,
+    ) -> None:
         mc = model.config
         factor = 1
         if mesh is not None and hasattr(model, "duplicate_kv_heads"):
@@ -118,6 +126,7 @@ class ModelRunner(StepRunner):
             )
         self._cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
+        self.draft = None if draft_model is None else _Draft(draft_model, self)
 
     def _new_cache(self) -> PagedKVCache:
         """An empty KV cache of the engine's pages (on a mesh: born sharded)."""
@@ -132,9 +141,11 @@ class ModelRunner(StepRunner):
 
     def restore_cache(self) -> bool:
         """A new, empty cache in the old one's shardings if a step call that raised had
-        been given the cache (donated: its buffers are deleted). Whether it did."""
+        been given the cache (donated: its buffers are deleted), the draft model's too.
+        Whether it did."""
+        lost = self.draft is not None and self.draft.restore_cache()
         if not any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
-            return False
+            return lost
         self.kv_cache = jax.device_put(self._new_cache(), self._cache_shardings)
         return True
 
@@ -149,17 +160,21 @@ class ModelRunner(StepRunner):
         return self._compiles.seconds
 
     def _run_step(self, batch: StepBatch, token_src: jax.Array) -> Sampled:
+        draft = self.draft
         with self._compiles.counting():
-            sampled, self.kv_cache = steps.MODEL_STEP(
+            sampled, self.kv_cache, draft_cache = steps.MODEL_STEP(
                 self.graphdef,
                 self.params,
                 self.kv_cache,
                 batch,
                 token_src,
                 self._prev_tokens,
+                *(() if draft is None else (draft.graphdef, draft.params, draft.cache)),
                 attention_backend=self.config.step_attention_backend,
                 num_logprobs=self.config.max_logprobs,
             )
+        if draft is not None:
+            draft.cache = draft_cache
         self._prev_tokens = sampled.tokens
         return sampled
 
@@ -197,16 +212,74 @@ class ModelRunner(StepRunner):
         self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
     ) -> None:
         """Compiles the one-step function (and the N-step loop) for every shape, each
-        with and without penalty histories (the two variants a step can have)."""
+        with and without penalty histories (the two variants a step can have), and with
+        speculative decoding each of those with and without proposals."""
         page_size, num_groups = self.config.page_size, self.kv_groups.num_groups
+        spec = self.config.speculative_config
+        drafts = (0,) if spec is None else (0, spec.num_speculative_tokens)
         for i, (t, s, p) in enumerate(shapes):
             for penalties in (False, True):
-                batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
-                jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
+                for k in drafts:
+                    batch = StepBatch.empty(
+                        t, s, p, page_size, num_groups, penalties=penalties, num_draft=k
+                    )
+                    jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
                 if self.config.num_decode_steps > 1:
+                    batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
                     jax.block_until_ready(self._run_loop(batch, DecodeLimits.from_host([], [], s)))
             if progress is not None:
                 progress(i + 1, len(shapes))
+
+
+class _Draft:
+    """A draft model's weights and its KV cache, whose pages mirror the target's (the
+    same page count and size, so the same block tables index both)."""
+
+    def __init__(self, model: nnx.Module, target: ModelRunner) -> None:
+        mc, config = model.config, target.config
+        if mc.vocab_size != target.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocab_size={mc.vocab_size} differs from the target's "
+                f"{target.model_config.vocab_size}: a draft must share the target's tokenizer"
+            )
+        groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
+        if groups.num_groups != 1 or target.kv_groups.num_groups != 1:
+            raise ValueError(
+                "speculative_config method 'draft_model' needs one KV-cache group in the "
+                "draft and the target (no hybrid sliding-window groups): the draft's cache "
+                "is indexed by the target's one block table"
+            )
+        self.graphdef, self.params = nnx.split(model)
+        self.mesh = target.mesh
+
+        def new_cache() -> PagedKVCache:
+            return shardings.sharded_cache(
+                lambda: PagedKVCache.for_model(
+                    mc, config.num_pages, config.page_size, config.kv_cache_dtype, groups
+                ),
+                mc.num_kv_heads,
+                self.mesh,
+            )
+
+        self._new_cache = new_cache
+        self.cache = new_cache()
+        if self.mesh is not None:
+            self.graphdef, self.params, self.cache = shardings.shard_engine_state(
+                self.graphdef, self.params, self.cache, self.mesh
+            )
+        else:
+            state = (self.params, self.cache)
+            self.params, self.cache = jax.device_put(
+                state, jax.tree.map(lambda x: x.sharding, state)
+            )
+        self._shardings = jax.tree.map(lambda a: a.sharding, self.cache)
+
+    def restore_cache(self) -> bool:
+        """A new, empty cache if a failed call had it donated; whether it had."""
+        if not any(a.is_deleted() for a in jax.tree.leaves(self.cache)):
+            return False
+        self.cache = jax.device_put(self._new_cache(), self._shardings)
+        return True
 
 
 def fake_token(tokens: np.ndarray, positions: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -220,9 +293,10 @@ class FakeRunner(StepRunner):
     """A step runner with no model and no device: each sequence's next token is
     `fake_token(its last input token, that token's position)`, its logprob -1, and its
     top logprobs the next `max_logprobs` ids after it; a scored row's target likewise
-    (logprob -1, rank 1, top ids the target and those after it). Deterministic and
-    batch-independent, like the real greedy step, so the engine's host path runs
-    unchanged over it.
+    (logprob -1, rank 1, top ids the target and those after it); speculative proposals
+    are accepted while each equals the fake token of the row before it, as a greedy
+    target would. Deterministic and batch-independent, like the real greedy step, so
+    the engine's host path runs unchanged over it.
 
     Args:
       vocab_size: the fake model's vocabulary.
@@ -231,6 +305,9 @@ class FakeRunner(StepRunner):
       max_position_embeddings: the fake model's position limit (None: none).
       layer_windows: the fake model's sliding window per layer (None: global), which
         the engine groups layers by (`paxkv.host.kv_groups`); default: one global layer.
+      accept_fraction: None, the greedy rule above; else each sequence accepts
+        `round(fraction * proposals)` of its proposals whatever they are, and then the
+        fake token after the last accepted one (for host-path benchmarks).
     """
 
     def __init__(
@@ -241,7 +318,9 @@ class FakeRunner(StepRunner):
         eos_token_ids: tuple[int, ...] = (),
         max_position_embeddings: int | None = None,
         layer_windows: tuple[int | None, ...] = (None,),
+        accept_fraction: float | None = None,
     ) -> None:
+        self.accept_fraction = accept_fraction
         self.kv_groups = KVCacheGroups.from_windows(layer_windows, hybrid=config.hybrid_kv_cache)
         self.model_config = types.SimpleNamespace(
             vocab_size=vocab_size,
@@ -274,12 +353,46 @@ class FakeRunner(StepRunner):
         out = fake_token(inputs, hb.positions[last], self.model_config.vocab_size)
         sampled = self._samples(out, self.config.max_num_seqs)
         self._prev = sampled.tokens
+        if hb.draft_tokens.shape[1]:
+            sampled = sampled.replace(spec=self._verify(hb, out))
         if hb.score_rows.shape[0]:
             scored = self._samples(hb.score_targets, hb.score_rows.shape[0])
             sampled = sampled.replace(
                 scored=Scored(scored.logprobs, scored.ranks, scored.top_ids, scored.top_logprobs)
             )
         return sampled
+
+    def _verify(self, hb: HostBatch, first: np.ndarray) -> Speculated:
+        """The greedy verdict on each sequence's proposals: it accepts them while each
+        equals the fake token after the row before it, then emits the fake token."""
+        rows, k = self.config.max_num_seqs, hb.draft_tokens.shape[1]
+        n = len(first)
+        tokens = np.full((rows, k + 1), -1, np.int32)
+        accepted = np.zeros(rows, np.int32)
+        for s in range(n):
+            count, row = int(hb.draft_counts[s]), int(hb.logits_indices[s])
+            drafts = hb.draft_tokens[s, :count]
+            # The target's token after each of the rows row .. row + count.
+            target = fake_token(
+                hb.tokens[row : row + count + 1],
+                hb.positions[row : row + count + 1],
+                self.model_config.vocab_size,
+            )
+            target[0] = first[s]
+            a = 0
+            if self.accept_fraction is not None:
+                a = round(self.accept_fraction * count)
+            else:
+                while a < count and drafts[a] == target[a]:
+                    a += 1
+            accepted[s] = a
+            tokens[s, : a + 1] = [*drafts[:a], target[a]]
+        per_token = self._samples(np.maximum(tokens, 0).reshape(-1), rows * (k + 1))
+        scores = Scored(
+            per_token.logprobs, per_token.ranks, per_token.top_ids, per_token.top_logprobs
+        )
+        scores = jax.tree.map(lambda a: a.reshape(rows, k + 1, *a.shape[1:]), scores)
+        return Speculated(accepted, tokens, scores)
 
     def fetch(self, handle: Sampled) -> Sampled:
         """The samples themselves (they are on the host already)."""

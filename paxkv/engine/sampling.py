@@ -86,9 +86,21 @@ class Scored:
 
 
 @struct.dataclass
+class Speculated:
+    """A speculative step's verdicts (`paxkv.engine.spec_verify`): sequence s emits
+    `tokens[s, :num_accepted[s] + 1]`, its accepted proposals and one token of the
+    target's, and `scores` reports each under the target's raw distribution."""
+
+    num_accepted: jax.Array  # i32[S]
+    tokens: jax.Array  # i32[S, k+1]; -1 after the emitted tokens
+    scores: Scored  # arrays [S, k+1, ...]
+
+
+@struct.dataclass
 class Sampled:
     """One step's samples: the token of every row and what the API reports about it,
-    and (`scored`, None when the step scores no row) its prompt logprobs."""
+    and (`scored`, None when the step scores no row) its prompt logprobs, and (`spec`,
+    None when no sequence of the step speculates) the speculative verdicts."""
 
     tokens: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S]; of the chosen token, under log_softmax(logits)
@@ -96,9 +108,10 @@ class Sampled:
     top_logprobs: jax.Array  # f32[S, K]
     ranks: jax.Array  # i32[S]; the chosen token's rank, 1 = the most likely
     scored: Scored | None = None
+    spec: Speculated | None = None
 
     def padded(self, rows: int) -> Sampled:
-        """Its per-sequence arrays padded with zero rows to `rows` rows."""
+        """Its per-sequence arrays (`spec` too) padded with zero rows to `rows` rows."""
         pad = rows - self.tokens.shape[0]
         per_row = self.replace(scored=None)
         per_row = jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), per_row)
@@ -148,6 +161,63 @@ def add_to_history(
     return params.replace(history=jnp.stack([ids, counts, in_prompt]))
 
 
+def _truncated(
+    logits: jax.Array,  # f32[S, V]
+    params: SamplingBatch,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What `sample` draws from: `(greedy i32[S], order i32[S, V], masked f32[S, V])`,
+    the argmax of the penalised logits, the token ids in descending order of them, and
+    those logits in that order, scaled by temperature, with the truncated ones -inf."""
+    vocab = logits.shape[-1]
+    adjusted = apply_penalties(logits, params)
+    greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
+    temp = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    order = jnp.argsort(-adjusted, axis=-1)  # descending
+    sorted_logits = jnp.take_along_axis(adjusted, order, axis=-1) / temp
+    rank = jnp.arange(vocab)[None, :]
+    keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(masked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ahead of each token
+    keep &= before < params.top_p[:, None]
+    keep &= probs >= params.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)  # the most likely token always survives
+    return greedy, order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def sampling_keys(params: SamplingBatch) -> jax.Array:  # u32[S, 2]
+    """Each row's key, `fold_in(PRNGKey(seed), counter)`: a request's draws depend on
+    its seed and on how many tokens it has generated, not on its batch."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
+        params.seeds, params.counters
+    )
+
+
+def target_probs(
+    logits: jax.Array,  # f32[S, V]
+    params: SamplingBatch,
+) -> tuple[jax.Array, jax.Array]:
+    """`(probs f32[S, V], greedy i32[S])`: the distribution `sample` draws each row's
+    token from (penalties, temperature and truncation applied; in vocabulary order) and
+    the token a greedy row takes. Speculative verification accepts against these."""
+    logits = logits.astype(jnp.float32)
+
+    def truncated() -> tuple[jax.Array, jax.Array]:
+        greedy, order, masked = _truncated(logits, params)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        probs = jnp.zeros_like(masked).at[rows, order].set(jax.nn.softmax(masked, axis=-1))
+        return probs, greedy
+
+    def whole() -> tuple[jax.Array, jax.Array]:  # no row truncates: no sort needed
+        adjusted = apply_penalties(logits, params)
+        temp = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+        greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
+        return jax.nn.softmax(adjusted / temp, axis=-1), greedy
+
+    truncates = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)
+    return jax.lax.cond(jnp.any(truncates), truncated, whole)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     params: SamplingBatch,
@@ -166,28 +236,9 @@ def sample(
     `log_softmax(logits)`, before penalties, temperature and truncation.
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    adjusted = apply_penalties(logits, params)
-    greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
-
-    temp = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    order = jnp.argsort(-adjusted, axis=-1)  # descending
-    sorted_logits = jnp.take_along_axis(adjusted, order, axis=-1) / temp
-    rank = jnp.arange(vocab)[None, :]
-    keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(masked, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ahead of each token
-    keep &= before < params.top_p[:, None]
-    keep &= probs >= params.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
-        params.seeds, params.counters
-    )
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
+    greedy, order, masked = _truncated(logits, params)
+    choice = jax.vmap(jax.random.categorical)(sampling_keys(params), masked)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     tokens = jnp.where(params.temperature > 0, sampled, greedy)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -1,7 +1,6 @@
-"""The acceptance rule of speculative decoding, batched over ragged proposals (issue 30).
+"""The acceptance rule of speculative decoding, batched over ragged proposals.
 
-A building block only: not wired into the engine yet (no step feeds it the target's
-scores of proposed tokens, and no host code appends what it accepts).
+`paxkv.engine.spec_verify` applies it to a step's target scores.
 
 Sequence s proposes `counts[s] <= k` tokens (padded to k). The target model scored
 them: `target_probs[s, j]` is its next-token distribution after the sequence's tokens
@@ -46,6 +45,7 @@ def accept(
     counts: jax.Array,  # i32[S]; proposals per sequence, 0..k
     keys: jax.Array,  # one PRNG key per sequence, e.g. vmap(PRNGKey)(seeds): u32[S, 2]
     greedy: jax.Array,  # bool[S]; rows that take the argmax (temperature 0)
+    target_argmax: jax.Array | None = None,  # i32[S, k+1]; None: argmax(target_probs)
 ) -> Accepted:
     """Verifies each sequence's proposals against the target (see the module docstring).
 
@@ -54,7 +54,9 @@ def accept(
     and None means deterministic proposals (n-gram), for which q is one-hot at the
     proposal and the rule accepts x with probability p(x). Entries past a row's count
     (proposals, draft rows, target rows past the bonus position) are never read into the
-    result, so they may hold anything, NaN included. Jittable; `keys` give each row its
+    result, so they may hold anything, NaN included. `target_argmax` is what a greedy
+    row takes at each position (the sampler's argmax of the penalised logits, whose
+    ties `target_probs` may not keep). Jittable; `keys` give each row its
     own draws, so a row's result does not depend on what it is batched with.
     """
     num_seqs, k, vocab = proposals.shape[0], proposals.shape[1], target_probs.shape[-1]
@@ -77,7 +79,8 @@ def accept(
     u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(accept_keys)  # f32[S, k]
     sampled_ok = u * q_x < p_x  # u < p/q without dividing by q
 
-    target_argmax = jnp.argmax(target_probs, axis=-1).astype(jnp.int32)  # i32[S, k+1]
+    if target_argmax is None:
+        target_argmax = jnp.argmax(target_probs, axis=-1).astype(jnp.int32)  # i32[S, k+1]
     greedy_ok = proposals == target_argmax[:, :k]
     ok = jnp.where(greedy[:, None], greedy_ok, sampled_ok) & valid
     num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # i32[S]

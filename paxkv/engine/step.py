@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from paxkv.engine.draft import draft_proposals
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
+from paxkv.engine.spec_verify import verify
 from paxkv.host.batch import HostBatch, history_length
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
@@ -36,12 +38,19 @@ class StepBatch:
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
     table: PageTable
-    logits_indices: jax.Array  # i32[S]; the packed row of each sequence's last token
+    # i32[S]; the packed row of each sequence's last known token (its last row, or the
+    # row before its speculative proposals)
+    logits_indices: jax.Array
     sampling: SamplingBatch
     # i32[R] each: rows whose prompt logprob is wanted and their target tokens
     # (`paxkv.host.prompt_scores`); R = 0: none, and the scoring compiles away.
     score_rows: jax.Array
     score_targets: jax.Array
+    # Speculative proposals (`ScheduledChunk.num_draft`): sequence s's tokens after its
+    # last known one, which follow it as query rows; k = 0: none, and the verification
+    # compiles away.
+    draft_tokens: jax.Array  # i32[S, k]
+    draft_counts: jax.Array  # i32[S]
 
     @classmethod
     def from_host(cls, hb: HostBatch, page_size: int) -> tuple[StepBatch, jax.Array]:
@@ -65,6 +74,8 @@ class StepBatch:
             sampling,
             a["score_rows"],
             a["score_targets"],
+            a["draft_tokens"],
+            a["draft_counts"],
         )
         return batch, a["token_src"]
 
@@ -79,10 +90,12 @@ class StepBatch:
         num_scored: int = 0,
         *,
         penalties: bool = False,
+        num_draft: int = 0,
     ) -> StepBatch:
         """A batch of the given bucket shape with no live sequence (warm-up compiles it);
         `num_groups` page tables per sequence (KV-cache groups), `num_scored` scored rows;
-        `penalties`: the shape's variant with penalty histories (`SamplingBatch`)."""
+        `penalties`: the shape's variant with penalty histories (`SamplingBatch`);
+        `num_draft`: with room for that many speculative tokens per sequence."""
         groups = () if num_groups == 1 else (num_groups,)
         history_len = history_length(pages_per_seq, page_size) if penalties else 0
         table = PageTable(
@@ -100,6 +113,8 @@ class StepBatch:
             sampling=SamplingBatch.create([], num_seqs, history_len=history_len),
             score_rows=jnp.zeros(num_scored, jnp.int32),
             score_targets=jnp.zeros(num_scored, jnp.int32),
+            draft_tokens=jnp.zeros((num_seqs, num_draft), jnp.int32),
+            draft_counts=jnp.zeros(num_seqs, jnp.int32),
         )
 
 
@@ -158,37 +173,82 @@ def model_step(
     batch: StepBatch,
     token_src: jax.Array,  # i32[T]; >= 0: take the token from prev_tokens
     prev_tokens: jax.Array,  # i32[max_num_seqs]; the previous step's sampled tokens
+    draft_graphdef: nnx.GraphDef | None = None,
+    draft_params: nnx.State | None = None,
+    draft_cache: PagedKVCache | None = None,
     *,
     attention_backend: str,
     num_logprobs: int = 0,
-) -> tuple[Sampled, PagedKVCache]:
+) -> tuple[Sampled, PagedKVCache, PagedKVCache | None]:
     """One model step: write the batch's K/V, attend, sample a token per sequence.
 
     Returns the samples padded to `max_num_seqs` rows (row i: the batch's sequence i),
-    so the next step can read its input tokens from them on the device. A sequence
+    so the next step can read its input tokens from them on the device, the cache, and
+    the draft model's cache. A sequence
     whose last token is fed from `prev_tokens` (async scheduling) has that token, which
     the host has not seen, counted in its penalty history before it samples.
     With scored rows (R > 0) the logits of the S sampling rows and the R scored rows are
-    one matmul, and `sampled.scored` holds their prompt logprobs (`score`).
+    one matmul, and `sampled.scored` holds their prompt logprobs (`score`). With
+    speculative proposals (k > 0) the k rows after each sequence's sampling row join
+    that matmul, and `sampled.spec` holds the verdicts (`paxkv.engine.spec_verify`);
+    `sampled.tokens` then still holds what each sequence's first row sampled. With a
+    draft model (`paxkv.engine.draft`) the draft runs first and its proposals fill
+    those rows.
     """
     model = nnx.merge(graphdef, params)
     fed = prev_tokens[jnp.maximum(token_src, 0)]
     tokens_in = jnp.where(token_src >= 0, fed, batch.tokens)
     last = batch.logits_indices
     sampling = add_to_history(batch.sampling, tokens_in[last], token_src[last] >= 0)
-    num_sampled = last.shape[0]
+    num_sampled, k = last.shape[0], batch.draft_tokens.shape[1]
+    # The rows whose logits the step reads: each sequence's last known token, its
+    # proposals' rows after it (speculative steps), and the scored rows.
+    draft_rows = jnp.minimum(last[:, None] + jnp.arange(1, k + 1), tokens_in.shape[0] - 1)
+    proposals, draft_probs = batch.draft_tokens, None
+    if draft_graphdef is not None:
+        proposals, draft_probs, draft_cache = draft_proposals(
+            nnx.merge(draft_graphdef, draft_params),
+            tokens_in,
+            batch.positions,
+            draft_cache,
+            batch.table,
+            last,
+            batch.draft_counts,
+            sampling,
+            k,
+            attention_backend=attention_backend,
+        )
+        valid = jnp.arange(k)[None, :] < batch.draft_counts[:, None]
+        rows = jnp.where(valid, draft_rows, tokens_in.shape[0])
+        tokens_in = tokens_in.at[rows.reshape(-1)].set(proposals.reshape(-1), mode="drop")
     logits, kv_cache = forward_logits(
         model,
         tokens_in,
         batch.positions,
         kv_cache,
         batch.table,
-        jnp.concatenate([last, batch.score_rows]),
+        jnp.concatenate([last, draft_rows.reshape(-1), batch.score_rows]),
         attention_backend=attention_backend,
     )
     sampled = sample(logits[:num_sampled], sampling, num_logprobs=num_logprobs)
+    num_spec = num_sampled * (k + 1)
+    if k:
+        spec_logits = jnp.concatenate(
+            [logits[:num_sampled, None], logits[num_sampled:num_spec].reshape(num_sampled, k, -1)],
+            axis=1,
+        )
+        spec = verify(
+            spec_logits,
+            sampling,
+            proposals,
+            batch.draft_counts,
+            sampled.tokens,
+            draft_probs=draft_probs,
+            num_logprobs=num_logprobs,
+        )
+        sampled = sampled.replace(spec=spec)
     if batch.score_rows.shape[0]:
-        scored = score(logits[num_sampled:], batch.score_targets, num_logprobs=num_logprobs)
+        scored = score(logits[num_spec:], batch.score_targets, num_logprobs=num_logprobs)
         sampled = sampled.replace(scored=scored)
     sampled = sampled.padded(prev_tokens.shape[0])
     mesh = getattr(model, "mesh", None)
@@ -196,13 +256,13 @@ def model_step(
         sampled = sampled.replace(
             tokens=jax.lax.with_sharding_constraint(sampled.tokens, shardings.replicated(mesh))
         )
-    return sampled, kv_cache
+    return sampled, kv_cache, draft_cache
 
 
 MODEL_STEP = jax.jit(
     model_step,
     static_argnames=("attention_backend", "num_logprobs"),
-    donate_argnames=("kv_cache",),
+    donate_argnames=("kv_cache", "draft_cache"),
 )
 
 

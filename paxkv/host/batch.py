@@ -154,6 +154,11 @@ class HostBatch:
     # step compiles one extra shape per (T, R) pair it meets.
     score_rows: np.ndarray
     score_targets: np.ndarray
+    # Speculative proposals: i32[S, k], sequence s's first draft_counts[s] entries are
+    # the tokens of its rows after logits_indices[s] (`ScheduledChunk.num_draft`); k = 0
+    # when no chunk has proposals, else the engine's `num_speculative_tokens`.
+    draft_tokens: np.ndarray
+    draft_counts: np.ndarray  # i32[S]
 
 
 def build_host_batch(
@@ -163,6 +168,7 @@ def build_host_batch(
     buckets: Buckets,
     rows: BatchRows,
     pending: dict[int, int] | None = None,
+    draft_width: int = 0,
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
@@ -173,13 +179,15 @@ def build_host_batch(
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
     in-flight step's output that holds the token the sequence's last row needs;
     `token_src` points there. A step where a sequence with penalties samples carries
-    histories of `history_length(P, page_size)` tokens, else of none.
+    histories of `history_length(P, page_size)` tokens, else of none. A step where a
+    chunk has speculative proposals carries them as `draft_tokens` of width
+    `draft_width` (the most a chunk may have), else of width 0.
     """
     chunks = plan.chunks
     n = len(chunks)
     # One transposition of the chunk tuples, then a NumPy array per field.
-    (_, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col) = (
-        zip(*chunks, strict=True) if n else ((),) * 8
+    (_, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
+        zip(*chunks, strict=True) if n else ((),) * 9
     )
     q_lens = np.array(q_col, np.int64)
     starts = np.array(start_col, np.int64)
@@ -205,8 +213,10 @@ def build_host_batch(
     cu[n + 1 :] = cu[n]
     positions = np.zeros(t_pad, np.int32)
     positions[:num] = np.arange(num) + np.repeat(starts - cu[:n], q_lens)
+    num_draft = np.array(draft_col, np.int32)
     logits_indices = np.zeros(s_pad, np.int32)
-    logits_indices[:n] = cu[1 : n + 1] - 1
+    logits_indices[:n] = cu[1 : n + 1] - 1 - num_draft
+    draft_tokens, draft_counts = _drafts(tokens_col, num_draft, s_pad, draft_width)
 
     # One gather of every group's rows, each cut to the chunk's pages.
     groups = rows.num_groups
@@ -253,7 +263,27 @@ def build_host_batch(
         token_src,
         score_rows,
         score_targets,
+        draft_tokens,
+        draft_counts,
     )
+
+
+def _drafts(
+    tokens_col: Sequence[tuple[int, ...]], num_draft: np.ndarray, size: int, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(draft_tokens i32[size, k], draft_counts i32[size])` of chunks whose last
+    `num_draft[i]` tokens are proposals; k = `width`, or 0 when no chunk has one."""
+    counts = np.zeros(size, np.int32)
+    if not num_draft.any():
+        return np.zeros((size, 0), np.int32), counts
+    if int(num_draft.max()) > width:
+        raise ValueError(f"a chunk has {int(num_draft.max())} proposals, more than {width=}")
+    tokens = np.zeros((size, width), np.int32)
+    for i in np.flatnonzero(num_draft).tolist():
+        d = int(num_draft[i])
+        tokens[i, :d] = tokens_col[i][-d:]
+    counts[: len(num_draft)] = num_draft
+    return tokens, counts
 
 
 def _scored_rows(

@@ -77,12 +77,7 @@ class KVCacheManager:
             g.window if self.reservation.shares_pages else None for g in self.kv_groups.groups
         )
         self.sliding = any(w is not None for w in self.windows)
-        # (window, its groups) for each window size: `slide` tests each size once.
-        sizes: dict[int, list[int]] = {}
-        for g, w in enumerate(self.windows):
-            if w is not None:
-                sizes.setdefault(w, []).append(g)
-        self._window_sizes = tuple((w, tuple(gs)) for w, gs in sizes.items())
+        self._window_sizes = _window_sizes(self.windows)
         self.max_chunk_tokens = max_chunk_tokens or max_model_len
         self.prefix_cache = PrefixCache(pool, page_size, self.windows, enable_prefix_caching)
         # The persistent batch: every change to a sequence's pages is mirrored in its row.
@@ -271,6 +266,13 @@ class KVCacheManager:
             held.slide_at = 0
         self.rows.truncate(held.row, num_pages)
 
+    def trim(self, seq: SequenceState, num_tokens: int) -> None:
+        """Gives back the table entries `seq` holds beyond those its first `num_tokens`
+        tokens need (pages taken for speculative positions it did not accept)."""
+        held = self._seqs.get(seq)
+        if held is not None and len(held.tables[0]) > (k := self.pages_to_hold(seq, num_tokens)):
+            self._truncate(held, k)
+
     def free(self, seq: SequenceState) -> None:
         """Returns every page `seq` holds to the pool, last page first (see `PagePool`),
         forgetting the prefix pages it registered but did not compute."""
@@ -329,3 +331,12 @@ class KVCacheManager:
         for seq, held in self._seqs.items():
             assert len({len(t) for t in held.tables}) == 1, f"{seq.seq_id}: ragged tables"
             self.rows.check(held.row, held.tables)
+
+
+def _window_sizes(windows: tuple[int | None, ...]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(window, its groups) for each window size: `slide` tests each size once."""
+    sizes: dict[int, list[int]] = {}
+    for g, w in enumerate(windows):
+        if w is not None:
+            sizes.setdefault(w, []).append(g)
+    return tuple((w, tuple(gs)) for w, gs in sizes.items())

@@ -1,12 +1,15 @@
-"""Prompt-lookup (n-gram) proposals for speculative decoding (issue 30). No JAX.
+"""Prompt-lookup (n-gram) proposals for speculative decoding. No JAX.
 
-A building block only: not wired into the engine yet (the scheduler does not ask it for
-proposals, and the step does not verify them).
+`paxkv.host.speculative` asks it for each decoding sequence's proposals.
 
-The proposal for a sequence of tokens `t[0:L]` is vLLM's `prompt_lookup_min/max` rule:
-for n from `max_n` down to `min_n`, take the suffix `t[L-n:L]`, find its most recent
-earlier occurrence `t[i:i+n]` (i < L - n), and propose the up to k tokens that followed
-it, `t[i+n:min(i+n+k, L)]`; the first n that matches wins, and no match proposes nothing.
+The proposal for a sequence of tokens `t[0:L]` follows vLLM's `prompt_lookup_min/max`
+rule: for n from `max_n` down to `min_n`, take the suffix `t[L-n:L]`, find its most
+recent earlier occurrence `t[i:i+n]` (i < L - n), and propose the k tokens that followed
+it, `t[i+n:i+n+k]`; the first n that matches wins, and no match proposes nothing. Where
+that runs past the sequence's end the proposal goes on copying itself (as an LZ77 copy
+overlaps its output: proposal j is `t'[i+n+j]` of the sequence extended by the proposal),
+so a repeating run proposes k tokens of its period rather than the few tokens between
+the match and the end.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ class NgramProposer:
                 self._next[n][tuple(self._tokens[end - n : end])] = end
 
     def propose(self, k: int) -> list[int]:
-        """Up to `k` proposed next tokens (empty when no suffix of min_n..max_n tokens
-        occurred earlier, or k = 0); see the module docstring for the rule."""
+        """`k` proposed next tokens, or none when no suffix of min_n..max_n tokens
+        occurred earlier (or k = 0); see the module docstring for the rule."""
         if k < 0:
             raise ValueError(f"{k=} must be >= 0")
         tokens = self._tokens
@@ -64,5 +67,9 @@ class NgramProposer:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = self._next[n].get(tuple(tokens[length - n :]))
             if start is not None:
-                return tokens[start : start + k]
+                out = tokens[start : start + k]
+                period = length - start  # past the end, the proposal repeats itself
+                for j in range(len(out), k):
+                    out.append(out[j - period])
+                return out
         return []

@@ -25,7 +25,9 @@ class ScheduledChunk(NamedTuple):
     rows when the step is laid out, right after planning. `num_output_tokens` is how
     many tokens it had generated then (the sampling counter). `samples` is whether the
     step samples a token for it: the chunk reaches the end of its known tokens. `seq`
-    names the sequence for `Scheduler.update`.
+    names the sequence for `Scheduler.update`. `num_draft` of its tokens, its last
+    ones, are speculative proposals after its last known token (`paxkv.host.speculative`):
+    the step verifies them, and only those it accepts become the sequence's.
     """
 
     seq: SequenceState
@@ -36,6 +38,7 @@ class ScheduledChunk(NamedTuple):
     row: int
     num_pages: int
     num_output_tokens: int
+    num_draft: int = 0
 
     # A NamedTuple, not a frozen dataclass: the scheduler makes one per running
     # sequence per step, and a tuple is several times cheaper to make.
@@ -66,7 +69,8 @@ class ScheduledChunk(NamedTuple):
 
     @property
     def end(self) -> int:
-        """Tokens in the sequence's cache once the step has run."""
+        """Tokens in the sequence's cache once the step has run (with proposals: at
+        most; those it rejects are not the sequence's)."""
         return self.start + self.num_tokens
 
 

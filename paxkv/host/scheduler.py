@@ -31,6 +31,7 @@ from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
+from paxkv.host.speculative import Speculator, add_proposals, record_verified
 from paxkv.pallas_kernels.layout import cdiv
 from paxkv.request import SamplingParams
 
@@ -53,6 +54,8 @@ class Scheduler(SequenceQueues):
       reservation: how many token slots a sequence holds (default: the pages it needs;
         see `paxkv.host.reservation`).
       kv_groups: the KV-cache groups (`paxkv.host.kv_groups`; default: one global group).
+      speculator: gives decodes speculative proposals out of each step's spare budget
+        (`paxkv.host.speculative`); None: no speculation.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class Scheduler(SequenceQueues):
         enable_prefix_caching: bool = True,
         reservation: PagedReservation | None = None,
         kv_groups: KVCacheGroups | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
@@ -94,6 +98,7 @@ class Scheduler(SequenceQueues):
         self.num_recomputed_tokens = 0
         self.peak_running = 0
         self._writers = PrefixWriters(self.kv_cache_manager)
+        self.speculator = speculator
 
     @property
     def batch_rows(self) -> BatchRows:
@@ -196,6 +201,10 @@ class Scheduler(SequenceQueues):
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
         self.peak_running = max(self.peak_running, len(self.running))
+        spec = self.speculator
+        if spec is not None and budget > 0 and spec.new_step(len(self.running)):
+            spare = spec.spare_tokens(self.max_num_batched_tokens - budget, budget)
+            add_proposals(chunks, spare, spec, kv, max_model_len=self.max_model_len, fail=self.fail)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
     def _schedule_running(
@@ -284,7 +293,9 @@ class Scheduler(SequenceQueues):
         """Records a step's results and returns the sequences it finished.
 
         `sampled` holds `(token, logprob)` or `(token, logprob, top_logprobs)` for each
-        chunk in `output.chunks` that samples, and None for the others.
+        chunk in `output.chunks` that samples, and None for the others; for a chunk with
+        speculative proposals, a list of them: its accepted proposals, then the target's
+        token. Pages held only for rejected proposals go back to the pool.
         """
         now = time.monotonic()
         finished = []
@@ -294,17 +305,24 @@ class Scheduler(SequenceQueues):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
-                seq.num_computed_tokens = end = chunk.start + chunk.num_tokens
-                if kv.needs_registering(seq, end):
-                    kv.register_full_pages(seq)
-                if result is None:
-                    continue
-                top = result[2] if len(result) > 2 else None
-                reason = seq.record_sample(
-                    result[0], result[1], top, eos_token_ids, self.max_model_len, now
-                )
-                if reason is None:
-                    continue
+                if chunk.num_draft and result is not None:
+                    reason = record_verified(
+                        self.speculator, kv, chunk, result, eos_token_ids, self.max_model_len, now
+                    )
+                    if reason is None:
+                        continue
+                else:
+                    seq.num_computed_tokens = end = chunk.start + chunk.num_tokens
+                    if kv.needs_registering(seq, end):
+                        kv.register_full_pages(seq)
+                    if result is None:
+                        continue
+                    top = result[2] if len(result) > 2 else None
+                    reason = seq.record_sample(
+                        result[0], result[1], top, eos_token_ids, self.max_model_len, now
+                    )
+                    if reason is None:
+                        continue
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
                 continue

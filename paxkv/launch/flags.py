@@ -12,6 +12,7 @@ calls first.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -77,6 +78,28 @@ def _define_engine_flags() -> dict[str, flags.FlagHolder]:
 
 _ENGINE_FLAGS = _define_engine_flags()
 NUM_PAGES = _ENGINE_FLAGS["num_pages"]
+SPECULATIVE_CONFIG = flags.DEFINE_string(
+    "speculative_config",
+    None,
+    "Speculative decoding as a JSON object of `paxkv.host.speculative.SpeculativeConfig` "
+    'fields (vLLM\'s --speculative-config), e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'. Unset: the set-up\'s (off).',
+)
+
+
+def speculative_config() -> dict | None:
+    """`--speculative_config` parsed (None when unset); ValueError naming the flag."""
+    text = SPECULATIVE_CONFIG.value
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative_config={text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative_config={text!r} must be a JSON object")
+    return value
+
 
 # The runtime: devices, hosts, compilation cache.
 MESH = flags.DEFINE_string(
@@ -191,6 +214,8 @@ def serving_setup() -> ServingSetup:
     if SCAN_LAYERS.value is not None:
         model = model.replace(scan_layers=SCAN_LAYERS.value)
     overrides = {name: f.value for name, f in _ENGINE_FLAGS.items() if f.value is not None}
+    if SPECULATIVE_CONFIG.value is not None:
+        overrides["speculative_config"] = speculative_config()
     engine = dataclasses.replace(setup.engine, seed=SEED.value, **overrides)
     if engine.max_model_len > model.max_position_embeddings:
         raise ValueError(

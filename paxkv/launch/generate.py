@@ -86,6 +86,14 @@ def _format_output(out: RequestOutput) -> str:
 def _format_stats(outputs: list[RequestOutput], stats: dict, elapsed: float) -> str:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    spec = []
+    if "spec_decode_num_drafts" in stats:
+        spec = [
+            f"speculation: {stats['spec_decode_num_drafts']} drafts, "
+            f"{stats['spec_decode_num_accepted_tokens']}/{stats['spec_decode_num_draft_tokens']} "
+            f"proposed tokens accepted, mean accepted length "
+            f"{stats['spec_decode_mean_accepted_length']:.2f}"
+        ]
     return "\n".join(
         [
             "--- stats ---",
@@ -94,6 +102,7 @@ def _format_stats(outputs: list[RequestOutput], stats: dict, elapsed: float) -> 
             f"preemptions: {stats['num_preemptions']}",
             f"throughput: {generated / elapsed:.1f} tokens/s ({generated} tokens in {elapsed:.2f} s, "
             f"compilation included; device {stats['device_time_s']:.2f} s, host {stats['host_time_s']:.2f} s)",
+            *spec,
         ]
     )
 

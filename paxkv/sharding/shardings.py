@@ -160,6 +160,12 @@ def kv_head_spec(num_kv_heads: int, mesh: Mesh | AbstractMesh) -> P:
     return P(None, MODEL_AXIS) if serving_mesh(mesh).splits(num_kv_heads) else P()
 
 
+def head_vector_spec(num_kv_heads: int, mesh: Mesh | AbstractMesh) -> P:
+    """The spec of per-query-head vectors `[Hq]` (attention sinks): their heads split as
+    `kv_head_spec` splits the heads axis of q, so each device holds its own heads'."""
+    return P(*kv_head_spec(num_kv_heads, mesh)[1:])
+
+
 def kv_head_factor(num_kv_heads: int, num_heads: int, mesh: Mesh | AbstractMesh) -> int:
     """How many times to repeat each KV head so that the model axis splits them: 1 when
     it already does, or when no repetition can (the query heads must still divide

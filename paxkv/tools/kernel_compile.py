@@ -10,6 +10,7 @@ shared-memory estimate, against the H200's 227 KiB per block.
 
     python -m paxkv.tools.kernel_compile                      # the whole grid, markdown
     python -m paxkv.tools.kernel_compile --subset=ci          # defaults, every KV dtype, D 128/256
+    python -m paxkv.tools.kernel_compile --subset=sinks       # the grid's attention-sink cases
     python -m paxkv.tools.kernel_compile --json_out=paxkv/tools/gpu_kernel_resources.json
 
 These are compiled figures, not measured speed. XLA compiles the same module with the
@@ -90,6 +91,7 @@ class CompileCase:
     (G sets the decode tile's rows), and on the page arrays' size only past 4 GiB, where
     Pallas's Triton lowering switches their offsets to 64 bits (`num_pages`, default
     8 x 64 + 1: a stacked cache of scanned layers is one array for all layers).
+    `sinks` compiles the kernels with attention sinks, `sliding_window` with a window.
     """
 
     q_dtype: str
@@ -98,39 +100,69 @@ class CompileCase:
     blocks: str  # a BLOCK_VARIANTS name
     group_size: int = 4
     num_pages: int | None = None
+    sinks: bool = False
+    sliding_window: int | None = None
 
     @property
     def name(self) -> str:
-        """A label such as `bfloat16/int8/d128/default`."""
+        """A label such as `bfloat16/int8/d128/default` (`.../g8/sinks/w128` with sinks and
+        a window)."""
         group = "" if self.group_size == 4 else f"/g{self.group_size}"
         pages = "" if self.num_pages is None else f"/p{self.num_pages}"
-        return f"{self.q_dtype}/{self.kv_cache_dtype}/d{self.head_dim}/{self.blocks}{group}{pages}"
+        sinks = "/sinks" if self.sinks else ""
+        window = "" if self.sliding_window is None else f"/w{self.sliding_window}"
+        return (
+            f"{self.q_dtype}/{self.kv_cache_dtype}/d{self.head_dim}/{self.blocks}"
+            f"{group}{pages}{sinks}{window}"
+        )
 
 
 def grid() -> list[CompileCase]:
     """Every combination of Q_DTYPES, KV_CACHE_DTYPES, HEAD_DIMS and BLOCK_VARIANTS at
     G = 4, less float32 queries with the "wide_decode" and "large" blocks (their f32 tiles
     exceed the limit several times over, and ptxas takes minutes and gigabytes on each);
-    and the defaults of bfloat16 queries at G = 64."""
-    return [
-        CompileCase(q, kv, d, b)
-        for q in Q_DTYPES
-        for kv in KV_CACHE_DTYPES
-        for d in HEAD_DIMS
-        for b in BLOCK_VARIANTS
-        if q != "float32" or b in ("default", "small")
-    ] + [
-        # G = 64: decode tiles of 64 rows, which Triton gives Hopper's warpgroup dots.
-        CompileCase("bfloat16", kv, d, "default", group_size=64)
-        for kv in KV_CACHE_DTYPES
-        for d in HEAD_DIMS
-    ]
+    the defaults of bfloat16 queries at G = 64; and with attention sinks, the defaults of
+    bfloat16 queries over every KV dtype and head dim, and gpt-oss-20b's attention (G = 8,
+    head_dim 64, a window of 128) over every KV dtype."""
+    return (
+        [
+            CompileCase(q, kv, d, b)
+            for q in Q_DTYPES
+            for kv in KV_CACHE_DTYPES
+            for d in HEAD_DIMS
+            for b in BLOCK_VARIANTS
+            if q != "float32" or b in ("default", "small")
+        ]
+        + [
+            # G = 64: decode tiles of 64 rows, which Triton gives Hopper's warpgroup dots.
+            CompileCase("bfloat16", kv, d, "default", group_size=64)
+            for kv in KV_CACHE_DTYPES
+            for d in HEAD_DIMS
+        ]
+        + [
+            CompileCase("bfloat16", kv, d, "default", sinks=True)
+            for kv in KV_CACHE_DTYPES
+            for d in HEAD_DIMS
+        ]
+        + [gpt_oss_attention(kv) for kv in KV_CACHE_DTYPES]
+    )
+
+
+def gpt_oss_attention(kv_cache_dtype: str) -> CompileCase:
+    """gpt-oss-20b's attention at the defaults: G = 64 / 8, head_dim 64, sinks, and the
+    window of its sliding layers (128)."""
+    return CompileCase(
+        "bfloat16", kv_cache_dtype, 64, "default", group_size=8, sinks=True, sliding_window=128
+    )
 
 
 def ci_subset() -> list[CompileCase]:
     """The representative set CI compiles: defaults for bf16 queries over every
-    KV_CACHE_DTYPES page dtype at head_dim 128 and 256."""
-    return [CompileCase("bfloat16", kv, d, "default") for kv in KV_CACHE_DTYPES for d in (128, 256)]
+    KV_CACHE_DTYPES page dtype at head_dim 128 and 256, and with sinks, gpt-oss-20b's
+    attention over bf16 pages and bf16 queries at head_dim 128 over int8 pages."""
+    return [
+        CompileCase("bfloat16", kv, d, "default") for kv in KV_CACHE_DTYPES for d in (128, 256)
+    ] + [gpt_oss_attention("auto"), CompileCase("bfloat16", "int8", 128, "default", sinks=True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +190,7 @@ class KernelResources:
 
 
 def _inputs(case: CompileCase):
-    """Abstract arguments of one call at the case's dtypes: (positional, keyword)."""
+    """Abstract arguments of one call at the case's dtypes: (positional, keyword arrays)."""
     import jax
     import jax.numpy as jnp
 
@@ -176,10 +208,12 @@ def _inputs(case: CompileCase):
         s((seqs + 1,), i32),
         s((1,), i32),
     )
-    scales = {}
+    arrays = {}
     if case.kv_cache_dtype != "auto":
-        scales = {"kv_scales": s((num_pages, hkv, 2, ps), SCALE_DTYPE)}
-    return args, scales
+        arrays["kv_scales"] = s((num_pages, hkv, 2, ps), SCALE_DTYPE)
+    if case.sinks:
+        arrays["sinks"] = s((hkv * case.group_size,), np.dtype(np.float32))
+    return args, arrays
 
 
 def lower_case(case: CompileCase) -> list[TritonKernel]:
@@ -192,12 +226,14 @@ def lower_case(case: CompileCase) -> list[TritonKernel]:
     from paxkv.pallas_kernels.gpu.jax_compat import triton_kernels, triton_lowering_target
 
     block_sizes = BlockSizes(**BLOCK_VARIANTS[case.blocks], check_shared_memory=False)
-    args, scales = _inputs(case)
+    args, arrays = _inputs(case)
     fn = jax.jit(
-        lambda *a, **s: ragged_paged_attention_gpu(*a, **s, sm_scale=0.125, block_sizes=block_sizes)
+        lambda *a, **s: ragged_paged_attention_gpu(
+            *a, **s, sm_scale=0.125, sliding_window=case.sliding_window, block_sizes=block_sizes
+        )
     )
     with triton_lowering_target(TARGET_DEVICE_KIND):
-        lowered = fn.trace(*args, **scales).lower(lowering_platforms=("cuda",))
+        lowered = fn.trace(*args, **arrays).lower(lowering_platforms=("cuda",))
     return triton_kernels(lowered)
 
 
@@ -339,7 +375,7 @@ def figures_json(results: Sequence[KernelResources]) -> dict[str, Any]:
 def define_flags() -> None:
     """Defines the command's flags; called only when run as a script, so that importing
     this module (the tests do) defines no global absl flags."""
-    flags.DEFINE_enum("subset", "grid", ["grid", "ci"], "Which configurations to compile.")
+    flags.DEFINE_enum("subset", "grid", ["grid", "ci", "sinks"], "Which configurations to compile.")
     flags.DEFINE_integer(
         "num_pages", None, "Pages of the (abstract) page arrays; unset: 513 (8 x 64 + 1)."
     )
@@ -352,7 +388,11 @@ def main(argv: list[str]) -> None:
     del argv
     from paxkv.pallas_kernels.gpu.block_sizes import SHARED_MEMORY_LIMIT_BYTES
 
-    cases = grid() if flags.FLAGS.subset == "grid" else ci_subset()
+    cases = {
+        "grid": grid,
+        "ci": ci_subset,
+        "sinks": lambda: [c for c in grid() if c.sinks],
+    }[flags.FLAGS.subset]()
     if flags.FLAGS.num_pages is not None:
         cases = [dataclasses.replace(c, num_pages=flags.FLAGS.num_pages) for c in cases]
     start = time.perf_counter()

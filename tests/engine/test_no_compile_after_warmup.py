@@ -21,6 +21,7 @@ MODES = {
     "sync": {},
     "multi_step": {"num_decode_steps": 4},
     "async": {"async_scheduling": True},
+    "speculative": {"speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_min": 1}},
 }
 
 
@@ -87,6 +88,8 @@ def test_no_request_compiles_after_warmup(tiny, mode):
     # None failed (a request whose step cannot be laid out is aborted, not compiled).
     reasons = {c.finish_reason for o in finished.values() for c in o.outputs}
     assert reasons <= {"length", "stop"}, reasons
+    if mode == "speculative":  # the proposals' step variant ran
+        assert engine.stats()["spec_decode_num_drafts"] > 0
     assert engine.num_compilations == warm, (
         f"{engine.num_compilations - warm} compilations after warm-up ({mode})"
     )

@@ -10,7 +10,8 @@ from paxkv.host.ngram_proposer import NgramProposer
 
 
 def _brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The rule read literally: longest suffix first, latest earlier occurrence."""
+    """The rule read literally: longest suffix first, latest earlier occurrence, its
+    followers copied one at a time from the sequence extended by what is copied."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n >= length:
@@ -18,7 +19,10 @@ def _brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]
         suffix = tokens[length - n :]
         for i in range(length - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                extended = list(tokens)
+                for j in range(k):
+                    extended.append(extended[i + n + j])
+                return extended[length:]
     return []
 
 
@@ -28,7 +32,8 @@ def test_hand_computed():
     proposer = NgramProposer(1, 3, tokens)
     # suffix (2, 3, 4) occurred at 1..3, followed by 9, 2, 3
     assert proposer.propose(3) == [9, 2, 3]
-    assert proposer.propose(10) == [9, 2, 3, 4]  # clipped at the sequence's end
+    # past the sequence's end the proposal repeats its period (9, 2, 3, 4)
+    assert proposer.propose(10) == [9, 2, 3, 4, 9, 2, 3, 4, 9, 2]
     assert proposer.propose(0) == []
     proposer.extend([7])
     assert proposer.propose(2) == []  # 7 never occurred before
@@ -45,7 +50,8 @@ def test_latest_occurrence_and_longest_n_win():
 
 
 def test_repeated_token_run_proposes_itself():
-    assert NgramProposer(2, 2, [3, 3, 3]).propose(4) == [3]
+    assert NgramProposer(2, 2, [3, 3, 3]).propose(4) == [3, 3, 3, 3]
+    assert NgramProposer(1, 2, [1, 2, 1, 2]).propose(5) == [1, 2, 1, 2, 1]
 
 
 def test_bad_arguments():

@@ -5,7 +5,8 @@
 must not read: unused pages, the unused tail of each sequence's last page, the null
 page, padding block-table entries and padding query rows. `naive_attention` is a
 per-sequence, per-token, per-head NumPy float64 loop that shares no code with the
-library.
+library; it applies the case's attention sinks, when it has them, as gpt-oss defines
+them: one more logit per head in the softmax, with no value.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Case:
     num_seqs: np.ndarray  # i32[1]
     kv_scales: np.ndarray | None  # bf16[P, Hkv, 2, L]: [.., 0, j] key scale, [.., 1, j] value
     sm_scale: float
+    sinks: np.ndarray | None = None  # f32[Hq]: attention sink logits
 
     def args(self):
         """Positional arguments of the attention call, as jax arrays."""
@@ -58,10 +60,14 @@ class Case:
     def page_size(self) -> int:
         return self.kv_pages.shape[2]
 
-    def scale_kwargs(self):
-        if self.kv_scales is None:
-            return {}
-        return {"kv_scales": jnp.asarray(self.kv_scales)}
+    def array_kwargs(self):
+        """The call's optional array arguments: `kv_scales` and `sinks`, where the case has them."""
+        kwargs = {}
+        if self.kv_scales is not None:
+            kwargs["kv_scales"] = jnp.asarray(self.kv_scales)
+        if self.sinks is not None:
+            kwargs["sinks"] = jnp.asarray(self.sinks)
+        return kwargs
 
 
 def _quantize_np(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -91,8 +97,14 @@ def make_case(
     pad_seqs: int = 1,
     pad_tokens: int = 3,
     pad_pages_per_seq: int = 1,
+    sinks: bool = False,
 ) -> Case:
-    """A ragged batch: live sequence s has `q_lens[s]` new tokens and `kv_lens[s]` in cache."""
+    """A ragged batch: live sequence s has `q_lens[s]` new tokens and `kv_lens[s]` in cache.
+
+    With `sinks`, a sink logit per query head, drawn from [-2, 6) (from a weight below
+    every key's to one that takes most of the softmax); with 4 heads or more, the last
+    one is -inf (no sink).
+    """
     rng = np.random.default_rng(seed)
     q_lens = np.asarray(q_lens, np.int32)
     kv_lens = np.asarray(kv_lens, np.int32)
@@ -151,6 +163,11 @@ def make_case(
     kv_lens_padded = np.zeros(max_num_seqs, np.int32)
     kv_lens_padded[:n] = kv_lens
     kv_lens_padded[n:] = rng.integers(0, pages_per_seq * page_size + 1, size=pad_seqs)
+    sink_logits = None
+    if sinks:  # drawn last, so a case's other arrays are the same with or without sinks
+        sink_logits = rng.uniform(-2.0, 6.0, num_q_heads).astype(np.float32)
+        if num_q_heads >= 4:
+            sink_logits[-1] = -np.inf
     return Case(
         q=q.astype(dtype),
         kv_pages=kv,
@@ -160,11 +177,16 @@ def make_case(
         num_seqs=np.array([n], np.int32),
         kv_scales=kv_scales,
         sm_scale=1.0 / float(np.sqrt(head_dim)),
+        sinks=sink_logits,
     )
 
 
 def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.ndarray:
-    """Float64 loop over sequences, query tokens and heads. Returns `[T, Hq, D]` float64."""
+    """Float64 loop over sequences, query tokens and heads. Returns `[T, Hq, D]` float64.
+
+    With `case.sinks`, head h's sink logit `s_h` is one more term of the softmax's
+    denominator (not scaled, not soft-capped) that weights no value.
+    """
     q = case.q.astype(np.float64)
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = case.page_size
@@ -195,8 +217,13 @@ def naive_attention(case: Case, *, soft_cap=None, sliding_window=None) -> np.nda
                 logits = case.sm_scale * (keys[lo : pos + 1, kh] @ q[q_start + i, h])
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
-                w = np.exp(logits - logits.max())
-                out[q_start + i, h] = (w / w.sum()) @ vals[lo : pos + 1, kh]
+                top, sink_weight = logits.max(), 0.0
+                if case.sinks is not None:
+                    sink = float(case.sinks[h])
+                    top = max(top, sink)
+                    sink_weight = np.exp(sink - top)
+                w = np.exp(logits - top)
+                out[q_start + i, h] = (w @ vals[lo : pos + 1, kh]) / (w.sum() + sink_weight)
     return out
 
 
@@ -215,6 +242,7 @@ class GridPoint:
     page_dtype: str | None = None
     soft_cap: float | None = None
     sliding_window: int | None = None
+    sinks: bool = False
 
     def case(self, seed: int = 0) -> Case:
         return make_case(
@@ -227,6 +255,7 @@ class GridPoint:
             page_size=self.page_size,
             dtype=np.dtype(self.dtype),
             page_dtype=None if self.page_dtype is None else np.dtype(self.page_dtype),
+            sinks=self.sinks,
         )
 
     def attention_kwargs(self, case: Case) -> dict:
@@ -234,7 +263,7 @@ class GridPoint:
             sm_scale=case.sm_scale,
             soft_cap=self.soft_cap,
             sliding_window=self.sliding_window,
-            **case.scale_kwargs(),
+            **case.array_kwargs(),
         )
 
 
@@ -303,6 +332,24 @@ def _grid() -> list[GridPoint]:
     add(
         "long-mqa-d128-p16-int8-window", _long, 4, 1, 128, 16, page_dtype="int8", sliding_window=300
     )
+    # Attention sinks (gpt-oss: GQA 8, head_dim 64, windowed and full layers), alone and
+    # with every other option.
+    add("decode-gqa8-d64-p16-sinks", _decode, 8, 1, 64, 16, sinks=True)
+    add("prefill-gqa4-d64-p16-sinks-window", _prefill, 8, 2, 64, 16, sliding_window=13, sinks=True)
+    add(
+        "mixed-gqa2-d128-p8-int8-softcap-window-sinks",
+        _mixed,
+        4,
+        2,
+        128,
+        8,
+        page_dtype="int8",
+        soft_cap=20.0,
+        sliding_window=9,
+        sinks=True,
+    )
+    add("mixed-gqa4-d64-p16-bf16-sinks", _mixed, 8, 2, 64, 16, dtype="bfloat16", sinks=True)
+    add("long-gqa4-d64-p32-sinks-window", _long, 8, 2, 64, 32, sliding_window=128, sinks=True)
     return g
 
 

@@ -22,10 +22,10 @@ KV_LENS = (300, 900, 200, 9)
 SMALL_BLOCKS = BlockSizes(decode_kv_block=16)
 
 
-def _case(seed, q_lens=(1, 1, 1, 1)):
+def _case(seed, q_lens=(1, 1, 1, 1), sinks=False):
     return make_case(
         seed, q_lens=q_lens, kv_lens=KV_LENS, num_q_heads=8, num_kv_heads=4, head_dim=64,
-        page_size=16,
+        page_size=16, sinks=sinks,
     )  # fmt: skip
 
 
@@ -47,11 +47,12 @@ def _alone(case, s, pad_tokens=3, pad_seqs=2):
 
 def _alone_and_batched(case, **kwargs):
     """Pairs (alone, in the batch) of every live sequence's output rows."""
-    batched = np.asarray(ragged_paged_attention(*case.args(), sm_scale=case.sm_scale, **kwargs))
+    kwargs = dict(sm_scale=case.sm_scale, **case.array_kwargs(), **kwargs)
+    batched = np.asarray(ragged_paged_attention(*case.args(), **kwargs))
     pairs = []
     for s in range(int(case.num_seqs[0])):
         args, rows = _alone(case, s)
-        alone = np.asarray(ragged_paged_attention(*args, sm_scale=case.sm_scale, **kwargs))
+        alone = np.asarray(ragged_paged_attention(*args, **kwargs))
         a = int(case.cu_q_lens[s])
         pairs.append((alone[:rows], batched[a : a + rows]))
     return pairs
@@ -67,17 +68,19 @@ def test_gpu_default_split_plan_depends_on_the_batch():
     np.testing.assert_allclose(alone, batched, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_gpu_deterministic_is_batch_invariant_and_exact(seed):
-    case = _case(seed)
+@pytest.mark.parametrize("seed, sinks", [(0, False), (1, False), (1, True)])
+def test_gpu_deterministic_is_batch_invariant_and_exact(seed, sinks):
+    # With sinks: the in-order combine counts each sequence's sink once, from its first share.
+    case = _case(seed, sinks=sinks)
     for alone, batched in _alone_and_batched(case, deterministic=True, **GPU):
         np.testing.assert_array_equal(alone, batched)
     # The backend-name form the engine passes, and the semantics of the reference.
+    arrays = case.array_kwargs()
     got = ragged_paged_attention(
-        *case.args(), sm_scale=case.sm_scale, backend="gpu" + DETERMINISTIC, interpret=True,
-        block_sizes=SMALL_BLOCKS,
+        *case.args(), sm_scale=case.sm_scale, **arrays, backend="gpu" + DETERMINISTIC,
+        interpret=True, block_sizes=SMALL_BLOCKS,
     )  # fmt: skip
-    expected = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale)
+    expected = ragged_paged_attention_reference(*case.args(), sm_scale=case.sm_scale, **arrays)
     tol = TOLERANCES[np.dtype(np.float32)]
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=tol, atol=tol)
 

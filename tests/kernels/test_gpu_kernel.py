@@ -101,7 +101,14 @@ def test_matches_reference_beyond_grid(point):
     ],
     ids=["small-blocks", "large-blocks"],
 )
-@pytest.mark.parametrize("name", ["mixed-gqa8-d128-p16-softcap-window", "mixed-gqa2-d64-p8-int8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mixed-gqa8-d128-p16-softcap-window",
+        "mixed-gqa2-d64-p8-int8",
+        "mixed-gqa2-d128-p8-int8-softcap-window-sinks",
+    ],
+)
 def test_block_sizes_do_not_change_the_result(name, block_sizes):
     _check(_POINTS[name], block_sizes=block_sizes)
 
@@ -114,8 +121,14 @@ def test_interior_and_edge_blocks_with_small_kv_blocks():
 @pytest.mark.parametrize(
     "name, splits",
     # decode-mha has sequences of 1 to 3 KV blocks, so most of its 8 splits have none;
-    # long-gqa2's 66 blocks split unevenly in 5.
-    [("decode-mha-d64-p16", 8), ("long-gqa2-d64-p32", 5)],
+    # long-gqa2's 66 blocks split unevenly in 5. With sinks, only the share holding a
+    # sequence's first KV block counts its sink (the window skips the first pages).
+    [
+        ("decode-mha-d64-p16", 8),
+        ("long-gqa2-d64-p32", 5),
+        ("decode-gqa8-d64-p16-sinks", 8),
+        ("long-gqa4-d64-p32-sinks-window", 5),
+    ],
 )
 def test_split_counts_agree(name, splits):
     point = _POINTS[name]
@@ -247,13 +260,14 @@ def test_split_plan_mixed_lengths_and_prefills():
     assert split.tolist() == [True, False, False, False, True, False]
 
 
-def test_one_live_decode_in_a_padded_batch_matches_the_reference():
+@pytest.mark.parametrize("sinks", [False, True])
+def test_one_live_decode_in_a_padded_batch_matches_the_reference(sinks):
     # 1 live decode (with window and soft cap) among 40 padded sequences whose lengths
     # and tables are junk: split into one share per KV block, merged, and nothing read
-    # from the padding.
+    # from the padding; with sinks, counted once.
     case = make_case(0, q_lens=(1,), kv_lens=(700,), num_q_heads=4, num_kv_heads=2,
-                     head_dim=64, page_size=16, pad_seqs=39)  # fmt: skip
-    kwargs = dict(sm_scale=case.sm_scale, soft_cap=20.0, sliding_window=300)
+                     head_dim=64, page_size=16, pad_seqs=39, sinks=sinks)  # fmt: skip
+    kwargs = dict(sm_scale=case.sm_scale, soft_cap=20.0, sliding_window=300, **case.array_kwargs())
     out = np.asarray(kernel(*case.args(), **kwargs, decode_only=True))
     assert np.all(np.isfinite(out)) and np.all(out[1:] == 0)
     expected = np.asarray(reference(*case.args(), **kwargs))

@@ -53,7 +53,46 @@ def test_hand_computed_two_tokens():
     np.testing.assert_allclose(out[0, 0], [1.0, 6.0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("point", [GRID[6], GRID[7]], ids=lambda p: p.name)
+def test_hand_computed_sinks():
+    # The two-token case above with a sink per head: row 1's logits [0, ln 3] and a sink
+    # logit ln 4 give weights [1, 3, 4] / 8 (the sink's 4/8 weights no value); the sink
+    # is neither scaled by sm_scale nor soft-capped.
+    q = jnp.array([[[2.0, 0.0], [2.0, 0.0]], [[2.0, 0.0], [2.0, 0.0]]])  # [T=2, Hq=2, D=2]
+    kv = jnp.full((4, 1, 8, 4), jnp.nan)
+    kv = kv.at[3, 0, 0].set([0.0, 0.0, 4.0, 0.0]).at[3, 0, 1].set([np.log(3.0), 0.0, 0.0, 8.0])
+    args = (q, kv, _i32(2), _i32([3]), _i32(0, 2), _i32(1))
+    sinks = jnp.array([np.log(4.0), -np.inf], jnp.float32)
+    out = reference(*args, sm_scale=0.5, sinks=sinks)
+    np.testing.assert_allclose(out[1, 0], [4.0 / 8, 3.0 * 8 / 8], rtol=1e-6)
+    # Row 0 sees k0 only: weights [1, 4] / 5.
+    np.testing.assert_allclose(out[0, 0], [4.0 / 5, 0.0], rtol=1e-6)
+    # A sink of -inf is no sink, exactly.
+    no_sink = reference(*args, sm_scale=0.5)
+    np.testing.assert_array_equal(np.asarray(out[:, 1]), np.asarray(no_sink[:, 1]))
+    # A large sink against soft-capped logits: the sink is not capped.
+    c = 0.5
+    x1 = c * np.tanh(np.log(3.0) / c)
+    out = reference(*args, sm_scale=0.5, soft_cap=c, sinks=jnp.array([5.0, 5.0]))
+    denom = 1.0 + np.exp(x1) + np.exp(5.0)
+    np.testing.assert_allclose(out[1, 0], [4.0 / denom, 8.0 * np.exp(x1) / denom], rtol=1e-6)
+    # Sinks of a bfloat16 parameter are taken as float32 (exactly).
+    rounded = sinks.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(reference(*args, sm_scale=0.5, sinks=rounded)),
+        np.asarray(reference(*args, sm_scale=0.5, sinks=rounded.astype(jnp.float32))),
+    )
+
+
+def test_sinks_leave_padding_and_unseen_rows_zero():
+    case = make_case(
+        3, q_lens=(0, 1), kv_lens=(0, 9), num_q_heads=4, num_kv_heads=1, head_dim=64,
+        page_size=8, sinks=True,
+    )  # fmt: skip
+    out = np.asarray(reference(*case.args(), sm_scale=case.sm_scale, **case.array_kwargs()))
+    assert np.all(out[1:] == 0) and np.all(np.isfinite(out)) and np.any(out[0] != 0)
+
+
+@pytest.mark.parametrize("point", [GRID[6], GRID[7], GRID[14]], ids=lambda p: p.name)
 def test_poisoned_pages_do_not_change_output(point):
     case = point.case(seed=2)
     poisoned = reference(*case.args(), **point.attention_kwargs(case))
@@ -138,6 +177,9 @@ _BAD_INPUTS = [
         lambda a: {"kv_pages": a["kv_pages"].astype(jnp.int8)},
         "kv_scales is required",
     ),
+    (lambda a: {"sinks": jnp.zeros(3)}, "sinks.shape=(3,) must be [Hq]=(4,)"),
+    (lambda a: {"sinks": jnp.zeros((1, 4))}, "sinks.shape=(1, 4) must be [Hq]=(4,)"),
+    (lambda a: {"sinks": jnp.zeros(4, jnp.int32)}, "sinks.dtype=int32 must be a float dtype"),
 ]
 
 
@@ -145,10 +187,14 @@ _BAD_INPUTS = [
 def test_bad_input_names_the_argument(replace, message):
     args, sm_scale = _valid_args()
     named = {name: args[i] for name, i in _ARG.items()}
+    kwargs = {}
     for name, value in replace(named).items():
-        args[_ARG[name]] = value
+        if name in _ARG:
+            args[_ARG[name]] = value
+        else:
+            kwargs[name] = value
     with pytest.raises(ValueError, match=re.escape(message)):
-        reference(*args, sm_scale=sm_scale)
+        reference(*args, sm_scale=sm_scale, **kwargs)
 
 
 def test_bad_window_and_softcap():

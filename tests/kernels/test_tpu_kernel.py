@@ -79,6 +79,8 @@ def test_kernel_matches_reference(point):
         "mixed-gqa8-d128-p16-softcap-window",
         "mixed-gqa2-d64-p8-int8",
         "long-mqa-d128-p16-int8-window",
+        "prefill-gqa4-d64-p16-sinks-window",
+        "mixed-gqa2-d128-p8-int8-softcap-window-sinks",
     ],
 )
 def test_small_blocks(name):
@@ -89,7 +91,13 @@ def test_small_blocks(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["decode-gqa2-d64-p32-int8-softcap", "decode-mqa-d128-p8-softcap", "mixed-gqa4-d128-p16-bf16"],
+    [
+        "decode-gqa2-d64-p32-int8-softcap",
+        "decode-mqa-d128-p8-softcap",
+        "mixed-gqa4-d128-p16-bf16",
+        "decode-gqa8-d64-p16-sinks",
+        "long-gqa4-d64-p32-sinks-window",
+    ],
 )
 def test_decode_path(name):
     # Exact on any batch, prefill rows included; built for q_len == 1.
@@ -100,7 +108,12 @@ def test_decode_path(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["mixed-gqa2-d64-p8-int8", "mixed-gqa8-d128-p16-softcap-window", "decode-mqa-d128-p8-softcap"],
+    [
+        "mixed-gqa2-d64-p8-int8",
+        "mixed-gqa8-d128-p16-softcap-window",
+        "decode-mqa-d128-p8-softcap",
+        "mixed-gqa4-d64-p16-bf16-sinks",
+    ],
 )
 def test_several_items_per_step(name):
     # Three items a step (the step's last item starts the next step's first block;
@@ -167,7 +180,7 @@ def test_one_dma_per_page_for_k_and_v(monkeypatch, page_dtype, copies):
         page_size=16, dtype=jnp.bfloat16, page_dtype=page_dtype, pad_seqs=0, pad_tokens=0,
     )  # fmt: skip
     out = ragged_paged_attention_tpu(
-        *case.args(), sm_scale=case.sm_scale, **case.scale_kwargs(),
+        *case.args(), sm_scale=case.sm_scale, **case.array_kwargs(),
         block_sizes=BlockSizes(64, 1, 1), interpret=INTERPRET,
     )  # fmt: skip
     jax.block_until_ready(out)
@@ -175,7 +188,7 @@ def test_one_dma_per_page_for_k_and_v(monkeypatch, page_dtype, copies):
     assert len(started) == copies
     np.testing.assert_allclose(
         np.asarray(out, np.float32),
-        np.asarray(reference(*case.args(), sm_scale=case.sm_scale, **case.scale_kwargs()), np.float32),
+        np.asarray(reference(*case.args(), sm_scale=case.sm_scale, **case.array_kwargs()), np.float32),
         rtol=TOLERANCES[np.dtype(jnp.bfloat16)], atol=TOLERANCES[np.dtype(jnp.bfloat16)],
     )  # fmt: skip
 
@@ -199,11 +212,14 @@ def test_race_detector_sees_a_planted_race():
     assert interpret_pallas_call.races.races_found
 
 
-def test_pages_outside_the_window_and_table_are_never_fetched():
+@pytest.mark.parametrize(
+    "name", ["long-mqa-d128-p16-int8-window", "long-gqa4-d64-p32-sinks-window"]
+)
+def test_pages_outside_the_window_and_table_are_never_fetched(name):
     # Every block-table entry the kernel must not dereference is made out of range;
     # the interpreter raises on any out-of-bounds DMA. Under jit the shared value
     # checks (which would reject such a table) are skipped, as in a serving step.
-    point = POINTS["long-mqa-d128-p16-int8-window"]
+    point = POINTS[name]
     case = point.case(seed=4)
     expected = reference(*case.args(), **point.attention_kwargs(case))
     ps, window = case.page_size, point.sliding_window
@@ -403,7 +419,7 @@ from paxkv.pallas_kernels.tpu import BlockSizes
 from paxkv.pallas_kernels.tpu.block_sizes import chip_info, vmem_bytes
 from paxkv.pallas_kernels.tpu.ragged_paged_attention import _ragged_paged_attention
 
-CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
+CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window(, sinks)
     ("float32", "float32", 8, 64, 4, 4, BlockSizes(3, 16, 2), None, None),
     ("bfloat16", "bfloat16", 16, 128, 8, 2, BlockSizes(8, 16, 2), 30.0, 64),
     ("bfloat16", "bfloat16", 32, 64, 4, 4, BlockSizes(16, 1, 4), None, None),
@@ -420,6 +436,12 @@ CONFIGS = [  # q, pages, page_size, D, Hq, Hkv, BlockSizes, soft_cap, window
     for pages in ("bfloat16", "int8", "float8_e4m3fn")
     for d in (128, 256)
 ]
+SINK_CONFIGS = [  # attention sinks: gpt-oss-20b's heads (64 / 8, D 64, window 128) at the
+    # defaults, decode with int8 pages and soft-cap, and f32 with two heads a block
+    ("bfloat16", "bfloat16", 16, 64, 64, 8, BlockSizes(), None, 128, True),
+    ("bfloat16", "int8", 16, 128, 8, 2, BlockSizes(decode=True), 30.0, 64, True),
+    ("float32", "float32", 8, 64, 4, 4, BlockSizes(3, 16, 2), None, None, True),
+]
 dtype = lambda name: np.dtype(getattr(ml_dtypes, name, None) or name)
 
 
@@ -427,7 +449,7 @@ dtype = lambda name: np.dtype(getattr(ml_dtypes, name, None) or name)
 # under that VMEM limit, with the defaults resolved as off a TPU (the fallback chip
 # figures); `estimate` gets `vmem_bytes`'s parts once it is traced.
 def build(chip, config):
-    qd, pd, ps, d, hq, hkv, bs, cap, win = config
+    qd, pd, ps, d, hq, hkv, bs, cap, win, *sinks = config
     topo = topologies.get_topology_desc(topology_name=chip, platform="tpu")
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -439,11 +461,12 @@ def build(chip, config):
             spec((1,), "int32")]
     scales = (p, hkv, 2, scale_lanes(ps, "tpu"))  # as a TPU cache lays them out
     args += [spec(scales, SCALE_DTYPE.name) if quantized else None]
+    args += [spec((hq,), "float32") if sinks and sinks[0] else None]
     estimate = {}
 
     def fn(limit):
         def kernel(*a):
-            inputs = attention_inputs(*a[:6], kv_scales=a[6], sm_scale=0.1,
+            inputs = attention_inputs(*a[:6], kv_scales=a[6], sinks=a[7], sm_scale=0.1,
                                       soft_cap=cap, sliding_window=win)
             resolved = bs.resolve(inputs.shapes, dtype(qd), dtype(pd), chip=chip_info(True))
             estimate.update(vmem_bytes(inputs.shapes, resolved, dtype(qd), dtype(pd)))
@@ -480,8 +503,8 @@ _DEVICELESS_COMPILE = (
     _DEVICELESS_PRELUDE
     + """
 for i, chip in enumerate(sys.argv[1:]):
-    for config in CONFIGS:
-        qd, pd, ps, d, hq, hkv, bs, cap, win = config
+    for config in CONFIGS + SINK_CONFIGS:
+        qd, pd, ps, d, hq, hkv, bs, cap, win, *_ = config
         hlo, estimate = compile_under(chip, config, 32 * 2**20)
         # The pages reach the kernel in the layout XLA gives them: no relayout copy of the
         # cache before the call (head_dim 64 at `[.., ps, D]` had one). Their scales
@@ -498,7 +521,7 @@ for i, chip in enumerate(sys.argv[1:]):
             error, _ = compile_under(chip, config, 4096)
             scratch = sum(estimate[k] for k in SCRATCH)
             assert abs(scratch - scoped_bytes(error)) <= 0.01 * scratch, (config, estimate, error[-300:])
-        print("compiled", chip, qd, pd, ps, d, estimate["block_sizes"], flush=True)
+        print("compiled", chip, *config, estimate["block_sizes"], flush=True)
 """
 )
 
@@ -553,7 +576,7 @@ def test_compiles_for_tpu_deviceless():
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 15 * len(chips)
+    assert result.stdout.count("compiled") == 18 * len(chips)
 
 
 @pytest.mark.slow

@@ -325,3 +325,22 @@ def test_presets_round_trip_through_hf_json():
 def test_from_hf_rejects_what_it_cannot_run(change, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig.from_hf(LLAMA_3_2_1B_INSTRUCT_HF | change)
+
+
+def test_attention_sinks_parameter():
+    # The shared attention block with sinks (gpt-oss): one learned logit per query head,
+    # under Hugging Face's name, handed to the attention as float32; none by default.
+    from paxkv.models.family import hf_name
+    from paxkv.models.layers import Attention
+
+    config = TINY.replace(dtype="bfloat16")
+    attn = Attention(config, rngs=nnx.Rngs(0), sinks=True)
+    assert attn.sinks[...].shape == (config.num_heads,) and attn.sinks[...].dtype == jnp.bfloat16
+    sinks = attn.attention_sinks()
+    assert sinks.dtype == jnp.float32 and float(jnp.max(jnp.abs(sinks))) > 0
+    np.testing.assert_array_equal(np.asarray(sinks), np.asarray(attn.sinks[...], np.float32))
+    assert Attention(config, rngs=nnx.Rngs(0)).attention_sinks() is None
+    assert hf_name(("layers", "0", "self_attn", "sinks")) == (
+        "model.layers.0.self_attn.sinks",
+        False,
+    )
