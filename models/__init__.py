@@ -1,5 +1,5 @@
 """Models over the paged KV cache: the registered families (`registry.FAMILIES`: Llama,
-Gemma, the mixtures of experts), their configs, presets, weights and tokenizers."""
+Gemma, the mixtures of experts: Mixtral, Qwen3-MoE, gpt-oss), their configs, presets, weights and tokenizers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from .family import Family, Model, ModelConfig
 from .gemma import GemmaForCausalLM
 from .gemma_config import GemmaConfig
+from .gpt_oss_config import GptOssConfig
 from .hf_fields import DTYPES
 from .layers import dense_causal_attention
 from .llama import LlamaForCausalLM
@@ -48,6 +49,7 @@ __all__ = [
     "Family",
     "GemmaConfig",
     "GemmaForCausalLM",
+    "GptOssConfig",
     "HFTokenizer",
     "Llama3RopeScaling",
     "LlamaConfig",

@@ -53,6 +53,10 @@ class MoeConfig:
     grouped_matmul: str = "auto"
     scan_layers: bool = False
 
+    # What this decoder shares with gpt-oss's (`MoeForCausalLM` reads both): neither.
+    attention_bias = False
+    attention_sinks = False
+
     def __post_init__(self):
         hf_fields.check_shared_fields(self)
         if self.sliding_window is not None and self.sliding_window < 1:

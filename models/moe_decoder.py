@@ -1,10 +1,13 @@
-"""The sparse mixture-of-experts decoders (Mixtral, Qwen3-MoE) in Flax NNX, over the paged KV cache.
+"""The sparse mixture-of-experts decoders (Mixtral, Qwen3-MoE, gpt-oss) in Flax NNX, over the paged KV cache.
 
 The Llama-family block with its MLP replaced by a `moe.MoE` (router and experts).
-Parameter names follow Hugging Face's, so checkpoints map by the shared rule
-(`family.hf_name`): Mixtral's `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1`
-(gate), `w3` (up), `w2` (down); Qwen3-MoE's `mlp.gate` and `mlp.experts.{e}.gate_proj`,
-`up_proj`, `down_proj`, with q/k norms in attention.
+Parameter names follow Hugging Face's, so checkpoints map by the family's rule:
+Mixtral's `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1` (gate), `w3`
+(up), `w2` (down); Qwen3-MoE's `mlp.gate` and `mlp.experts.{e}.gate_proj`, `up_proj`,
+`down_proj`, with q/k norms in attention; gpt-oss's `mlp.router` and
+`mlp.experts.gate_up_proj` (all experts in one tensor), with biased attention, attention
+sinks, YaRN RoPE and layers alternating a sliding window and full attention
+(`GptOssConfig`).
 
 Routing replay (for RL): the paged step and `dense_logits` take `routing=` (i32[L, T, k],
 the experts of every layer and row) to force that routing, and with `return_routing=True`
@@ -12,6 +15,9 @@ also return the routing they used.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,25 +38,53 @@ from .layers import (
     lm_head,
     output_logits,
     rope_inv_freq,
+    yarn_inv_freq,
 )
 from .moe_config import MoeConfig
 
-# The MoE block's attribute and its layout, by Hugging Face model type.
-_MOE_ATTRIBUTE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
-_FORMS = {"mixtral": moe.MIXTRAL, "qwen3_moe": moe.QWEN}
+MoeFamilyConfig = Any  # MoeConfig or gpt_oss_config.GptOssConfig
+
+# The MoE block's attribute, by Hugging Face model type.
+_MOE_ATTRIBUTE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "gpt_oss": "mlp"}
+
+
+def expert_form(config: MoeFamilyConfig) -> moe.ExpertForm:
+    """The layout and gated unit of `config`'s experts, by its model type."""
+    if config.model_type == "gpt_oss":
+        return moe.ExpertForm.gpt_oss(limit=config.swiglu_limit, alpha=config.swiglu_alpha)
+    return {"mixtral": moe.MIXTRAL, "qwen3_moe": moe.QWEN}[config.model_type]
+
+
+def rope(config: MoeFamilyConfig) -> tuple[np.ndarray, float]:  # f64[D // 2], sm_scale
+    """RoPE inverse frequencies and the attention scale: `head_dim ** -0.5`, times the
+    square of YaRN's attention factor when the config stretches RoPE by YaRN (the
+    factor scales queries and keys alike)."""
+    yarn = getattr(config, "rope_scaling", None)
+    scale = config.head_dim**-0.5
+    if yarn is None:
+        return rope_inv_freq(config.head_dim, config.rope_theta, None), scale
+    inv_freq, factor = yarn_inv_freq(config.head_dim, config.rope_theta, **dataclasses.asdict(yarn))
+    return inv_freq, scale * factor**2
 
 
 class MoeDecoderLayer(nnx.Module):
     """One block: attention over the paged cache, then the MoE block, each pre-normed."""
 
-    def __init__(self, config: MoeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoeFamilyConfig, *, rngs: nnx.Rngs):
         norm = lambda size: RMSNorm(size, eps=config.rms_norm_eps, dtype=config.dtype)
         self.input_layernorm = norm(config.hidden_size)
-        self.self_attn = Attention(config, rngs=rngs, qk_norm=norm if config.qk_norm else None)
+        biased = config.attention_bias  # gpt-oss: q, k, v and o
+        self.self_attn = Attention(
+            config,
+            rngs=rngs,
+            bias=biased,
+            out_bias=biased,
+            qk_norm=norm if getattr(config, "qk_norm", False) else None,
+            sinks=config.attention_sinks,
+        )
         self.post_attention_layernorm = norm(config.hidden_size)
         self.moe_attribute = _MOE_ATTRIBUTE[config.model_type]
-        block = moe.MoE(config, _FORMS[config.model_type], rngs=rngs)
-        setattr(self, self.moe_attribute, block)
+        setattr(self, self.moe_attribute, moe.MoE(config, expert_form(config), rngs=rngs))
 
     def finish(
         self,
@@ -73,9 +107,10 @@ def _layer_routing(routing: jax.Array | None, i) -> jax.Array | None:
 
 class MoeForCausalLM(nnx.Module):
     """The MoE decoder with its LM head (or tied embedding); the contract of
-    `family.Model`: `__call__` is the paged step, `dense_logits` the oracle."""
+    `family.Model`: `__call__` is the paged step, `dense_logits` the oracle. Its config
+    is a `MoeConfig` (Mixtral, Qwen3-MoE) or a `GptOssConfig`."""
 
-    def __init__(self, config: MoeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: MoeFamilyConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = embedding(config, rngs=rngs)
         layers = [MoeDecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
@@ -88,11 +123,6 @@ class MoeForCausalLM(nnx.Module):
     def duplicate_kv_heads(self, factor: int) -> None:
         """Repeats every KV head `factor` times, in place (see `layers.duplicate_kv_heads`)."""
         duplicate_kv_heads(self, factor)
-
-    @property
-    def inv_freq(self) -> np.ndarray:  # f64[D // 2]
-        """RoPE inverse frequencies (f64[D // 2])."""
-        return rope_inv_freq(self.config.head_dim, self.config.rope_theta, None)
 
     def _empty_routing(self, num_rows: int) -> jax.Array:  # i32[L, T, k]
         c = self.config
@@ -117,9 +147,10 @@ class MoeForCausalLM(nnx.Module):
         layer sent every row to, i32[L, T, k] (padding rows' entries mean nothing).
         """
         c = self.config
-        inv_freq = self.inv_freq
+        inv_freq, sm_scale = rope(c)
 
         def body(layer, i, kind, carry):
+            # `kind`: a static layer number with this layer's window.
             x, kv_cache, routes = carry
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             attn, kv_cache = paged_attention(
@@ -129,13 +160,14 @@ class MoeForCausalLM(nnx.Module):
                 v,
                 kv_cache,
                 table,
-                sm_scale=c.head_dim**-0.5,
-                sliding_window=c.sliding_window,
+                sm_scale=sm_scale,
+                sliding_window=c.layer_sliding_windows[kind],
                 soft_cap=None,
                 num_kv_heads=c.num_kv_heads,
                 mesh=self.mesh,
                 backend=attention_backend,
                 decode_only=decode_only,
+                sinks=layer.self_attn.attention_sinks(),
             )
             forced = _layer_routing(routing, i)
             x, experts = layer.finish(x, attn, experts=forced, mesh=self.mesh)
@@ -165,13 +197,18 @@ class MoeForCausalLM(nnx.Module):
         `__call__` (a trainer's forward pass replaying a rollout's routing)."""
         c = self.config
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        inv_freq = self.inv_freq
+        inv_freq, sm_scale = rope(c)
 
         def body(layer, i, kind, carry):
             x, routes = carry
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             attn = dense_causal_attention(
-                q, k, v, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
+                q,
+                k,
+                v,
+                sm_scale=sm_scale,
+                sliding_window=c.layer_sliding_windows[kind],
+                sinks=layer.self_attn.attention_sinks(),
             )
             x, experts = layer.finish(x, attn, experts=_layer_routing(routing, i), mesh=self.mesh)
             return x, None if routes is None else routes.at[i].set(experts)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from paxkv.sharding import shardings
 
-from . import gemma, llama, moe_decoder
+from . import gemma, gpt_oss, llama, moe_decoder
 from .family import Family, Model, ModelConfig
 from .hf_fields import field
 
@@ -23,6 +23,7 @@ FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     gemma.FAMILY,
     moe_decoder.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

@@ -21,6 +21,7 @@ from paxkv.models import (
     ByteTokenizer,
     GemmaConfig,
     GemmaForCausalLM,
+    GptOssConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MoeConfig,
@@ -37,7 +38,7 @@ NAMES = [*PRESETS, *CHECKPOINTS]  # every name `LLM(model=...)` takes besides a 
 
 
 def test_the_launch_apps_know_the_names_the_python_api_knows():
-    assert len(set(NAMES)) == len(NAMES) == 19
+    assert len(set(NAMES)) == len(NAMES) == 21
     assert sorted(configs.NAMES) == sorted(NAMES)
     assert {"tiny-gemma2", "tiny-qwen3", "qwen3-0.6b", "gemma-2-2b", "gemma-3-1b"} <= set(
         configs.NAMES
@@ -128,6 +129,7 @@ EXPECTED = {
     "gemma3_text": (GemmaConfig, GemmaForCausalLM, "Gemma3ForCausalLM"),
     "mixtral": (MoeConfig, MoeForCausalLM, "MixtralForCausalLM"),
     "qwen3_moe": (MoeConfig, MoeForCausalLM, "Qwen3MoeForCausalLM"),
+    "gpt_oss": (GptOssConfig, MoeForCausalLM, "GptOssForCausalLM"),
 }
 
 
@@ -151,7 +153,14 @@ def test_each_preset_round_trips_through_its_model_type(name):
 
 
 def test_each_preset_builds_its_model_class():
-    for name in ("tiny", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral"):
+    for name in (
+        "tiny",
+        "tiny-qwen3",
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-mixtral",
+        "tiny-gpt-oss",
+    ):
         assert type(init_model(PRESETS[name])) is model_class(PRESETS[name])
 
 

@@ -1,7 +1,7 @@
-"""Mixtral and Qwen3-MoE on a mesh of 8 CPU devices: greedy generation through `LLM`
-equals transformers' token for token with the experts split over the devices (expert
-parallelism on model:2 and model:8) or inside each expert (tensor parallelism, model:4
-with 6 experts); checkpoints load each device's experts only; the MoE block's collective
+"""Mixtral, Qwen3-MoE and gpt-oss on a mesh of 8 CPU devices: greedy generation through
+`LLM` equals transformers' token for token with the experts split over the devices
+(expert parallelism on model:2 and model:8) or inside each expert (tensor parallelism,
+model:4 with 6 experts); checkpoints load each device's experts only; the MoE block's collective
 is one all-reduce (gpt-oss's block, biases and all, too)."""
 
 import jax
@@ -24,6 +24,7 @@ CONFIGS = {
     "mixtral": PRESETS["tiny-mixtral"].replace(sliding_window=8),
     "qwen3-moe": PRESETS["tiny-qwen3-moe"],
     "mixtral-6-experts": PRESETS["tiny-mixtral"].replace(num_experts=6),
+    "gpt-oss": PRESETS["tiny-gpt-oss"].replace(sliding_window=8),
 }
 
 
@@ -40,7 +41,9 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-EXPERT_PARALLEL = {name: P("model", None, None) for name in ("w1", "w2", "w3", "down_proj")}
+EXPERT_PARALLEL = {
+    name: P("model", None, None) for name in ("w1", "w2", "w3", "down_proj", "gate_up_proj")
+}
 TENSOR_PARALLEL = {"w1": P(None, None, "model"), "w3": P(None, None, "model")}
 TENSOR_PARALLEL["w2"] = P(None, "model", None)
 
@@ -52,6 +55,8 @@ TENSOR_PARALLEL["w2"] = P(None, "model", None)
         ("mixtral", "model:8", EXPERT_PARALLEL, False),
         ("qwen3-moe", "model:8", EXPERT_PARALLEL, True),  # loaded stacked, [L, E, ...]
         ("mixtral-6-experts", "model:4", TENSOR_PARALLEL, False),
+        ("gpt-oss", "model:2", EXPERT_PARALLEL, False),  # sinks split with the heads
+        ("gpt-oss", "model:8", EXPERT_PARALLEL, True),
     ],
 )
 def test_greedy_on_a_mesh_matches_transformers(checkpoints, name, mesh, splits, scan_layers):
