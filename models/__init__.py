@@ -1,4 +1,5 @@
-"""Models over the paged KV cache: the registered families (`registry.FAMILIES`: Llama, Gemma), their configs, presets, weights and tokenizers."""
+"""Models over the paged KV cache: the registered families (`registry.FAMILIES`: Llama,
+Gemma, the mixtures of experts: Mixtral, Qwen3-MoE, gpt-oss), their configs, presets, weights and tokenizers."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import Any
 from .family import Family, Model, ModelConfig
 from .gemma import GemmaForCausalLM
 from .gemma_config import GemmaConfig
+from .gpt_oss_config import GptOssConfig
 from .hf_fields import DTYPES
 from .layers import dense_causal_attention
 from .llama import LlamaForCausalLM
 from .llama_config import Llama3RopeScaling, LlamaConfig
+from .moe_config import MoeConfig
+from .moe_decoder import MoeForCausalLM
 from .registry import BYTE_LEVEL_PRESETS, FAMILIES, PRESETS, config_from_hf, init_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from .weights import (
@@ -45,12 +49,15 @@ __all__ = [
     "Family",
     "GemmaConfig",
     "GemmaForCausalLM",
+    "GptOssConfig",
     "HFTokenizer",
     "Llama3RopeScaling",
     "LlamaConfig",
     "LlamaForCausalLM",
     "Model",
     "ModelConfig",
+    "MoeConfig",
+    "MoeForCausalLM",
     "Tokenizer",
     "config_from_hf",
     "dense_causal_attention",
@@ -75,8 +82,8 @@ def load_model(
 ) -> tuple[ModelConfig, Model, Tokenizer | None]:
     """`(config, model, tokenizer or None)` from a preset name or a local directory.
 
-    A preset name gives a random model (`seed`); the byte-level ones ("tiny",
-    "tiny-qwen3", "tiny-gemma2", "tiny-gemma3") come with the `ByteTokenizer`.
+    A preset name gives a random model (`seed`); the byte-level ones (`BYTE_LEVEL_PRESETS`:
+    "tiny", "tiny-qwen3", "tiny-mixtral", ...) come with the `ByteTokenizer`.
     A name of `CHECKPOINTS` ("tiny-py") gives that trained model and the `ByteTokenizer`.
     A directory is a Hugging Face checkpoint, or an orbax checkpoint from `save_params`
     (`config.json` and `params/`); its tokenizer is its `tokenizer.json`, if any, or the

@@ -76,17 +76,26 @@ class Model(Protocol):
         """Repeats every KV head `factor` times, in place (`layers.duplicate_kv_heads`)."""
 
 
+# In a Hugging Face tensor name, where the expert's number goes: a parameter stacked over
+# experts (`[E, ...]`) is the E tensors of the name with 0 .. E - 1 in its place.
+EXPERT_INDEX = "{expert}"
+
+
 def hf_name(path: tuple) -> tuple[str, bool]:
     """The Hugging Face tensor name of an NNX parameter path, and whether it is transposed.
 
     The rule of the families whose modules carry Hugging Face's names: the path joined
     with dots under `model.` (`lm_head` at the top level), `kernel` read as a transposed
-    `weight` (HF Linear weights are `[out, in]`) and `embedding` as `weight`.
+    `weight` (HF Linear weights are `[out, in]`) and `embedding` as `weight`. A
+    parameter of an `experts` module (`moe.Experts`, `[E, in, out]`) is its experts'
+    transposed Linear weights, `...experts.{expert}.<name>.weight` (`EXPERT_INDEX`).
     """
     *modules, leaf = (str(p) for p in path)
+    prefix = [] if modules[:1] == ["lm_head"] else ["model"]
+    if modules[-1:] == ["experts"]:
+        return ".".join([*prefix, *modules, EXPERT_INDEX, leaf, "weight"]), True
     transpose = leaf == "kernel"
     leaf = "weight" if leaf in ("kernel", "embedding") else leaf
-    prefix = [] if modules[:1] == ["lm_head"] else ["model"]
     return ".".join([*prefix, *modules, leaf]), transpose
 
 

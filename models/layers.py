@@ -57,6 +57,43 @@ def rope_inv_freq(
     )
 
 
+def yarn_inv_freq(
+    head_dim: int,
+    rope_theta: float,
+    *,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> tuple[np.ndarray, float]:  # f64[D // 2], the attention factor
+    """YaRN's RoPE inverse frequencies (gpt-oss), and its attention factor.
+
+    Dimensions that turn more than `beta_fast` times over the original context keep
+    their frequency, those that turn fewer than `beta_slow` times are divided by
+    `factor`, with a linear ramp between (its ends floored and ceiled when `truncate`);
+    queries and keys are then scaled by `0.1 ln(factor) + 1` (the attention factor; so
+    the attention logits by its square). Computed on the host in float64.
+    """
+    dims = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    extrapolation = rope_theta**-dims
+    interpolation = extrapolation / factor
+
+    def correction_dim(rotations: float) -> float:
+        turns = original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # no singular ramp
+    ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
 def apply_rope(
     x: jax.Array,  # [T, H, D]
     positions: jax.Array,  # i32[T]
@@ -114,8 +151,8 @@ def dense_causal_attention(
     return jnp.einsum("hqk,khd->qhd", p, v, precision=hi).astype(q.dtype)
 
 
-def _precision(config: ModelConfig) -> jax.lax.Precision:
-    # float32 models are the test dtype: keep their matmuls exact on TPU/GPU too.
+def matmul_precision(config: ModelConfig) -> jax.lax.Precision:
+    """HIGHEST for float32 models (the test dtype: exact on TPU and GPU too), else DEFAULT."""
     if config.dtype == "float32":
         return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.DEFAULT
@@ -129,7 +166,7 @@ def linear(config: ModelConfig, d_in: int, d_out: int, *, bias: bool, rngs) -> n
         use_bias=bias,
         dtype=config.dtype,
         param_dtype=config.dtype,
-        precision=_precision(config),
+        precision=matmul_precision(config),
         kernel_init=nnx.initializers.normal(INIT_STD),
         rngs=rngs,
     )
@@ -168,7 +205,7 @@ def output_logits(model: Any, hidden: jax.Array) -> jax.Array:
     return jnp.dot(
         hidden.astype(w.dtype),
         w,
-        precision=_precision(model.config),
+        precision=matmul_precision(model.config),
         preferred_element_type=jnp.float32,
     )
 
@@ -204,7 +241,7 @@ class MLP(nnx.Module):
 class Attention(nnx.Module):
     """GQA projections and RoPE; the attention itself is the caller's (paged or dense).
 
-    `bias` puts biases on q/k/v (Qwen2). `qk_norm`, when given, makes the norm of
+    `bias` puts biases on q/k/v (Qwen2), `out_bias` on o (gpt-oss). `qk_norm`, when given, makes the norm of
     every q and of every k head over the head dim (`q_norm`, `k_norm`: Qwen3, Gemma 3),
     applied after the projection and before RoPE. `sinks` gives the layer attention
     sinks (gpt-oss): a learned logit per query head, `self_attn.sinks [Hq]` (Hugging
@@ -219,12 +256,13 @@ class Attention(nnx.Module):
         bias: bool = False,
         qk_norm: Callable[[int], nnx.Module] | None = None,
         sinks: bool = False,
+        out_bias: bool = False,
     ):
         h, d = config.hidden_size, config.head_dim
         self.q_proj = linear(config, h, config.num_heads * d, bias=bias, rngs=rngs)
         self.k_proj = linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
         self.v_proj = linear(config, h, config.num_kv_heads * d, bias=bias, rngs=rngs)
-        self.o_proj = linear(config, config.num_heads * d, h, bias=False, rngs=rngs)
+        self.o_proj = linear(config, config.num_heads * d, h, bias=out_bias, rngs=rngs)
         self.q_norm = None if qk_norm is None else qk_norm(d)
         self.k_norm = None if qk_norm is None else qk_norm(d)
         init = nnx.initializers.normal(INIT_STD)

@@ -15,13 +15,15 @@ from flax import nnx
 
 from paxkv.sharding import shardings
 
-from . import gemma, llama
+from . import gemma, gpt_oss, llama, moe_decoder
 from .family import Family, Model, ModelConfig
 from .hf_fields import field
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     gemma.FAMILY,
+    moe_decoder.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

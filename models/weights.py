@@ -1,10 +1,13 @@
 """Model weights on disk: Hugging Face safetensors checkpoints and orbax parameter checkpoints.
 
 Hugging Face names map onto the NNX parameter paths by the family's rule
-(`Family.hf_name`; `family.hf_name` for the families here). A parameter of stacked layers (`scan_layers`, `[L, ...]`) is the L tensors of
-`model.layers.{l}....` stacked on axis 0 (`layer_stack.layer_paths`), read slice by
-slice into its sharding like any other; orbax checkpoints hold the layers one by one
-either way. Nothing here touches the network.
+(`Family.hf_name`; `family.hf_name` for the families here). A parameter of stacked
+layers (`scan_layers`, `[L, ...]`) is the L tensors of `model.layers.{l}....` stacked on
+axis 0 (`layer_stack.layer_paths`), and one stacked over experts (`[E, ...]`, after the
+layer axis if any) the E tensors of `...experts.{e}....` (`family.EXPERT_INDEX`); each
+is read slice by slice into its sharding like any other, so a device of an
+expert-parallel mesh reads only its own experts' tensors. Orbax checkpoints hold the
+layers one by one either way. Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from . import layer_stack
-from .family import Model, ModelConfig
+from .family import EXPERT_INDEX, Model, ModelConfig
 from .registry import config_from_hf, family_of, model_class
 
 CONFIG_FILE = "config.json"
@@ -47,9 +50,10 @@ def _abstract_model(config: ModelConfig):
 
 
 class _Param(NamedTuple):
-    names: tuple[str, ...]  # its Hugging Face tensor, or each layer's when stacked
-    transpose: bool  # stored transposed in the file (per layer)
-    stacked: bool  # `[L, ...]`: names[l] is layer l's tensor
+    # Its Hugging Face tensors, an object array over the parameter's leading axes that
+    # stack tensors: layers (`[L, ...]`, scanned), then experts (`[E, ...]`); 0-d for one.
+    names: np.ndarray
+    transpose: bool  # each tensor is stored transposed in the file
     path: tuple  # the NNX path
     var: nnx.Variable
 
@@ -61,7 +65,12 @@ def _hf_params(state, config: ModelConfig) -> Iterator[_Param]:
     for path, var in nnx.to_flat_state(state):
         held = layer_stack.layer_paths(tuple(str(p) for p in path), config)
         paths, stacked = ([path], False) if held is None else held
-        yield _Param(tuple(hf_name(p)[0] for p in paths), hf_name(path)[1], stacked, path, var)
+        names = [hf_name(p)[0] for p in paths]  # each layer's, when stacked
+        if EXPERT_INDEX in names[0]:  # the expert axis follows the layer axis, if any
+            num_experts = var.get_value().shape[int(stacked)]
+            names = [[n.replace(EXPERT_INDEX, str(e)) for e in range(num_experts)] for n in names]
+        names = np.array(names, dtype=object)
+        yield _Param(names if stacked else names[0, ...], hf_name(path)[1], path, var)
 
 
 def read_json(file: str) -> dict[str, Any]:
@@ -203,7 +212,7 @@ def load_hf_checkpoint(
     found = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
     graphdef, state = _abstract_model(config)
     params = list(_hf_params(state, config))
-    expected = {name for param in params for name in param.names}
+    expected = {name for param in params for name in param.names.flat}
     if missing := sorted(expected - found):
         raise ValueError(f"checkpoint {path} is missing tensors: {missing}")
     if unexpected := sorted(found - expected):
@@ -237,11 +246,11 @@ def load_hf_checkpoint(
                 nonfinite.setdefault(file, []).append(name)
             return (part.T if transpose else part).astype(config.dtype, copy=False)
 
-        for names, transpose, stacked, var_path, var in params:
+        for names, transpose, var_path, var in params:
             want = var.get_value().shape
-            layer_shape = want[1:] if stacked else want
-            want_hf = layer_shape[::-1] if transpose else layer_shape
-            for name in names:
+            tensor_shape = want[names.ndim :]
+            want_hf = tensor_shape[::-1] if transpose else tensor_shape
+            for name in names.flat:
                 f, file = handle(name)
                 stored = _read_slice(f, file, name)
                 if not stored.get_dtype().startswith(_FLOAT_DTYPE_PREFIXES):
@@ -256,13 +265,14 @@ def load_hf_checkpoint(
                         "from the config"
                     )
 
-            def part(index, names=names, transpose=transpose, stacked=stacked):
-                # Device slice `index` of the parameter: of each layer's tensor in turn
-                # when stacked (index[0] picks the layers), else of its one tensor.
-                if not stacked:
-                    return read(names[0], transpose, tuple(index))
-                layers, rest = index[0], tuple(index[1:])
-                return np.stack([read(n, transpose, rest) for n in names[layers]])
+            def part(index, names=names, transpose=transpose):
+                # Device slice `index` of the parameter: its leading indices pick the
+                # stacked tensors (layers, experts), the rest is read of each in turn.
+                picked, rest = names[tuple(index[: names.ndim])], tuple(index[names.ndim :])
+                parts = [read(n, transpose, rest) for n in np.ravel(picked)]
+                if not names.ndim:
+                    return parts[0]
+                return np.stack(parts).reshape(*picked.shape, *parts[0].shape)
 
             if mesh is None:
                 var.set_value(jnp.asarray(part((slice(None),) * len(want))))
@@ -310,9 +320,10 @@ def save_hf_checkpoint(
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(model.config.to_hf(), f, indent=2)
     tensors = {}
-    for names, transpose, stacked, _, var in _hf_params(nnx.state(model, nnx.Param), model.config):
+    for names, transpose, _, var in _hf_params(nnx.state(model, nnx.Param), model.config):
         array = np.asarray(var.get_value())
-        for name, tensor in zip(names, array if stacked else array[None], strict=True):
+        stacked = array.reshape(-1, *array.shape[names.ndim :])
+        for name, tensor in zip(names.flat, stacked, strict=True):
             tensors[name] = np.ascontiguousarray(tensor.T if transpose else tensor)
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})

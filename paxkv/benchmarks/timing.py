@@ -10,18 +10,26 @@ import jax
 import numpy as np
 
 
-def median_seconds(fn: Callable[[], Any], *, iters: int, warmup: int = 1) -> float:
-    """Median wall seconds of `fn()` over `iters` calls after `max(1, warmup)` untimed ones.
+def median_seconds(
+    fn: Callable[[], Any],
+    *,
+    iters: int,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median seconds of `fn()` over `iters` calls after `max(1, warmup)` untimed ones.
 
     The untimed calls compile and warm up; every call ends with `jax.block_until_ready`
     on its result, so the time is the device's, not the dispatch's. A call that donates
-    its input carries its state in `fn` itself (a closure that reassigns it).
+    its input carries its state in `fn` itself (a closure that reassigns it). `clock`:
+    the wall clock, or `time.process_time` for the CPU time of every thread of the
+    process (on the CPU backend, the work itself, less sensitive to a loaded machine).
     """
     for _ in range(max(1, warmup)):
         jax.block_until_ready(fn())
     times = []
     for _ in range(iters):
-        start = time.perf_counter()
+        start = clock()
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return float(np.median(times))

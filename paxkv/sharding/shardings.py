@@ -189,20 +189,32 @@ def sharded_cache(create: Callable[[], Any], num_kv_heads: int, mesh: Mesh | Non
     return jax.jit(create, out_shardings=cache_shardings(abstract, num_kv_heads, mesh))()
 
 
-# Kernels are `[in, out]`: column-parallel ones split their outputs, row-parallel their inputs.
-COLUMN, ROW = "column", "row"
-_KERNEL_SPECS = {COLUMN: P(None, MODEL_AXIS), ROW: P(MODEL_AXIS, None)}
-_BIAS_SPECS = {COLUMN: P(MODEL_AXIS), ROW: P()}
+# Kernels are `[..., in, out]`: column-parallel ones split their outputs, row-parallel
+# their inputs; expert-parallel ones (`[E, in, out]`, stacked over experts) the experts.
+COLUMN, ROW, EXPERT = "column", "row", "expert"
+_SPLIT_AXIS = {COLUMN: -1, ROW: -2, EXPERT: 0}  # of a kernel; a bias drops its `in` axis
+
+
+def kernel_spec(parallel: str, ndim: int, *, bias: bool = False) -> P:
+    """The spec of a kernel (or, with `bias`, its bias) of `ndim` dims split as `parallel`."""
+    axis = _SPLIT_AXIS[parallel]
+    if bias:  # `[..., out]`: a ROW bias is replicated (added after the all-reduce)
+        if parallel == ROW:
+            return P()
+        axis = -1 if parallel == COLUMN else 0
+    spec = [None] * ndim
+    spec[axis] = MODEL_AXIS
+    return P(*spec)
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitRule:
     """The parameters whose path holds every name in `modules` are split over the
-    `model` axis as `parallel`, when the mesh splits the config's `divisor` field;
-    replicated otherwise.
+    `model` axis as `parallel`, when the mesh splits the config's `divisor` field.
 
-    COLUMN splits a `[in, out]` kernel's outputs and its bias, ROW a kernel's inputs
-    (an embedding `[V, h]` counts as one) and replicates its bias.
+    COLUMN splits a `[..., in, out]` kernel's outputs and its bias, ROW a kernel's
+    inputs (an embedding `[V, h]` counts as one) and replicates its bias, EXPERT a
+    kernel stacked over experts (`[E, in, out]`) and its bias (`[E, out]`) by expert.
     """
 
     modules: tuple[str, ...]
@@ -210,8 +222,10 @@ class SplitRule:
     divisor: str
 
     def __post_init__(self):
-        if self.parallel not in _KERNEL_SPECS:
-            raise ValueError(f"parallel={self.parallel!r} must be {COLUMN!r} or {ROW!r}")
+        if self.parallel not in _SPLIT_AXIS:
+            raise ValueError(
+                f"parallel={self.parallel!r} must be {COLUMN!r}, {ROW!r} or {EXPERT!r}"
+            )
 
 
 _PARAM_RULES: dict[type, tuple[SplitRule, ...]] = {}
@@ -238,8 +252,9 @@ def param_spec(
     path: tuple[str, ...], shape: tuple[int, ...], config: Any, mesh: Mesh | AbstractMesh
 ) -> P:
     """The spec of the parameter at `path` (names as in `nnx.split`'s state), by the
-    first of its family's rules that names it (`param_rules`); unnamed ones of at most
-    two dims are replicated. Scanned layers (`paxkv.models.layer_stack.LayerStack`): a
+    first of its family's rules (`param_rules`) that names it and whose divisor the mesh
+    splits; replicated when the rules name it but none splits, and for unnamed ones of
+    at most two dims. Scanned layers (`paxkv.models.layer_stack.LayerStack`): a
     parameter of a stacked block (`layers.blocks.j...`, `[R, ...]`) has its layer's spec
     after an unsplit layer axis, one of the tail (`layers.tail.t...`) its layer's spec."""
     if len(path) > 2 and path[0] == "layers" and path[1] in ("blocks", "tail"):
@@ -249,13 +264,14 @@ def param_spec(
         return P(None, *param_spec(layer, shape[1:], config, mesh))
     m = serving_mesh(mesh)
     names = set(path)
+    named = False
     for rule in param_rules(config):
         if names.issuperset(rule.modules):
-            if not m.splits(getattr(config, rule.divisor)):
-                return P()
-            specs = _BIAS_SPECS if path[-1] == "bias" else _KERNEL_SPECS
-            return specs[rule.parallel]
-    if len(shape) > 2:
+            named = True
+            if m.splits(getattr(config, rule.divisor)):
+                bias = path[-1].endswith("bias")
+                return kernel_spec(rule.parallel, len(shape), bias=bias)
+    if not named and len(shape) > 2:
         raise ValueError(f"no sharding rule for the parameter {'.'.join(path)} of shape {shape}")
     return P()
 

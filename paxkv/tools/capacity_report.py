@@ -23,6 +23,8 @@ from paxkv.tools.capacity import (
     CapacityPlan,
     KVBudget,
     ModelShape,
+    active_parameters,
+    expert_parameters,
     num_parameters,
     page_size_tradeoff,
     plan_capacity,
@@ -61,6 +63,20 @@ class CapacityReport:
             "max": int(self.lengths.max()),
             "num_capped": int((self.lengths == self.max_model_len).sum()),
         }
+
+    def _experts_note(self) -> str:
+        """For a mixture of experts: the experts' share of the parameters and bytes, and
+        the parameters a token runs through."""
+        m = self.model
+        experts = expert_parameters(m)
+        if not experts:
+            return ""
+        itemsize = np.dtype(self.dtype).itemsize
+        return (
+            f" ({_count(experts)} in {m.num_experts} experts a layer, "
+            f"{format_bytes(experts * itemsize)} in all; {m.num_experts_per_tok} per token: "
+            f"{_count(active_parameters(m))} active)"
+        )
 
     def _mesh_lines(self) -> list[str]:
         mesh, m = self.mesh, self.model
@@ -101,6 +117,8 @@ class CapacityReport:
                 "head_dim": self.model.head_dim,
                 "dtype": self.dtype,
                 "num_parameters": num_parameters(self.model),
+                "num_expert_parameters": expert_parameters(self.model),
+                "num_active_parameters": active_parameters(self.model),
             },
             "mesh": dataclasses.asdict(self.mesh) | {"num_devices": self.mesh.num_devices},
             "budget": dataclasses.asdict(self.budget),
@@ -121,7 +139,8 @@ class CapacityReport:
             f"# KV capacity plan: {self.name}" + (f" on {b.device}" if b.device else ""),
             "",
             f"- model: {m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim} head dim; "
-            f"{_count(num_parameters(m))} parameters, {format_bytes(b.weights_bytes)} of {self.dtype} weights",
+            f"{_count(num_parameters(m))} parameters{self._experts_note()}, "
+            f"{format_bytes(b.weights_bytes)} of {self.dtype} weights",
             f"- KV budget: {format_bytes(b.kv_budget_bytes)} ({b.kv_budget_bytes} bytes)"
             + (
                 f" = {b.kv_fraction} x ({b.device} {format_bytes(b.device_bytes)} - weights "

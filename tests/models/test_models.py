@@ -31,6 +31,8 @@ def perturbed_model(config: LlamaConfig, seed: int = 0):
         shape = var.get_value().shape
         if path[-1] == "kernel":
             value = rng.standard_normal(shape) / math.sqrt(shape[0])
+        elif path[-2] == "experts":  # [E, in, out], stacked over the experts
+            value = rng.standard_normal(shape) / math.sqrt(shape[-2])
         elif path[-1] == "weight":  # norms
             value = 1.0 + 0.2 * rng.standard_normal(shape)
         else:  # embedding, biases

@@ -21,8 +21,11 @@ from paxkv.models import (
     ByteTokenizer,
     GemmaConfig,
     GemmaForCausalLM,
+    GptOssConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MoeConfig,
+    MoeForCausalLM,
     config_from_hf,
     init_model,
     load_model,
@@ -35,7 +38,7 @@ NAMES = [*PRESETS, *CHECKPOINTS]  # every name `LLM(model=...)` takes besides a 
 
 
 def test_the_launch_apps_know_the_names_the_python_api_knows():
-    assert len(set(NAMES)) == len(NAMES) == 15
+    assert len(set(NAMES)) == len(NAMES) == 21
     assert sorted(configs.NAMES) == sorted(NAMES)
     assert {"tiny-gemma2", "tiny-qwen3", "qwen3-0.6b", "gemma-2-2b", "gemma-3-1b"} <= set(
         configs.NAMES
@@ -124,6 +127,9 @@ EXPECTED = {
     "qwen3": (LlamaConfig, LlamaForCausalLM, "Qwen3ForCausalLM"),
     "gemma2": (GemmaConfig, GemmaForCausalLM, "Gemma2ForCausalLM"),
     "gemma3_text": (GemmaConfig, GemmaForCausalLM, "Gemma3ForCausalLM"),
+    "mixtral": (MoeConfig, MoeForCausalLM, "MixtralForCausalLM"),
+    "qwen3_moe": (MoeConfig, MoeForCausalLM, "Qwen3MoeForCausalLM"),
+    "gpt_oss": (GptOssConfig, MoeForCausalLM, "GptOssForCausalLM"),
 }
 
 
@@ -147,7 +153,14 @@ def test_each_preset_round_trips_through_its_model_type(name):
 
 
 def test_each_preset_builds_its_model_class():
-    for name in ("tiny", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"):
+    for name in (
+        "tiny",
+        "tiny-qwen3",
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-mixtral",
+        "tiny-gpt-oss",
+    ):
         assert type(init_model(PRESETS[name])) is model_class(PRESETS[name])
 
 

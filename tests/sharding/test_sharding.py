@@ -96,6 +96,37 @@ def test_megatron_rules_on_llama_8b():
     assert specs["norm.weight"] == specs["layers.3.input_layernorm.weight"] == P()
 
 
+def test_experts_split_by_expert_else_inside_each_expert():
+    # 8 experts on model:8: one expert per device (expert parallelism).
+    specs = _specs("mixtral-8x7b", 8)
+    moe = "layers.3.block_sparse_moe"
+    for name in ("w1", "w2", "w3"):
+        assert specs[f"{moe}.experts.{name}"] == P("model", None, None)
+    assert specs[f"{moe}.gate.kernel"] == P()  # the router, replicated
+    assert specs["layers.3.self_attn.q_proj.kernel"] == P(None, "model")
+    # model:16 does not divide 8 experts: each expert's 14336 features split instead.
+    specs = _specs("mixtral-8x7b", 16)
+    assert specs[f"{moe}.experts.w1"] == specs[f"{moe}.experts.w3"] == P(None, None, "model")
+    assert specs[f"{moe}.experts.w2"] == P(None, "model", None)
+    # Qwen3-MoE: its names, 128 experts over 8, q/k norms replicated.
+    specs = _specs("qwen3-30b-a3b", 8)
+    assert specs["layers.0.mlp.experts.down_proj"] == P("model", None, None)
+    assert specs["layers.0.self_attn.q_norm.weight"] == specs["layers.0.mlp.gate.kernel"] == P()
+
+
+def test_a_rule_that_does_not_split_falls_through_to_the_next():
+    assert shardings.kernel_spec(shardings.EXPERT, 3) == P("model", None, None)
+    assert shardings.kernel_spec(shardings.EXPERT, 2, bias=True) == P("model", None)
+    assert shardings.kernel_spec(shardings.ROW, 3, bias=True) == P()
+    config = PRESETS["tiny-mixtral"].replace(num_experts=6)  # 128 features each
+    mesh = AbstractMesh((1, 4), ("data", "model"))
+    spec = lambda name, shape: shardings.param_spec(("experts", name), shape, config, mesh)
+    assert spec("w1", (6, 128, 128)) == P(None, None, "model")
+    assert spec("w2", (6, 128, 128)) == P(None, "model", None)
+    odd = config.replace(intermediate_size=6)  # neither divides by 4: replicated
+    assert shardings.param_spec(("experts", "w1"), (6, 128, 6), odd, mesh) == P()
+
+
 def test_attention_replicates_with_fewer_kv_heads_than_devices():
     specs = _specs("qwen2.5-7b", 8)  # 4 KV heads; q/k/v carry biases
     attention = {k: s for k, s in specs.items() if ".self_attn." in k}

@@ -1,5 +1,6 @@
 """Transformers as the oracle: tiny random checkpoints written by transformers' own
-model classes (torch, CPU, float32), loaded by paxkv, compared logit for logit."""
+model classes (torch, CPU, float32), loaded by paxkv, compared logit for logit and
+greedy token for token (`tests/models/` and the mesh tests of `tests/multidevice/`)."""
 
 import numpy as np
 import pytest
@@ -46,3 +47,14 @@ def assert_matches_transformers(config, path, *, atol=1e-4):
     assert got.shape == expected.shape == (PROMPT_LEN, config.vocab_size)
     np.testing.assert_allclose(got, expected, rtol=0, atol=atol)
     return model
+
+
+def greedy(reference, prompt, n):
+    """The `n` tokens transformers' model `reference` appends to `prompt` greedily."""
+    torch = pytest.importorskip("torch")
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = reference(torch.tensor(tokens)[None]).logits[0, -1]
+            tokens.append(int(torch.argmax(logits)))
+    return tokens[len(prompt) :]

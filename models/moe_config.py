@@ -1,0 +1,292 @@
+"""Typed, frozen configuration of the sparse mixture-of-experts decoders (Mixtral, Qwen3-MoE) and their presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from . import hf_fields
+from .hf_fields import field as _field
+
+HF_MODEL_TYPES = ("mixtral", "qwen3_moe")
+_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# How the experts multiply (`paxkv.models.moe.grouped_matmul`): "auto" is ragged_dot on
+# TPU and GPU, tiled on the CPU.
+GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Shapes and numerics of one Mixtral or Qwen3-MoE decoder.
+
+    The Llama-family decoder (`LlamaConfig`) with every layer's MLP replaced by
+    `num_experts` gated-MLP experts of `intermediate_size` hidden features each (Hugging
+    Face's Mixtral `intermediate_size`, Qwen3-MoE `moe_intermediate_size`), of which a
+    router picks `num_experts_per_tok` (k) per token (`paxkv.models.moe`): the softmax of
+    its logits at the top k, renormalised over them when `norm_topk_prob` (always in
+    Mixtral). `qk_norm` means Qwen3-MoE's q/k RMSNorms (and its Hugging Face names),
+    `sliding_window` Mixtral's window (None: the whole prefix). `grouped_matmul` (not in
+    config.json) is how the experts multiply (`moe.GROUPED_MATMULS`), `scan_layers` how
+    the layers run (`paxkv.models.layer_stack`).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # of each expert
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+    qk_norm: bool = False
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    max_position_embeddings: int = 32768
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    grouped_matmul: str = "auto"
+    scan_layers: bool = False
+
+    # What this decoder shares with gpt-oss's (`MoeForCausalLM` reads both): neither.
+    attention_bias = False
+    attention_sinks = False
+
+    def __post_init__(self):
+        hf_fields.check_shared_fields(self)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(
+                f"grouped_matmul={self.grouped_matmul!r} must be one of {GROUPED_MATMULS}"
+            )
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face model type: qwen3_moe with q/k norms, mixtral otherwise."""
+        return "qwen3_moe" if self.qk_norm else "mixtral"
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence ids as a tuple (empty when the model has none)."""
+        return hf_fields.eos_token_ids(self.eos_token_id)
+
+    @property
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window W (None: the whole prefix); one for all here."""
+        return (self.sliding_window,) * self.num_layers
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        """Parameters of a layer's norms: two RMSNorms, and Qwen3-MoE's q/k norms."""
+        return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+
+    def replace(self, **changes) -> MoeConfig:
+        """A copy with `changes` applied (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> MoeConfig:
+        """Parses a Hugging Face `config.json` of model_type mixtral or qwen3_moe.
+
+        Raises ValueError naming the field as `LlamaConfig.from_hf` does, and for what
+        this decoder does not implement: other model types, activations other than
+        SiLU, rope scalings, attention bias, Qwen3-MoE layers with a dense MLP
+        (`decoder_sparse_step` other than 1, or `mlp_only_layers`) and its per-layer
+        sliding windows.
+        """
+        model_type = _field(hf, "model_type", str)
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported; expected one of {HF_MODEL_TYPES}"
+            )
+        act = _field(hf, "hidden_act", str, default="silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU)")
+        if _field(hf, "attention_bias", bool, default=False):
+            raise ValueError(f"{model_type} attention_bias=True is not supported")
+        rope = dict(_field(hf, "rope_parameters", dict, default={}))
+        rope.update(_field(hf, "rope_scaling", dict, default={}))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default'")
+        rope_theta = _field(hf, "rope_theta", float, default=None)
+        if rope_theta is None:
+            rope_theta = _field(
+                rope, "rope_theta", float, default=1000000.0, parent="rope_parameters"
+            )
+        qwen = model_type == "qwen3_moe"
+        if qwen:
+            if _field(hf, "use_sliding_window", bool, default=False):
+                raise ValueError("qwen3_moe use_sliding_window=True is not supported")
+            step = _field(hf, "decoder_sparse_step", int, default=1)
+            dense = _field(hf, "mlp_only_layers", list, default=[])
+            if step != 1 or dense:
+                raise ValueError(
+                    f"qwen3_moe decoder_sparse_step={step}, mlp_only_layers={dense}: layers "
+                    "with a dense MLP are not supported (every layer must be sparse)"
+                )
+        num_heads = _field(hf, "num_attention_heads", int)
+        hidden_size = _field(hf, "hidden_size", int)
+        default_head_dim = 128 if qwen else hidden_size // num_heads
+        if hf.get("head_dim") is None and not qwen and hidden_size % num_heads:
+            raise ValueError(
+                f"field 'hidden_size'={hidden_size} is not a multiple of "
+                f"num_attention_heads={num_heads}, and there is no head_dim to say the "
+                "heads' width"
+            )
+        experts_key = "num_experts" if qwen else "num_local_experts"
+        if qwen and hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
+            experts_key = "num_local_experts"  # as transformers writes it (an attribute map)
+        return cls(
+            vocab_size=_field(hf, "vocab_size", int),
+            hidden_size=hidden_size,
+            intermediate_size=_field(
+                hf, "moe_intermediate_size" if qwen else "intermediate_size", int
+            ),
+            num_layers=_field(hf, "num_hidden_layers", int),
+            num_heads=num_heads,
+            num_kv_heads=_field(hf, "num_key_value_heads", int, default=num_heads),
+            head_dim=_field(hf, "head_dim", int, default=default_head_dim),
+            num_experts=_field(hf, experts_key, int),
+            num_experts_per_tok=_field(hf, "num_experts_per_tok", int),
+            norm_topk_prob=_field(hf, "norm_topk_prob", bool, default=False) if qwen else True,
+            qk_norm=qwen,
+            rope_theta=rope_theta,
+            rms_norm_eps=_field(hf, "rms_norm_eps", float, default=1e-6 if qwen else 1e-5),
+            tie_word_embeddings=_field(hf, "tie_word_embeddings", bool, default=False),
+            sliding_window=None if qwen else _field(hf, "sliding_window", int, default=None),
+            max_position_embeddings=_field(hf, "max_position_embeddings", int, default=32768),
+            dtype=hf_fields.dtype(hf),
+            bos_token_id=_field(hf, "bos_token_id", int, default=None, minimum=0),
+            eos_token_id=hf_fields.eos_token_id(hf),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` dict; `from_hf(c.to_hf()) == c`.
+
+        Mixtral always renormalises the top-k weights and has no q/k norms, Qwen3-MoE no
+        sliding window: a config outside these has no Hugging Face equivalent
+        (ValueError).
+        """
+        if self.qk_norm and self.sliding_window is not None:
+            raise ValueError("qwen3_moe (qk_norm) with a sliding_window has no Hugging Face type")
+        if not self.qk_norm and not self.norm_topk_prob:
+            raise ValueError("mixtral with norm_topk_prob=False has no Hugging Face type")
+        model_type = self.model_type
+        hf = {
+            "model_type": model_type,
+            "architectures": [_ARCHITECTURES[model_type]],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "sliding_window": self.sliding_window,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": hf_fields.eos_to_hf(self.eos_token_id),
+        }
+        if model_type == "qwen3_moe":
+            # Every layer sparse; the dense `intermediate_size` is then unused.
+            hf |= {
+                "num_experts": self.num_experts,
+                "moe_intermediate_size": self.intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "attention_bias": False,
+                "use_sliding_window": False,
+            }
+            del hf["num_local_experts"]
+        return hf
+
+
+# Byte-level toys: ids are UTF-8 bytes (see `ByteTokenizer`), the tiny Llama's attention.
+TINY_MIXTRAL = MoeConfig(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    dtype="float32",
+)
+
+TINY_QWEN3_MOE = TINY_MIXTRAL.replace(
+    intermediate_size=64,
+    num_experts=16,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    qk_norm=True,
+    rms_norm_eps=1e-6,
+)
+
+MIXTRAL_8X7B = MoeConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=32768,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+QWEN3_30B_A3B = MoeConfig(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=768,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    qk_norm=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+PRESETS: dict[str, MoeConfig] = {
+    "tiny-mixtral": TINY_MIXTRAL,
+    "tiny-qwen3-moe": TINY_QWEN3_MOE,
+    "mixtral-8x7b": MIXTRAL_8X7B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+}
+# Presets whose ids are UTF-8 bytes: they come with the `ByteTokenizer`.
+BYTE_LEVEL_PRESETS = ("tiny-mixtral", "tiny-qwen3-moe")
