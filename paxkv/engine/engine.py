@@ -29,7 +29,7 @@ from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.page_pool import PagePool
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
-from paxkv.host.speculative import Speculator
+from paxkv.host.speculative import SpeculativeConfig, Speculator
 from paxkv.metrics import EngineMetrics, engine_stats
 from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
@@ -79,14 +79,8 @@ class Engine:
         platform = jax.default_backend()
         self.config = config = (config or EngineConfig()).for_backend(platform)
         spec = config.speculative_config
-        wants_draft = spec is not None and spec.method == "draft_model"
-        if wants_draft != (draft_model is not None) and runner is None:
-            raise ValueError(
-                "speculative_config method 'draft_model' needs draft_model= (the draft "
-                "model object; LLM loads it by name)"
-                if wants_draft
-                else "draft_model= needs speculative_config={'method': 'draft_model', ...}"
-            )
+        if runner is None:
+            _check_draft(spec, draft_model)
         if runner is not None:
             self.runner = runner(config)
         else:
@@ -338,6 +332,18 @@ class Engine:
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))
         self.runner.warmup(shapes, progress)
+
+
+def _check_draft(spec: SpeculativeConfig | None, draft_model: nnx.Module | None) -> None:
+    """ValueError unless a draft model comes exactly with method "draft_model"."""
+    wants_draft = spec is not None and spec.method == "draft_model"
+    if wants_draft != (draft_model is not None):
+        raise ValueError(
+            "speculative_config method 'draft_model' needs draft_model= (the draft "
+            "model object; LLM loads it by name)"
+            if wants_draft
+            else "draft_model= needs speculative_config={'method': 'draft_model', ...}"
+        )
 
 
 def _scheduler(
