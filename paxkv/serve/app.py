@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: a Starlette app over an `AsyncEngine`.
+"""The OpenAI-compatible HTTP server: a Starlette app over a `ReplicaSet` of engines.
 
     POST /v1/completions        prompt text, token ids, or a list of either
     POST /v1/chat/completions   messages through the chat template
@@ -20,6 +20,11 @@ event loop or the engine's stepping thread. Requests with a `cache_salt` share c
 pages only with requests of the same salt (vLLM's). `/metrics` leaves out what would
 tell one client whether another's prompt is cached (the prefix-cache counters, and the
 step count, which a cached prefix shortens) unless `expose_prefix_cache_metrics`.
+
+With several data-parallel replicas (`paxkv.serve.replicas`), each prompt goes to the
+replica the router picks; `/metrics` shows the whole server's figures under the usual
+names, and each replica's (`replica_*{replica="i"}`, which tell where a prompt was
+routed, so by prefix) only with `expose_prefix_cache_metrics`.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ from starlette.types import Receive, Scope, Send
 from paxkv import chat
 from paxkv.metrics import PrometheusCollector
 from paxkv.serve import protocol, responses
-from paxkv.serve.frontend import AsyncEngine, EngineDead, QueueFull, RequestGroup, Submission
+from paxkv.serve.frontend import EngineDead, QueueFull, Submission
 from paxkv.serve.protocol import ApiError
+from paxkv.serve.replicas import ReplicaSet, RoutedGroup
 
 # Stats that tell whether a prompt's prefix was cached (a hit computes fewer tokens, in
 # fewer steps): one client could learn from them what another sent.
@@ -56,10 +62,11 @@ PREFIX_CACHE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_steps")
 
 @dataclasses.dataclass
 class ServerState:
-    """What the handlers serve: the front end, the model's name, tokenizer, and chat
-    templates (`chat.ChatTemplates`; the server's `--chat_template` as "default")."""
+    """What the handlers serve: the replicas' front end (one or more engines), the
+    model's name, tokenizer, and chat templates (`chat.ChatTemplates`; the server's
+    `--chat_template` as "default")."""
 
-    front: AsyncEngine
+    front: ReplicaSet
     model_name: str
     tokenizer: Any
     chat_templates: chat.ChatTemplates
@@ -327,7 +334,7 @@ async def _serve(
         Submission(f"{response_id}-{i}", {"prompt_token_ids": ids}, p, cache_salt)
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
     ]
-    group = await state.front.submit(submissions)
+    group = await state.front.submit(submissions, stream=stream)
     choices = responses.Choices(
         group.request_ids,
         params[0].n,
@@ -356,7 +363,7 @@ async def _serve(
     return JSONResponse({**header, "choices": choices.response_choices(), "usage": choices.usage()})
 
 
-async def _collect(request: Request, group: RequestGroup, choices: responses.Choices) -> None:
+async def _collect(request: Request, group: RoutedGroup, choices: responses.Choices) -> None:
     """Takes every output of `group` into `choices`; returns early if the client leaves."""
 
     async def outputs() -> None:
@@ -381,7 +388,7 @@ async def _collect(request: Request, group: RequestGroup, choices: responses.Cho
 
 
 async def _events(
-    group: RequestGroup,
+    group: RoutedGroup,
     choices: responses.Choices,
     header: dict[str, Any],
     chat_response: bool,
@@ -459,5 +466,6 @@ async def _metrics(state: ServerState, request: Request) -> Response:
     collector = PrometheusCollector(lambda: stats, prefix=state.metrics_prefix)
     if not state.expose_prefix_cache_metrics:
         collector.COUNTERS = tuple(n for n in collector.COUNTERS if n not in PREFIX_CACHE_STATS)
+        stats.pop("replicas", None)  # a replica's load tells where (so why) a prompt went
     registry.register(collector)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
