@@ -109,6 +109,13 @@ PROCESS_ID = flags.DEFINE_integer(
     "With --jax_distributed: this process's index. Unset: detected.",
     lower_bound=0,
 )
+HEARTBEAT_TIMEOUT_S = flags.DEFINE_integer(
+    "heartbeat_timeout_s",
+    100,
+    "With --jax_distributed: seconds without a process's heartbeat before the job ends on "
+    "every process (a process that hangs); jax.distributed's default.",
+    lower_bound=1,
+)
 COMPILATION_CACHE_DIR = flags.DEFINE_string(
     "compilation_cache_dir",
     None,
@@ -155,7 +162,7 @@ def init_runtime(*, replicas: bool = False) -> MeshShape | None:
     import jax
 
     if JAX_DISTRIBUTED.value:
-        jax.distributed.initialize(**addresses)
+        jax.distributed.initialize(**addresses, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S.value)
     platform.require_platform()  # before anything loads: a missing runtime is named
     if COMPILATION_CACHE_DIR.value is not None:
         jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR.value)
@@ -246,12 +253,14 @@ def build_model(setup: ServingSetup) -> Any:
     return model
 
 
-def build_llm(setup: ServingSetup, *, warmup: bool = False, mesh: Any = None) -> LLM:
+def build_llm(
+    setup: ServingSetup, *, warmup: bool = False, mesh: Any = None, runner: Any = None
+) -> LLM:
     """An `LLM` serving `setup`: `--model_dir`'s weights, the set-up's shipped checkpoint,
     or random ones where the set-up allows, on `mesh` (one replica; None: the default
     mesh). `warmup`: compile every step shape first (a server); off by default, since
     a one-shot run compiles only the shapes it uses and its timing says "compilation
-    included".
+    included". `runner`: `LLM`'s (None: the model runner).
 
     ValueError naming the settings to lower when the device runs out of memory
     (XLA's RESOURCE_EXHAUSTED) for the weights, the KV cache or a step.
@@ -265,6 +274,7 @@ def build_llm(setup: ServingSetup, *, warmup: bool = False, mesh: Any = None) ->
             config=setup.engine,
             warmup=warmup,
             mesh=mesh,
+            runner=runner,
         )
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):

@@ -23,6 +23,9 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
+import time
+from typing import NoReturn
 
 from absl import flags, logging
 
@@ -99,12 +102,30 @@ def main(argv: list[str]) -> None:
         from paxkv.serve.replicas import ReplicaSet
     except ImportError as e:
         exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install -e '.[serve]'")
+    from paxkv.engine import multihost
+    from paxkv.engine.runner import ModelRunner
+    from paxkv.sharding import shardings
+
+    sock = None
     try:
-        sock = bind(_HOST.value, _PORT.value)  # before loading: a bad address fails at once
+        if not launch_flags.JAX_DISTRIBUTED.value:  # before loading: a bad address fails at once
+            sock = bind(_HOST.value, _PORT.value)
         _check_chat_template_flag()
         meshes = launch_flags.replica_meshes(launch_flags.init_runtime(replicas=True))
+        role = multihost.process_role(shardings.default_mesh()) if len(meshes) == 1 else "alone"
+        if role != "follower" and sock is None:
+            sock = bind(_HOST.value, _PORT.value)
         setup = launch_flags.serving_setup()
         platform.announce("paxkv-serve", setup.engine.attention_backend)
+        if role == "follower":  # no server here: run process 0's steps until it stops
+            _follow(launch_flags.build_llm(setup))
+        channel = multihost.Channel() if role == "leader" else None
+        runner = None
+        if channel is not None:
+
+            def runner(model, config, mesh):
+                return multihost.LeaderRunner(ModelRunner(model, config, mesh), channel)
+
         llms = []
         for i, mesh in enumerate(meshes):
             logging.info(
@@ -112,7 +133,7 @@ def main(argv: list[str]) -> None:
                 i,
                 len(meshes),
             )
-            llms.append(launch_flags.build_llm(setup, warmup=True, mesh=mesh))  # before /health
+            llms.append(launch_flags.build_llm(setup, warmup=True, mesh=mesh, runner=runner))
         templates = _chat_templates(llms[0].chat_templates)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
@@ -131,8 +152,61 @@ def main(argv: list[str]) -> None:
             max_n=_MAX_N.value, trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value
         ),
         expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
+        on_shutdown=None if channel is None else lambda: _stop_followers(engine.runner),
     )
+    if channel is not None:
+        _exit_when_failed(state.front)
     run_server(state, sock=sock, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
+
+
+def _follow(llm) -> NoReturn:
+    """A process of a replica that spans processes, not its first: runs the steps process
+    0 sends until it stops them (exit 0) or a collective fails (exit 1: process 0 or
+    another process died, or the inputs differ, `multihost.InputMismatch`)."""
+    import jax
+
+    from paxkv.engine import multihost
+
+    me = jax.process_index()
+    logging.info("paxkv-serve: process %d runs process 0's steps; it serves no HTTP", me)
+    try:
+        multihost.follow(llm.engine.runner, multihost.Channel())
+    except Exception as e:
+        _exit_now(1, f"paxkv-serve: process {me} stops: {type(e).__name__}: {e}")
+    _exit_now(0, f"paxkv-serve: process {me}: process 0 stopped the job")
+
+
+def _stop_followers(runner) -> None:
+    """Process 0 at shutdown: ends the other processes' `follow` (they exit 0)."""
+    try:
+        runner.stop()
+    except Exception as e:  # they are gone already: nothing to stop
+        logging.warning("paxkv-serve: could not stop the other processes: %s", e)
+
+
+def _exit_when_failed(front, grace_s: float = 2.0) -> None:
+    """Process 0 of a replica across processes: once its replica has failed (a collective
+    broke: another process died or hung), the requests in flight are answered 503 and,
+    `grace_s` later, the process exits 1 (a replica without all its processes cannot
+    serve again)."""
+
+    def watch() -> None:
+        while not front.failed:
+            time.sleep(0.2)
+        time.sleep(grace_s)
+        _exit_now(1, "paxkv-serve: the replica's processes stopped answering (see above); exiting")
+
+    threading.Thread(target=watch, name="paxkv-failure-watch", daemon=True).start()
+
+
+def _exit_now(status: int, message: str) -> NoReturn:
+    """Ends the process with `status` after writing `message` (no `jax.distributed`
+    shutdown barrier, which would wait for processes that are gone)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.write(2, f"{message}\n".encode())
+    os._exit(status)
 
 
 # What makes --chat_template a file's name rather than Jinja source.

@@ -74,6 +74,9 @@ class ServerState:
     metrics_prefix: str = "paxkv"  # "vllm" makes /metrics read as vLLM's for its dashboards
     limits: protocol.Limits = dataclasses.field(default_factory=protocol.Limits)
     expose_prefix_cache_metrics: bool = False  # see PREFIX_CACHE_STATS
+    # Called once the engines have stopped, at shutdown (a replica across processes
+    # stops the other processes).
+    on_shutdown: Callable[[], None] | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -87,6 +90,8 @@ def build_app(state: ServerState) -> Starlette:
             yield
         finally:
             await state.front.close()
+            if state.on_shutdown is not None:
+                state.on_shutdown()
 
     routes = [
         Route("/v1/completions", _api(state, _completions), methods=["POST"]),

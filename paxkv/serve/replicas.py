@@ -93,6 +93,11 @@ class ReplicaSet:
         """Whether no replica can take requests (all failed, or shutting down)."""
         return self._stopping or all(f.dead for f in self.fronts)
 
+    @property
+    def failed(self) -> bool:
+        """Whether every replica has failed (not: the server is shutting down)."""
+        return not self._stopping and all(f.dead for f in self.fronts)
+
     def start(self) -> None:
         """Starts every replica's stepping thread; call it from the serving event loop."""
         for f in self.fronts:
