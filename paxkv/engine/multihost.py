@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from paxkv.engine.runner import ModelRunner, StepRunner
+from paxkv.engine.runner import StepRunner
 from paxkv.engine.sampling import Sampled
 from paxkv.engine.step import MAX_STOP_IDS, StepBatch
 from paxkv.host.batch import HostBatch
@@ -188,7 +188,7 @@ def host_batch_of(arrays: Sequence[np.ndarray]) -> HostBatch:
     return HostBatch(*arrays[: len(dataclasses.fields(HostBatch))])
 
 
-def max_payload_words(runner: ModelRunner, shapes: Sequence[tuple[int, int, int]]) -> int:
+def max_payload_words(runner: StepRunner, shapes: Sequence[tuple[int, int, int]]) -> int:
     """A bound on a message's payload over step shapes `shapes`: the largest step batch
     (penalties, R = T scored rows), its per-token arrays again (token_src and what may
     join it) and the decode loop's limits, in 4-byte words."""
@@ -210,13 +210,13 @@ class LeaderRunner(StepRunner):
 
     param_source = None  # `update_weights` is not carried to the other processes
 
-    def __init__(self, runner: ModelRunner, channel: Channel) -> None:
+    def __init__(self, runner: StepRunner, channel: Channel) -> None:
         self.runner = runner
         self.channel = channel
         self.model_config = runner.model_config
         self.config = runner.config
         self.kv_groups = runner.kv_groups
-        self.mesh = runner.mesh
+        self.mesh = getattr(runner, "mesh", None)
 
     num_compilations = property(lambda self: self.runner.num_compilations)
     compile_seconds = property(lambda self: self.runner.compile_seconds)
@@ -274,7 +274,7 @@ def _loop_inputs(ids: np.ndarray, limits: np.ndarray) -> tuple[list[tuple[int, .
     return stops, [int(n) for n in limits]
 
 
-def follow(runner: ModelRunner, channel: Channel) -> int:
+def follow(runner: StepRunner, channel: Channel) -> int:
     """Another process's loop: runs on `runner` (built as process 0 built its own) every
     call process 0 sends, until STOP; returns the messages handled. Raises
     InputMismatch, or the runtime's error when a collective fails (process 0 died)."""
