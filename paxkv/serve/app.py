@@ -43,7 +43,7 @@ from typing import Any
 from absl import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -186,6 +186,8 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
             return _error(ApiError(429, str(e), code="too_many_requests"))
         except EngineDead as e:
             return _error(ApiError(503, str(e)))
+        except ClientDisconnect:  # it left while sending its body: nobody to answer
+            return _error(ApiError(499, "the client disconnected"))
         except (TypeError, ValueError) as e:  # the engine rejected a request
             chat_request = request.url.path.endswith("/chat/completions")
             return _error(protocol.engine_rejection(e, chat_request=chat_request))
