@@ -321,6 +321,8 @@ class RoutedGroup:
             self.outputs.put_nowait(EngineDead(f"replica {replica} failed, and {e}"))
             return
         replicas.retried += len(lost)
+        if self._aborted:  # the client left while they were placed again
+            self.abort()
         logging.warning(
             "paxkv-serve: %d request(s) of failed replica %d run again elsewhere",
             len(lost),
