@@ -63,9 +63,6 @@ class LLM:
       warmup: compile every step shape now (`Engine.warmup`, with a progress bar on
         stderr), so that no request waits for a compilation later. False defers each
         compilation to the first step of its shape (tests, one-shot scripts).
-      runner: makes the engine's step runner from the loaded model, the engine config
-        and the mesh; None: `paxkv.engine.runner.ModelRunner` (a replica spanning
-        processes passes `paxkv.engine.multihost.LeaderRunner`'s).
       **engine_kwargs: `EngineConfig` fields that override `config`'s: num_pages,
         page_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_dtype,
         attention_backend, ...
@@ -81,7 +78,6 @@ class LLM:
         scan_layers: bool | None = None,
         config: EngineConfig | None = None,
         warmup: bool = True,
-        runner: Callable[[Any, EngineConfig, Any], Any] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if not isinstance(warmup, bool):
@@ -96,8 +92,7 @@ class LLM:
             model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
         )
         config = _engine_config(config or default_engine_config(model_config, seed), engine_kwargs)
-        make = None if runner is None else (lambda c: runner(module, c, mesh))
-        self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh, runner=make)
+        self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh)
         self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
         # Each live call's outputs, kept for it while another call steps the engine.

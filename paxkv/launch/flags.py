@@ -253,14 +253,12 @@ def build_model(setup: ServingSetup) -> Any:
     return model
 
 
-def build_llm(
-    setup: ServingSetup, *, warmup: bool = False, mesh: Any = None, runner: Any = None
-) -> LLM:
+def build_llm(setup: ServingSetup, *, warmup: bool = False, mesh: Any = None) -> LLM:
     """An `LLM` serving `setup`: `--model_dir`'s weights, the set-up's shipped checkpoint,
     or random ones where the set-up allows, on `mesh` (one replica; None: the default
     mesh). `warmup`: compile every step shape first (a server); off by default, since
     a one-shot run compiles only the shapes it uses and its timing says "compilation
-    included". `runner`: `LLM`'s (None: the model runner).
+    included".
 
     ValueError naming the settings to lower when the device runs out of memory
     (XLA's RESOURCE_EXHAUSTED) for the weights, the KV cache or a step.
@@ -274,7 +272,6 @@ def build_llm(
             config=setup.engine,
             warmup=warmup,
             mesh=mesh,
-            runner=runner,
         )
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):

@@ -103,7 +103,6 @@ def main(argv: list[str]) -> None:
     except ImportError as e:
         exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install -e '.[serve]'")
     from paxkv.engine import multihost
-    from paxkv.engine.runner import ModelRunner
     from paxkv.sharding import shardings
 
     sock = None
@@ -120,29 +119,23 @@ def main(argv: list[str]) -> None:
         if role == "follower":  # no server here: run process 0's steps until it stops
             _follow(launch_flags.build_llm(setup))
         channel = multihost.Channel() if role == "leader" else None
-        runner = None
-        if channel is not None:
-
-            def runner(model, config, mesh):
-                return multihost.LeaderRunner(ModelRunner(model, config, mesh), channel)
-
-        llms = []
+        llms, engines = [], []
         for i, mesh in enumerate(meshes):
             logging.info(
                 "paxkv-serve: replica %d of %d: loading the model and compiling its step shapes",
                 i,
                 len(meshes),
             )
-            llms.append(launch_flags.build_llm(setup, warmup=True, mesh=mesh, runner=runner))
+            llm = launch_flags.build_llm(setup, warmup=channel is None, mesh=mesh)
+            llms.append(llm)
+            engines.append(llm.engine if channel is None else _leader_engine(llm, channel))
         templates = _chat_templates(llms[0].chat_templates)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
-    engine = llms[0].engine
+    engine = engines[0]
     name = _SERVED_MODEL_NAME.value or launch_flags.MODEL_DIR.value or setup.name
     state = ServerState(
-        front=ReplicaSet(
-            [llm.engine for llm in llms], max_queued=_MAX_QUEUED.value, router=_ROUTER.value
-        ),
+        front=ReplicaSet(engines, max_queued=_MAX_QUEUED.value, router=_ROUTER.value),
         model_name=name,
         tokenizer=engine.tokenizer,
         chat_templates=templates,
@@ -157,6 +150,20 @@ def main(argv: list[str]) -> None:
     if channel is not None:
         _exit_when_failed(state.front)
     run_server(state, sock=sock, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
+
+
+def _leader_engine(llm, channel):
+    """Process 0's engine of a replica across processes: `llm`'s limits and tokenizer over
+    its model runner, each device call sent to the other processes first
+    (`multihost.LeaderRunner`), warmed up on every process."""
+    from paxkv.engine import Engine, multihost
+
+    runner = multihost.LeaderRunner(llm.engine.runner, channel)
+    engine = Engine(
+        None, llm.engine.config, tokenizer=llm.engine.tokenizer, runner=lambda c: runner
+    )
+    engine.warmup()
+    return engine
 
 
 def _follow(llm) -> NoReturn:
