@@ -7,11 +7,12 @@
 
 The engine compiles every step shape before the server listens, so `/health` answers
 200 once requests can be served without compiling. `--mesh=model:M,data:D` serves D
-data-parallel replicas of M devices each behind the one endpoint, each prompt routed
-by `--router` (`paxkv.serve.router`: prefix-aware by default). SIGTERM (or Ctrl-C) stops accepting
-connections, lets the requests in flight finish for up to `--shutdown_grace_s` seconds,
-aborts the rest, and exits 0; a second one stops waiting, cuts the requests still in
-flight and exits 0 at once. Before the server listens (loading, compiling) either
+data-parallel replicas of M devices each behind the one endpoint, each prompt routed by
+`--router` (`paxkv.serve.router`: prefix-aware by default); with `--jax_distributed`, a
+replica spanning the processes is served by process 0 (`paxkv.serve.multihost`).
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for
+up to `--shutdown_grace_s` seconds, aborts the rest, and exits 0; a second one stops
+waiting, cuts the requests still in flight and exits 0 at once. Before the server listens (loading, compiling) either
 signal exits 0 at once: nothing is in flight. Chat needs a chat template: the
 checkpoint's, or `--chat_template` (Jinja source, or a file of it).
 """
@@ -23,9 +24,6 @@ import dataclasses
 import os
 import signal
 import sys
-import threading
-import time
-from typing import NoReturn
 
 from absl import flags, logging
 
@@ -97,28 +95,26 @@ def main(argv: list[str]) -> None:
     try:
         import uvicorn  # noqa: F401 (the serve extra's)
 
+        from paxkv.serve import multihost
         from paxkv.serve.app import ServerState, bind, run_server
         from paxkv.serve.protocol import Limits
         from paxkv.serve.replicas import ReplicaSet
     except ImportError as e:
         exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install -e '.[serve]'")
-    from paxkv.engine import multihost
-    from paxkv.sharding import shardings
-
     sock = None
     try:
         if not launch_flags.JAX_DISTRIBUTED.value:  # before loading: a bad address fails at once
             sock = bind(_HOST.value, _PORT.value)
         _check_chat_template_flag()
         meshes = launch_flags.replica_meshes(launch_flags.init_runtime(replicas=True))
-        role = multihost.process_role(shardings.default_mesh()) if len(meshes) == 1 else "alone"
+        role = multihost.role(meshes)
         if role != "follower" and sock is None:
             sock = bind(_HOST.value, _PORT.value)
         setup = launch_flags.serving_setup()
         platform.announce("paxkv-serve", setup.engine.attention_backend)
         if role == "follower":  # no server here: run process 0's steps until it stops
-            _follow(launch_flags.build_llm(setup))
-        channel = multihost.Channel() if role == "leader" else None
+            multihost.follow_and_exit(launch_flags.build_llm(setup))
+        channel = multihost.Channel() if role == "leader" else None  # to the followers
         llms, engines = [], []
         for i, mesh in enumerate(meshes):
             logging.info(
@@ -128,7 +124,7 @@ def main(argv: list[str]) -> None:
             )
             llm = launch_flags.build_llm(setup, warmup=channel is None, mesh=mesh)
             llms.append(llm)
-            engines.append(llm.engine if channel is None else _leader_engine(llm, channel))
+            engines.append(llm.engine if channel is None else multihost.leader_engine(llm, channel))
         templates = _chat_templates(llms[0].chat_templates)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
@@ -145,75 +141,11 @@ def main(argv: list[str]) -> None:
             max_n=_MAX_N.value, trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value
         ),
         expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
-        on_shutdown=None if channel is None else lambda: _stop_followers(engine.runner),
+        on_shutdown=None if channel is None else lambda: multihost.stop_followers(engine),
     )
     if channel is not None:
-        _exit_when_failed(state.front)
+        multihost.exit_when_failed(state.front)
     run_server(state, sock=sock, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
-
-
-def _leader_engine(llm, channel):
-    """Process 0's engine of a replica across processes: `llm`'s limits and tokenizer over
-    its model runner, each device call sent to the other processes first
-    (`multihost.LeaderRunner`), warmed up on every process."""
-    from paxkv.engine import Engine, multihost
-
-    runner = multihost.LeaderRunner(llm.engine.runner, channel)
-    engine = Engine(
-        None, llm.engine.config, tokenizer=llm.engine.tokenizer, runner=lambda c: runner
-    )
-    engine.warmup()
-    return engine
-
-
-def _follow(llm) -> NoReturn:
-    """A process of a replica that spans processes, not its first: runs the steps process
-    0 sends until it stops them (exit 0) or a collective fails (exit 1: process 0 or
-    another process died, or the inputs differ, `multihost.InputMismatch`)."""
-    import jax
-
-    from paxkv.engine import multihost
-
-    me = jax.process_index()
-    logging.info("paxkv-serve: process %d runs process 0's steps; it serves no HTTP", me)
-    try:
-        multihost.follow(llm.engine.runner, multihost.Channel())
-    except Exception as e:
-        _exit_now(1, f"paxkv-serve: process {me} stops: {type(e).__name__}: {e}")
-    _exit_now(0, f"paxkv-serve: process {me}: process 0 stopped the job")
-
-
-def _stop_followers(runner) -> None:
-    """Process 0 at shutdown: ends the other processes' `follow` (they exit 0)."""
-    try:
-        runner.stop()
-    except Exception as e:  # they are gone already: nothing to stop
-        logging.warning("paxkv-serve: could not stop the other processes: %s", e)
-
-
-def _exit_when_failed(front, grace_s: float = 2.0) -> None:
-    """Process 0 of a replica across processes: once its replica has failed (a collective
-    broke: another process died or hung), the requests in flight are answered 503 and,
-    `grace_s` later, the process exits 1 (a replica without all its processes cannot
-    serve again)."""
-
-    def watch() -> None:
-        while not front.failed:
-            time.sleep(0.2)
-        time.sleep(grace_s)
-        _exit_now(1, "paxkv-serve: the replica's processes stopped answering (see above); exiting")
-
-    threading.Thread(target=watch, name="paxkv-failure-watch", daemon=True).start()
-
-
-def _exit_now(status: int, message: str) -> NoReturn:
-    """Ends the process with `status` after writing `message` (no `jax.distributed`
-    shutdown barrier, which would wait for processes that are gone)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os.write(2, f"{message}\n".encode())
-    os._exit(status)
 
 
 # What makes --chat_template a file's name rather than Jinja source.
