@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from absl import logging
 
 from paxkv.host.kv_usage import group_usage
+from paxkv.host.speculative import spec_rates
 
 if TYPE_CHECKING:
     from paxkv.host.scheduler import Scheduler
@@ -280,6 +281,7 @@ class PrometheusCollector:
             groups.add_metric([str(i), str(g["window"] or "global")], g["pages_held"])
         yield groups
         yield from self._speculation(stats)
+        yield from self._replicas(stats)
 
     SPEC_COUNTERS = (
         "spec_decode_num_drafts",
@@ -310,3 +312,103 @@ class PrometheusCollector:
         for i, rate in enumerate(stats["spec_decode_acceptance_per_position"]):
             per_pos.add_metric([str(i)], rate)
         yield per_pos
+
+    def _replicas(self, stats: dict[str, Any]) -> Iterable[Any]:
+        """Data-parallel servers' families (`paxkv.serve.replicas.ReplicaSet.stats`):
+        whether each replica is up, the router's counts, and with "replicas" each
+        replica's counters and gauges, labelled `replica`."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if "replicas_up" in stats:
+            up = GaugeMetricFamily(
+                f"{self._prefix}:replica_up", "whether a replica serves", labels=["replica"]
+            )
+            for i, alive in enumerate(stats["replicas_up"]):
+                up.add_metric([str(i)], float(alive))
+            yield up
+        for name, value in stats.get("router", {}).items():
+            if name != "name":
+                yield CounterMetricFamily(
+                    f"{self._prefix}:router_{name}", name.replace("_", " "), value=value
+                )
+        replicas = stats.get("replicas", ())
+        for kind, names in ((CounterMetricFamily, self.COUNTERS), (GaugeMetricFamily, self.GAUGES)):
+            for name in names:
+                family = kind(
+                    f"{self._prefix}:replica_{name}",
+                    f"{name.replace('_', ' ')} per replica",
+                    labels=["replica"],
+                )
+                for i, r in enumerate(replicas):
+                    if name in r:
+                        family.add_metric([str(i)], r[name])
+                yield family
+        if replicas:
+            routed = CounterMetricFamily(
+                f"{self._prefix}:replica_routed_requests",
+                "prompts routed to a replica, by the rule that chose it",
+                labels=["replica", "rule"],
+            )
+            for i, r in enumerate(replicas):
+                for rule, count in r.get("routed", {}).items():
+                    routed.add_metric([str(i), rule], count)
+            yield routed
+
+
+# `merge_stats`: ratios recomputed from the summed parts, and what is not a sum.
+_RATIOS = {
+    "kv_cache_usage_perc": ("kv_pages_in_use", "kv_pages_total", 0.0),
+    "kv_token_utilization": ("kv_token_slots_used", "kv_token_slots_reserved", 1.0),
+    "prefix_cache_hit_rate": ("prefix_cache_hits", "prefix_cache_queries", 0.0),
+}
+_MAXIMA = ("elapsed_s",)
+
+
+def merge_stats(replicas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The stats of several engines (`engine_stats`, one per data-parallel replica) as
+    one server's: counts, gauges and rates summed, ratios recomputed from the sums,
+    finish reasons and KV-group pages added up; a latency percentile is the largest of
+    the replicas' (an upper bound of the whole server's: at most 1% of the union's
+    samples lie above the largest p99), and so is the mean. One engine's stats come
+    back unchanged."""
+    if not replicas:
+        return {}
+    if len(replicas) == 1:
+        return dict(replicas[0])
+    out: dict[str, Any] = {}
+    for key, first in replicas[0].items():
+        values = [r[key] for r in replicas]
+        if key in LATENCIES:
+            out[key] = {
+                q: max((v[q] for v in values if v[q] is not None), default=None) for q in first
+            }
+        elif key == "requests_finished":
+            out[key] = dict(sum((collections.Counter(v) for v in values), collections.Counter()))
+        elif key == "kv_groups":
+            out[key] = [
+                {**g, "pages_held": sum(v[i]["pages_held"] for v in values)}
+                for i, g in enumerate(first)
+            ]
+        elif key in _MAXIMA:
+            out[key] = max(values)
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            out[key] = sum(values)
+        elif isinstance(first, list) and key.endswith("_per_pos"):  # counts per position
+            out[key] = [sum(col) for col in zip(*values, strict=True)]
+    for key, (num, den, empty) in _RATIOS.items():
+        if key in out:
+            out[key] = out[num] / out[den] if out[den] else empty
+    if "spec_decode_num_drafts" in out:  # speculation's rates from the summed counts
+        out.update(spec_rates(out))
+    running = out.get("num_requests_running", 0)
+    if "kv_wasted_slots_per_seq" in out:
+        wasted = out["kv_token_slots_reserved"] - out["kv_token_slots_used"]
+        out["kv_wasted_slots_per_seq"] = wasted / running if running else 0.0
+    steps = out.get("num_steps", 0)
+    if "schedule_time_per_step_s" in out:
+        total = sum(r["schedule_time_per_step_s"] * r["num_steps"] for r in replicas)
+        out["schedule_time_per_step_s"] = total / steps if steps else 0.0
+    if "host_overhead_fraction" in out:
+        busy = out["host_time_s"] + out["device_time_s"]
+        out["host_overhead_fraction"] = out["host_time_s"] / busy if busy else 0.0
+    return out

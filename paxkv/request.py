@@ -22,6 +22,8 @@ INT32_MAX = 2**31 - 1
 # matched against them (a server's `protocol.Limits` may allow fewer).
 MAX_STOP_STRINGS = 1024
 MAX_STOP_STRING_CHARS = 1024
+# The most stop token ids one request may give (each sampled token is looked up in them).
+MAX_STOP_TOKEN_IDS = 1024
 # The largest seed of an engine or a model's initialisation (`jax.random.key` takes an int64).
 MAX_SEED = 2**63 - 1
 
@@ -125,7 +127,8 @@ class SamplingParams:
     (0.0: off) truncate the distribution after temperature scaling. `seed` makes the
     request's samples reproducible whatever it is batched with (None: the engine draws
     one). Generation stops after `max_tokens` tokens, or at a token of `stop_token_ids`
-    or the model's EOS (unless `ignore_eos`); a stop token is kept in the output.
+    or the model's EOS (unless `ignore_eos`; at most `MAX_STOP_TOKEN_IDS`, 1024, ids); a
+    stop token is kept in the output.
     `logprobs=k` reports, for each generated token, the log-probabilities of the k most
     likely tokens and of the chosen one (so k + 1 entries at most; 0: the chosen one
     only), under the model's raw distribution `log_softmax(logits)` (before penalties,
@@ -197,6 +200,11 @@ class SamplingParams:
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {stop!r}")
+        if len(stop) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(stop)} ids, over the limit of {MAX_STOP_TOKEN_IDS} "
+                "(paxkv.request.MAX_STOP_TOKEN_IDS)"
+            )
         put("stop_token_ids", tuple(check_token_ids("stop_token_ids", list(stop), hi=INT32_MAX)))
         put("ignore_eos", check_bool("ignore_eos", self.ignore_eos))
         for name in ("logprobs", "prompt_logprobs"):

@@ -71,11 +71,17 @@ def test_warmup_compiles_every_step_shape_with_a_bar(capsys):
     err = capsys.readouterr().err
     assert "Compiling step shapes: 100%" in err and f"{num_shapes}/{num_shapes}" in err
     compiled = llm.engine.num_compilations  # fewer when this process compiled them before
-    assert compiled <= 2 * num_shapes  # each shape with and without penalty histories
+    # Each shape without penalty histories, with them, and with them and scored rows.
+    assert compiled <= 3 * num_shapes
     long_prompt = {"prompt_token_ids": list(range(40))}  # two chunks, then decode
     llm.generate(["def f(x):", long_prompt], GREEDY, use_tqdm=False)
     penalised = SamplingParams(max_tokens=5, frequency_penalty=0.5, logprobs=3, n=2, seed=1)
     llm.generate(["def f(x):", long_prompt], penalised, use_tqdm=False)
+    scoring = SamplingParams(max_tokens=3, prompt_logprobs=2, stop=["\n"], presence_penalty=0.2)
+    outs = llm.generate(["def f(x):", long_prompt], scoring, use_tqdm=False)
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+    scores = llm.score(["def f(x):", list(range(30))], [" return x", list(range(3, 9))])
+    assert [len(s) for s in scores] == [9, 6]
     assert llm.engine.num_compilations == compiled
 
 

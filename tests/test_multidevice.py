@@ -32,6 +32,6 @@ def test_multidevice_suite():
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,  # about 9 minutes on a loaded 2-core VM (two multi-process servers)
     )
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]

@@ -1,5 +1,6 @@
 """SamplingParams' integer fields fit the device's int32; text prompts are valid Unicode."""
 
+import numpy as np
 import pytest
 
 from paxkv import SamplingParams
@@ -39,3 +40,13 @@ def test_stop_strings_are_bounded_in_count_and_length():
     with pytest.raises(ValueError, match=rf"stop\[1\] has {MAX_STOP_STRING_CHARS + 1} characters"):
         SamplingParams(stop=["ok", "x" * (MAX_STOP_STRING_CHARS + 1)])
     assert MAX_STOP_STRINGS == MAX_STOP_STRING_CHARS == 1024  # as SamplingParams' doc says
+
+
+def test_stop_token_ids_are_bounded_in_count():
+    from paxkv.request import MAX_STOP_TOKEN_IDS
+
+    assert len(SamplingParams(stop_token_ids=[7] * MAX_STOP_TOKEN_IDS).stop_token_ids) == 1024
+    with pytest.raises(ValueError, match=r"stop_token_ids has 1025 ids, over the limit of 1024"):
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    with pytest.raises(ValueError, match=r"stop_token_ids has 1025 ids"):  # an array too
+        SamplingParams(stop_token_ids=np.arange(MAX_STOP_TOKEN_IDS + 1))

@@ -8,8 +8,9 @@ free port of 127.0.0.1, waits for `/health`, and stops it with SIGTERM at the en
 127.0.0.1 is ever contacted. `--concurrency` clients each send one request after another
 until `--duration_s` has passed, each request of a kind drawn at random (`KINDS`):
 normal streams (whose inter-token gaps are measured), streams the client leaves
-mid-way, penalties, logprobs, n > 1, requests abandoned before their answer, stop
-strings, and prompts too big for the server (which must answer 400 or 413).
+mid-way, penalties, logprobs, prompts echoed with their logprobs, n > 1, requests
+abandoned before their answer, stop strings, and prompts too big for the server
+(which must answer 400 or 413).
 
 At the end, once the server is idle, it reports as JSON (`--json_out`, and printed):
 the compilations after warm-up (`/metrics`' counter, before and after), the answers by
@@ -60,6 +61,7 @@ KINDS = {
     "disconnect": 10,  # a stream the client closes after a few chunks
     "penalties": 10,
     "logprobs": 10,
+    "echo": 5,  # the prompt echoed with its logprobs (steps that score prompt rows)
     "n": 10,  # n > 1 completions
     "abort": 10,  # a request the client gives up on before the answer
     "stop": 10,  # stop strings
@@ -115,6 +117,8 @@ class Soak:
             }
         elif kind == "logprobs":
             body["logprobs"] = r.randint(0, 5)
+        elif kind == "echo":
+            body |= {"echo": True, "logprobs": r.randint(0, 3), "max_tokens": r.choice([0, 4])}
         elif kind == "n":
             body |= {"n": r.randint(2, 4), "temperature": 1.0, "stream": r.random() < 0.5}
         elif kind == "stop":

@@ -60,6 +60,13 @@ class EngineConfig:
         "(the largest bucket of each axis) and an attention reduction order from each "
         "sequence's own length (docs/python_api.md, 'Reproducible sampling').",
     )
+    warmup_scoring: bool = _field(
+        True,
+        "Warm-up also compiles each step shape's variant that scores prompt rows "
+        "(prompt_logprobs, echo with logprobs, score requests): 3 compilations of the "
+        "one-step function per shape, not 2; off: a scoring step compiles its shape "
+        "when first met.",
+    )
     seed: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
@@ -113,6 +120,7 @@ class EngineConfig:
         check_bool("async_scheduling", self.async_scheduling)
         check_bool("hybrid_kv_cache", self.hybrid_kv_cache)
         check_bool("deterministic", self.deterministic)
+        check_bool("warmup_scoring", self.warmup_scoring)
         for name in ("token_buckets", "seq_buckets", "page_buckets"):
             sizes = getattr(self, name)
             if sizes is not None:

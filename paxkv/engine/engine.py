@@ -325,13 +325,14 @@ class Engine:
 
         `progress(done, total)` is called after each shape (for a progress bar). Each
         shape compiles with and without penalty histories, so no sampling parameter
-        compiles anything later. Steps that score prompt rows (`prompt_logprobs`,
-        `add_score_request`) compile their scored-row bucket R (`HostBatch.score_rows`)
-        when first met, once per (T, R) shape.
+        compiles anything later; and with `EngineConfig.warmup_scoring`, with and
+        without scored prompt rows (`prompt_logprobs`, `echo` with logprobs,
+        `add_score_request`: `HostBatch.score_rows`), so neither do those. Without it, a
+        shape's scoring variant compiles when first met.
         """
         shapes = self._buckets.shapes()
         logging.info("paxkv: compiling %d step shapes", len(shapes))
-        self.runner.warmup(shapes, progress)
+        self.runner.warmup(shapes, progress, scoring=self.config.warmup_scoring)
 
 
 def _check_draft(spec: SpeculativeConfig | None, draft_model: nnx.Module | None) -> None:

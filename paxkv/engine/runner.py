@@ -62,9 +62,14 @@ class StepRunner:
         raise NotImplementedError
 
     def warmup(
-        self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
+        self,
+        shapes: Sequence[tuple[int, int, int]],
+        progress: Callable[[int, int], None] | None,
+        *,
+        scoring: bool = True,
     ) -> None:
-        """Compiles every step a batch of a `(T, S, pages per sequence)` shape can run."""
+        """Compiles every step a batch of a `(T, S, pages per sequence)` shape can run
+        (`scoring`: those that score prompt rows too)."""
 
     def restore_cache(self) -> bool:
         """After a call that raised: whether the KV cache was lost (donated to a call
@@ -209,22 +214,29 @@ class ModelRunner(StepRunner):
         return jax.device_get(self._run_loop(batch, stops))
 
     def warmup(
-        self, shapes: Sequence[tuple[int, int, int]], progress: Callable[[int, int], None] | None
+        self,
+        shapes: Sequence[tuple[int, int, int]],
+        progress: Callable[[int, int], None] | None,
+        *,
+        scoring: bool = True,
     ) -> None:
         """Compiles the one-step function (and the N-step loop) for every shape, each
-        with and without penalty histories (the two variants a step can have), and with
-        speculative decoding each of those with and without proposals."""
+        with and without penalty histories, and with `scoring` the variant with scored
+        rows (R = T, with histories: `HostBatch.score_rows`): every variant a step can
+        have; with speculative decoding each of them with and without proposals. The
+        N-step loop runs decode-only batches, which score nothing."""
         page_size, num_groups = self.config.page_size, self.kv_groups.num_groups
         spec = self.config.speculative_config
         drafts = (0,) if spec is None else (0, spec.num_speculative_tokens)
+        variants = [(False, 0), (True, 0)]
         for i, (t, s, p) in enumerate(shapes):
-            for penalties in (False, True):
+            for penalties, scored in variants + [(True, t)] * scoring:
                 for k in drafts:
                     batch = StepBatch.empty(
-                        t, s, p, page_size, num_groups, penalties=penalties, num_draft=k
+                        t, s, p, page_size, num_groups, scored, penalties=penalties, num_draft=k
                     )
                     jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
-                if self.config.num_decode_steps > 1:
+                if self.config.num_decode_steps > 1 and not scored:
                     batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
                     jax.block_until_ready(self._run_loop(batch, DecodeLimits.from_host([], [], s)))
             if progress is not None:

@@ -145,13 +145,15 @@ class HostBatch:
     sampling_floats: np.ndarray
     sampling_ints: np.ndarray
     penalty_history: np.ndarray  # i32[3, S, H]: see `sampling_arrays`; H = 0 or P * page size
+    # (`history_length`)
     # i32[T]: for rows whose token the host does not know yet, the index of the
     # in-flight step's output that holds it (async scheduling); -1 elsewhere.
     token_src: np.ndarray
     # i32[R] each: the packed rows whose prompt logprob is wanted (`score_spans`, in
     # plan order) and their target tokens; padded with row 0 and target 0. R = 0 when
-    # no chunk scores, else the smallest token bucket that holds them (R <= T), so a
-    # step compiles one extra shape per (T, R) pair it meets.
+    # no chunk scores, else R = T (scored rows are some of the step's T rows), and the
+    # step carries penalty histories: each step shape has one scoring variant, which
+    # warm-up compiles (`EngineConfig.warmup_scoring`).
     score_rows: np.ndarray
     score_targets: np.ndarray
     # Speculative proposals: i32[S, k], sequence s's first draft_counts[s] entries are
@@ -178,10 +180,10 @@ def build_host_batch(
     `Scheduler.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
     in-flight step's output that holds the token the sequence's last row needs;
-    `token_src` points there. A step where a sequence with penalties samples carries
-    histories of `history_length(P, page_size)` tokens, else of none. A step where a
-    chunk has speculative proposals carries them as `draft_tokens` of width
-    `draft_width` (the most a chunk may have), else of width 0.
+    `token_src` points there. A step where a sequence with penalties samples, or that
+    scores prompt rows, carries histories of `history_length(P, page_size)` tokens, else
+    of none. A step where a chunk has speculative proposals carries them as
+    `draft_tokens` of width `draft_width` (the most a chunk may have), else of width 0.
     """
     chunks = plan.chunks
     n = len(chunks)
@@ -240,10 +242,13 @@ def build_host_batch(
     for i in penalised.tolist():
         if chunks[i].samples:
             histories[i] = chunks[i].seq.penalty_history()
-    length = history_length(p_pad, page_size) if any(h is not None for h in histories) else 0
-    history = penalty_histories(histories, s_pad, length)
-
-    score_rows, score_targets = _scored_rows(chunks, cu, buckets)
+    score_rows, score_targets = _scored_rows(chunks, cu, t_pad)
+    # A step that scores carries histories even with no penalties (rows of id -1 change
+    # nothing), so a shape has three variants, not four.
+    carries = score_rows.size > 0 or any(h is not None for h in histories)
+    history = penalty_histories(
+        histories, s_pad, history_length(p_pad, page_size) if carries else 0
+    )
     token_src = np.full(t_pad, -1, np.int32)
     if pending:
         for i, c in enumerate(chunks):
@@ -286,17 +291,14 @@ def _drafts(
     return tokens, counts
 
 
-def _scored_rows(
-    chunks: Sequence, cu: np.ndarray, buckets: Buckets
-) -> tuple[np.ndarray, np.ndarray]:
-    """`(score_rows, score_targets)` of a step whose chunk i starts at packed row cu[i]."""
+def _scored_rows(chunks: Sequence, cu: np.ndarray, t_pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(score_rows, score_targets)` of a step of `t_pad` packed rows whose chunk i
+    starts at packed row cu[i]: none, or `t_pad` of each (see `HostBatch.score_rows`)."""
     spans = score_spans(chunks)
     if not spans:
         return np.zeros(0, np.int32), np.zeros(0, np.int32)
-    num = sum(hi - lo for _, lo, hi in spans)
-    r_pad = Buckets.pick(num, buckets.tokens, "scored rows in the step")
-    rows = np.zeros(r_pad, np.int32)
-    targets = np.zeros(r_pad, np.int32)
+    rows = np.zeros(t_pad, np.int32)
+    targets = np.zeros(t_pad, np.int32)
     at = 0
     for i, lo, hi in spans:
         c = chunks[i]

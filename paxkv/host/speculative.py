@@ -263,25 +263,35 @@ class Speculator:
             state.pauses = 0
 
     def stats(self) -> dict[str, Any]:
-        """The counts so far: drafts, draft and accepted tokens, the acceptance rate, the
-        mean accepted length (tokens emitted per draft: accepted + 1) and the
-        acceptance rate per position."""
-        drafts = self.num_drafts
-        return {
-            "spec_decode_num_drafts": drafts,
+        """The counts so far: drafts, draft and accepted tokens, and per position the
+        drafts that reached it and those accepted there; with the rates `spec_rates`
+        derives from them."""
+        counts = {
+            "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_decode_acceptance_rate": (
-                self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-            ),
-            "spec_decode_mean_accepted_length": (
-                1 + self.num_accepted_tokens / drafts if drafts else 0.0
-            ),
-            "spec_decode_acceptance_per_position": [
-                a / d if d else 0.0
-                for a, d in zip(self.accepted_per_position, self.drafts_per_position, strict=True)
-            ],
+            "spec_decode_num_drafts_per_pos": list(self.drafts_per_position),
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
+        return counts | spec_rates(counts)
+
+
+def spec_rates(counts: dict[str, Any]) -> dict[str, Any]:
+    """The acceptance rate (accepted / proposed tokens), the mean accepted length
+    (tokens emitted per draft: accepted + 1) and the acceptance rate per position, from
+    `Speculator.stats`'s counts (or their sums over several engines)."""
+    drafts, proposed = counts["spec_decode_num_drafts"], counts["spec_decode_num_draft_tokens"]
+    accepted = counts["spec_decode_num_accepted_tokens"]
+    per_pos = zip(
+        counts["spec_decode_num_accepted_tokens_per_pos"],
+        counts["spec_decode_num_drafts_per_pos"],
+        strict=True,
+    )
+    return {
+        "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+        "spec_decode_acceptance_per_position": [a / d if d else 0.0 for a, d in per_pos],
+    }
 
 
 def add_proposals(

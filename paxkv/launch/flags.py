@@ -132,6 +132,13 @@ PROCESS_ID = flags.DEFINE_integer(
     "With --jax_distributed: this process's index. Unset: detected.",
     lower_bound=0,
 )
+HEARTBEAT_TIMEOUT_S = flags.DEFINE_integer(
+    "heartbeat_timeout_s",
+    100,
+    "With --jax_distributed: seconds without a process's heartbeat before the job ends on "
+    "every process (a process that hangs); jax.distributed's default.",
+    lower_bound=1,
+)
 COMPILATION_CACHE_DIR = flags.DEFINE_string(
     "compilation_cache_dir",
     None,
@@ -152,15 +159,17 @@ def mesh_shape() -> MeshShape | None:
         raise ValueError(f"--mesh={MESH.value}: {e}") from None
 
 
-def init_runtime() -> MeshShape | None:
+def init_runtime(*, replicas: bool = False) -> MeshShape | None:
     """Applies the runtime flags; returns `--mesh`'s shape (None: one device).
 
     In order: `jax.distributed.initialize` (`--jax_distributed`), the platform's check
-    (`paxkv.launch.platform.require_platform`), the persistent compilation cache (`--compilation_cache_dir`), then the mesh: built over every
-    process's devices, cut into replicas, and the replica holding this process's devices
-    made the default of every `Engine` (`paxkv.sharding.shardings.set_default_mesh`). Raises
-    ValueError for flags that contradict each other or the devices, and for a requested
-    platform that is not here.
+    (`paxkv.launch.platform.require_platform`), the persistent compilation cache
+    (`--compilation_cache_dir`), then the mesh: built over every process's devices, cut
+    into replicas, and the replica holding this process's devices made the default of
+    every `Engine` (`paxkv.sharding.shardings.set_default_mesh`). With `replicas` (an app
+    that serves every replica of its process: paxkv-serve, see `replica_meshes`), a
+    process holding several replicas sets no default. Raises ValueError for flags that
+    contradict each other or the devices, and for a requested platform that is not here.
     """
     shape = mesh_shape()  # bad syntax fails before anything starts
     addresses = {
@@ -176,15 +185,31 @@ def init_runtime() -> MeshShape | None:
     import jax
 
     if JAX_DISTRIBUTED.value:
-        jax.distributed.initialize(**addresses)
+        jax.distributed.initialize(**addresses, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S.value)
     platform.require_platform()  # before anything loads: a missing runtime is named
     if COMPILATION_CACHE_DIR.value is not None:
         jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR.value)
     if shape is not None:
         from paxkv.sharding import shardings
 
-        shardings.set_default_mesh(shardings.process_replica(shardings.make_mesh(shape)))
+        mesh = shardings.make_mesh(shape)
+        if not replicas:
+            shardings.set_default_mesh(shardings.process_replica(mesh))
+        elif len(mine := shardings.process_replicas(mesh)) == 1:
+            shardings.set_default_mesh(mine[0])
     return shape
+
+
+def replica_meshes(shape: MeshShape | None) -> list[Any]:
+    """The meshes of the replicas this process serves under `--mesh` of `shape`
+    (`init_runtime(replicas=True)`'s): [None] (the default mesh, or one device) unless
+    it holds several."""
+    if shape is None or shape.data == 1:
+        return [None]
+    from paxkv.sharding import shardings
+
+    mine = shardings.process_replicas(shardings.make_mesh(shape))
+    return [None] if len(mine) == 1 else mine
 
 
 def serving_setup() -> ServingSetup:
@@ -253,11 +278,12 @@ def build_model(setup: ServingSetup) -> Any:
     return model
 
 
-def build_llm(setup: ServingSetup, *, warmup: bool = False) -> LLM:
+def build_llm(setup: ServingSetup, *, warmup: bool = False, mesh: Any = None) -> LLM:
     """An `LLM` serving `setup`: `--model_dir`'s weights, the set-up's shipped checkpoint,
-    or random ones where the set-up allows. `warmup`: compile every step shape first
-    (a server); off by default, since a one-shot run compiles only the shapes it uses
-    and its timing says "compilation included".
+    or random ones where the set-up allows, on `mesh` (one replica; None: the default
+    mesh). `warmup`: compile every step shape first (a server); off by default, since
+    a one-shot run compiles only the shapes it uses and its timing says "compilation
+    included".
 
     ValueError naming the settings to lower when the device runs out of memory
     (XLA's RESOURCE_EXHAUSTED) for the weights, the KV cache or a step.
@@ -270,6 +296,7 @@ def build_llm(setup: ServingSetup, *, warmup: bool = False) -> LLM:
             scan_layers=setup.model.scan_layers,
             config=setup.engine,
             warmup=warmup,
+            mesh=mesh,
         )
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):

@@ -6,10 +6,13 @@
         -d '{"prompt": "def f(x):", "max_tokens": 16, "temperature": 0}'
 
 The engine compiles every step shape before the server listens, so `/health` answers
-200 once requests can be served without compiling. SIGTERM (or Ctrl-C) stops accepting
-connections, lets the requests in flight finish for up to `--shutdown_grace_s` seconds,
-aborts the rest, and exits 0; a second one stops waiting, cuts the requests still in
-flight and exits 0 at once. Before the server listens (loading, compiling) either
+200 once requests can be served without compiling. `--mesh=model:M,data:D` serves D
+data-parallel replicas of M devices each behind the one endpoint, each prompt routed by
+`--router` (`paxkv.serve.router`: prefix-aware by default); with `--jax_distributed`, a
+replica spanning the processes is served by process 0 (`paxkv.serve.multihost`).
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for
+up to `--shutdown_grace_s` seconds, aborts the rest, and exits 0; a second one stops
+waiting, cuts the requests still in flight and exits 0 at once. Before the server listens (loading, compiling) either
 signal exits 0 at once: nothing is in flight. Chat needs a chat template: the
 checkpoint's, or `--chat_template` (Jinja source, or a file of it).
 """
@@ -69,6 +72,14 @@ _EXPOSE_PREFIX_CACHE_METRICS = flags.DEFINE_bool(
 _MAX_N = flags.DEFINE_integer(
     "max_n", 128, "The most completions (n, best_of) one request may ask for.", lower_bound=1
 )
+_ROUTER = flags.DEFINE_enum(
+    "router",
+    "prefix",
+    ["prefix", "round_robin"],
+    "With several replicas (--mesh=...,data:D): where each prompt goes; prefix: the "
+    "replica sent the longest run of its leading pages before, unless busier than the "
+    "least loaded by a batch (then the least loaded); round_robin: in turn.",
+)
 _SHUTDOWN_GRACE_S = flags.DEFINE_float(
     "shutdown_grace_s", 30.0, "Seconds requests in flight may run on after SIGTERM.", lower_bound=0
 )
@@ -84,26 +95,43 @@ def main(argv: list[str]) -> None:
     try:
         import uvicorn  # noqa: F401 (the serve extra's)
 
+        from paxkv.serve import multihost
         from paxkv.serve.app import ServerState, bind, run_server
-        from paxkv.serve.frontend import AsyncEngine
         from paxkv.serve.protocol import Limits
+        from paxkv.serve.replicas import ReplicaSet
     except ImportError as e:
         exit_with_error(f"{e}: paxkv-serve needs the serve extra: pip install -e '.[serve]'")
+    sock = None
     try:
-        sock = bind(_HOST.value, _PORT.value)  # before loading: a bad address fails at once
+        if not launch_flags.JAX_DISTRIBUTED.value:  # before loading: a bad address fails at once
+            sock = bind(_HOST.value, _PORT.value)
         _check_chat_template_flag()
-        launch_flags.init_runtime()
+        meshes = launch_flags.replica_meshes(launch_flags.init_runtime(replicas=True))
+        role = multihost.role(meshes)
+        if role != "follower" and sock is None:
+            sock = bind(_HOST.value, _PORT.value)
         setup = launch_flags.serving_setup()
         platform.announce("paxkv-serve", setup.engine.attention_backend)
-        logging.info("paxkv-serve: loading the model and compiling its step shapes")
-        llm = launch_flags.build_llm(setup, warmup=True)  # before /health answers 200
-        templates = _chat_templates(llm.chat_templates)
+        if role == "follower":  # no server here: run process 0's steps until it stops
+            multihost.follow_and_exit(launch_flags.build_llm(setup))
+        channel = multihost.Channel() if role == "leader" else None  # to the followers
+        llms, engines = [], []
+        for i, mesh in enumerate(meshes):
+            logging.info(
+                "paxkv-serve: replica %d of %d: loading the model and compiling its step shapes",
+                i,
+                len(meshes),
+            )
+            llm = launch_flags.build_llm(setup, warmup=channel is None, mesh=mesh)
+            llms.append(llm)
+            engines.append(llm.engine if channel is None else multihost.leader_engine(llm, channel))
+        templates = _chat_templates(llms[0].chat_templates)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
-    engine = llm.engine
+    engine = engines[0]
     name = _SERVED_MODEL_NAME.value or launch_flags.MODEL_DIR.value or setup.name
     state = ServerState(
-        front=AsyncEngine(engine, max_unfinished=engine.config.max_num_seqs + _MAX_QUEUED.value),
+        front=ReplicaSet(engines, max_queued=_MAX_QUEUED.value, router=_ROUTER.value),
         model_name=name,
         tokenizer=engine.tokenizer,
         chat_templates=templates,
@@ -113,7 +141,10 @@ def main(argv: list[str]) -> None:
             max_n=_MAX_N.value, trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value
         ),
         expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
+        on_shutdown=None if channel is None else lambda: multihost.stop_followers(engine),
     )
+    if channel is not None:
+        multihost.exit_when_failed(state.front)
     run_server(state, sock=sock, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: a Starlette app over an `AsyncEngine`.
+"""The OpenAI-compatible HTTP server: a Starlette app over a `ReplicaSet` of engines.
 
     POST /v1/completions        prompt text, token ids, or a list of either
     POST /v1/chat/completions   messages through the chat template
@@ -20,6 +20,11 @@ event loop or the engine's stepping thread. Requests with a `cache_salt` share c
 pages only with requests of the same salt (vLLM's). `/metrics` leaves out what would
 tell one client whether another's prompt is cached (the prefix-cache counters, and the
 step count, which a cached prefix shortens) unless `expose_prefix_cache_metrics`.
+
+With several data-parallel replicas (`paxkv.serve.replicas`), each prompt goes to the
+replica the router picks; `/metrics` shows the whole server's figures under the usual
+names, and each replica's (`replica_*{replica="i"}`, which tell where a prompt was
+routed, so by prefix) only with `expose_prefix_cache_metrics`.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 from absl import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -46,8 +51,9 @@ from starlette.types import Receive, Scope, Send
 from paxkv import chat
 from paxkv.metrics import PrometheusCollector
 from paxkv.serve import protocol, responses
-from paxkv.serve.frontend import AsyncEngine, EngineDead, QueueFull, RequestGroup, Submission
+from paxkv.serve.frontend import EngineDead, QueueFull, Submission
 from paxkv.serve.protocol import ApiError
+from paxkv.serve.replicas import ReplicaSet, RoutedGroup
 
 # Stats that tell whether a prompt's prefix was cached (a hit computes fewer tokens, in
 # fewer steps): one client could learn from them what another sent.
@@ -56,10 +62,11 @@ PREFIX_CACHE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_steps")
 
 @dataclasses.dataclass
 class ServerState:
-    """What the handlers serve: the front end, the model's name, tokenizer, and chat
-    templates (`chat.ChatTemplates`; the server's `--chat_template` as "default")."""
+    """What the handlers serve: the replicas' front end (one or more engines), the
+    model's name, tokenizer, and chat templates (`chat.ChatTemplates`; the server's
+    `--chat_template` as "default")."""
 
-    front: AsyncEngine
+    front: ReplicaSet
     model_name: str
     tokenizer: Any
     chat_templates: chat.ChatTemplates
@@ -67,6 +74,9 @@ class ServerState:
     metrics_prefix: str = "paxkv"  # "vllm" makes /metrics read as vLLM's for its dashboards
     limits: protocol.Limits = dataclasses.field(default_factory=protocol.Limits)
     expose_prefix_cache_metrics: bool = False  # see PREFIX_CACHE_STATS
+    # Called once the engines have stopped, at shutdown (a replica across processes
+    # stops the other processes).
+    on_shutdown: Callable[[], None] | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -80,6 +90,8 @@ def build_app(state: ServerState) -> Starlette:
             yield
         finally:
             await state.front.close()
+            if state.on_shutdown is not None:
+                state.on_shutdown()
 
     routes = [
         Route("/v1/completions", _api(state, _completions), methods=["POST"]),
@@ -174,6 +186,8 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
             return _error(ApiError(429, str(e), code="too_many_requests"))
         except EngineDead as e:
             return _error(ApiError(503, str(e)))
+        except ClientDisconnect:  # it left while sending its body: nobody to answer
+            return _error(ApiError(499, "the client disconnected"))
         except (TypeError, ValueError) as e:  # the engine rejected a request
             chat_request = request.url.path.endswith("/chat/completions")
             return _error(protocol.engine_rejection(e, chat_request=chat_request))
@@ -327,7 +341,7 @@ async def _serve(
         Submission(f"{response_id}-{i}", {"prompt_token_ids": ids}, p, cache_salt)
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
     ]
-    group = await state.front.submit(submissions)
+    group = await state.front.submit(submissions, stream=stream)
     choices = responses.Choices(
         group.request_ids,
         params[0].n,
@@ -356,7 +370,7 @@ async def _serve(
     return JSONResponse({**header, "choices": choices.response_choices(), "usage": choices.usage()})
 
 
-async def _collect(request: Request, group: RequestGroup, choices: responses.Choices) -> None:
+async def _collect(request: Request, group: RoutedGroup, choices: responses.Choices) -> None:
     """Takes every output of `group` into `choices`; returns early if the client leaves."""
 
     async def outputs() -> None:
@@ -381,7 +395,7 @@ async def _collect(request: Request, group: RequestGroup, choices: responses.Cho
 
 
 async def _events(
-    group: RequestGroup,
+    group: RoutedGroup,
     choices: responses.Choices,
     header: dict[str, Any],
     chat_response: bool,
@@ -459,5 +473,6 @@ async def _metrics(state: ServerState, request: Request) -> Response:
     collector = PrometheusCollector(lambda: stats, prefix=state.metrics_prefix)
     if not state.expose_prefix_cache_metrics:
         collector.COUNTERS = tuple(n for n in collector.COUNTERS if n not in PREFIX_CACHE_STATS)
+        stats.pop("replicas", None)  # a replica's load tells where (so why) a prompt went
     registry.register(collector)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -111,6 +111,25 @@ def process_replica(mesh: Mesh) -> Mesh:
     return mine[0]
 
 
+def process_replicas(mesh: Mesh) -> list[Mesh]:
+    """The replicas of `mesh` that hold this process's devices, in replica order: those
+    a server in this process drives (one engine each).
+
+    Raises ValueError when there are none, or several of which one also holds another
+    process's devices (such a replica is served by all its processes together, alone).
+    """
+    me = jax.process_index()
+    mine = [r for r in replica_meshes(mesh) if any(d.process_index == me for d in r.devices.flat)]
+    shared = [r for r in mine if any(d.process_index != me for d in r.devices.flat)]
+    if not mine or (shared and len(mine) > 1):
+        raise ValueError(
+            f"mesh {mesh_shape(mesh)}: process {me} holds devices of {len(mine)} replicas, "
+            f"{len(shared)} of them shared with other processes; a process serves whole "
+            "replicas of its own devices, or one replica it shares"
+        )
+    return mine
+
+
 def serving_mesh(mesh: Mesh | AbstractMesh) -> MeshShape:
     """The shape of `mesh`, checked to be one replica (what one engine serves)."""
     shape = mesh_shape(mesh)

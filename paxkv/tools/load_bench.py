@@ -153,6 +153,7 @@ def run_setup(
         hybrid_kv_cache=setup == "paged",
         watermark=0.0,
         log_stats_interval_s=0,
+        warmup_scoring=False,  # the workload scores no prompt
     )
     engine = Engine(model, config, reservation=reservation)
     engine.warmup()

@@ -101,7 +101,8 @@ def test_no_recompilation_after_warmup(tiny):
     )
     engine.warmup()
     warm = engine.num_compilations
-    assert warm == 8  # per (token, sequence, page) bucket: with and without penalties
+    # Per (token, sequence, page) bucket: without penalties, with them, and scoring.
+    assert warm == 12
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (3, 50, 17, 1, 33, 8)]
     _run(engine, prompts, SamplingParams(temperature=0.8, max_tokens=5, seed=1))

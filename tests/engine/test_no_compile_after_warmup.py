@@ -1,5 +1,6 @@
-"""After `warmup()`, no request compiles anything: every sampling feature, in every
-execution mode, runs on the step shapes warm-up compiled.
+"""After `warmup()`, no request compiles anything: every sampling feature (prompt
+logprobs and score requests included), in every execution mode, runs on the step
+shapes warm-up compiled.
 
 Engines share compilations (the steps are jitted at module level), so an earlier test
 may have compiled some of these shapes already; what is asserted is only that the
@@ -52,12 +53,29 @@ def _workload(vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
         SamplingParams(top_k=3, top_p=0.9, min_p=0.05, presence_penalty=0.3, **sampled),
         SamplingParams(stop=["a", "zz"], temperature=1.0, seed=2, max_tokens=8),
         SamplingParams(stop_token_ids=[3, 4, 5], temperature=1.0, seed=3, max_tokens=8),
+        # Prompt logprobs (what the server's `echo` with logprobs asks for): scored rows.
+        SamplingParams(prompt_logprobs=0, **sampled),
+        SamplingParams(prompt_logprobs=5, logprobs=2, n=2, **sampled),
+        SamplingParams(prompt_logprobs=1, frequency_penalty=0.3, **sampled),
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
     ]
     work = [(p, c) for p in (short, medium) for c in cases]
     # The longest sequence the engine serves (110 + 18 = max_model_len), with penalties.
     work.append((longest, SamplingParams(frequency_penalty=0.4, max_tokens=18, ignore_eos=True)))
     work.append((longest, SamplingParams(max_tokens=18, ignore_eos=True, logprobs=3)))
+    work.append((longest, SamplingParams(max_tokens=1, prompt_logprobs=2)))
     return work
+
+
+def _scores(vocab_size: int) -> list[tuple[list[int], list[int], int]]:
+    """Score requests (`Engine.add_score_request`): prompt, completion, top logprobs;
+    short and long, fitting one step and spanning several."""
+    rng = np.random.default_rng(1)
+    lengths = [(3, 2, 0), (20, 30, 4), (60, 50, 1), (1, 100, 2)]
+    return [
+        (rng.integers(0, vocab_size, p).tolist(), rng.integers(0, vocab_size, c).tolist(), k)
+        for p, c, k in lengths
+    ]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -71,20 +89,33 @@ def test_no_request_compiles_after_warmup(tiny, mode):
     engine.warmup()
     warm = engine.num_compilations
     work = _workload(config.vocab_size)
-    # Each request alone (penalised or not, every bucket), then all at once, then a
-    # mix where penalised requests join a batch already running.
+    scores = _scores(config.vocab_size)
+
+    def add(name: str) -> None:
+        for i, (prompt, params) in enumerate(work):
+            engine.add_request(f"{name}{i}", {"prompt_token_ids": prompt}, params)
+            yield
+        for i, (prompt, completion, k) in enumerate(scores):
+            engine.add_score_request(f"{name}-score{i}", prompt, completion, top_logprobs=k)
+            yield
+
+    # Each request alone (penalised or not, scoring or not, every bucket), then all at
+    # once, then a mix where each request joins a batch already running.
     finished = {}
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"alone{i}", {"prompt_token_ids": prompt}, params)
+    for _ in add("alone"):
         finished |= engine.run_until_done()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"all{i}", {"prompt_token_ids": prompt}, params)
+    for _ in add("all"):
+        pass
     finished |= engine.run_until_done()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"mix{i}", {"prompt_token_ids": prompt}, params)
+    for _ in add("mix"):
         finished |= {o.request_id: o for o in engine.step() if o.finished}
     finished |= engine.run_until_done()
-    assert len(finished) == 3 * len(work)
+    assert len(finished) == 3 * (len(work) + len(scores))
+    # The scoring requests got every score (a NaN is a position never computed).
+    scoring = sum(p.prompt_logprobs is not None for _, p in work) + len(scores)
+    scored = [o for o in finished.values() if o.scores is not None]
+    assert len(scored) == 3 * scoring
+    assert all(np.isfinite(o.scores).all() and len(o.scores) > 0 for o in scored)
     # None failed (a request whose step cannot be laid out is aborted, not compiled).
     reasons = {c.finish_reason for o in finished.values() for c in o.outputs}
     assert reasons <= {"length", "stop"}, reasons

@@ -4,6 +4,7 @@ Token ids come back through logprobs (`return_tokens_as_token_ids`: "token_id:<i
 so the comparison with `LLM.generate` / `LLM.chat` is token for token, not only text.
 """
 
+import asyncio
 import concurrent.futures
 import json
 import socket
@@ -372,7 +373,8 @@ def test_cache_salt_separates_tenants(server):
 
 def test_no_request_compiles_after_warmup(server, client):
     """The server compiles every step shape before it listens: requests with every
-    sampling feature, penalties included, on short and long prompts compile nothing."""
+    sampling feature, penalties and echoed prompt logprobs included, on short and long
+    prompts, alone and batched together, compile nothing."""
     before = server.metrics()["paxkv:num_compilations_total"]
     assert before > 0
     sampling = dict(
@@ -381,11 +383,20 @@ def test_no_request_compiles_after_warmup(server, client):
         top_p=0.9,
         seed=1,
         stop=["\n\n"],
-        extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.05},
+        extra_body={"repetition_penalty": 1.2, "top_k": 5, "min_p": 0.05, "stop_token_ids": [3]},
     )
     for prompt in ("def f(x):", "x = 1\n" * 15):  # other token and page buckets
         client.completions.create(
             model=MODEL, prompt=prompt, frequency_penalty=0.5, logprobs=5, n=2, **sampling
+        )
+        # Echo with logprobs scores the prompt's rows; max_tokens=0 only scores them.
+        echoed = client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=2, n=2, **sampling
+        )
+        assert echoed.choices[0].text.startswith(prompt)
+        assert echoed.choices[0].logprobs.token_logprobs[0] is None  # the first token
+        client.completions.create(
+            model=MODEL, prompt=[prompt, "y"], echo=True, logprobs=0, max_tokens=0
         )
         client.chat.completions.create(
             model=MODEL,
@@ -395,4 +406,22 @@ def test_no_request_compiles_after_warmup(server, client):
             top_logprobs=3,
             **sampling,
         )
+
+    async def together():  # scoring, penalised and plain requests in the same steps
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key="none")
+        kinds = [
+            dict(echo=True, logprobs=1, presence_penalty=0.3),
+            dict(echo=True, logprobs=0, max_tokens=0),
+            dict(frequency_penalty=0.2, n=3),
+            dict(logprobs=3),
+            {},
+        ]
+        calls = [
+            aclient.completions.create(model=MODEL, prompt=f"{i} " + "z = 2\n" * i, **k)
+            for i in range(4)  # 28 sequences: within the server's bound of 32
+            for k in kinds
+        ]
+        await asyncio.gather(*calls)
+
+    asyncio.run(together())
     assert server.metrics()["paxkv:num_compilations_total"] == before

@@ -1,0 +1,311 @@
+"""One replica across the processes of a `jax.distributed` job, behind process 0.
+
+JAX runs multi-controller: every process must run the same partitioned step on the
+same inputs. Here process 0 alone owns the front end and the scheduler; before each
+device call its step runner (`LeaderRunner`) sends the call's host inputs to every other
+process through JAX's own collectives (`jax.experimental.multihost_utils`
+`broadcast_one_to_all`), and those processes (`follow`) run the same call on them.
+Nothing else crosses: every process holds its shards of the weights and of the KV
+cache, and the device state the steps carry (the cache, the previous step's tokens)
+stays equal because every process runs the same calls in the same order.
+
+A message is a header of `HEADER_WORDS` int32 (the command, the shapes and dtypes of
+its arrays, the payload's length and CRC-32) and, when it carries arrays, a payload of
+int32 words padded to a power of two (a bounded set of shapes, compiled by warm-up).
+The arrays are a `HostBatch`'s fields in declaration order, whatever they are, and the
+command's extras after them. A receiver checks the payload against the header's
+CRC-32 and the sequence number against its own count: inputs that differ between
+processes stop the job with a message (`InputMismatch`) rather than produce wrong
+tokens.
+
+Failure: a process that dies breaks the next collective (gloo: connection reset), so
+the step raises on every other process; a process that hangs stops sending heartbeats
+to the coordinator, which ends every process after `heartbeat_timeout_seconds` of
+`jax.distributed.initialize`. `update_weights` is not carried (process 0's runner
+refuses it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from paxkv.engine.runner import StepRunner
+from paxkv.engine.sampling import Sampled
+from paxkv.engine.step import MAX_STOP_IDS, StepBatch
+from paxkv.host.batch import HostBatch
+
+HEADER_WORDS = 256
+MAGIC = 0x70784B56  # "pxKV"
+_FIXED = 6  # magic, command, sequence number, number of arrays, payload words, CRC-32
+_PER_ARRAY = 6  # dtype code, ndim, up to 4 dims
+MAX_ARRAYS = (HEADER_WORDS - _FIXED) // _PER_ARRAY
+DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_), np.dtype(np.int64))
+MIN_PAYLOAD_WORDS = 1 << 10
+
+
+class Command(enum.IntEnum):
+    """What process 0 asks the others to do."""
+
+    STEP = 1  # run one step of the HostBatch (`StepRunner.dispatch`)
+    LOOP = 2  # the N-step decode loop: the HostBatch, stop ids i32[S, MAX_STOP_IDS], limits
+    WARMUP = 3  # compile: shapes i32[n, 3], scoring i32[1], payload words i32[1]
+    RESTORE = 4  # a step raised: restore the cache (`StepRunner.restore_cache`)
+    STOP = 5  # end `follow`
+
+
+class InputMismatch(RuntimeError):
+    """A process received step inputs that differ from what process 0 sent."""
+
+
+def payload_words(num_words: int) -> int:
+    """The padded payload size of `num_words` words: a power of two, at least
+    `MIN_PAYLOAD_WORDS`."""
+    return max(MIN_PAYLOAD_WORDS, 1 << max(0, num_words - 1).bit_length())
+
+
+def pack(command: Command, seq: int, arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """`(header i32[HEADER_WORDS], payload i32[W])` of a message: `arrays` as raw bytes,
+    each padded to whole words; W = 0 when there are none."""
+    if len(arrays) > MAX_ARRAYS:
+        raise ValueError(f"{len(arrays)} arrays exceed the header's room for {MAX_ARRAYS}")
+    header = np.zeros(HEADER_WORDS, np.int32)
+    chunks = []
+    for i, a in enumerate(arrays):
+        a = np.ascontiguousarray(a)
+        if a.dtype not in DTYPES or a.ndim > _PER_ARRAY - 2:
+            raise ValueError(f"array {i}: {a.dtype}{list(a.shape)} cannot be sent")
+        at = _FIXED + i * _PER_ARRAY
+        header[at : at + 2 + a.ndim] = [DTYPES.index(a.dtype), a.ndim, *a.shape]
+        raw = a.tobytes()
+        chunks.append(raw + b"\0" * (-len(raw) % 4))
+    data = np.frombuffer(b"".join(chunks), np.int32)
+    crc = zlib.crc32(data.tobytes())
+    header[:_FIXED] = [
+        MAGIC,
+        int(command),
+        seq,
+        len(arrays),
+        data.size,
+        np.uint32(crc).view(np.int32),
+    ]
+    payload = np.zeros(payload_words(data.size) if data.size else 0, np.int32)
+    payload[: data.size] = data
+    return header, payload
+
+
+def unpack(header: np.ndarray, payload: np.ndarray) -> tuple[Command, int, list[np.ndarray]]:
+    """The command, sequence number and arrays of a message; InputMismatch if the
+    payload is not what the header describes."""
+    magic, command, seq, count, size, crc = (int(x) for x in header[:_FIXED])
+    if magic != MAGIC:
+        raise InputMismatch(f"a message header starts with {magic:#x}, not {MAGIC:#x}")
+    data = payload[:size]
+    got = np.uint32(zlib.crc32(data.tobytes())).view(np.int32)
+    if int(got) != crc:
+        raise InputMismatch(
+            f"message {seq}: the payload's CRC-32 is {int(got) & 0xFFFFFFFF:#010x}, process 0 "
+            f"sent {crc & 0xFFFFFFFF:#010x}: the step inputs differ between processes"
+        )
+    raw = data.tobytes()
+    arrays, at = [], 0
+    for i in range(count):
+        code, ndim, *dims = (int(x) for x in header[_FIXED + i * _PER_ARRAY :][:_PER_ARRAY])
+        dtype, shape = DTYPES[code], tuple(dims[:ndim])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        arrays.append(
+            np.frombuffer(raw, dtype, count=int(np.prod(shape)), offset=at).reshape(shape)
+        )
+        at += nbytes + (-nbytes % 4)
+    return Command(command), seq, arrays
+
+
+class Channel:
+    """Process 0's messages to every other process of the job, in order.
+
+    Args:
+      broadcast: sends a pytree of NumPy arrays from process 0 to all, every process
+        calling it with arrays of the same shapes (default:
+        `multihost_utils.broadcast_one_to_all`).
+    """
+
+    def __init__(self, broadcast: Callable[[Any], Any] | None = None) -> None:
+        if broadcast is None:
+            from jax.experimental import multihost_utils
+
+            broadcast = multihost_utils.broadcast_one_to_all
+        self._broadcast = broadcast
+        self.seq = 0  # messages sent or received
+
+    def send(self, command: Command, arrays: Sequence[np.ndarray] = ()) -> None:
+        """Process 0: sends one message."""
+        header, payload = pack(command, self.seq, arrays)
+        self._broadcast(header)
+        if payload.size:
+            self._broadcast(payload)
+        self.seq += 1
+
+    def receive(self) -> tuple[Command, list[np.ndarray]]:
+        """Another process: the next message; InputMismatch if it is not intact or out of
+        order."""
+        header = np.asarray(self._broadcast(np.zeros(HEADER_WORDS, np.int32)))
+        size = int(header[4])
+        payload = np.zeros(0, np.int32)
+        if size:
+            payload = np.asarray(self._broadcast(np.zeros(payload_words(size), np.int32)))
+        command, seq, arrays = unpack(header, payload)
+        if seq != self.seq:
+            raise InputMismatch(f"received message {seq}, expected {self.seq}")
+        self.seq += 1
+        return command, arrays
+
+    def warm(self, max_words: int) -> None:
+        """Every process: runs one broadcast of each payload size up to `max_words` (and
+        of the header), so that none compiles later."""
+        size = MIN_PAYLOAD_WORDS
+        while True:
+            self._broadcast(np.zeros(size, np.int32))
+            if size >= max_words:
+                break
+            size *= 2
+        self._broadcast(np.zeros(HEADER_WORDS, np.int32))
+
+
+def host_batch_arrays(hb: HostBatch) -> list[np.ndarray]:
+    """A HostBatch's fields, in declaration order."""
+    return [np.asarray(getattr(hb, f.name)) for f in dataclasses.fields(HostBatch)]
+
+
+def host_batch_of(arrays: Sequence[np.ndarray]) -> HostBatch:
+    """The HostBatch of `host_batch_arrays`' output."""
+    return HostBatch(*arrays[: len(dataclasses.fields(HostBatch))])
+
+
+def max_payload_words(runner: StepRunner, shapes: Sequence[tuple[int, int, int]]) -> int:
+    """A bound on a message's payload over step shapes `shapes`: the largest step batch
+    (penalties, R = T scored rows), its per-token arrays again (token_src and what may
+    join it) and the decode loop's limits, in 4-byte words."""
+    page_size, groups = runner.config.page_size, runner.kv_groups.num_groups
+    most = 0
+    for t, s, p in shapes:
+        batch = jax.eval_shape(
+            lambda t=t, s=s, p=p: StepBatch.empty(t, s, p, page_size, groups, t, penalties=True)
+        )
+        words = sum(x.size for x in jax.tree.leaves(batch)) + 4 * t + 16
+        most = max(most, words + s * (MAX_STOP_IDS + 1))
+    return payload_words(most)
+
+
+class LeaderRunner(StepRunner):
+    """Process 0's step runner: sends each device call's inputs over `channel`, then
+    makes the call on `runner` (a `ModelRunner` on the mesh that spans the processes).
+    Everything else is `runner`'s."""
+
+    param_source = None  # `update_weights` is not carried to the other processes
+
+    def __init__(self, runner: StepRunner, channel: Channel) -> None:
+        self.runner = runner
+        self.channel = channel
+        self.model_config = runner.model_config
+        self.config = runner.config
+        self.kv_groups = runner.kv_groups
+        self.mesh = getattr(runner, "mesh", None)
+
+    num_compilations = property(lambda self: self.runner.num_compilations)
+    compile_seconds = property(lambda self: self.runner.compile_seconds)
+    kv_cache = property(lambda self: self.runner.kv_cache)
+
+    def dispatch(self, hb: HostBatch) -> Any:
+        """Sends `hb`, then dispatches it."""
+        self.channel.send(Command.STEP, host_batch_arrays(hb))
+        return self.runner.dispatch(hb)
+
+    def fetch(self, handle: Any) -> Sampled:
+        """`runner.fetch`: process 0 reads the (replicated) samples."""
+        return self.runner.fetch(handle)
+
+    def decode_loop(
+        self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
+    ) -> tuple[Sampled, np.ndarray]:
+        """Sends `hb` with the loop's stop ids and limits, then runs the loop."""
+        self.channel.send(Command.LOOP, [*host_batch_arrays(hb), *_loop_arrays(stop_ids, limits)])
+        return self.runner.decode_loop(hb, stop_ids, limits)
+
+    def warmup(
+        self,
+        shapes: Sequence[tuple[int, int, int]],
+        progress: Callable[[int, int], None] | None,
+        *,
+        scoring: bool = True,
+    ) -> None:
+        """Every process compiles the channel's messages and the steps of `shapes`."""
+        words = max_payload_words(self.runner, shapes)
+        table = np.array(shapes, np.int32).reshape(-1, 3)
+        self.channel.send(Command.WARMUP, [table, np.array([scoring, words], np.int32)])
+        self.channel.warm(words)
+        self.runner.warmup(shapes, progress, scoring=scoring)
+
+    def restore_cache(self) -> bool:
+        """Every process restores its cache after a failed call."""
+        self.channel.send(Command.RESTORE)
+        return self.runner.restore_cache()
+
+    def stop(self) -> None:
+        """Ends the other processes' `follow`."""
+        self.channel.send(Command.STOP)
+
+
+def _loop_arrays(stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]) -> list[np.ndarray]:
+    ids = np.full((len(stop_ids), MAX_STOP_IDS), -1, np.int32)
+    for i, s in enumerate(stop_ids):
+        ids[i, : len(s)] = s
+    return [ids, np.asarray(limits, np.int32).reshape(-1)]
+
+
+def _loop_inputs(ids: np.ndarray, limits: np.ndarray) -> tuple[list[tuple[int, ...]], list[int]]:
+    stops = [tuple(int(t) for t in row if t >= 0) for row in ids]
+    return stops, [int(n) for n in limits]
+
+
+def follow(runner: StepRunner, channel: Channel) -> int:
+    """Another process's loop: runs on `runner` (built as process 0 built its own) every
+    call process 0 sends, until STOP; returns the messages handled. Raises
+    InputMismatch, or the runtime's error when a collective fails (process 0 died)."""
+    num_fields = len(dataclasses.fields(HostBatch))
+    while True:
+        command, arrays = channel.receive()
+        if command is Command.STOP:
+            logging.info("paxkv: process 0 sent stop after %d messages", channel.seq)
+            return channel.seq
+        if command is Command.STEP:
+            runner.dispatch(host_batch_of(arrays))
+        elif command is Command.LOOP:
+            stops, limits = _loop_inputs(*arrays[num_fields:])
+            runner.decode_loop(host_batch_of(arrays), stops, limits)
+        elif command is Command.WARMUP:
+            table, (scoring, words) = arrays
+            shapes = [tuple(int(x) for x in row) for row in table]
+            channel.warm(int(words))
+            runner.warmup(shapes, None, scoring=bool(scoring))
+        elif command is Command.RESTORE:
+            runner.restore_cache()
+
+
+def process_role(mesh: Any) -> str:
+    """This process's part in serving `mesh` (one replica, or None: one device):
+    "alone" when only this process's devices are in it, else "leader" for the lowest
+    process index among its devices (it runs the front end and the scheduler) and
+    "follower" for the others."""
+    if mesh is None:
+        return "alone"
+    processes = {d.process_index for d in mesh.devices.flat}
+    if len(processes) == 1:
+        return "alone"
+    return "leader" if jax.process_index() == min(processes) else "follower"

@@ -1,0 +1,99 @@
+"""Serving one replica that spans processes (`paxkv.engine.multihost`): process 0's engine,
+the other processes' loop, and how each ends.
+
+Process 0 serves HTTP over an engine whose runner sends every device call to the other
+processes first (`leader_engine`); the others serve nothing and run those calls
+(`follow_and_exit`). At shutdown process 0 stops them (`stop_followers`); when the
+replica fails (a collective broke: another process died), process 0 answers the
+requests in flight with 503 and exits 1 (`exit_when_failed`). Exits go through
+`os._exit`: JAX's shutdown barrier would wait for processes that are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from typing import Any, NoReturn
+
+import jax
+from absl import logging
+
+from paxkv.engine import Engine, multihost
+from paxkv.engine.multihost import Channel
+
+__all__ = [
+    "Channel",
+    "exit_when_failed",
+    "follow_and_exit",
+    "leader_engine",
+    "role",
+    "stop_followers",
+]
+
+
+def role(meshes: list[Any]) -> str:
+    """This process's part ("alone", "leader", "follower": `multihost.process_role`) in
+    serving the replicas of `meshes` (`paxkv.launch.flags.replica_meshes`: [None] for the
+    one replica of the default mesh); several replicas are this process's alone."""
+    from paxkv.sharding import shardings
+
+    return multihost.process_role(shardings.default_mesh()) if meshes == [None] else "alone"
+
+
+def leader_engine(llm: Any, channel: multihost.Channel) -> Engine:
+    """Process 0's engine: `llm`'s limits and tokenizer over its model runner, each
+    device call sent over `channel` first (`multihost.LeaderRunner`); warmed up on every
+    process."""
+    runner = multihost.LeaderRunner(llm.engine.runner, channel)
+    engine = Engine(
+        None, llm.engine.config, tokenizer=llm.engine.tokenizer, runner=lambda c: runner
+    )
+    engine.warmup()
+    return engine
+
+
+def follow_and_exit(llm: Any) -> NoReturn:
+    """Another process: runs the calls process 0 sends on `llm`'s model runner until it
+    stops them (exit 0), or a collective fails or the inputs differ (exit 1, naming the
+    error: `multihost.InputMismatch`, or the runtime's when process 0 died)."""
+    me = jax.process_index()
+    logging.info("paxkv-serve: process %d runs process 0's steps; it serves no HTTP", me)
+    try:
+        multihost.follow(llm.engine.runner, multihost.Channel())
+    except Exception as e:
+        exit_now(1, f"paxkv-serve: process {me} stops: {type(e).__name__}: {e}")
+    exit_now(0, f"paxkv-serve: process {me}: process 0 stopped the job")
+
+
+def stop_followers(engine: Engine) -> None:
+    """Process 0 at shutdown, its engine stopped: ends the other processes' loop."""
+    try:
+        engine.runner.stop()
+    except Exception as e:  # they are gone already: nothing to stop
+        logging.warning("paxkv-serve: could not stop the other processes: %s", e)
+
+
+def exit_when_failed(front: Any, grace_s: float = 2.0) -> None:
+    """Process 0: once every replica of `front` (a `ReplicaSet`) has failed, its requests
+    answered 503, exits 1 `grace_s` later: a replica without all its processes cannot
+    serve again."""
+
+    def watch() -> None:
+        while not front.failed:
+            time.sleep(0.2)
+        time.sleep(grace_s)
+        exit_now(1, "paxkv-serve: the replica's processes stopped answering (see above); exiting")
+
+    threading.Thread(target=watch, name="paxkv-failure-watch", daemon=True).start()
+
+
+def exit_now(status: int, message: str) -> NoReturn:
+    """Ends the process with `status` after writing `message` to stderr."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.write(2, f"{message}\n".encode())
+    os._exit(status)
