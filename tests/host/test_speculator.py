@@ -84,3 +84,18 @@ def test_new_sequences_start_from_the_workloads_acceptance():
     while spec._step % PAUSE_STEPS:
         spec.new_step(1)
     assert len(spec.propose(late, 100)) == 1
+
+
+def test_replicas_stats_merge_from_counts():
+    from paxkv.metrics import merge_stats
+
+    a = Speculator(SpeculativeConfig(num_speculative_tokens=2), (64,))
+    b = Speculator(SpeculativeConfig(num_speculative_tokens=2), (64,))
+    a.on_verified(_seq([1]), 2, 2)
+    b.on_verified(_seq([1]), 2, 0)
+    b.on_verified(_seq([1]), 1, 1)
+    merged = merge_stats([a.stats(), b.stats()])
+    assert merged["spec_decode_num_drafts"] == 3
+    assert merged["spec_decode_acceptance_rate"] == pytest.approx(3 / 5)
+    assert merged["spec_decode_mean_accepted_length"] == pytest.approx(1 + 3 / 3)
+    assert merged["spec_decode_acceptance_per_position"] == [2 / 3, 1 / 2]
