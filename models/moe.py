@@ -5,7 +5,7 @@ Each token goes to `top_k` of `num_experts` experts; the layer's output is the s
 those experts' outputs, weighted by the router. The work per token follows `top_k`, not
 the expert count: the (token, expert) pairs are sorted by expert and each expert
 multiplies only its own rows (`grouped_matmul`). On TPU and GPU that is
-`jax.lax.ragged_dot` (XLA's ragged dot on TPU, JAX's Triton kernel on GPU); on the CPU,
+`jax.lax.ragged_dot` (lowered to XLA's ragged-dot instruction); on the CPU,
 where JAX lowers `ragged_dot` to a masked dense product over every group (the work of
 all experts for every row), it is a loop over tiles of each expert's rows instead
 (`tiled_grouped_matmul`). The layouts and gated units of the families' experts are

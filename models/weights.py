@@ -269,7 +269,8 @@ def load_hf_checkpoint(
                 # Device slice `index` of the parameter: its leading indices pick the
                 # stacked tensors (layers, experts), the rest is read of each in turn.
                 picked, rest = names[tuple(index[: names.ndim])], tuple(index[names.ndim :])
-                parts = [read(n, transpose, rest) for n in np.ravel(picked)]
+                picked_names = list(picked.flat) if names.ndim else [picked]
+                parts = [read(str(n), transpose, rest) for n in picked_names]
                 if not names.ndim:
                     return parts[0]
                 return np.stack(parts).reshape(*picked.shape, *parts[0].shape)

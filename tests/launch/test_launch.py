@@ -290,6 +290,9 @@ def test_only_the_byte_level_toys_run_without_a_checkpoint():
         "tiny-gemma3",
         "tiny-qwen3",
         "tiny-gemma2",
+        "tiny-mixtral",
+        "tiny-qwen3-moe",
+        "tiny-gpt-oss",
     ]
     shipped = {n: get_config(n).checkpoint for n in NAMES if get_config(n).checkpoint}
     assert shipped == {"tiny-py": "tiny-py"} and set(shipped.values()) <= set(CHECKPOINTS)
