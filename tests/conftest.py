@@ -16,6 +16,8 @@ child processes (the launch and multidevice tests) inherit it.
 import gc
 import os
 
+import pytest
+
 from multidevice_env import MULTIDEVICE_ENV
 
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
@@ -25,6 +27,33 @@ if os.environ.get("PAXKV_TEST_XLA_OPT") != "1":
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _FAST_COMPILE if f not in _flags])
 
 collect_ignore = [] if os.environ.get(MULTIDEVICE_ENV) else ["multidevice"]
+
+# Every executable XLA:CPU compiles holds memory maps; a worker that compiles thousands
+# of step shapes reaches the kernel's vm.max_map_count (65530 here), and LLVM's next
+# mmap fails as a segfault inside a compile (seen as a worker "node down"). Past half
+# of the limit, the caches are dropped after a test module, freeing their executables.
+_MAX_MAPS = "/proc/sys/vm/max_map_count"
+
+
+def _num_maps() -> tuple[int, int]:
+    try:
+        with open("/proc/self/maps") as maps, open(_MAX_MAPS) as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+    """Drops JAX's caches after a module when this process holds over half of the
+    memory maps the kernel allows."""
+    yield
+    used, limit = _num_maps()
+    if used > limit // 2:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_collection_modifyitems(items):

@@ -24,7 +24,16 @@ def other():
     return load_model("tiny", dtype="float32", seed=1)[1]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-gemma3"])
+@pytest.mark.parametrize(
+    "name",
+    # Qwen3 and Gemma 3 with a draft are `-m slow` (CI's 25 minutes); with n-gram
+    # proposals they run in test_speculative.
+    [
+        "tiny",
+        pytest.param("tiny-qwen3", marks=pytest.mark.slow),
+        pytest.param("tiny-gemma3", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_equals_plain_decoding(name, other):
     config, model, _ = load_model(name, dtype="float32", seed=0)
     prompts = _prompts(config.vocab_size, seed=2)

@@ -51,12 +51,13 @@ TENSOR_PARALLEL["w2"] = P(None, "model", None)
 @pytest.mark.parametrize(
     "name, mesh, splits, scan_layers",
     [
-        ("mixtral", "model:2", EXPERT_PARALLEL, False),
+        # CI runs one case per family and split; the rest are `-m slow` (CI's 25 minutes).
+        pytest.param("mixtral", "model:2", EXPERT_PARALLEL, False, marks=pytest.mark.slow),
         ("mixtral", "model:8", EXPERT_PARALLEL, False),
         ("qwen3-moe", "model:8", EXPERT_PARALLEL, True),  # loaded stacked, [L, E, ...]
         ("mixtral-6-experts", "model:4", TENSOR_PARALLEL, False),
         ("gpt-oss", "model:2", EXPERT_PARALLEL, False),  # sinks split with the heads
-        ("gpt-oss", "model:8", EXPERT_PARALLEL, True),
+        pytest.param("gpt-oss", "model:8", EXPERT_PARALLEL, True, marks=pytest.mark.slow),
     ],
 )
 def test_greedy_on_a_mesh_matches_transformers(checkpoints, name, mesh, splits, scan_layers):

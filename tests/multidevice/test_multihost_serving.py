@@ -168,6 +168,7 @@ def test_one_replica_over_two_processes_serves_as_one_device(llm):
         job.kill()
 
 
+@pytest.mark.slow  # two processes started and one killed: minutes (CI's 25-minute budget)
 def test_killing_process_1_ends_process_0_and_its_streams():
     job = Job()
     try:

@@ -27,6 +27,7 @@ def _ids(tokens):
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
+@pytest.mark.slow  # a second server warm-up (the 25-minute CI budget); LLM is tested in tests/engine
 def test_speculative_server_equals_plain_decoding(spec_server, llm):
     client = openai.OpenAI(base_url=spec_server.url, api_key="none", max_retries=0, timeout=60)
     compiled = spec_server.metrics()["paxkv:num_compilations_total"]
