@@ -17,7 +17,6 @@ import gc
 import os
 
 import pytest
-
 from multidevice_env import MULTIDEVICE_ENV
 
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
