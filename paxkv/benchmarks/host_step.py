@@ -22,7 +22,9 @@ per step against the sequences' length L.
 Each step is timed on the thread's CPU clock (`time.thread_time_ns`: this machine is
 shared) and on the wall clock: schedule, layout (the batch build), record (the
 samples into the scheduler), outputs (the requests' outputs) and the host total,
-which is the whole `step()` less the fake runner's own time. Reported in microseconds
+which is the whole `step()` less the fake runner's own time; and apart from the
+host total, read: the reader building the step's outputs (`StepOutputs`: a server's
+front end does it on its event loop, off the stepping thread). Reported in microseconds
 (p50 / mean / p99) over all steps, over the steps with `max_num_seqs` running, and
 over those of them in which every sequence decodes.
 """
@@ -174,14 +176,19 @@ def run(
     decode_only = []  # per step: every chunk decodes one token
 
     def layout(plan, *args, **kwargs):
-        decode_only.append(all(c.num_tokens - c.num_draft == 1 for c in plan.chunks))
+        decode_only.append(
+            plan.decode is not None or all(c.num_tokens - c.num_draft == 1 for c in plan.chunks)
+        )
         return engine_layout(plan, *args, **kwargs)
 
     builder = engine.batch_builder
     engine_layout = builder.build_batch
     builder.build_batch = clock.wrap("layout", layout)
     engine.scheduler.update = clock.wrap("record", engine.scheduler.update)
+    steady = engine.scheduler.steady
+    steady.record = clock.wrap("record", steady.record)
     engine.requests.report = clock.wrap("outputs", engine.requests.report)
+    engine.requests.report_decode = clock.wrap("outputs", engine.requests.report_decode)
     for name in ("dispatch", "fetch", "decode_loop"):
         setattr(engine.runner, name, clock.wrap("runner", getattr(engine.runner, name)))
 
@@ -208,10 +215,14 @@ def run(
         c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
         outputs = engine.step()
         cpu, wall = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+        # The reader builds the outputs the step deferred (`StepOutputs`): a server's
+        # front end does it on its event loop, not on the stepping thread.
+        c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
         for out in outputs:
             produced[out.request_id] = produced.get(out.request_id, 0) + sum(
                 len(c.token_ids) for c in out.outputs
             )
+        read_cpu, read_wall = time.thread_time_ns() - c1, time.perf_counter_ns() - w1
         row = {
             "running": len(engine.scheduler.running),
             "decode_only": bool(decode_only) and decode_only[-1],
@@ -221,6 +232,7 @@ def run(
             row[f"{name}_total"] = (total - parts["runner"]) / 1e3
             for part in PARTS:
                 row[f"{name}_{part}"] = parts[part] / 1e3
+        row["cpu_read"], row["wall_read"] = read_cpu / 1e3, read_wall / 1e3
         rows.append(row)
     stats = engine.stats()
     return {
@@ -252,7 +264,7 @@ def run(
 def _summary(rows, clock: str, keep) -> dict[str, Any]:
     kept = [r for r in rows if keep(r)]
     out: dict[str, Any] = {"steps": len(kept)}
-    for part in ("total", *PARTS):
+    for part in ("total", *PARTS, "read"):
         x = np.array([r[f"{clock}_{part}"] for r in kept]) if kept else np.zeros(1)
         stats = {
             "p50": float(np.median(x)),
@@ -279,7 +291,7 @@ def _table(result: dict[str, Any]) -> str:
                 f"| {label} | {s['steps']} | host total | {s['p50']:.0f} | {s['mean']:.0f} | "
                 f"{s['p99']:.0f} |"
             )
-            for part in PARTS:
+            for part in (*PARTS, "read"):
                 p = s[part]
                 lines.append(f"| | | {part} | {p['p50']:.0f} | {p['mean']:.0f} | {p['p99']:.0f} |")
     return "\n".join(lines)

@@ -13,7 +13,9 @@ from typing import Any
 
 from absl import logging
 
+from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request, RequestRegistry
+from paxkv.host.plan import DecodeColumns
 from paxkv.host.scheduler import Scheduler
 from paxkv.metrics import EngineMetrics
 from paxkv.request import RequestOutput
@@ -83,10 +85,20 @@ class Endings:
         """The outputs of the requests `request_ids` now; finished ones are forgotten.
         Requests whose host work failed are ended first (`end_failed`)."""
         self.end_failed()
-        outputs, finished = self.requests.report(request_ids)
+        outputs, finished = self.requests.report(request_ids, defer=True)
         for req in finished:
             self._finished(req)
         return outputs
+
+    def report_decode(self, decode: DecodeColumns) -> StepOutputs:
+        """`report` of a steady decode step's requests (`RequestRegistry.report_decode`:
+        one batch of deltas for those that go on)."""
+        self.end_failed()
+        deltas, others = self.requests.report_decode(decode)
+        outputs, finished = self.requests.report(others, defer=True)
+        for req in finished:
+            self._finished(req)
+        return StepOutputs(outputs, deltas)
 
     def after_failed_step(self, error: BaseException, *, cache_lost: bool) -> None:
         """Keeps the engine usable after a step raised `error`. A sync step's host state

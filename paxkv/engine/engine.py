@@ -21,6 +21,7 @@ from flax import nnx
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
+from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.engine.runner import ModelRunner, StepRunner
@@ -116,6 +117,7 @@ class Engine:
             self.scheduler,
             self.batch_builder,
             report=self.endings.report,
+            report_decode=self.endings.report_decode,
             metrics=self.metrics,
             eos_token_ids=self.eos_token_ids,
             num_decode_steps=config.num_decode_steps,
@@ -274,25 +276,26 @@ class Engine:
 
     # Stepping.
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         """Runs one step; returns the outputs of the requests it advanced or finished, as
         each request's `output_kind` asks (the whole completion so far, the new part
-        only, or nothing until it finishes).
+        only, or nothing until it finishes): `RequestOutput`s built when first read
+        (`paxkv.engine.outputs.StepOutputs`).
 
         Requests aborted since the last step are reported here too, finished with reason
         "abort". While paused (`pause`), returns [] and does nothing.
         """
         if self.paused:
-            return []
+            return StepOutputs([])
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.endings.end_failed()
         plan = self.scheduler.prune(plan)
         t_sched = time.perf_counter()
-        if not plan.chunks and (self._pipeline is None or not self._pipeline.busy):
+        if not plan.num_chunks and (self._pipeline is None or not self._pipeline.busy):
             if self.scheduler.has_unfinished() and not self.endings.pending:
                 raise RuntimeError("the scheduler made no progress with requests pending")
-            return self.endings.take()
+            return StepOutputs(self.endings.take())
         try:
             if self._pipeline is not None:
                 outputs, t1, t2 = self._pipeline.step(plan)
@@ -304,7 +307,7 @@ class Engine:
         self.endings.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
         self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)
-        return self.endings.take() + outputs
+        return StepOutputs.of(self.endings.take(), outputs)
 
     # Introspection.
 
@@ -367,4 +370,5 @@ def _scheduler(
         reservation=reservation,
         kv_groups=getattr(runner, "kv_groups", None),
         speculator=speculator,
+        steady_decode=not config.async_scheduling,  # placeholders: the general path
     )

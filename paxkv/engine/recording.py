@@ -24,6 +24,13 @@ def record_samples(
     read fails alone. Returns, per token produced, the time since the sequence's previous
     token (None for its first, and for the tokens after the first that one speculative
     step produced for a sequence: they arrive together)."""
+    if plan.decode is not None and valid is None:  # a steady decode: its columns
+        n = plan.num_chunks
+        recorded = scheduler.steady.record(
+            plan, samples.tokens[:n].tolist(), samples.logprobs[:n].tolist(), eos_token_ids
+        )
+        if recorded is not None:
+            return recorded[1]
     if valid is None:
         record_scores(plan, samples)
     tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()

@@ -6,22 +6,35 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from paxkv.detokenizer import IncrementalDetokenizer, StopStrings, decode_stream
+from paxkv.detokenizer import StopStrings
+from paxkv.engine.outputs import (
+    DELTA,
+    FINAL_ONLY,
+    DecodeDeltas,
+    DeferredOutput,
+    Progress,
+    StopFn,
+    completion,
+    decode_one,
+    new_lock,
+    new_progress,
+    snapshot,
+    take,
+)
+from paxkv.host.plan import DecodeColumns
 from paxkv.host.prompt_scores import PromptScores
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState
 from paxkv.request import (
     CompletionOutput,
-    FinishReason,
     Logprob,
     RequestMetrics,
     RequestOutput,
-    RequestOutputKind,
     SamplingParams,
     check_float,
     check_int,
@@ -31,25 +44,13 @@ from paxkv.request import (
 
 
 @dataclasses.dataclass(eq=False)
-class _Progress:
-    """What one completion has taken of its sequence's tokens, and reported of them.
-
-    Tokens are taken once they are final (the real ones before a step's placeholders)
-    into the text, the logprob dicts and the logprob sum; each is taken once, so the
-    work per output is proportional to the new tokens."""
-
-    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer
-    num_taken: int = 0  # output tokens taken
-    num_sent: int = 0  # output tokens in outputs so far
-    cumulative_logprob: float = 0.0  # of the tokens taken
-    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # per token taken
-    stop_reason: int | str | None = None
-    sent_finished: bool = False  # an output said it finished
-
-
-@dataclasses.dataclass(eq=False)
 class Request:
-    """One submitted request: its prompt and its n sequences (completions)."""
+    """One submitted request: its prompt and its n sequences (completions).
+
+    Its outputs take one of two paths (`paxkv.engine.outputs`): built on the step's
+    thread (`output`), or, when nothing of them is needed there (`deferred`: no stop
+    strings, logprobs or prompt logprobs), snapshotted by the step and built by
+    whoever reads them (`snapshot`)."""
 
     request_id: str
     prompt: str | None
@@ -58,10 +59,17 @@ class Request:
     arrival_time: float
     # `(weight version, outputs sampled before it)` for each version since it arrived.
     version_starts: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(0, 0)])
-    _progress: list[_Progress] | None = dataclasses.field(default=None, repr=False)
+    tokenizer: Any = dataclasses.field(default=None, repr=False)  # decodes its text
+    progress: list[Progress] | None = dataclasses.field(default=None, repr=False)
     # `(prompt_logprobs, scores)` once built, and whether a delta output carried them.
     _prompt_out: tuple[list, np.ndarray] | None = dataclasses.field(default=None, repr=False)
     _prompt_sent: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        p = self.seqs[0].params
+        self.deferred = not p.stop and p.logprobs is None and p.prompt_logprobs is None
+        self.output_kind = p.output_kind  # what its outputs hold
+        self.build_lock = new_lock()
 
     @property
     def finished(self) -> bool:
@@ -77,15 +85,29 @@ class Request:
 
     def weight_versions(self) -> tuple[int, ...]:
         """The weight versions its output tokens were sampled under, oldest first."""
-        ends = [start for _, start in self.version_starts[1:]] + [self._num_outputs()]
-        return tuple(
-            v for (v, start), end in zip(self.version_starts, ends, strict=True) if end > start
-        )
+        starts = self.version_starts
+        if len(starts) == 1:  # no update since it arrived
+            return (starts[0][0],) if any(s.output_token_ids for s in self.seqs) else ()
+        ends = [start for _, start in starts[1:]] + [self._num_outputs()]
+        return tuple(v for (v, start), end in zip(starts, ends, strict=True) if end > start)
 
-    @property
-    def output_kind(self) -> RequestOutputKind:
-        """What its outputs hold (`SamplingParams.output_kind`)."""
-        return self.seqs[0].params.output_kind
+    def _init_progress(self, tokenizer: Any) -> list[Progress]:
+        if self.progress is None:
+            # One index of the stop strings for all its completions.
+            strings = StopStrings(self.seqs[0].params.stop)
+            self.progress = [new_progress(seq, tokenizer, strings) for seq in self.seqs]
+            self.tokenizer = tokenizer
+        return self.progress
+
+    def report(
+        self, tokenizer: Any = None, stop: StopFn | None = None
+    ) -> RequestOutput | DeferredOutput | None:
+        """Its output now, as `output` says: built (`output`), or deferred (`snapshot`)
+        when it is `deferred`."""
+        if self.deferred:
+            self._init_progress(tokenizer)
+            return snapshot(self)
+        return self.output(tokenizer, stop)
 
     def output(self, tokenizer: Any = None, stop: StopFn | None = None) -> RequestOutput | None:
         """The request's output now, as its `SamplingParams.output_kind` says: all of it
@@ -97,27 +119,28 @@ class Request:
         stop strings on their text. When a token completes a stop string, `stop(seq, n)`
         ends its sequence after its n outputs (`Scheduler.stop`), and the completion's
         outputs end there whatever its sequence holds (e.g. aborted: no `stop` needed).
+        A `deferred` request's output is snapshotted and built at once.
         """
-        if self._progress is None:
-            # One index of the stop strings for all its completions.
-            strings = StopStrings(self.seqs[0].params.stop)
-            self._progress = [_new_progress(seq, tokenizer, strings) for seq in self.seqs]
+        progresses = self._init_progress(tokenizer)
+        if self.deferred:
+            out = snapshot(self)
+            return None if out is None else out.build()
         finished = True
-        for seq, progress in zip(self.seqs, self._progress, strict=True):
-            _take(seq, progress, tokenizer, stop)
+        for seq, progress in zip(self.seqs, progresses, strict=True):
+            take(seq, progress, tokenizer, stop)
             finished = finished and seq.finish_reason is not None
         kind = self.output_kind
-        if kind is _FINAL_ONLY and not finished:
+        if kind is FINAL_ONLY and not finished:
             return None
-        delta = kind is _DELTA
+        delta = kind is DELTA
         completions = []
-        for seq, progress in zip(self.seqs, self._progress, strict=True):
+        for seq, progress in zip(self.seqs, progresses, strict=True):
             if (
                 not delta
                 or progress.num_taken > progress.num_sent
                 or (seq.finish_reason is not None and not progress.sent_finished)
             ):
-                completions.append(_completion(seq, progress, delta))
+                completions.append(completion(seq, progress, delta))
         prompt_logprobs, scores = self._prompt_logprobs(tokenizer, delta)
         if not completions and prompt_logprobs is None:
             return None
@@ -130,7 +153,7 @@ class Request:
             num_cached_tokens=self.seqs[0].num_cached_tokens,
             # A delta carries the request's metrics once, when it finishes: per step they
             # would cost more than the delta itself.
-            metrics=self._metrics() if finished or not delta else None,
+            metrics=self.metrics() if finished or not delta else None,
             weight_versions=self.weight_versions(),
             prompt_logprobs=prompt_logprobs,
             scores=scores,
@@ -147,7 +170,7 @@ class Request:
             entries: list[dict[int, Logprob] | None] = [None] * ps.first
             for i, pos in enumerate(range(ps.first, len(ids))):
                 d = {
-                    t: Logprob(lp, r, _decode(tokenizer, t))
+                    t: Logprob(lp, r, decode_one(tokenizer, t))
                     for r, (t, lp) in enumerate(
                         zip(ps.top_ids[i].tolist(), ps.top_logprobs[i].tolist(), strict=True), 1
                     )
@@ -155,7 +178,7 @@ class Request:
                 token = ids[pos]
                 d.setdefault(
                     token,
-                    Logprob(float(ps.logprobs[i]), int(ps.ranks[i]), _decode(tokenizer, token)),
+                    Logprob(float(ps.logprobs[i]), int(ps.ranks[i]), decode_one(tokenizer, token)),
                 )
                 entries.append(d)
             self._prompt_out = (entries, ps.logprobs.copy())
@@ -166,14 +189,12 @@ class Request:
         """The request's tokens and finish reasons only (no text, logprobs or metrics):
         what is reported when building the full output is what failed. Delta outputs
         hold the tokens after those already sent."""
-        delta = self.output_kind is _DELTA and self._progress is not None
+        delta = self.output_kind is DELTA and self.progress is not None
         completions = [
             CompletionOutput(
                 index=seq.index,
                 token_ids=[
-                    t
-                    for t in seq.output_token_ids[self._progress[i].num_sent if delta else 0 :]
-                    if t >= 0
+                    t for t in seq.output_token_ids[self._sent(i) if delta else 0 :] if t >= 0
                 ],
                 finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
             )
@@ -188,7 +209,13 @@ class Request:
             weight_versions=self.weight_versions(),
         )
 
-    def _metrics(self) -> RequestMetrics:
+    def _sent(self, i: int) -> int:
+        """Outputs of completion i already in its delta outputs."""
+        p = self.progress[i]
+        return p.num_taken if self.deferred else p.num_sent
+
+    def metrics(self) -> RequestMetrics:
+        """Its metrics now (from its first completion's times)."""
         first = self.seqs[0]
         return RequestMetrics(
             arrival_time=self.arrival_time,
@@ -198,108 +225,6 @@ class Request:
             finished_time=first.finished_time,
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
         )
-
-
-# Ends a sequence after its first n outputs: `Scheduler.stop`.
-StopFn = Callable[[SequenceState, int], None]
-_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
-
-
-def _new_progress(seq: SequenceState, tokenizer: Any, stop: StopStrings) -> _Progress:
-    if tokenizer is None:
-        return _Progress(None)
-    p = seq.params
-    delta = p.output_kind is _DELTA
-    detokenizer = IncrementalDetokenizer(
-        decode_stream(tokenizer),
-        stop=stop,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        keep_text=not delta,
-        deltas=delta,
-    )
-    return _Progress(detokenizer)
-
-
-def _take(seq: SequenceState, progress: _Progress, tokenizer: Any, stop: StopFn | None) -> None:
-    """Takes seq's new final tokens into `progress` (see `Request.output`)."""
-    detokenizer = progress.detokenizer
-    if isinstance(progress.stop_reason, str):
-        return  # a stop string ended it
-    out = seq.output_token_ids
-    if len(out) < progress.num_taken:
-        raise RuntimeError(
-            f"{seq.seq_id}: its outputs were cut to {len(out)} tokens after "
-            f"{progress.num_taken} were taken as final"
-        )
-    params = seq.params
-    # A stop token ends the outputs of a sequence with finish reason "stop" (a stop
-    # string's `stop` has set progress.stop_reason); as in vLLM its text is left out.
-    ended_by_token = seq.finish_reason is FinishReason.STOP
-    skip_text_at = len(out) - 1 if ended_by_token and not params.include_stop_str_in_output else -1
-    asked = params.logprobs is not None
-    i = progress.num_taken
-    while i < len(out) and out[i] >= 0:  # placeholders (< 0) end the final tokens
-        token = out[i]
-        if asked:
-            progress.logprobs.append(_logprob_dict(seq, i, tokenizer))
-            progress.cumulative_logprob += seq.logprobs[i]
-        i += 1
-        if detokenizer is not None and i - 1 != skip_text_at and detokenizer.add(token):
-            progress.stop_reason = detokenizer.stop_reason
-            progress.num_taken = i
-            if stop is not None:
-                stop(seq, i)
-            detokenizer.finish()
-            return
-    progress.num_taken = i
-    if seq.finish_reason is not None:
-        if ended_by_token and out and out[-1] in params.stop_token_ids:
-            progress.stop_reason = out[-1]
-        if detokenizer is not None:
-            detokenizer.finish()
-
-
-def _completion(seq: SequenceState, progress: _Progress, delta: bool) -> CompletionOutput:
-    """seq's completion as taken so far: all of it, or (delta) what is new since the last."""
-    start, end = (progress.num_sent, progress.num_taken) if delta else (0, progress.num_taken)
-    detokenizer = progress.detokenizer
-    if detokenizer is None:
-        text = None
-    else:
-        text = detokenizer.take_delta() if delta else detokenizer.text()
-    asked = seq.params.logprobs is not None
-    reason = seq.finish_reason
-    progress.num_sent = end
-    progress.sent_finished = reason is not None
-    return CompletionOutput(
-        index=seq.index,
-        token_ids=seq.output_token_ids[start:end],
-        text=text,
-        logprobs=progress.logprobs[start:end] if asked else None,
-        finish_reason=None if reason is None else reason.value,
-        cumulative_logprob=progress.cumulative_logprob if asked else None,
-        stop_reason=progress.stop_reason if reason is FinishReason.STOP else None,
-    )
-
-
-def _logprob_dict(seq: SequenceState, i: int, tokenizer: Any) -> dict[int, Logprob]:
-    """Output i's top-k and itself, as `{token id: Logprob}`."""
-    token = seq.output_token_ids[i]
-    top = seq.top_logprobs[i]
-    entries = {}
-    rank = None
-    if top is not None:
-        ids, lps, rank = top
-        entries = {
-            t: Logprob(lp, r, _decode(tokenizer, t))
-            for r, (t, lp) in enumerate(zip(ids, lps, strict=True), 1)
-        }
-    entries.setdefault(token, Logprob(seq.logprobs[i], rank, _decode(tokenizer, token)))
-    return entries
-
-
-def _decode(tokenizer: Any, token: int) -> str | None:
-    return None if tokenizer is None else tokenizer.decode([token])
 
 
 class RequestRegistry:
@@ -333,6 +258,9 @@ class RequestRegistry:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.weight_version = 0  # the weights new requests sample under
+        # `report_decode`'s requests of the steady batch: (its seqs, weight version,
+        # requests or None when some need `report`).
+        self._decode_batch: tuple[Any, int, list[Request] | None] | None = None
 
     def unfinished(self) -> list[Request]:
         """The unfinished requests, in the order they were submitted."""
@@ -438,10 +366,13 @@ class RequestRegistry:
             score_from=len(prompt),
         )
 
-    def report(self, request_ids: Iterable[str]) -> tuple[list[RequestOutput], list[Request]]:
+    def report(
+        self, request_ids: Iterable[str], *, defer: bool = False
+    ) -> tuple[list[RequestOutput | DeferredOutput], list[Request]]:
         """The outputs of the requests `request_ids` now, as each one's output kind says
         (`Request.output`: none for one with nothing to say), and the requests that
-        finished, which are forgotten. Unknown ids are skipped. A completion whose text
+        finished, which are forgotten. With `defer`, a `deferred` request's output is a
+        `DeferredOutput` that its reader builds (`Request.report`). Unknown ids are skipped. A completion whose text
         completes a stop string ends here (`Scheduler.stop`). A request whose output
         cannot be built fails (`Scheduler.fail`) instead of being reported.
 
@@ -453,7 +384,12 @@ class RequestRegistry:
             if req is None:
                 continue
             try:
-                out = req.output(self.tokenizer, self.scheduler.stop)
+                if defer and req.deferred and req.progress is not None:
+                    out = snapshot(req)  # the common case, without a call more
+                elif defer:
+                    out = req.report(self.tokenizer, self.scheduler.stop)
+                else:
+                    out = req.output(self.tokenizer, self.scheduler.stop)
             except Exception as e:  # isolated: only this request fails
                 self.scheduler.fail(req.seqs[0], e)
                 continue
@@ -464,6 +400,42 @@ class RequestRegistry:
             elif req.finished:
                 finished.append(self._requests.pop(rid))
         return outputs, finished
+
+    def report_decode(self, decode: DecodeColumns) -> tuple[DecodeDeltas | None, list[str]]:
+        """The outputs of a steady decode step (`DecodeColumns`): one `DecodeDeltas` for
+        its requests that took their token and go on, and the ids of the others
+        (ended in the step), to `report`. None for the deltas when a request of the
+        batch needs more than a delta of one token (`Request.deferred`, one
+        completion, DELTA, no weight update since it arrived): `report` them all."""
+        cache = self._decode_batch
+        if cache is None or cache[0] is not decode.seqs or cache[1] != self.weight_version:
+            reqs = [self._requests.get(rid) for rid in decode.request_ids]
+            simple = all(
+                r is not None
+                and r.deferred
+                and r.progress is not None
+                and len(r.seqs) == 1
+                and r.output_kind is DELTA
+                and len(r.version_starts) == 1
+                for r in reqs
+            )
+            cache = self._decode_batch = (
+                decode.seqs,
+                self.weight_version,
+                reqs if simple else None,
+            )
+        reqs = cache[2]
+        if reqs is None:
+            return None, decode.request_ids
+        ended = [i for i, s in enumerate(decode.seqs) if s.finish_reason is not None]
+        counters = decode.counters
+        if ended:
+            keep = np.ones(len(reqs), bool)
+            keep[ended] = False
+            reqs = [r for r, k in zip(reqs, keep.tolist(), strict=True) if k]
+            counters = counters[keep]
+        deltas = DecodeDeltas.take(reqs, counters, self.weight_version) if reqs else None
+        return deltas, [decode.request_ids[i] for i in ended]
 
     def _new_id(self) -> str:
         """An id no caller-chosen id takes: the next counter value not in use."""

@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterable
 import jax
 
 from paxkv.engine.batch_builder import BatchBuilder
+from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.recording import record_samples
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.step import MAX_STOP_IDS
+from paxkv.host.plan import DecodeColumns, reserve_ahead
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.metrics import EngineMetrics
 from paxkv.request import RequestOutput
@@ -32,6 +34,8 @@ class SyncStepper:
       metrics: counts decode loops and the gaps between tokens.
       eos_token_ids: the model's end-of-sequence tokens.
       num_decode_steps: decode iterations per compiled call when a plan allows it.
+      report_decode: the outputs of a steady decode plan (`Endings.report_decode`);
+        None: `report` them.
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class SyncStepper:
         metrics: EngineMetrics,
         eos_token_ids: tuple[int, ...],
         num_decode_steps: int,
+        report_decode: Callable[[DecodeColumns], StepOutputs] | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -52,6 +57,7 @@ class SyncStepper:
         self.metrics = metrics
         self.eos_token_ids = eos_token_ids
         self.num_decode_steps = num_decode_steps
+        self.report_decode = report_decode
 
     def step(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
         """Runs `plan` (N decode steps in one call when it can) and records its tokens;
@@ -63,7 +69,7 @@ class SyncStepper:
             plan, limits = reserved
         planned = plan
         plan, hb = self.batch_builder.build_batch(plan)
-        if not plan.chunks:  # every chunk's request failed
+        if not plan.num_chunks:  # every chunk's request failed
             t1 = time.perf_counter()
             return [], t1, t1
         if limits is not None and plan is not planned:
@@ -84,7 +90,9 @@ class SyncStepper:
             step = plan if i == 0 else _advanced(plan, i)
             gaps = record_samples(self.scheduler, step, sampled, valid, self.eos_token_ids)
             self.metrics.on_tokens(gaps)
-        return self.report([c.seq.request_id for c in plan.chunks if c.samples]), t1, t2
+        if plan.decode is not None and self.report_decode is not None:
+            return self.report_decode(plan.decode), t1, t2
+        return self.report(plan.sampled_request_ids()), t1, t2
 
     def _reserve_ahead(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
         """A decode-only plan with pages for N steps reserved, and its token limits; None
@@ -95,7 +103,7 @@ class SyncStepper:
         eos = self.eos_token_ids
         if any(len(c.seq.stop_token_ids(eos)) > MAX_STOP_IDS for c in plan.chunks):
             return None
-        return self.scheduler.reserve_ahead(plan, n)
+        return reserve_ahead(self.scheduler.kv_cache_manager, plan, n, self.scheduler.max_model_len)
 
 
 def _advanced(plan: SchedulerOutput, i: int) -> SchedulerOutput:

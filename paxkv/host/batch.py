@@ -177,7 +177,7 @@ def build_host_batch(
     The block table and the sampling parameters are one gather of the chunks' rows of
     the persistent batch `rows` (a table per KV-cache group when there are several;
     each row cut to the chunk's `num_pages`; with
-    `Scheduler.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
+    `paxkv.host.plan.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
     in-flight step's output that holds the token the sequence's last row needs;
     `token_src` points there. A step where a sequence with penalties samples, or that
@@ -185,17 +185,28 @@ def build_host_batch(
     of none. A step where a chunk has speculative proposals carries them as
     `draft_tokens` of width `draft_width` (the most a chunk may have), else of width 0.
     """
-    chunks = plan.chunks
-    n = len(chunks)
-    # One transposition of the chunk tuples, then a NumPy array per field.
-    (_, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
-        zip(*chunks, strict=True) if n else ((),) * 9
-    )
-    q_lens = np.array(q_col, np.int64)
-    starts = np.array(start_col, np.int64)
-    num_pages = np.array(pages_col, np.int64)
-    row_ids = np.array(row_col, np.int64)
-    counters = np.array(out_col, np.int32)
+    decode = plan.decode
+    if decode is not None:  # a steady decode's columns: one token each
+        seqs = decode.seqs
+        n = len(seqs)
+        q_lens = np.ones(n, np.int64)
+        starts = decode.ends - 1
+        num_pages, row_ids, counters = decode.num_pages, decode.rows, decode.counters
+        samples_col, tokens_col, num_draft = (True,) * n, None, np.zeros(n, np.int32)
+    else:
+        chunks = plan.chunks
+        seqs = [c.seq for c in chunks]
+        n = len(chunks)
+        # One transposition of the chunk tuples, then a NumPy array per field.
+        (_, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
+            zip(*chunks, strict=True) if n else ((),) * 9
+        )
+        q_lens = np.array(q_col, np.int64)
+        starts = np.array(start_col, np.int64)
+        num_pages = np.array(pages_col, np.int64)
+        row_ids = np.array(row_col, np.int64)
+        counters = np.array(out_col, np.int32)
+        num_draft = np.array(draft_col, np.int32)
     num = int(q_lens.sum())
     t_pad = Buckets.pick(num, buckets.tokens, "tokens in the step")
     s_pad = buckets.seq_bucket(n, t_pad)
@@ -209,13 +220,15 @@ def build_host_batch(
         raise ValueError(f"sequence {s}: kv_len={ends[s]} needs more than its {num_pages[s]} pages")
 
     tokens = np.zeros(t_pad, np.int32)
-    tokens[:num] = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=num)
+    if decode is not None:
+        tokens[:num] = decode.tokens
+    else:
+        tokens[:num] = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=num)
     cu = np.zeros(s_pad + 1, np.int32)
     np.cumsum(q_lens, out=cu[1 : n + 1])
     cu[n + 1 :] = cu[n]
     positions = np.zeros(t_pad, np.int32)
     positions[:num] = np.arange(num) + np.repeat(starts - cu[:n], q_lens)
-    num_draft = np.array(draft_col, np.int32)
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:n] = cu[1 : n + 1] - 1 - num_draft
     draft_tokens, draft_counts = _drafts(tokens_col, num_draft, s_pad, draft_width)
@@ -240,20 +253,23 @@ def build_host_batch(
     penalised = np.flatnonzero(has_penalties(floats[:n]))
     histories: list = [None] * n
     for i in penalised.tolist():
-        if chunks[i].samples:
-            histories[i] = chunks[i].seq.penalty_history()
-    score_rows, score_targets = _scored_rows(chunks, cu, t_pad)
+        if samples_col[i]:
+            histories[i] = seqs[i].penalty_history()
+    if decode is not None:  # a steady decode scores no prompt rows
+        score_rows, score_targets = np.zeros(0, np.int32), np.zeros(0, np.int32)
+    else:
+        score_rows, score_targets = _scored_rows(chunks, cu, t_pad)
     # A step that scores carries histories even with no penalties (rows of id -1 change
     # nothing), so a shape has three variants, not four.
-    carries = score_rows.size > 0 or any(h is not None for h in histories)
+    carries = score_rows.size > 0 or any(histories[i] is not None for i in penalised.tolist())
     history = penalty_histories(
         histories, s_pad, history_length(p_pad, page_size) if carries else 0
     )
     token_src = np.full(t_pad, -1, np.int32)
     if pending:
-        for i, c in enumerate(chunks):
-            if samples_col[i] and id(c.seq) in pending:  # its last token is in flight
-                token_src[cu[i + 1] - 1] = pending[id(c.seq)]
+        for i, seq in enumerate(seqs):
+            if samples_col[i] and id(seq) in pending:  # its last token is in flight
+                token_src[cu[i + 1] - 1] = pending[id(seq)]
     return HostBatch(
         tokens,
         positions,

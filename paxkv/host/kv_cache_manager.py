@@ -119,6 +119,10 @@ class KVCacheManager:
             self._slide(held, end - 1)
         return held.row
 
+    def num_keys(self, seq: SequenceState) -> int:
+        """How many of seq's leading full pages are registered in the prefix cache."""
+        return len(held.keys) if (held := self._seqs.get(seq)) is not None else 0
+
     def needs_registering(self, seq: SequenceState, end: int) -> bool:
         """Whether a full page of seq's first `end` tokens is not in the prefix cache yet."""
         if not self.prefix_cache.enabled:

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from paxkv.host.sequence import SeqStatus, SequenceState
+
+if TYPE_CHECKING:
+    from paxkv.host.kv_cache_manager import KVCacheManager
 
 
 class ScheduledChunk(NamedTuple):
@@ -74,25 +79,119 @@ class ScheduledChunk(NamedTuple):
         return self.start + self.num_tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    """The plan of one step: chunks in batch order, and who was preempted to make room."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeColumns:
+    """A decode-only plan as columns (`Scheduler`'s steady decode): sequence i computes
+    one token, its last, at position `ends[i] - 1`, and samples the next. Made by a few
+    NumPy operations per step for the whole batch, with no object per sequence."""
 
-    chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[SequenceState, ...]
+    seqs: tuple[SequenceState, ...]
+    request_ids: list[str]  # of each sequence
+    rows: np.ndarray  # i64[n]: rows of the persistent batch
+    ends: np.ndarray  # i64[n]: tokens in the cache once the step has run
+    num_pages: np.ndarray  # i64[n]: pages the step reads and writes
+    counters: np.ndarray  # i32[n]: outputs each had generated (the sampling counter)
+    tokens: np.ndarray  # i32[n]: each one's last token, the step's input
+
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        """The same plan as chunks."""
+        return tuple(
+            ScheduledChunk(seq, end - 1, 1, True, (token,), row, pages, counter)
+            for seq, end, token, row, pages, counter in zip(
+                self.seqs,
+                self.ends.tolist(),
+                self.tokens.tolist(),
+                self.rows.tolist(),
+                self.num_pages.tolist(),
+                self.counters.tolist(),
+                strict=True,
+            )
+        )
+
+
+class SchedulerOutput:
+    """The plan of one step: chunks in batch order, and who was preempted to make room.
+
+    A steady decode step is planned as `decode` columns (`DecodeColumns`); its `chunks`
+    are then made only if someone asks for them. `version` is the scheduler's
+    `SequenceQueues.version` when it was made (-1: not recorded).
+    """
+
+    __slots__ = ("_chunks", "decode", "preempted", "version")
+
+    def __init__(
+        self,
+        chunks: tuple[ScheduledChunk, ...] | None,
+        preempted: tuple[SequenceState, ...],
+        *,
+        decode: DecodeColumns | None = None,
+        version: int = -1,
+    ) -> None:
+        if (chunks is None) == (decode is None):
+            raise ValueError("a plan has chunks or decode columns, exactly one of them")
+        self._chunks = chunks
+        self.decode = decode
+        self.preempted = preempted
+        self.version = version
+
+    @property
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        """Its chunks, in batch order."""
+        if self._chunks is None:
+            self._chunks = self.decode.chunks()
+        return self._chunks
+
+    @property
+    def num_chunks(self) -> int:
+        """How many sequences it runs."""
+        return len(self.decode.seqs) if self._chunks is None else len(self._chunks)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the step computes, over all chunks."""
+        if self._chunks is None:
+            return len(self.decode.seqs)
         return sum(c.num_tokens for c in self.chunks)
+
+    def sampled_request_ids(self) -> list[str]:
+        """The request ids of its chunks that sample (repeated for n > 1)."""
+        if self._chunks is None:
+            return self.decode.request_ids
+        return [c.seq.request_id for c in self._chunks if c.samples]
 
     def running(self) -> SchedulerOutput:
         """The plan without the chunks of sequences that ended since it was made
         (aborted, or failed); itself when there are none."""
-        if all(c.seq.status is SeqStatus.RUNNING for c in self.chunks):
+        seqs = self.decode.seqs if self._chunks is None else (c.seq for c in self._chunks)
+        if all(s.status is SeqStatus.RUNNING for s in seqs):
             return self
         kept = tuple(c for c in self.chunks if c.seq.status is SeqStatus.RUNNING)
         return SchedulerOutput(kept, self.preempted)
+
+    def __repr__(self) -> str:
+        return f"SchedulerOutput(chunks={self.chunks!r}, preempted={self.preempted!r})"
+
+
+def reserve_ahead(
+    kv: KVCacheManager, output: SchedulerOutput, num_steps: int, max_model_len: int
+) -> tuple[SchedulerOutput, list[int]] | None:
+    """Reserves in `kv` the pages for up to `num_steps` decode tokens of every chunk of
+    a decode-only plan (multi-step decoding). Returns the plan with each chunk's pages
+    extended to them and each chunk's token limit, or None (reserving nothing) when
+    the pool cannot hold them all."""
+    limits = [c.seq.remaining_tokens(max_model_len) for c in output.chunks]
+    wanted = [
+        (c.seq, c.start + min(num_steps, limit))
+        for c, limit in zip(output.chunks, limits, strict=True)
+    ]
+    if not kv.reserve_ahead(wanted):
+        return None
+    ps = kv.page_size
+    chunks = tuple(
+        c._replace(num_pages=-(-end // ps))
+        for c, (_, end) in zip(output.chunks, wanted, strict=True)
+    )
+    return SchedulerOutput(chunks, output.preempted), limits
 
 
 def score_spans(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, int, int]]:

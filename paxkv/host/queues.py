@@ -26,6 +26,9 @@ class SequenceQueues:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._failed: list[tuple[SequenceState, str]] = []
+        # Changes whenever a sequence starts or stops running, or its outputs change
+        # other than by a recorded token (the steady decode holds while it does not).
+        self.version = 0
 
     def add(self, seq: SequenceState) -> None:
         """Queues a validated sequence (see `check_fits`)."""
@@ -51,10 +54,12 @@ class SequenceQueues:
         finish reason "stop", as it would have without the placeholder."""
         if seq.finish_reason is FinishReason.ABORT:
             return
+        self.version += 1
         if seq.resolve_output(index, token, logprob, top, eos_token_ids, now):
             self._end_stopped(seq, now)
 
     def _finish(self, seq: SequenceState, reason: FinishReason, now: float) -> None:
+        self.version += 1
         self.kv_cache_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -71,6 +76,7 @@ class SequenceQueues:
         and takes reason "stop" unless it was aborted."""
         if seq.finish_reason is FinishReason.ABORT:
             return
+        self.version += 1
         seq.truncate_outputs(num_output_tokens)
         self._end_stopped(seq, time.monotonic())
 
@@ -86,6 +92,7 @@ class SequenceQueues:
         """Ends `seq` (finish reason "abort") because something tied to it failed, frees
         what it holds, and records why for `take_failed`. Safe on a sequence caught
         half-way through scheduling: whatever pages it took go back."""
+        self.version += 1
         if seq.status is SeqStatus.FINISHED:  # ended, but its output failed: not a success
             seq.finish_reason = FinishReason.ABORT
         else:

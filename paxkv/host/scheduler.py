@@ -32,7 +32,7 @@ from paxkv.host.queues import SequenceQueues
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.host.speculative import Speculator, add_proposals, record_verified
-from paxkv.pallas_kernels.layout import cdiv
+from paxkv.host.steady_decode import SteadyDecoder
 from paxkv.request import SamplingParams
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
@@ -56,6 +56,9 @@ class Scheduler(SequenceQueues):
       kv_groups: the KV-cache groups (`paxkv.host.kv_groups`; default: one global group).
       speculator: gives decodes speculative proposals out of each step's spare budget
         (`paxkv.host.speculative`); None: no speculation.
+      steady_decode: plan and record a batch in which every running sequence decodes
+        over columns (`paxkv.host.steady_decode`); the same plans either way. Off for
+        async scheduling and multi-step decoding (and with a speculator).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Scheduler(SequenceQueues):
         reservation: PagedReservation | None = None,
         kv_groups: KVCacheGroups | None = None,
         speculator: Speculator | None = None,
+        steady_decode: bool = True,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
@@ -99,6 +103,8 @@ class Scheduler(SequenceQueues):
         self.peak_running = 0
         self._writers = PrefixWriters(self.kv_cache_manager)
         self.speculator = speculator
+        self.steady_decode = steady_decode and speculator is None
+        self.steady = SteadyDecoder(self)  # plans and records a steady batch
 
     @property
     def batch_rows(self) -> BatchRows:
@@ -114,6 +120,7 @@ class Scheduler(SequenceQueues):
     # Scheduling.
 
     def _preempt(self, seq: SequenceState) -> None:
+        self.version += 1
         self.num_recomputed_tokens += seq.num_computed_tokens
         self.kv_cache_manager.preempt(seq)
         seq.num_computed_tokens = 0
@@ -131,8 +138,11 @@ class Scheduler(SequenceQueues):
 
     def schedule(self) -> SchedulerOutput:
         """Plans the next step and reserves its pages. Call `update` with its results."""
-        budget = self.max_num_batched_tokens
         self._writers.new_plan()
+        plan = self.steady.plan()
+        if plan is not None:
+            return plan
+        budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[SequenceState] = []
         scheduled: set[int] = set()
@@ -205,7 +215,7 @@ class Scheduler(SequenceQueues):
         if spec is not None and budget > 0 and spec.new_step(len(self.running)):
             spare = spec.spare_tokens(self.max_num_batched_tokens - budget, budget)
             add_proposals(chunks, spare, spec, kv, max_model_len=self.max_model_len, fail=self.fail)
-        return SchedulerOutput(tuple(chunks), tuple(preempted))
+        return SchedulerOutput(tuple(chunks), tuple(preempted), version=self.version)
 
     def _schedule_running(
         self,
@@ -255,31 +265,12 @@ class Scheduler(SequenceQueues):
         if n is None:
             return None
         self.waiting.popleft()
+        self.version += 1
         seq.status = SeqStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         bisect.insort(self.running, seq, key=SequenceState.precedence)
         return self._chunk_of(seq, n)
-
-    def reserve_ahead(
-        self, output: SchedulerOutput, num_steps: int
-    ) -> tuple[SchedulerOutput, list[int]] | None:
-        """Reserves the pages for up to `num_steps` decode tokens of every chunk of a
-        decode-only plan. Returns the plan with each chunk's pages extended to them and
-        each chunk's token limit, or None (reserving nothing) when the pool cannot hold
-        them all."""
-        limits = [c.seq.remaining_tokens(self.max_model_len) for c in output.chunks]
-        wanted = [
-            (c.seq, c.start + min(num_steps, limit))
-            for c, limit in zip(output.chunks, limits, strict=True)
-        ]
-        if not self.kv_cache_manager.reserve_ahead(wanted):
-            return None
-        chunks = tuple(
-            c._replace(num_pages=cdiv(end, self.page_size))
-            for c, (_, end) in zip(output.chunks, wanted, strict=True)
-        )
-        return SchedulerOutput(chunks, output.preempted), limits
 
     # Results.
 
@@ -300,6 +291,7 @@ class Scheduler(SequenceQueues):
         now = time.monotonic()
         finished = []
         kv = self.kv_cache_manager
+        self.steady.drop()
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -328,6 +320,7 @@ class Scheduler(SequenceQueues):
                 continue
             self._finish(seq, reason, now)
             finished.append(seq)
+        self.steady.after_update(output, finished, eos_token_ids)
         return finished
 
     # Metrics.

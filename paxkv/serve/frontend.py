@@ -26,6 +26,7 @@ from typing import Any
 from absl import logging
 
 from paxkv.engine import Engine
+from paxkv.engine.outputs import built, handles
 from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
 
 
@@ -227,25 +228,27 @@ class AsyncEngine:
         while self.engine.has_unfinished():
             self._deliver(self.engine.step())
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        """Hands a step's outputs to their groups on the event loop, which builds them
+        (`paxkv.engine.outputs.handles`): the stepping thread builds no output objects."""
         if not outputs:
             return
         routed = []
-        for out in outputs:
-            group = self._groups.get(out.request_id)
+        for rid, finished, out in handles(outputs):
+            group = self._groups.get(rid)
             if group is None:
                 continue
-            if out.finished:
-                del self._groups[out.request_id]
-            routed.append((group, out))
+            if finished:
+                del self._groups[rid]
+            routed.append((group, rid, finished, out))
         self._loop.call_soon_threadsafe(self._hand_over, routed)
 
-    def _hand_over(self, routed: list[tuple[RequestGroup, RequestOutput]]) -> None:
-        """On the event loop: puts each output in its group's queue."""
-        for group, out in routed:
-            if out.finished:
-                self.num_unfinished -= group.num_seqs[out.request_id]
-            group.outputs.put_nowait(out)
+    def _hand_over(self, routed: list[tuple[RequestGroup, str, bool, Any]]) -> None:
+        """On the event loop: builds each output and puts it in its group's queue."""
+        for group, rid, finished, out in routed:
+            if finished:
+                self.num_unfinished -= group.num_seqs[rid]
+            group.outputs.put_nowait(built(out))
 
     def _fail_all(self, error: EngineDead, *, abort: bool = False) -> None:
         """Fails every group in flight with `error` (and with `abort`, aborts their

@@ -1,0 +1,193 @@
+"""The steady decode (`paxkv.host.steady_decode`) and deferred outputs
+(`paxkv.engine.outputs`) against the general path: the same step inputs, page ids and
+outputs, step for step, over workloads that keep leaving and re-entering the steady
+state (arrivals, stop tokens, length limits, aborts, preemption, shared prefixes,
+penalties, a tokenizer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paxkv.engine import Engine, EngineConfig
+from paxkv.engine.outputs import StepOutputs, built, handles
+from paxkv.engine.runner import FakeRunner
+from paxkv.request import RequestOutputKind, SamplingParams
+
+VOCAB = 64
+EOS = 7
+
+
+class CharTokenizer:
+    """Token t is the letter chr(97 + t % 26); enough for incremental text."""
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def _engine(steady: bool, num_pages: int, tokenizer) -> Engine:
+    config = EngineConfig(
+        num_pages=num_pages,
+        page_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        num_decode_steps=1,
+        log_stats_interval_s=0.0,
+    )
+    engine = Engine(
+        None,
+        config,
+        tokenizer=tokenizer,
+        runner=lambda c: FakeRunner(VOCAB, c, eos_token_ids=(EOS,)),
+    )
+    engine.scheduler.steady_decode = steady
+    return engine
+
+
+def _workload(seed: int):
+    """Per step: requests to add and ids to abort."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(8, VOCAB, 9).tolist()
+    arrivals: dict[int, list] = {}
+    for i in range(14):
+        step = int(rng.integers(0, 40))
+        prompt = (prefix if i % 3 == 0 else []) + rng.integers(
+            8, VOCAB, int(rng.integers(1, 12))
+        ).tolist()
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=int(rng.integers(1, 40)),
+            ignore_eos=bool(i % 4 == 1),
+            stop_token_ids=[int(rng.integers(8, VOCAB))] if i % 5 == 2 else [],
+            repetition_penalty=1.2 if i % 6 == 3 else 1.0,
+            output_kind=RequestOutputKind.DELTA if i % 7 else RequestOutputKind.CUMULATIVE,
+        )
+        arrivals.setdefault(step, []).append((f"r{i}", prompt, params))
+    aborts = {int(rng.integers(5, 50)): [f"r{int(rng.integers(0, 14))}"] for _ in range(2)}
+    return arrivals, aborts
+
+
+def _run(steady: bool, seed: int, num_pages: int, tokenizer):
+    engine = _engine(steady, num_pages, tokenizer)
+    batches, steps, kinds = [], [], []
+    dispatch = engine.runner.dispatch
+
+    def recording(hb):
+        batches.append({f: np.array(getattr(hb, f)) for f in hb.__dataclass_fields__})
+        return dispatch(hb)
+
+    engine.runner.dispatch = recording
+    plan_of = engine.scheduler.schedule
+
+    def schedule():
+        plan = plan_of()
+        kinds.append(plan.decode is not None)
+        return plan
+
+    engine.scheduler.schedule = schedule
+    arrivals, aborts = _workload(seed)
+    for step in range(400):
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for rid in aborts.get(step, []):
+            engine.abort(rid)
+        if not engine.has_unfinished() and step > 50:
+            break
+        if engine.has_unfinished():
+            outs = engine.step()
+            # Within a step, the requests that ended come first on the steady path.
+            steps.append(
+                sorted(
+                    (
+                        o.request_id,
+                        o.finished,
+                        [(c.index, c.token_ids, c.text, c.finish_reason) for c in o.outputs],
+                    )
+                    for o in outs
+                )
+            )
+    assert engine.pool.num_in_use == 0
+    return batches, steps, kinds, engine.stats()["num_preemptions"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_pages", [64, 12])  # 12: preemption
+def test_steady_decode_equals_the_general_path(seed, num_pages):
+    tokenizer = CharTokenizer() if seed % 2 else None
+    on = _run(True, seed, num_pages, tokenizer)
+    off = _run(False, seed, num_pages, tokenizer)
+    batches_on, steps_on, kinds_on, pre_on = on
+    batches_off, steps_off, kinds_off, pre_off = off
+    assert not any(kinds_off)
+    assert sum(kinds_on) >= 5, "the workload never reached a steady decode"
+    assert len(batches_on) == len(batches_off)
+    for i, (a, b) in enumerate(zip(batches_on, batches_off, strict=True)):
+        for field in a:
+            np.testing.assert_array_equal(a[field], b[field], err_msg=f"step {i}: {field}")
+    assert steps_on == steps_off
+    assert pre_on == pre_off
+
+
+def test_steady_steps_make_no_chunk_and_no_output_object():
+    """A steady decode step plans as columns (no `ScheduledChunk`) and reports one batch
+    of deltas (no output object) until someone reads it."""
+    engine = _engine(True, 256, None)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=30, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    for i in range(4):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [10 + i, 11, 12]}, params)
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    outs = [engine.step() for _ in range(10)]
+    steady = [p for p in plans if p.decode is not None]
+    assert len(steady) >= 8
+    assert all(p._chunks is None for p in steady)  # never made into chunks
+    last = outs[-1]
+    assert isinstance(last, StepOutputs) and last._deltas is not None and not last._items
+    assert not last._built  # nothing built yet
+    got = [(rid, fin) for rid, fin, _ in handles(last)]
+    assert got == [(f"r{i}", False) for i in range(4)]
+    # Built, they equal what the general path reports.
+    tokens = {o.request_id: o.outputs[0].token_ids for o in last}
+    for i in range(4):
+        seq = engine.requests.get(f"r{i}").seqs[0]
+        assert tokens[f"r{i}"] == seq.output_token_ids[-1:]
+
+
+def test_a_skipped_delta_keeps_its_tokens_and_passes_its_text_on():
+    engine = _engine(True, 256, CharTokenizer())
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
+    taken = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        hs = handles(outs)
+        if len(taken) % 3 != 1:  # skip every third output unread
+            taken += [built(h[2]) for h in hs]
+        else:
+            taken.append(None)
+    read = [o for o in taken if o is not None]
+    text = "".join(o.outputs[0].text for o in read)
+    final = engine.requests.get("a")
+    assert final is None  # finished and forgotten
+    assert len(text) == 12  # every token's text reached a read output
+    assert read[-1].finished
+
+
+def test_step_outputs_behave_like_a_list():
+    engine = _engine(True, 256, None)
+    assert engine.step() == []
+    engine.add_request("x", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3))
+    outs = engine.step()
+    assert len(outs) == 1 and outs[0] is outs[-1] and outs[0:1] == [outs[0]]
+    assert outs + [] == [outs[0]] == [] + outs  # noqa: RUF005 (the operators under test)
+    with pytest.raises(IndexError):
+        outs[1]
