@@ -18,6 +18,7 @@ from paxkv.launch import read_prompts
 from paxkv.models import CHECKPOINTS, PRESETS, init_model, save_hf_checkpoint
 from paxkv.models.llama_config import TINY
 from paxkv.tools import capacity as plan
+from paxkv.tools import kv_budget, parameters
 
 # Small limits so that the tiny model compiles one step shape, once.
 TINY_FLAGS = [
@@ -312,8 +313,8 @@ def test_only_the_byte_level_toys_run_without_a_checkpoint():
 )
 def test_real_configs_fit_their_device(name, device):
     setup = get_config(name)
-    budget = plan.KVBudget.on_device(
-        device, weights_bytes=plan.weights_bytes(setup.model), kv_fraction=0.9
+    budget = kv_budget.KVBudget.on_device(
+        device, weights_bytes=parameters.weights_bytes(setup.model), kv_fraction=0.9
     )
     p = plan.plan_capacity(
         setup.model,
