@@ -9,26 +9,18 @@ from typing import Any, Protocol
 
 import jax
 
+from paxkv.sharding.model_shape import ModelShape
 from paxkv.sharding.shardings import SplitRule
 
 
-class ModelConfig(Protocol):
+class ModelConfig(ModelShape, Protocol):
     """A family's typed, frozen config: what the engine, the loaders and the planner read.
 
-    Every family's config is a frozen dataclass with these fields (and its own);
-    `from_hf(c.to_hf()) == c`.
+    Every family's config is a frozen dataclass with these fields, those of `ModelShape`
+    (the dimensions and dtype the planner reads), and its own; `from_hf(c.to_hf()) == c`.
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
     max_position_embeddings: int
-    dtype: str
     bos_token_id: int | None
     eos_token_id: int | tuple[int, ...] | None
     scan_layers: bool

@@ -129,7 +129,7 @@ def table_row(r: dict[str, Any]) -> str:
 def main(argv: list[str]) -> None:
     """Measures every --tokens count and prints the table."""
     del argv
-    from paxkv.tools import capacity
+    from paxkv.tools import parameters
 
     moe, dense = configs(
         hidden=_HIDDEN.value,
@@ -141,9 +141,9 @@ def main(argv: list[str]) -> None:
     print(
         f"device: {jax.devices()[0].device_kind}; float32; {moe.num_layers} layers, hidden "
         f"{moe.hidden_size}; MoE {moe.num_experts} experts x {moe.intermediate_size}, top "
-        f"{moe.num_experts_per_tok}: {capacity.num_parameters(moe) / 1e6:.1f} M parameters, "
-        f"{capacity.active_parameters(moe) / 1e6:.1f} M active; dense MLP "
-        f"{dense.intermediate_size}: {capacity.num_parameters(dense) / 1e6:.1f} M; medians of "
+        f"{moe.num_experts_per_tok}: {parameters.num_parameters(moe) / 1e6:.1f} M parameters, "
+        f"{parameters.active_parameters(moe) / 1e6:.1f} M active; dense MLP "
+        f"{dense.intermediate_size}: {parameters.num_parameters(dense) / 1e6:.1f} M; medians of "
         f"{_ITERS.value}"
     )
     heads = [name for _, name in COLUMNS]

@@ -13,14 +13,37 @@ target's rows and q goes to the acceptance rule.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from paxkv.engine.sampling import SamplingBatch, add_to_history, sampling_keys, target_probs
+from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache, PageTable
 
 DRAFT_SALT = 0x5EED  # folded into a row's key for the draft's draws (not the target's)
+
+
+def check_draft_model(
+    draft_config: Any, target_config: Any, draft_groups: KVCacheGroups, target_groups: KVCacheGroups
+) -> None:
+    """Raises ValueError unless a draft model of `draft_config` can propose for a target
+    of `target_config`: one vocabulary (the target's tokenizer), and one KV-cache group
+    in each (`draft_groups`, `target_groups`), since the target's one block table
+    indexes the draft's cache too."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocab_size={draft_config.vocab_size} differs from the target's "
+            f"{target_config.vocab_size}: a draft must share the target's tokenizer"
+        )
+    if draft_groups.num_groups != 1 or target_groups.num_groups != 1:
+        raise ValueError(
+            "speculative_config method 'draft_model' needs one KV-cache group in the "
+            "draft and the target (no hybrid sliding-window groups): the draft's cache "
+            "is indexed by the target's one block table"
+        )
 
 
 def draft_proposals(

@@ -22,6 +22,7 @@ from flax import nnx
 from paxkv.engine import step as steps
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
+from paxkv.engine.draft import check_draft_model
 from paxkv.engine.params import ParamSource
 from paxkv.engine.sampling import Sampled, Scored, Speculated
 from paxkv.engine.step import DecodeLimits, StepBatch
@@ -109,50 +110,44 @@ class ModelRunner(StepRunner):
             mc = model.config
         self.model_config = mc
         self.config = config
-        self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh
-        # On a mesh the cache is born sharded: no device ever holds all of it.
         # Which layers share a page table (one group unless the model mixes windows).
         self.kv_groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
-        self.kv_cache = self._new_cache()
-        if mesh is not None:  # weights spread over the mesh's devices (a no-op for
-            # weights loaded into their shardings already, `paxkv.models.load_model`)
-            self.graphdef, self.params, self.kv_cache = shardings.shard_engine_state(
-                self.graphdef, self.params, self.kv_cache, mesh
-            )
+        self.target = PlacedModel(model, config, self.kv_groups, mesh)
         self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
         if mesh is not None:  # as the step returns it, so warm-up compiles the real signature
             self._prev_tokens = jax.device_put(self._prev_tokens, shardings.replicated(mesh))
-        else:  # committed to their device (no copy), as the step's outputs and the arrays
-            # `update_weights` places are: jit keys on it, so warm-up compiles the real signature
-            state = (self.params, self.kv_cache, self._prev_tokens)
-            self.params, self.kv_cache, self._prev_tokens = jax.device_put(
-                state, jax.tree.map(lambda x: x.sharding, state)
-            )
-        self._cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        else:  # committed to its device, as `PlacedModel`'s arrays are
+            self._prev_tokens = jax.device_put(self._prev_tokens, self._prev_tokens.sharding)
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
-        self.draft = None if draft_model is None else _Draft(draft_model, self)
+        self.draft = None
+        if draft_model is not None:  # its pages mirror the target's: one block table for both
+            draft_groups = KVCacheGroups.for_model(
+                draft_model.config, hybrid=config.hybrid_kv_cache
+            )
+            check_draft_model(draft_model.config, mc, draft_groups, self.kv_groups)
+            self.draft = PlacedModel(draft_model, config, draft_groups, mesh)
 
-    def _new_cache(self) -> PagedKVCache:
-        """An empty KV cache of the engine's pages (on a mesh: born sharded)."""
-        mc, config = self.model_config, self.config
-        return shardings.sharded_cache(
-            lambda: PagedKVCache.for_model(
-                mc, config.num_pages, config.page_size, config.kv_cache_dtype, self.kv_groups
-            ),
-            mc.num_kv_heads,
-            self.mesh,
-        )
+    @property
+    def params(self) -> Any:
+        """The target model's parameters (`update_weights` replaces them)."""
+        return self.target.params
+
+    @params.setter
+    def params(self, params: Any) -> None:
+        self.target.params = params
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        """The target model's KV cache."""
+        return self.target.cache
 
     def restore_cache(self) -> bool:
         """A new, empty cache in the old one's shardings if a step call that raised had
         been given the cache (donated: its buffers are deleted), the draft model's too.
         Whether it did."""
         lost = self.draft is not None and self.draft.restore_cache()
-        if not any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
-            return lost
-        self.kv_cache = jax.device_put(self._new_cache(), self._cache_shardings)
-        return True
+        return self.target.restore_cache() or lost
 
     @property
     def num_compilations(self) -> int:
@@ -165,12 +160,12 @@ class ModelRunner(StepRunner):
         return self._compiles.seconds
 
     def _run_step(self, batch: StepBatch, token_src: jax.Array) -> Sampled:
-        draft = self.draft
+        target, draft = self.target, self.draft
         with self._compiles.counting():
-            sampled, self.kv_cache, draft_cache = steps.MODEL_STEP(
-                self.graphdef,
-                self.params,
-                self.kv_cache,
+            sampled, target.cache, draft_cache = steps.MODEL_STEP(
+                target.graphdef,
+                target.params,
+                target.cache,
                 batch,
                 token_src,
                 self._prev_tokens,
@@ -184,11 +179,12 @@ class ModelRunner(StepRunner):
         return sampled
 
     def _run_loop(self, batch: StepBatch, limits: DecodeLimits) -> tuple[Sampled, jax.Array]:
+        target = self.target
         with self._compiles.counting():
-            sampled, valid, self.kv_cache = steps.DECODE_LOOP(
-                self.graphdef,
-                self.params,
-                self.kv_cache,
+            sampled, valid, target.cache = steps.DECODE_LOOP(
+                target.graphdef,
+                target.params,
+                target.cache,
                 batch,
                 limits,
                 attention_backend=self.config.step_attention_backend,
@@ -243,54 +239,45 @@ class ModelRunner(StepRunner):
                 progress(i + 1, len(shapes))
 
 
-class _Draft:
-    """A draft model's weights and its KV cache, whose pages mirror the target's (the
-    same page count and size, so the same block tables index both)."""
+class PlacedModel:
+    """A model's weights and its paged KV cache (`config.num_pages` pages of
+    `config.page_size` tokens, laid out by `groups`), on one device or sharded over
+    `mesh` (the cache born sharded: no device ever holds all of it).
 
-    def __init__(self, model: nnx.Module, target: ModelRunner) -> None:
-        mc, config = model.config, target.config
-        if mc.vocab_size != target.model_config.vocab_size:
-            raise ValueError(
-                f"the draft model's vocab_size={mc.vocab_size} differs from the target's "
-                f"{target.model_config.vocab_size}: a draft must share the target's tokenizer"
-            )
-        groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
-        if groups.num_groups != 1 or target.kv_groups.num_groups != 1:
-            raise ValueError(
-                "speculative_config method 'draft_model' needs one KV-cache group in the "
-                "draft and the target (no hybrid sliding-window groups): the draft's cache "
-                "is indexed by the target's one block table"
-            )
-        self.graphdef, self.params = nnx.split(model)
-        self.mesh = target.mesh
+    Off a mesh the arrays are committed to their device (no copy), as the step's
+    outputs and the arrays `update_weights` places are: jit keys on it, so warm-up
+    compiles the real signature. On a mesh the weights are spread over its devices (a
+    no-op for weights loaded into their shardings, `paxkv.models.load_model`).
+    """
 
-        def new_cache() -> PagedKVCache:
-            return shardings.sharded_cache(
-                lambda: PagedKVCache.for_model(
-                    mc, config.num_pages, config.page_size, config.kv_cache_dtype, groups
-                ),
-                mc.num_kv_heads,
-                self.mesh,
-            )
-
-        self._new_cache = new_cache
-        self.cache = new_cache()
-        if self.mesh is not None:
-            self.graphdef, self.params, self.cache = shardings.shard_engine_state(
-                self.graphdef, self.params, self.cache, self.mesh
-            )
+    def __init__(
+        self, model: nnx.Module, config: EngineConfig, groups: KVCacheGroups, mesh: Any
+    ) -> None:
+        mc = model.config
+        self._new_cache = lambda: shardings.sharded_cache(
+            lambda: PagedKVCache.for_model(
+                mc, config.num_pages, config.page_size, config.kv_cache_dtype, groups
+            ),
+            mc.num_kv_heads,
+            mesh,
+        )
+        graphdef, params = nnx.split(model)
+        cache = self._new_cache()
+        if mesh is not None:
+            graphdef, params, cache = shardings.shard_engine_state(graphdef, params, cache, mesh)
         else:
-            state = (self.params, self.cache)
-            self.params, self.cache = jax.device_put(
-                state, jax.tree.map(lambda x: x.sharding, state)
+            params, cache = jax.device_put(
+                (params, cache), jax.tree.map(lambda x: x.sharding, (params, cache))
             )
-        self._shardings = jax.tree.map(lambda a: a.sharding, self.cache)
+        self.graphdef, self.params, self.cache = graphdef, params, cache
+        self._cache_shardings = jax.tree.map(lambda a: a.sharding, cache)
 
     def restore_cache(self) -> bool:
-        """A new, empty cache if a failed call had it donated; whether it had."""
+        """A new, empty cache in the old one's shardings if a failed call had the cache
+        donated (its buffers deleted); whether it had."""
         if not any(a.is_deleted() for a in jax.tree.leaves(self.cache)):
             return False
-        self.cache = jax.device_put(self._new_cache(), self._shardings)
+        self.cache = jax.device_put(self._new_cache(), self._cache_shardings)
         return True
 
 

@@ -65,6 +65,8 @@ class SpeculativeConfig:
       num_speculative_tokens: most tokens proposed per sequence per step (k), 1..16.
       prompt_lookup_min / prompt_lookup_max: the shortest and longest suffix matched
         (`NgramProposer`); one unset takes the other's value, both unset: 2 and 5.
+        Method "ngram" only: with "draft_model" they stay None, and setting one is an
+        error.
       min_acceptance: the least estimated chance of acceptance a proposed position
         must have (module docstring), in [0, 1); 0: always propose k.
       disable_by_batch_size: no speculation in steps planned with more running
@@ -103,7 +105,26 @@ class SpeculativeConfig:
             lo=1,
             hi=MAX_SPECULATIVE_TOKENS,
         )
+        self._check_prompt_lookup()
+        rate = check_float("speculative_config.min_acceptance", self.min_acceptance)
+        if not 0 <= rate < 1:
+            raise ValueError(f"speculative_config.min_acceptance={rate} must be in [0, 1)")
+        check_bool("speculative_config.grow_token_bucket", self.grow_token_bucket)
+        if self.disable_by_batch_size is not None:
+            check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, lo=1)
+
+    def _check_prompt_lookup(self) -> None:
+        """Checks the n-gram lookup lengths and fills in their defaults (method "ngram"),
+        or refuses them (the draft model proposes, and would silently ignore them)."""
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if value is not None:
+                    raise ValueError(
+                        f"speculative_config.{name}={value!r} applies to method='ngram' only, "
+                        f"not {self.method!r}: leave it unset"
+                    )
+            return
         if lo is None and hi is None:
             lo, hi = 2, 5
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
@@ -115,12 +136,6 @@ class SpeculativeConfig:
             )
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        rate = check_float("speculative_config.min_acceptance", self.min_acceptance)
-        if not 0 <= rate < 1:
-            raise ValueError(f"speculative_config.min_acceptance={rate} must be in [0, 1)")
-        check_bool("speculative_config.grow_token_bucket", self.grow_token_bucket)
-        if self.disable_by_batch_size is not None:
-            check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, lo=1)
 
     @classmethod
     def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:

@@ -4,8 +4,8 @@
 app's `main()` parses its flags, builds, and runs. Here, so that they import without
 defining any flag (or importing JAX): `run_app`, how every app starts, and
 `exit_with_error`, how it ends on bad input; `define_seed`, every app's `--seed`;
-`list_in_help`, what every app's `--help` lists; and `read_prompts`, which reads the
-prompt files of `paxkv-generate`.
+`list_in_help`, what every app's `--help` lists; `read_prompts`, which reads the
+prompt files of `paxkv-generate`; and `json_object`, how a flag or a line of JSON is read.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from absl.flags import (  # not `flags`: that name is the submodule `paxkv.launc
 )
 
 from paxkv.request import MAX_SEED
+
+JSON_SHOWN_CHARS = 120  # of a value `json_object` refuses, shown in its error
 
 
 def exit_with_error(message: str, status: int = 2) -> NoReturn:
@@ -94,14 +96,22 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
+def json_object(text: str, where: str) -> dict:
+    """`text` parsed as a JSON object. ValueError otherwise, naming `where` (a flag such
+    as `--speculative_config`, or a file and line) and showing the value."""
+    shown = text if len(text) <= JSON_SHOWN_CHARS else text[:JSON_SHOWN_CHARS] + "..."
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg}): {shown!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}: {shown!r}")
+    return value
+
+
 def _json_prompt(path: str, lineno: int, line: str) -> dict:
     where = f"{path}:{lineno}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg}): {line[:80]!r}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    record = json_object(line, where)
     if "prompt_token_ids" in record:
         ids = record["prompt_token_ids"]
         if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):

@@ -12,7 +12,6 @@ calls first.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -21,7 +20,7 @@ from absl import flags, logging
 
 from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.engine.config import EngineConfig
-from paxkv.launch import define_seed, platform
+from paxkv.launch import define_seed, json_object, platform
 from paxkv.llm import LLM
 from paxkv.models import CONFIG_FILE, DTYPES, ModelConfig, read_hf_config
 from paxkv.pallas_kernels.layout import kv_page_bytes, resolve_kv_cache_dtype
@@ -90,15 +89,7 @@ SPECULATIVE_CONFIG = flags.DEFINE_string(
 def speculative_config() -> dict | None:
     """`--speculative_config` parsed (None when unset); ValueError naming the flag."""
     text = SPECULATIVE_CONFIG.value
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative_config={text!r} is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--speculative_config={text!r} must be a JSON object")
-    return value
+    return None if text is None else json_object(text, "--speculative_config")
 
 
 # The runtime: devices, hosts, compilation cache.

@@ -10,7 +10,8 @@ after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_le
 max_model_len). Of the shared flags it reads --config, --model_dir (its config.json),
 --dtype, --page_size, --max_model_len, --kv_cache_dtype, --seed and --mesh; it plans
 every KV cache dtype. Prints a markdown report; `--json_out` writes it as JSON. The
-arithmetic is `paxkv.tools.capacity`, the report `paxkv.tools.capacity_report`.
+arithmetic is `paxkv.tools.capacity` (with `parameters` and `kv_budget`), the report
+`paxkv.tools.capacity_report`.
 
 When the budget cannot hold one max_model_len sequence in the `--kv_cache_dtype` cache,
 the report is still printed in full (the plans that fit and those that do not), then
@@ -34,7 +35,8 @@ from paxkv.configs import ServingSetup
 from paxkv.launch import exit_with_error, list_in_help, run_app
 from paxkv.launch import flags as launch_flags
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
-from paxkv.tools import capacity
+from paxkv.sharding.model_shape import ModelShape
+from paxkv.tools import capacity, kv_budget, parameters
 from paxkv.tools.capacity_report import CapacityReport, build_report, format_bytes
 from paxkv.tools.workloads import WORKLOAD_KINDS, Workload
 
@@ -44,7 +46,7 @@ _KV_BUDGET_GIB = flags.DEFINE_float(
 _DEVICE = flags.DEFINE_enum(
     "device",
     None,
-    list(capacity.DEVICE_HBM_GIB),
+    list(kv_budget.DEVICE_HBM_GIB),
     "Accelerator whose memory, less the weights, holds the KV cache (instead of --kv_budget_gib).",
     case_sensitive=False,
 )
@@ -103,19 +105,21 @@ def main(argv: list[str]) -> None:
         exit_with_error(problem, status=1)
 
 
-def _budget(model: capacity.ModelShape, mesh: MeshShape) -> capacity.KVBudget:
-    weights = capacity.weights_bytes(model, mesh=mesh)  # on each device
+def _budget(model: ModelShape, mesh: MeshShape) -> kv_budget.KVBudget:
+    weights = parameters.weights_bytes(model, mesh=mesh)  # on each device
     if (_KV_BUDGET_GIB.value is None) == (_DEVICE.value is None):
         raise ValueError(
-            f"pass exactly one of --kv_budget_gib=<GiB> or --device=<{'|'.join(capacity.DEVICE_HBM_GIB)}>"
+            f"pass exactly one of --kv_budget_gib=<GiB> or --device=<{'|'.join(kv_budget.DEVICE_HBM_GIB)}>"
         )
     if _DEVICE.value is not None:
-        return capacity.KVBudget.on_device(
+        return kv_budget.KVBudget.on_device(
             _DEVICE.value, weights_bytes=weights, kv_fraction=_KV_FRACTION.value
         )
     if not _KV_BUDGET_GIB.value > 0:
         raise ValueError(f"--kv_budget_gib={_KV_BUDGET_GIB.value} must be positive")
-    return capacity.KVBudget.given(int(_KV_BUDGET_GIB.value * capacity.GIB), weights_bytes=weights)
+    return kv_budget.KVBudget.given(
+        int(_KV_BUDGET_GIB.value * kv_budget.GIB), weights_bytes=weights
+    )
 
 
 def _fit_problem(report: CapacityReport, setup: ServingSetup, mesh: MeshShape) -> str | None:
@@ -168,7 +172,7 @@ def _mesh_remedy(setup: ServingSetup, mesh: MeshShape) -> str | None:
             max_model_len=engine.max_model_len,
             kv_cache_dtype=engine.kv_cache_dtype,
             mesh=larger,
-            platform=capacity.DEVICE_PLATFORM.get(budget.device) if budget.device else None,
+            platform=kv_budget.DEVICE_PLATFORM.get(budget.device) if budget.device else None,
         )
         if plan.fits_one_sequence:
             return (

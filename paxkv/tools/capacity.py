@@ -2,7 +2,8 @@
 
 Plain Python and NumPy, no JAX: every byte count comes from the model's config fields
 and the page layout of `paxkv.pallas_kernels.layout`, the one the engine allocates. The accounting
-is per device, weights and KV cache only. The report built from these numbers is
+is per device, weights (`paxkv.tools.parameters`) and KV cache only, out of a budget
+(`paxkv.tools.kv_budget`). The report built from these numbers is
 `paxkv.tools.capacity_report`.
 
 On a mesh (`paxkv.sharding.mesh_shape.MeshShape`, e.g. model:4,data:2) a budget is per device:
@@ -20,7 +21,7 @@ of `num_pages` pages has `num_pages - 1` to give out.
 
     model = paxkv.models.PRESETS["llama-3.1-8b"]
     lengths = paxkv.tools.workloads.Workload("sharegpt", 128, 128).lengths(8192)
-    plan = plan_capacity(model, kv_budget_bytes=40 * GIB, page_size=16, lengths=lengths,
+    plan = plan_capacity(model, kv_budget_bytes=40 * 2**30, page_size=16, lengths=lengths,
                          max_model_len=8192)
     plan.paged_concurrency, plan.contiguous_concurrency
 """
@@ -28,216 +29,17 @@ of `num_pages` pages has `num_pages - 1` to give out.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.pallas_kernels.layout import cdiv, kv_page_bytes, page_bytes, resolve_kv_cache_dtype
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
+from paxkv.sharding.model_shape import ModelShape
 
-GIB = 2**30
-# Nominal memory per device, in GiB (the runtime keeps a little of it for itself).
-DEVICE_HBM_GIB: dict[str, float] = {
-    "v5e": 16,
-    "v6e": 32,
-    "v5p": 95,
-    "A100": 80,
-    "H100": 80,
-    "H200": 141,
-}
-# The platform of each device (the cache's layout differs on TPU: `layout.scale_lanes`).
-DEVICE_PLATFORM: dict[str, str] = {
-    "v5e": "tpu",
-    "v6e": "tpu",
-    "v5p": "tpu",
-    "A100": "gpu",
-    "H100": "gpu",
-    "H200": "gpu",
-}
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 BLOCK_TABLE_ENTRY_BYTES = 4  # block tables are int32
-
-
-class ModelShape(Protocol):
-    """The config fields the planner reads; `paxkv.models.LlamaConfig` has them all."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    dtype: str
-    # Optional: `attention_bias` (q/k/v biases: Qwen2, gpt-oss; default False),
-    # `attention_sinks` (gpt-oss: an o bias and a sink per query head), and
-    # `norm_params_per_layer` (default two RMSNorms of hidden_size); for a mixture of
-    # experts `num_experts` and `num_experts_per_tok` (default: a dense MLP; with experts,
-    # `intermediate_size` is each expert's), and `model_type` "gpt_oss" for biased
-    # experts and router.
-
-
-# Weights.
-
-
-def num_parameters(model: ModelShape) -> int:
-    """Parameters of a decoder: embedding, layers, final norm, LM head."""
-    h, d = model.hidden_size, model.head_dim
-    q, kv = model.num_heads * d, model.num_kv_heads * d
-    attention = h * q + 2 * h * kv + q * h
-    if getattr(model, "attention_bias", False):  # Qwen2: q/k/v biases, none on o_proj
-        attention += q + 2 * kv
-    layer = attention + _replicated(model) + _mlp(model) + _router(model) + _norms(model)
-    embedding = model.vocab_size * h
-    lm_head = 0 if model.tie_word_embeddings else model.vocab_size * h
-    return embedding + model.num_layers * layer + h + lm_head
-
-
-def _num_experts(model: ModelShape) -> int:
-    """Experts per layer; 0 for a dense MLP."""
-    return getattr(model, "num_experts", 0)
-
-
-def _biased_experts(model: ModelShape) -> bool:
-    """Whether the experts and the router have biases (gpt-oss)."""
-    return getattr(model, "model_type", None) == "gpt_oss"
-
-
-def _mlp(model: ModelShape) -> int:
-    """Parameters of one layer's gated MLP, or of all its experts' MLPs (with gpt-oss's
-    biases on their gate and up projections; split over a mesh as the experts are)."""
-    h, i, e = model.hidden_size, model.intermediate_size, _num_experts(model)
-    per_expert = 3 * h * i + (2 * i if _biased_experts(model) else 0)
-    return per_expert * max(e, 1)
-
-
-def _router(model: ModelShape) -> int:
-    """Parameters of one layer's router (none for a dense MLP), and of the experts'
-    down-projection biases (gpt-oss's): replicated on a mesh."""
-    e, h = _num_experts(model), model.hidden_size
-    return h * e + (e + e * h if _biased_experts(model) else 0)
-
-
-def _expert_out_biases(model: ModelShape) -> int:
-    """Parameters of one layer's experts' down-projection biases (gpt-oss's)."""
-    return _num_experts(model) * model.hidden_size if _biased_experts(model) else 0
-
-
-def _replicated(model: ModelShape) -> int:
-    """Attention parameters of one layer that every device holds: gpt-oss's o bias and
-    sinks."""
-    if not getattr(model, "attention_sinks", False):
-        return 0
-    return model.hidden_size + model.num_heads
-
-
-def expert_parameters(model: ModelShape) -> int:
-    """Parameters of every layer's experts, biases included (0 for a dense model)."""
-    if not _num_experts(model):
-        return 0
-    return model.num_layers * (_mlp(model) + _expert_out_biases(model))
-
-
-def active_parameters(model: ModelShape) -> int:
-    """Parameters one token runs through: all of them for a dense model; for a mixture
-    of experts, all but the experts its router does not pick (k of E per layer)."""
-    e = _num_experts(model)
-    if not e:
-        return num_parameters(model)
-    unused = expert_parameters(model) * (e - model.num_experts_per_tok) // e
-    return num_parameters(model) - unused
-
-
-def _norms(model: ModelShape) -> int:
-    """Parameters of one layer's norms (replicated on a mesh)."""
-    return getattr(model, "norm_params_per_layer", 2 * model.hidden_size)
-
-
-def num_parameters_per_device(model: ModelShape, mesh: MeshShape) -> int:
-    """Parameters each device of `mesh` holds, by `paxkv.sharding`'s rules.
-
-    Attention splits over the model axis by KV head, the MLP by intermediate feature,
-    experts by expert or else by their intermediate feature, the embedding and LM head
-    by vocabulary entry, each only when it divides; norms, routers and o/down biases are
-    replicated.
-    """
-    h, d, m = model.hidden_size, model.head_dim, mesh.model
-    q, kv = model.num_heads * d, model.num_kv_heads * d
-    attention = h * q + 2 * h * kv + q * h
-    if getattr(model, "attention_bias", False):
-        attention += q + 2 * kv
-    if mesh.splits(model.num_kv_heads):
-        attention //= m  # every attention tensor has a head axis
-    mlp = _mlp(model)
-    e = _num_experts(model)
-    if (e and mesh.splits(e)) or mesh.splits(model.intermediate_size):
-        mlp //= m
-    vocab = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
-    if mesh.splits(model.vocab_size):
-        vocab //= m
-    layer = attention + _replicated(model) + mlp + _router(model) + _norms(model)
-    return vocab + model.num_layers * layer + h
-
-
-def weights_bytes(
-    model: ModelShape, dtype: str | None = None, *, mesh: MeshShape = ONE_DEVICE
-) -> int:
-    """Bytes of the parameters in `dtype` (None: the model's) on each device of `mesh`."""
-    return num_parameters_per_device(model, mesh) * np.dtype(dtype or model.dtype).itemsize
-
-
-# Budget.
-
-
-@dataclasses.dataclass(frozen=True)
-class KVBudget:
-    """Bytes for the KV cache, and where they come from.
-
-    On a device: `kv_fraction` of the memory left after the weights, the rest kept for
-    activations and the runtime. Given directly: `device` is None.
-    """
-
-    kv_budget_bytes: int
-    weights_bytes: int
-    device: str | None = None
-    device_bytes: int | None = None
-    kv_fraction: float | None = None
-
-    @classmethod
-    def on_device(cls, device: str, *, weights_bytes: int, kv_fraction: float) -> KVBudget:
-        """`kv_fraction` of what `device` (a `DEVICE_HBM_GIB` name, any case) has left
-        after `weights_bytes`."""
-        names = {name.lower(): name for name in DEVICE_HBM_GIB}
-        if device.lower() not in names:
-            raise ValueError(f"device={device!r} is not one of {sorted(DEVICE_HBM_GIB)}")
-        if not 0 < kv_fraction <= 1:
-            raise ValueError(f"kv_fraction={kv_fraction} must be in (0, 1]")
-        device = names[device.lower()]
-        device_bytes = int(DEVICE_HBM_GIB[device] * GIB)
-        if weights_bytes >= device_bytes:
-            raise ValueError(
-                f"the weights need {weights_bytes} bytes ({weights_bytes / GIB:.2f} GiB), no less "
-                f"than all of {device}'s {device_bytes / GIB:.0f} GiB: nothing is left for the KV cache"
-            )
-        return cls(
-            kv_budget_bytes=int((device_bytes - weights_bytes) * kv_fraction),
-            weights_bytes=weights_bytes,
-            device=device,
-            device_bytes=device_bytes,
-            kv_fraction=kv_fraction,
-        )
-
-    @classmethod
-    def given(cls, kv_budget_bytes: int, *, weights_bytes: int) -> KVBudget:
-        """A budget of `kv_budget_bytes` given directly, beside `weights_bytes` of weights."""
-        if kv_budget_bytes <= 0:
-            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} must be positive")
-        return cls(kv_budget_bytes=int(kv_budget_bytes), weights_bytes=weights_bytes)
-
-
-# Capacity.
 
 
 def num_pages_for_budget(

@@ -1,6 +1,6 @@
 """The capacity planner's report: plans for every KV cache dtype, as markdown and as JSON.
 
-The numbers are `paxkv.tools.capacity`'s; this module picks the plans a report shows
+The numbers are `paxkv.tools.capacity`'s (and `parameters`' and `kv_budget`'s); this module picks the plans a report shows
 (each KV cache dtype at one page size, and across `PAGE_SIZES`) and lays them out.
 
     report = build_report(model, name="llama-3.1-8b", budget=budget, workload=workload,
@@ -17,18 +17,10 @@ import numpy as np
 
 from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
-from paxkv.tools.capacity import (
-    DEVICE_PLATFORM,
-    GIB,
-    CapacityPlan,
-    KVBudget,
-    ModelShape,
-    active_parameters,
-    expert_parameters,
-    num_parameters,
-    page_size_tradeoff,
-    plan_capacity,
-)
+from paxkv.sharding.model_shape import ModelShape
+from paxkv.tools.capacity import CapacityPlan, page_size_tradeoff, plan_capacity
+from paxkv.tools.kv_budget import DEVICE_PLATFORM, GIB, KVBudget
+from paxkv.tools.parameters import active_parameters, expert_parameters, num_parameters
 from paxkv.tools.workloads import Workload
 
 

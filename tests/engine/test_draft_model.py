@@ -72,6 +72,33 @@ def test_greedy_equal_under_preemption(tiny, other):
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_lost_caches_are_restored_empty_in_their_shardings(tiny):
+    config, model, _ = tiny
+    spec = Engine(model, small_config(26, speculative_config=DRAFT), draft_model=model)
+    runner = spec.runner
+    assert not runner.restore_cache()  # nothing lost: nothing replaced
+    for lost in ("draft", "target", "both"):
+        placed = {"target": runner.target, "draft": runner.draft}
+        old = {k: v.cache for k, v in placed.items()}
+        shardings = {k: jax.tree.map(lambda a: a.sharding, c) for k, c in old.items()}
+        for k in placed:
+            if lost in (k, "both"):  # as a call that raised after the cache was donated
+                jax.tree.map(lambda a: a.delete(), old[k])
+        assert runner.restore_cache()
+        for k, v in placed.items():
+            if lost in (k, "both"):
+                leaves = jax.tree.leaves(v.cache)
+                assert not any(a.is_deleted() for a in leaves)
+                assert all(not np.asarray(a).any() for a in leaves)  # empty
+                assert jax.tree.map(lambda a: a.sharding, v.cache) == shardings[k]
+            else:
+                assert v.cache is old[k]
+    # The restored caches serve: greedy tokens as plain decoding's.
+    prompts = _prompts(config.vocab_size, seed=4)
+    want = _run(Engine(model, small_config(26)), prompts, GREEDY)
+    assert _tokens(_run(spec, prompts, GREEDY)) == _tokens(want)
+
+
 def _perturbed(model, scale=0.3, seed=7):
     """A draft close to `model` but not equal: its weights plus noise of `scale` times
     each weight's spread, so its q differs from the target's p and the residual is used."""

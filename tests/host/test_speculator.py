@@ -1,5 +1,6 @@
 """The speculator's adaptive rule and counts, on the host alone."""
 
+import dataclasses
 import math
 
 import pytest
@@ -99,3 +100,20 @@ def test_replicas_stats_merge_from_counts():
     assert merged["spec_decode_acceptance_rate"] == pytest.approx(3 / 5)
     assert merged["spec_decode_mean_accepted_length"] == pytest.approx(1 + 3 / 3)
     assert merged["spec_decode_acceptance_per_position"] == [2 / 3, 1 / 2]
+
+
+def test_prompt_lookup_lengths_are_refused_for_a_draft_model():
+    draft = dict(method="draft_model", model="tiny")
+    # The defaults keep working: the lengths stay unset, and ngram fills them in.
+    config = SpeculativeConfig(**draft)
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (None, None)
+    assert SpeculativeConfig.of(dataclasses.asdict(config)) == config  # round-trips
+    ngram = SpeculativeConfig()
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (2, 5)
+    for name, value in (("prompt_lookup_min", 1), ("prompt_lookup_max", 3)):
+        match = rf"^speculative_config\.{name}={value} applies to method='ngram' only, not 'draft_model'"
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.of({**draft, name: value})
+    # Set to the ngram defaults' values, still refused: what was set is what counts.
+    with pytest.raises(ValueError, match=r"prompt_lookup_min=2 applies"):
+        SpeculativeConfig(**draft, prompt_lookup_min=2, prompt_lookup_max=5)

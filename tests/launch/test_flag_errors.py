@@ -41,7 +41,7 @@ def _console_script_modules() -> list[str]:
     return sorted(target.split(":")[0] for target in scripts.values())
 
 
-# (app, flags, what the one error line says); each fails while parsing its flags.
+# (app, flags, what the one error line says); each fails while parsing or reading its flags.
 REJECTED = [
     ("generate", ["--num_pages=abc"], "flag --num_pages=abc: invalid literal for int()"),
     (
@@ -61,6 +61,16 @@ REJECTED = [
         "serve",
         ["--num_pages=4294967296"],
         "4294967296 is not an integer in the range [1, 2147483647]",
+    ),
+    (
+        "serve",
+        ['--speculative_config={"method": ngram}'],
+        """error: --speculative_config: not valid JSON (Expecting value): '{"method": ngram}'""",
+    ),
+    (
+        "generate",
+        ["--speculative_config=[4]"],
+        "error: --speculative_config: expected a JSON object, got list: '[4]'",
     ),
 ]
 

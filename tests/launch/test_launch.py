@@ -14,10 +14,11 @@ from importlib import metadata
 import pytest
 
 from paxkv.configs import NAMES, ServingSetup, get_config
-from paxkv.launch import read_prompts
+from paxkv.launch import json_object, read_prompts
 from paxkv.models import CHECKPOINTS, PRESETS, init_model, save_hf_checkpoint
 from paxkv.models.llama_config import TINY
 from paxkv.tools import capacity as plan
+from paxkv.tools import kv_budget, parameters
 
 # Small limits so that the tiny model compiles one step shape, once.
 TINY_FLAGS = [
@@ -312,8 +313,8 @@ def test_only_the_byte_level_toys_run_without_a_checkpoint():
 )
 def test_real_configs_fit_their_device(name, device):
     setup = get_config(name)
-    budget = plan.KVBudget.on_device(
-        device, weights_bytes=plan.weights_bytes(setup.model), kv_fraction=0.9
+    budget = kv_budget.KVBudget.on_device(
+        device, weights_bytes=parameters.weights_bytes(setup.model), kv_fraction=0.9
     )
     p = plan.plan_capacity(
         setup.model,
@@ -371,6 +372,18 @@ def test_read_prompts_malformed(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         read_prompts(path)
+
+
+def test_json_object_names_where_and_shows_the_value():
+    assert json_object('{"a": [1]}', "--flag") == {"a": [1]}
+    with pytest.raises(ValueError, match=r"^--flag: not valid JSON \(Expecting value\): '\[a\]'$"):
+        json_object("[a]", "--flag")
+    with pytest.raises(ValueError, match=r"^--flag: expected a JSON object, got int: '3'$"):
+        json_object("3", "--flag")
+    long = "[" + "1, " * 100 + "1]"
+    with pytest.raises(ValueError, match=r"got list: '\[1, 1, .*\.\.\.'$") as e:
+        json_object(long, "--flag")
+    assert len(str(e.value)) < len(long)  # a long value is shown cut
 
 
 def test_read_prompts_missing_file(tmp_path):

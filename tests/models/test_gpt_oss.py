@@ -15,7 +15,7 @@ from test_moe import _hf_router_choice
 from paxkv import LLM, SamplingParams
 from paxkv.models import GptOssConfig, layer_stack, load_hf_checkpoint, load_model
 from paxkv.models.gpt_oss_config import FULL, GPT_OSS_20B, SLIDING, TINY_GPT_OSS
-from paxkv.tools import capacity
+from paxkv.tools import parameters
 
 WINDOW = 8  # shorter than the prompts: the sliding layers' windows matter
 GPT_OSS = TINY_GPT_OSS.replace(sliding_window=WINDOW)
@@ -158,9 +158,9 @@ def test_from_hf_rejects_what_it_cannot_run(change, match):
 
 def test_planner_counts_the_published_size():
     # 20.9B parameters; 3.6B active besides the embedding (OpenAI's figures).
-    assert capacity.num_parameters(GPT_OSS_20B) == 20_914_757_184
+    assert parameters.num_parameters(GPT_OSS_20B) == 20_914_757_184
     embedding = GPT_OSS_20B.vocab_size * GPT_OSS_20B.hidden_size
-    assert capacity.active_parameters(GPT_OSS_20B) - embedding == 3_608_307_264
+    assert parameters.active_parameters(GPT_OSS_20B) - embedding == 3_608_307_264
 
 
 def test_tiny_preset_comes_with_the_byte_tokenizer():

@@ -18,7 +18,7 @@ from paxkv import LLM, SamplingParams
 from paxkv.models import MoeConfig, load_hf_checkpoint, load_model, save_hf_checkpoint
 from paxkv.models import moe as moe_layer
 from paxkv.models.moe_config import MIXTRAL_8X7B, QWEN3_30B_A3B, TINY_MIXTRAL, TINY_QWEN3_MOE
-from paxkv.tools import capacity
+from paxkv.tools import parameters
 
 HI = jax.lax.Precision.HIGHEST
 CONFIGS = {
@@ -506,11 +506,11 @@ def test_from_hf_parses_real_configs(hf, preset):
 
 def test_planner_counts_the_published_sizes():
     # 46.7B parameters, 12.9B active (Mistral's figures); 30.5B and 3.3B (Qwen's).
-    assert capacity.num_parameters(MIXTRAL_8X7B) == 46_702_792_704
-    assert capacity.active_parameters(MIXTRAL_8X7B) == 12_879_925_248
-    assert capacity.num_parameters(QWEN3_30B_A3B) == 30_532_122_624
-    assert capacity.active_parameters(QWEN3_30B_A3B) == 3_353_032_704
-    assert capacity.expert_parameters(QWEN3_30B_A3B) == 48 * 128 * 3 * 2048 * 768
+    assert parameters.num_parameters(MIXTRAL_8X7B) == 46_702_792_704
+    assert parameters.active_parameters(MIXTRAL_8X7B) == 12_879_925_248
+    assert parameters.num_parameters(QWEN3_30B_A3B) == 30_532_122_624
+    assert parameters.active_parameters(QWEN3_30B_A3B) == 3_353_032_704
+    assert parameters.expert_parameters(QWEN3_30B_A3B) == 48 * 128 * 3 * 2048 * 768
 
 
 @pytest.mark.parametrize(

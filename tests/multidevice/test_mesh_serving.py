@@ -21,6 +21,7 @@ from paxkv.models import load_model
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 from paxkv.tools import capacity as plan
+from paxkv.tools import parameters
 
 PS = 8
 # Per-device KV bytes: 48 pages of the tiny model on one device (2 layers x K, V x 2
@@ -165,7 +166,7 @@ def test_weights_per_device_are_the_plans(served, tiny, shape):
         for shard in x.addressable_shards
         if shard.device == device
     )
-    assert held == plan.weights_bytes(config, mesh=s.shape)
+    assert held == parameters.weights_bytes(config, mesh=s.shape)
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from paxkv.models import PRESETS, init_model
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 from paxkv.tools import capacity as plan
+from paxkv.tools import kv_budget, parameters
 from paxkv.tools.capacity_report import build_report
 from paxkv.tools.workloads import Workload
 
@@ -151,9 +152,9 @@ def test_plan_counts_the_sharded_parameters(name):
             math.prod(shape) // (model if "model" in spec else 1)
             for shape, spec in zip(shapes, specs, strict=True)
         )
-        assert held == plan.num_parameters_per_device(config, MeshShape(model=model)), model
+        assert held == parameters.num_parameters_per_device(config, MeshShape(model=model)), model
         if model == 1:
-            assert held == plan.num_parameters(config)
+            assert held == parameters.num_parameters(config)
 
 
 def test_pages_per_device_budget():
@@ -173,7 +174,10 @@ def test_pages_per_device_budget():
 def test_capacity_per_device_and_in_total():
     model = PRESETS["llama-3.1-8b"]
     common = dict(
-        kv_budget_bytes=20 * plan.GIB, page_size=16, lengths=np.array([1024]), max_model_len=8192
+        kv_budget_bytes=20 * kv_budget.GIB,
+        page_size=16,
+        lengths=np.array([1024]),
+        max_model_len=8192,
     )
     one = plan.plan_capacity(model, **common)
     mesh = plan.plan_capacity(model, mesh=MeshShape(model=4, data=2), **common)
@@ -182,7 +186,7 @@ def test_capacity_per_device_and_in_total():
     assert mesh.paged_concurrency >= 4 * one.paged_concurrency
     assert mesh.total_num_pages == 2 * mesh.num_pages
     assert mesh.total_paged_concurrency == 2 * mesh.paged_concurrency
-    assert mesh.total_kv_budget_bytes == 8 * 20 * plan.GIB
+    assert mesh.total_kv_budget_bytes == 8 * 20 * kv_budget.GIB
     assert mesh.num_devices == 8
     data = mesh.to_dict()
     assert data["total_num_pages"] == mesh.total_num_pages and data["model_parallel"] == 4
@@ -191,12 +195,12 @@ def test_capacity_per_device_and_in_total():
 def test_report_on_a_mesh():
     model = PRESETS["llama-3.1-8b"]
     mesh = MeshShape(model=4, data=2)
-    weights = plan.weights_bytes(model, mesh=mesh)
-    assert weights < plan.weights_bytes(model) / 3.9
+    weights = parameters.weights_bytes(model, mesh=mesh)
+    assert weights < parameters.weights_bytes(model) / 3.9
     report = build_report(
         model,
         name="llama-3.1-8b",
-        budget=plan.KVBudget.on_device("v6e", weights_bytes=weights, kv_fraction=0.9),
+        budget=kv_budget.KVBudget.on_device("v6e", weights_bytes=weights, kv_fraction=0.9),
         workload=Workload("fixed", prompt_len=512, output_len=512),
         page_size=16,
         max_model_len=8192,

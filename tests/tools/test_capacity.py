@@ -1,4 +1,5 @@
-"""The capacity planner: exact numbers on hand-checkable inputs, trade-offs, the report.
+"""The capacity planner (`capacity`, `parameters`, `kv_budget`): exact numbers on
+hand-checkable inputs, trade-offs, the report.
 
 The bytes of a page are `paxkv.pallas_kernels.layout`'s, tested in tests/kernels/test_layout.py.
 """
@@ -15,6 +16,7 @@ from paxkv.models import PRESETS, init_model
 from paxkv.models.llama_config import TINY
 from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES
 from paxkv.tools import capacity as plan
+from paxkv.tools import kv_budget, parameters
 from paxkv.tools.capacity_report import build_report
 from paxkv.tools.workloads import Workload
 
@@ -38,7 +40,7 @@ def tiny_plan(num_pages, lengths, *, page_size=16, max_model_len=512, **kw):
 def test_num_parameters_counts_the_models_params():
     model = nnx.eval_shape(lambda: init_model(TINY))  # shapes only, nothing computed
     params = nnx.state(model, nnx.Param)
-    assert plan.num_parameters(TINY) == sum(x.size for x in jax.tree.leaves(params))
+    assert parameters.num_parameters(TINY) == sum(x.size for x in jax.tree.leaves(params))
 
 
 @pytest.mark.parametrize(
@@ -51,9 +53,9 @@ def test_num_parameters_counts_the_models_params():
     ],
 )
 def test_num_parameters_of_real_models(name, count):
-    assert plan.num_parameters(PRESETS[name]) == count
-    assert plan.weights_bytes(PRESETS[name]) == 2 * count  # bfloat16
-    assert plan.weights_bytes(PRESETS[name], "float32") == 4 * count
+    assert parameters.num_parameters(PRESETS[name]) == count
+    assert parameters.weights_bytes(PRESETS[name]) == 2 * count  # bfloat16
+    assert parameters.weights_bytes(PRESETS[name], "float32") == 4 * count
 
 
 def test_fixed_lengths_exact():
@@ -120,7 +122,7 @@ def test_quantized_pages():
 def test_quantized_cache_holds_at_least_1_9x(name):
     model = PRESETS[name]
     lengths = Workload("sharegpt", prompt_len=128, output_len=128, num_samples=2000).lengths(4096)
-    kw = dict(kv_budget_bytes=40 * plan.GIB, page_size=16, lengths=lengths, max_model_len=4096)
+    kw = dict(kv_budget_bytes=40 * kv_budget.GIB, page_size=16, lengths=lengths, max_model_len=4096)
     base = plan.plan_capacity(model, **kw)
     for kind in ("int8", "fp8"):
         q = plan.plan_capacity(model, kv_cache_dtype=kind, **kw)
@@ -133,14 +135,14 @@ def test_quantized_gain_with_head_dim_64_in_bfloat16():
     # 2 * (64 + 2) (a bfloat16 scale), 1.94x (Llama 3.2 1B).
     p = plan.plan_capacity(
         PRESETS["llama-3.2-1b"],
-        kv_budget_bytes=40 * plan.GIB,
+        kv_budget_bytes=40 * kv_budget.GIB,
         page_size=16,
         lengths=np.array([1000]),
         max_model_len=4096,
     )
     q = plan.plan_capacity(
         PRESETS["llama-3.2-1b"],
-        kv_budget_bytes=40 * plan.GIB,
+        kv_budget_bytes=40 * kv_budget.GIB,
         page_size=16,
         lengths=np.array([1000]),
         max_model_len=4096,
@@ -154,7 +156,7 @@ def test_page_size_tradeoff_is_monotonic():
     lengths = Workload("sharegpt", prompt_len=128, output_len=128, num_samples=5000).lengths(8192)
     plans = plan.page_size_tradeoff(
         PRESETS["llama-3.1-8b"],
-        kv_budget_bytes=60 * plan.GIB,
+        kv_budget_bytes=60 * kv_budget.GIB,
         lengths=lengths,
         max_model_len=8192,
     )
@@ -182,18 +184,18 @@ def test_sharegpt_lengths():
 
 
 def test_device_budget():
-    w = plan.weights_bytes(PRESETS["llama-3.1-8b"])
-    b = plan.KVBudget.on_device("h200", weights_bytes=w, kv_fraction=0.9)
+    w = parameters.weights_bytes(PRESETS["llama-3.1-8b"])
+    b = kv_budget.KVBudget.on_device("h200", weights_bytes=w, kv_fraction=0.9)
     assert b.device == "H200"
-    assert b.kv_budget_bytes == int((141 * plan.GIB - w) * 0.9)
+    assert b.kv_budget_bytes == int((141 * kv_budget.GIB - w) * 0.9)
     with pytest.raises(ValueError, match="not one of"):
-        plan.KVBudget.on_device("v4", weights_bytes=w, kv_fraction=0.9)
+        kv_budget.KVBudget.on_device("v4", weights_bytes=w, kv_fraction=0.9)
     with pytest.raises(ValueError, match="nothing is left"):  # 30 GiB of float32 weights
-        plan.KVBudget.on_device("v5e", weights_bytes=2 * w, kv_fraction=0.9)
+        kv_budget.KVBudget.on_device("v5e", weights_bytes=2 * w, kv_fraction=0.9)
     with pytest.raises(ValueError, match="kv_fraction"):
-        plan.KVBudget.on_device("H100", weights_bytes=w, kv_fraction=0.0)
+        kv_budget.KVBudget.on_device("H100", weights_bytes=w, kv_fraction=0.0)
     with pytest.raises(ValueError, match="must be positive"):
-        plan.KVBudget.given(0, weights_bytes=w)
+        kv_budget.KVBudget.given(0, weights_bytes=w)
 
 
 @pytest.mark.parametrize(
@@ -211,7 +213,7 @@ def test_device_budget():
 )
 def test_bad_input(kwargs, match):
     args = dict(
-        kv_budget_bytes=10 * plan.GIB, page_size=16, lengths=np.array([128]), max_model_len=512
+        kv_budget_bytes=10 * kv_budget.GIB, page_size=16, lengths=np.array([128]), max_model_len=512
     )
     with pytest.raises(ValueError, match=match):
         plan.plan_capacity(TINY, **(args | kwargs))
@@ -241,8 +243,8 @@ def test_report():
     report = build_report(
         model,
         name="llama-3.1-8b",
-        budget=plan.KVBudget.on_device(
-            "H200", weights_bytes=plan.weights_bytes(model), kv_fraction=0.9
+        budget=kv_budget.KVBudget.on_device(
+            "H200", weights_bytes=parameters.weights_bytes(model), kv_fraction=0.9
         ),
         workload=Workload("sharegpt", prompt_len=128, output_len=128, num_samples=2000),
         page_size=16,
