@@ -110,6 +110,11 @@ class MoeForCausalLM(nnx.Module):
     `family.Model`: `__call__` is the paged step, `dense_logits` the oracle. Its config
     is a `MoeConfig` (Mixtral, Qwen3-MoE) or a `GptOssConfig`."""
 
+    # The engine's step asks for the routing (`return_routing=True`), of
+    # `config.num_layers` layers and `config.num_experts_per_tok` experts
+    # (`paxkv.engine.routed_experts`).
+    routes_experts = True
+
     def __init__(self, config: MoeFamilyConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = embedding(config, rngs=rngs)

@@ -23,6 +23,7 @@ from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
 from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import Request, RequestRegistry
+from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.sync_step import SyncStepper
 from paxkv.engine.weights_update import WeightUpdater
@@ -109,6 +110,8 @@ class Engine:
             draft_width=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.metrics = EngineMetrics()
+        # Routing replay (`SamplingParams.return_routed_experts`).
+        self.routed_experts = RoutedExperts(self.runner)
         # Final outputs of ended requests, reported by the next step.
         self.endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
         self._stepper = SyncStepper(
@@ -119,6 +122,7 @@ class Engine:
             metrics=self.metrics,
             eos_token_ids=self.eos_token_ids,
             num_decode_steps=config.num_decode_steps,
+            routed_experts=self.routed_experts,
         )
         self._pipeline = (
             AsyncPipeline(
@@ -128,6 +132,7 @@ class Engine:
                 report=self.endings.report,
                 on_token=self.metrics.on_token,
                 eos_token_ids=self.eos_token_ids,
+                routed_experts=self.routed_experts,
             )
             if config.async_scheduling
             else None
@@ -198,22 +203,27 @@ class Engine:
         """Validates and queues a request; returns its id. Raises ValueError to reject it.
 
         Lower `priority` values run first and are preempted last. Requests with
-        different `cache_salt` never share prefix-cache pages. An id may be used again
-        once its request's final output was reported (an aborted one's: by `step`).
+        different `cache_salt` never share prefix-cache pages (nor do requests that ask
+        for `return_routed_experts`). An id may be used again once its request's final
+        output was reported (an aborted one's: by `step`).
         """
         if self.endings.is_pending(request_id):
             raise ValueError(
                 f"request_id={request_id!r} was aborted and its final output is not yet "
                 "reported: reuse the id after the next step"
             )
+        params = params or SamplingParams()
+        speculative = self.config.speculative_config is not None
+        cache_salt = self.routed_experts.cache_salt(request_id, params, speculative, cache_salt)
         req = self.requests.create(
             request_id,
             prompt,
-            params or SamplingParams(),
+            params,
             priority=priority,
             arrival_time=arrival_time,
             cache_salt=cache_salt,
         )
+        self.routed_experts.add(req.request_id, req.seqs)
         return self._queue(req)
 
     def _queue(self, req: Request) -> str:
@@ -292,7 +302,7 @@ class Engine:
         if not plan.chunks and (self._pipeline is None or not self._pipeline.busy):
             if self.scheduler.has_unfinished() and not self.endings.pending:
                 raise RuntimeError("the scheduler made no progress with requests pending")
-            return self.endings.take()
+            return self.routed_experts.attach(self.endings.take())
         try:
             if self._pipeline is not None:
                 outputs, t1, t2 = self._pipeline.step(plan)
@@ -304,7 +314,7 @@ class Engine:
         self.endings.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
         self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)
-        return self.endings.take() + outputs
+        return self.routed_experts.attach(self.endings.take() + outputs)
 
     # Introspection.
 
