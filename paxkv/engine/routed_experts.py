@@ -37,8 +37,11 @@ class RoutedExperts:
 
     def __init__(self, runner: StepRunner) -> None:
         self.runner = runner
-        # request id -> its sequences and their tables (i32[capacity, L, k] each)
-        self._requests: dict[str, tuple[list[SequenceState], list[np.ndarray]]] = {}
+        # request id -> its sequences, their tables (i32[capacity, L, k] each), and the
+        # results of its finished completions by index (built once)
+        self._requests: dict[
+            str, tuple[list[SequenceState], list[np.ndarray], dict[int, np.ndarray]]
+        ] = {}
         self._salts = itertools.count()
 
     def cache_salt(
@@ -65,16 +68,14 @@ class RoutedExperts:
     def add(self, request_id: str, seqs: list[SequenceState]) -> None:
         """Starts the tables of a submitted request's sequences, if it asks."""
         if seqs[0].params.return_routed_experts:
-            self._requests[request_id] = (seqs, [self._empty(0) for _ in seqs])
+            self._requests[request_id] = (seqs, [self._empty(0) for _ in seqs], {})
 
     def _empty(self, num_positions: int) -> np.ndarray:
         return np.full((num_positions, *self.runner.routing_shape), NOT_ROUTED, np.int32)
 
     def wants(self, plan: SchedulerOutput) -> bool:
         """Whether a sequence of `plan` asks for its routing."""
-        return bool(self._requests) and any(
-            c.seq.params.return_routed_experts for c in plan.chunks
-        )
+        return bool(self._requests) and any(c.seq.params.return_routed_experts for c in plan.chunks)
 
     def record(self, plan: SchedulerOutput, handle: Any) -> None:
         """Copies the routing of a dispatched step (`handle`) of `plan` to the tables of
@@ -105,15 +106,20 @@ class RoutedExperts:
             entry = self._requests.get(out.request_id)
             if entry is None:
                 continue
-            seqs, tables = entry
+            seqs, tables, results = entry
             for completion in out.outputs:
                 if completion.finish_reason is not None:
-                    completion.routed_experts = self._result(seqs, tables, completion)
+                    i = completion.index
+                    if i not in results:
+                        results[i] = self._result(seqs, tables, completion)
+                    completion.routed_experts = results[i]
             if out.finished:
                 del self._requests[out.request_id]
         return outputs
 
-    def _result(self, seqs: list[SequenceState], tables: list[np.ndarray], completion) -> np.ndarray:
+    def _result(
+        self, seqs: list[SequenceState], tables: list[np.ndarray], completion
+    ) -> np.ndarray:
         """i32[N, L, k] of a finished completion's N = prompt + output tokens."""
         i = completion.index
         seq = seqs[i]
