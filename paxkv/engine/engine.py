@@ -110,9 +110,7 @@ class Engine:
             draft_width=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.metrics = EngineMetrics()
-        # Routing replay (`SamplingParams.return_routed_experts`).
-        self.routed_experts = RoutedExperts(self.runner)
-        # Final outputs of ended requests, reported by the next step.
+        self.routed_experts = RoutedExperts(self.runner, speculative=spec is not None)
         self.endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
         self._stepper = SyncStepper(
             self.runner,
@@ -203,28 +201,23 @@ class Engine:
         """Validates and queues a request; returns its id. Raises ValueError to reject it.
 
         Lower `priority` values run first and are preempted last. Requests with
-        different `cache_salt` never share prefix-cache pages (nor do requests that ask
-        for `return_routed_experts`). An id may be used again once its request's final
-        output was reported (an aborted one's: by `step`).
+        different `cache_salt` never share prefix-cache pages. An id may be used again
+        once its request's final output was reported (an aborted one's: by `step`).
         """
         if self.endings.is_pending(request_id):
             raise ValueError(
                 f"request_id={request_id!r} was aborted and its final output is not yet "
                 "reported: reuse the id after the next step"
             )
-        params = params or SamplingParams()
-        speculative = self.config.speculative_config is not None
-        cache_salt = self.routed_experts.cache_salt(request_id, params, speculative, cache_salt)
         req = self.requests.create(
             request_id,
             prompt,
-            params,
+            params or SamplingParams(),
             priority=priority,
             arrival_time=arrival_time,
-            cache_salt=cache_salt,
+            cache_salt=self.routed_experts.cache_salt(request_id, params, cache_salt),
         )
-        self.routed_experts.add(req.request_id, req.seqs)
-        return self._queue(req)
+        return self._queue(self.routed_experts.add(req))
 
     def _queue(self, req: Request) -> str:
         self.metrics.on_arrival(req.arrival_time)

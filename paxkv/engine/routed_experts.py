@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from paxkv.engine.requests import Request
 from paxkv.engine.runner import StepRunner
 from paxkv.host.scheduler import SchedulerOutput
 from paxkv.host.sequence import SequenceState
@@ -31,12 +32,19 @@ NOT_ROUTED = -1  # a position the model never computed for the request
 class RoutedExperts:
     """The routing tables of the unfinished requests that ask for their routing.
 
+    The engine's model contract: a model with `routes_experts = True`
+    (`paxkv.models.MoeForCausalLM`) also takes `return_routing=True` and then returns
+    each layer's experts per packed row, i32[L, T, k] (L = `config.num_layers`, k =
+    `config.num_experts_per_tok`), which the step passes on (`Sampled.routing`).
+
     Args:
       runner: copies a step's routing to the host; its `routing_shape` is `(L, k)`.
+      speculative: whether the engine decodes speculatively (such requests are refused).
     """
 
-    def __init__(self, runner: StepRunner) -> None:
+    def __init__(self, runner: StepRunner, *, speculative: bool = False) -> None:
         self.runner = runner
+        self.speculative = speculative
         # request id -> its sequences, their tables (i32[capacity, L, k] each), and the
         # results of its finished completions by index (built once)
         self._requests: dict[
@@ -45,19 +53,21 @@ class RoutedExperts:
         self._salts = itertools.count()
 
     def cache_salt(
-        self, request_id: str | None, params: SamplingParams, speculative: bool, salt: str | None
+        self, request_id: str | None, params: SamplingParams | None, salt: str | None
     ) -> str | None:
         """The cache salt a request runs with: its own when it does not ask for its
         routing; else one no other request has, after checking that it can be served
-        (ValueError naming the field: a model without experts, speculative decoding)."""
-        if not params.return_routed_experts or not isinstance(salt, str | None):
+        (ValueError naming the field: a model without experts, speculative decoding).
+        Such requests share prefix-cache pages only among their own completions."""
+        asks = isinstance(params, SamplingParams) and params.return_routed_experts
+        if not asks or not isinstance(salt, str | None):
             return salt  # a salt of the wrong type is rejected by `RequestRegistry.create`
         if self.runner.routing_shape is None:
             raise ValueError(
                 f"request {request_id!r}: return_routed_experts=True needs a model that "
                 "routes experts (Mixtral, Qwen3-MoE, gpt-oss); this one has none"
             )
-        if speculative:
+        if self.speculative:
             raise ValueError(
                 f"request {request_id!r}: return_routed_experts=True is not supported with "
                 "speculative decoding (EngineConfig.speculative_config)"
@@ -65,10 +75,12 @@ class RoutedExperts:
         # Unique: its pages match no other request's (whose routing it cannot know).
         return f"{salt or ''}\x00routed-experts-{next(self._salts)}"
 
-    def add(self, request_id: str, seqs: list[SequenceState]) -> None:
-        """Starts the tables of a submitted request's sequences, if it asks."""
+    def add(self, request: Request) -> Request:
+        """Starts the tables of a submitted request's sequences, if it asks; returns it."""
+        seqs = request.seqs
         if seqs[0].params.return_routed_experts:
-            self._requests[request_id] = (seqs, [self._empty(0) for _ in seqs], {})
+            self._requests[request.request_id] = (seqs, [self._empty(0) for _ in seqs], {})
+        return request
 
     def _empty(self, num_positions: int) -> np.ndarray:
         return np.full((num_positions, *self.runner.routing_shape), NOT_ROUTED, np.int32)
