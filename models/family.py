@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import jax
 
 from paxkv.sharding.model_shape import ModelShape
 from paxkv.sharding.shardings import SplitRule
+
+from . import hf_fields
 
 
 class ModelConfig(ModelShape, Protocol):
@@ -42,6 +44,20 @@ class ModelConfig(ModelShape, Protocol):
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict (`from_hf` reads it back)."""
+
+
+class ConfigBase:
+    """What every family's frozen config derives alike from the fields they share
+    (`ModelConfig`): the EOS ids as a tuple, and `replace`."""
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence ids as a tuple (empty when the model has none)."""
+        return hf_fields.eos_token_ids(self.eos_token_id)
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes` applied (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **changes)
 
 
 class Model(Protocol):

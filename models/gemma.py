@@ -25,10 +25,8 @@ from .layers import (
     MLP,
     SHARDING_RULES,
     Attention,
+    CausalLM,
     dense_causal_attention,
-    duplicate_kv_heads,
-    embedding,
-    lm_head,
     output_logits,
     rms_normalize,
     rope_inv_freq,
@@ -68,24 +66,14 @@ class GemmaDecoderLayer(nnx.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class GemmaForCausalLM(nnx.Module):
+class GemmaForCausalLM(CausalLM):
     """The Gemma decoder with its (usually tied) LM head; the same contract as
     `LlamaForCausalLM`: `__call__` is the paged step, `dense_logits` the oracle."""
 
     def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.embed_tokens = embedding(config, rngs=rngs)
-        layers = [GemmaDecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
-        # Stacked by kind and scanned over periods (`LayerStack`), or looped.
-        self.layers = layer_stack.hold(layers, config)
-        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
-        self.lm_head = lm_head(config, rngs=rngs)
-        # A jax Mesh (static), as `LlamaForCausalLM.mesh`.
-        self.mesh = None
-
-    def duplicate_kv_heads(self, factor: int) -> None:
-        """Repeats every KV head `factor` times, in place (see `layers.duplicate_kv_heads`)."""
-        duplicate_kv_heads(self, factor)
+        # Its layers stacked by kind and scanned over periods (`LayerStack`), or looped.
+        make_layer = lambda: GemmaDecoderLayer(config, rngs=rngs)
+        super().__init__(config, make_layer, norm_class=GemmaRMSNorm, rngs=rngs)
 
     def layer_inv_freq(self, layer: int) -> np.ndarray:  # f64[D // 2]
         """RoPE inverse frequencies of `layer`: the local base on sliding layers, the

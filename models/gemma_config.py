@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
+from .family import ConfigBase
 from .hf_fields import field as _field
 from .hf_fields import positive_or_null
 
@@ -16,7 +17,7 @@ ACTIVATION = "gelu_pytorch_tanh"  # GeGLU with the tanh-approximate gelu
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaConfig:
+class GemmaConfig(ConfigBase):
     """Shapes and numerics of one Gemma 2 or Gemma 3 text decoder.
 
     What sets them apart from the Llama family: GeGLU MLPs; RMSNorms that scale by
@@ -61,30 +62,16 @@ class GemmaConfig:
     def __post_init__(self):
         hf_fields.check_shared_fields(self)
         hf_fields.check_positive(self, "rope_local_theta", "query_pre_attn_scalar")
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be positive")
-        if isinstance(self.layer_types, list):
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        kinds_ok = set(self.layer_types) <= {SLIDING, FULL}
-        if len(self.layer_types) != self.num_layers or not kinds_ok:
-            raise ValueError(
-                f"layer_types={self.layer_types!r} must give {self.num_layers} layers, each "
-                f"{SLIDING!r} or {FULL!r}"
-            )
+        check_layer_types(self)
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "rope_scaling_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value} must be positive or None")
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence ids as a tuple (empty when the model has none)."""
-        return hf_fields.eos_token_ids(self.eos_token_id)
-
-    @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window W (None: the whole prefix)."""
-        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+        return windows_by_layer_type(self)
 
     @property
     def norm_params_per_layer(self) -> int:
@@ -95,10 +82,6 @@ class GemmaConfig:
     def model_type(self) -> str:
         """The Hugging Face model type: gemma3_text with q/k norms, gemma2 otherwise."""
         return "gemma3_text" if self.qk_norm else "gemma2"
-
-    def replace(self, **changes) -> GemmaConfig:
-        """A copy with `changes` applied (`dataclasses.replace`)."""
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> GemmaConfig:
@@ -191,13 +174,7 @@ class GemmaConfig:
         hf = {
             "model_type": self.model_type,
             "architectures": ["Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            **hf_fields.shared_to_hf(self),
             "hidden_activation": ACTIVATION,
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
@@ -206,12 +183,6 @@ class GemmaConfig:
             "final_logit_softcapping": self.final_logit_softcapping,
             "attention_bias": False,
             "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": self.dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": hf_fields.eos_to_hf(self.eos_token_id),
         }
         if gemma3:
             hf["rope_local_base_freq"] = self.rope_local_theta
@@ -293,6 +264,28 @@ def _rope_of(
     if rope_type == "default":
         return theta, None
     return theta, _field(rope, "factor", float, parent=parent)
+
+
+def check_layer_types(config: Any) -> None:
+    """ValueError showing the value unless `config.layer_types` gives each of its
+    `num_layers` layers `SLIDING` or `FULL` and its `sliding_window` is positive (Gemma
+    2/3, gpt-oss); a list becomes a tuple."""
+    if config.sliding_window < 1:
+        raise ValueError(f"sliding_window={config.sliding_window} must be positive")
+    if isinstance(config.layer_types, list):
+        object.__setattr__(config, "layer_types", tuple(config.layer_types))
+    kinds_ok = set(config.layer_types) <= {SLIDING, FULL}
+    if len(config.layer_types) != config.num_layers or not kinds_ok:
+        raise ValueError(
+            f"layer_types={config.layer_types!r} must give {config.num_layers} layers, each "
+            f"{SLIDING!r} or {FULL!r}"
+        )
+
+
+def windows_by_layer_type(config: Any) -> tuple[int | None, ...]:
+    """Each layer's attention window: `sliding_window` on `SLIDING` layers, None (the
+    whole prefix) on `FULL` ones."""
+    return tuple(config.sliding_window if t == SLIDING else None for t in config.layer_types)
 
 
 def every_nth_full(num_layers: int, n: int) -> tuple[str, ...]:

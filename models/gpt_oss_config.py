@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
-from .gemma_config import FULL, SLIDING
+from .family import ConfigBase
+from .gemma_config import FULL, SLIDING, check_layer_types, windows_by_layer_type
 from .hf_fields import field as _field
-from .moe_config import GROUPED_MATMULS
+from .moe_config import check_experts
 
 HF_MODEL_TYPES = ("gpt_oss",)
 
@@ -36,7 +37,7 @@ class YarnRope:
 
 
 @dataclasses.dataclass(frozen=True)
-class GptOssConfig:
+class GptOssConfig(ConfigBase):
     """Shapes and numerics of one gpt-oss decoder.
 
     A mixture of experts (`paxkv.models.moe`, `ExpertForm.gpt_oss`): a router with a
@@ -84,44 +85,18 @@ class GptOssConfig:
     def __post_init__(self):
         hf_fields.check_shared_fields(self)
         hf_fields.check_positive(self, "swiglu_limit", "swiglu_alpha")
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be positive")
-        if isinstance(self.layer_types, list):
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        kinds_ok = set(self.layer_types) <= {SLIDING, FULL}
-        if len(self.layer_types) != self.num_layers or not kinds_ok:
-            raise ValueError(
-                f"layer_types={self.layer_types!r} must give {self.num_layers} layers, each "
-                f"{SLIDING!r} or {FULL!r}"
-            )
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in "
-                f"[1, num_experts={self.num_experts}]"
-            )
-        if self.grouped_matmul not in GROUPED_MATMULS:
-            raise ValueError(
-                f"grouped_matmul={self.grouped_matmul!r} must be one of {GROUPED_MATMULS}"
-            )
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence ids as a tuple (empty when the model has none)."""
-        return hf_fields.eos_token_ids(self.eos_token_id)
+        check_layer_types(self)
+        check_experts(self)
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window W (None: the whole prefix)."""
-        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+        return windows_by_layer_type(self)
 
     @property
     def norm_params_per_layer(self) -> int:
         """Parameters of a layer's norms: two RMSNorms."""
         return 2 * self.hidden_size
-
-    def replace(self, **changes) -> GptOssConfig:
-        """A copy with `changes` applied (`dataclasses.replace`)."""
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> GptOssConfig:
@@ -186,13 +161,7 @@ class GptOssConfig:
         return {
             "model_type": "gpt_oss",
             "architectures": ["GptOssForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            **hf_fields.shared_to_hf(self),
             "num_local_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "layer_types": list(self.layer_types),
@@ -201,12 +170,6 @@ class GptOssConfig:
             "swiglu_limit": self.swiglu_limit,
             "swiglu_alpha": self.swiglu_alpha,
             "attention_bias": self.attention_bias,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": self.dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": hf_fields.eos_to_hf(self.eos_token_id),
         }
 
 

@@ -152,3 +152,24 @@ def eos_token_ids(eos: int | tuple[int, ...] | None) -> tuple[int, ...]:
     if isinstance(eos, int):
         return (eos,)
     return tuple(eos)
+
+
+def shared_to_hf(config: Any) -> dict[str, Any]:
+    """The `config.json` entries of the fields every family writes alike: sizes, heads,
+    norm epsilon, tied embeddings, dtype and the special tokens (`from_hf` reads them
+    back)."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "torch_dtype": config.dtype,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos_to_hf(config.eos_token_id),
+    }

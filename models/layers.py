@@ -328,6 +328,38 @@ def duplicate_kv_heads(model: Any, factor: int) -> None:
     model.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
 
 
+class CausalLM(nnx.Module):
+    """What every family's decoder holds alike: `embed_tokens`, `num_layers` layers made
+    by `make_layer()` (stacked and scanned, or one module each: `layer_stack.hold`), the
+    final `norm` (`norm_class(hidden_size)`), `lm_head` (None: tied to the embedding),
+    and `mesh`, a jax Mesh (static): attention (and experts) run per shard of its
+    `model` axis; set by `paxkv.sharding.shardings.shard_engine_state`, with the
+    weights and pages placed to match. Families add the paged step and the oracle."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        make_layer: Callable[[], nnx.Module],
+        *,
+        norm_class: type = RMSNorm,
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        self.embed_tokens = embedding(config, rngs=rngs)
+        self.layers = layer_stack.hold([make_layer() for _ in range(config.num_layers)], config)
+        self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
+        self.lm_head = lm_head(config, rngs=rngs)
+        self.mesh = None
+
+    def duplicate_kv_heads(self, factor: int) -> None:
+        """Repeats every KV head `factor` times, in place (see `duplicate_kv_heads`)."""
+        duplicate_kv_heads(self, factor)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
+        return output_logits(self, hidden)
+
+
 # Megatron-style tensor parallelism over these layers' parameters (see
 # `paxkv.sharding.shardings`): attention by KV heads, the MLP by its hidden features,
 # the embedding and the LM head by the vocabulary.

@@ -22,12 +22,9 @@ from .layers import (
     MLP,
     SHARDING_RULES,
     Attention,
+    CausalLM,
     RMSNorm,
     dense_causal_attention,
-    duplicate_kv_heads,
-    embedding,
-    lm_head,
-    output_logits,
     rope_inv_freq,
 )
 from .llama_config import LlamaConfig
@@ -54,24 +51,11 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(CausalLM):
     """The decoder with its LM head (or tied embedding); see `__call__` for the paged step."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.embed_tokens = embedding(config, rngs=rngs)
-        layers = [DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
-        # Stacked and scanned (`LayerStack`), or a module per layer, looped.
-        self.layers = layer_stack.hold(layers, config)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
-        self.lm_head = lm_head(config, rngs=rngs)
-        # A jax Mesh (static): attention runs per shard of its `model` axis. Set by
-        # `paxkv.sharding.shardings.shard_engine_state`, with the weights and pages placed to match.
-        self.mesh = None
-
-    def duplicate_kv_heads(self, factor: int) -> None:
-        """Repeats every KV head `factor` times, in place (see `duplicate_kv_heads`)."""
-        duplicate_kv_heads(self, factor)
+        super().__init__(config, lambda: DecoderLayer(config, rngs=rngs), rngs=rngs)
 
     @property
     def inv_freq(self) -> np.ndarray:  # f64[D // 2]
@@ -124,10 +108,6 @@ class LlamaForCausalLM(nnx.Module):
         carry = (self.embed_tokens(tokens), kv_cache)
         x, kv_cache = layer_stack.run(self.layers, carry, body, scanned=c.scan_layers)
         return self.norm(x), kv_cache
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
-        return output_logits(self, hidden)
 
     def dense_logits(self, tokens: jax.Array) -> jax.Array:
         """`i32[L]` -> `f32[L, vocab]`: one sequence from position 0, dense causal attention.

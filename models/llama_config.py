@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
+from .family import ConfigBase
 from .hf_fields import field as _field
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,7 +40,7 @@ class Llama3RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(ConfigBase):
     """Shapes and numerics of one decoder-only Llama-family model.
 
     `attention_bias` means Qwen2's layout: q/k/v projections with bias, o_proj
@@ -81,11 +82,6 @@ class LlamaConfig:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence ids as a tuple (empty when the model has none)."""
-        return hf_fields.eos_token_ids(self.eos_token_id)
-
-    @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window W (None: the whole prefix); one for all here."""
         return (self.sliding_window,) * self.num_layers
@@ -94,10 +90,6 @@ class LlamaConfig:
     def norm_params_per_layer(self) -> int:
         """Parameters of a layer's norms: two RMSNorms, and Qwen3's q/k norms."""
         return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
-
-    def replace(self, **changes) -> LlamaConfig:
-        """A copy with `changes` applied (`dataclasses.replace`)."""
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
@@ -203,22 +195,10 @@ class LlamaConfig:
                     "qwen3": "Qwen3ForCausalLM",
                 }[model_type]
             ],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            **hf_fields.shared_to_hf(self),
             "hidden_act": "silu",
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": self.dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": hf_fields.eos_to_hf(self.eos_token_id),
         }
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}

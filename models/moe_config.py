@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
+from .family import ConfigBase
 from .hf_fields import field as _field
 
 HF_MODEL_TYPES = ("mixtral", "qwen3_moe")
@@ -16,8 +17,22 @@ _ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCaus
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
 
 
+def check_experts(config: Any) -> None:
+    """ValueError showing the value unless `config` routes each token to between 1 and
+    `num_experts` experts and names one of `GROUPED_MATMULS`."""
+    if not 1 <= config.num_experts_per_tok <= config.num_experts:
+        raise ValueError(
+            f"num_experts_per_tok={config.num_experts_per_tok} must be in "
+            f"[1, num_experts={config.num_experts}]"
+        )
+    if config.grouped_matmul not in GROUPED_MATMULS:
+        raise ValueError(
+            f"grouped_matmul={config.grouped_matmul!r} must be one of {GROUPED_MATMULS}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
-class MoeConfig:
+class MoeConfig(ConfigBase):
     """Shapes and numerics of one Mixtral or Qwen3-MoE decoder.
 
     The Llama-family decoder (`LlamaConfig`) with every layer's MLP replaced by
@@ -61,25 +76,12 @@ class MoeConfig:
         hf_fields.check_shared_fields(self)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in "
-                f"[1, num_experts={self.num_experts}]"
-            )
-        if self.grouped_matmul not in GROUPED_MATMULS:
-            raise ValueError(
-                f"grouped_matmul={self.grouped_matmul!r} must be one of {GROUPED_MATMULS}"
-            )
+        check_experts(self)
 
     @property
     def model_type(self) -> str:
         """The Hugging Face model type: qwen3_moe with q/k norms, mixtral otherwise."""
         return "qwen3_moe" if self.qk_norm else "mixtral"
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence ids as a tuple (empty when the model has none)."""
-        return hf_fields.eos_token_ids(self.eos_token_id)
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -90,10 +92,6 @@ class MoeConfig:
     def norm_params_per_layer(self) -> int:
         """Parameters of a layer's norms: two RMSNorms, and Qwen3-MoE's q/k norms."""
         return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
-
-    def replace(self, **changes) -> MoeConfig:
-        """A copy with `changes` applied (`dataclasses.replace`)."""
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> MoeConfig:
@@ -187,24 +185,12 @@ class MoeConfig:
         hf = {
             "model_type": model_type,
             "architectures": [_ARCHITECTURES[model_type]],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            **hf_fields.shared_to_hf(self),
             "num_local_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "hidden_act": "silu",
             "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
             "sliding_window": self.sliding_window,
-            "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": self.dtype,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": hf_fields.eos_to_hf(self.eos_token_id),
         }
         if model_type == "qwen3_moe":
             # Every layer sparse; the dense `intermediate_size` is then unused.

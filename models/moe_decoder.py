@@ -31,12 +31,9 @@ from .family import Family
 from .layers import (
     SHARDING_RULES,
     Attention,
+    CausalLM,
     RMSNorm,
     dense_causal_attention,
-    duplicate_kv_heads,
-    embedding,
-    lm_head,
-    output_logits,
     rope_inv_freq,
     yarn_inv_freq,
 )
@@ -105,24 +102,18 @@ def _layer_routing(routing: jax.Array | None, i) -> jax.Array | None:
     return None if routing is None else routing[i]
 
 
-class MoeForCausalLM(nnx.Module):
+class MoeForCausalLM(CausalLM):
     """The MoE decoder with its LM head (or tied embedding); the contract of
     `family.Model`: `__call__` is the paged step, `dense_logits` the oracle. Its config
     is a `MoeConfig` (Mixtral, Qwen3-MoE) or a `GptOssConfig`."""
 
-    def __init__(self, config: MoeFamilyConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.embed_tokens = embedding(config, rngs=rngs)
-        layers = [MoeDecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
-        self.layers = layer_stack.hold(layers, config)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=config.dtype)
-        self.lm_head = lm_head(config, rngs=rngs)
-        # A jax Mesh (static), as `LlamaForCausalLM.mesh`; the experts split over it too.
-        self.mesh = None
+    # The engine's step asks for the routing (`return_routing=True`), of
+    # `config.num_layers` layers and `config.num_experts_per_tok` experts
+    # (`paxkv.engine.routed_experts`).
+    routes_experts = True
 
-    def duplicate_kv_heads(self, factor: int) -> None:
-        """Repeats every KV head `factor` times, in place (see `layers.duplicate_kv_heads`)."""
-        duplicate_kv_heads(self, factor)
+    def __init__(self, config: MoeFamilyConfig, *, rngs: nnx.Rngs):
+        super().__init__(config, lambda: MoeDecoderLayer(config, rngs=rngs), rngs=rngs)
 
     def _empty_routing(self, num_rows: int) -> jax.Array:  # i32[L, T, k]
         c = self.config
@@ -180,10 +171,6 @@ class MoeForCausalLM(nnx.Module):
         if return_routing:
             return self.norm(x), kv_cache, routes
         return self.norm(x), kv_cache
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
-        return output_logits(self, hidden)
 
     def dense_logits(
         self,

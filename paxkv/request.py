@@ -159,6 +159,12 @@ class SamplingParams:
     `frequency_penalty` (in [-2, 2]) subtracts itself times the number of times it was
     generated, and `repetition_penalty` (> 0; 1: off) divides the positive logits and
     multiplies the negative ones of every token in the prompt or generated so far.
+
+    `return_routed_experts` (MoE models only; SGLang's name) returns, on each finished
+    completion, the experts every MoE layer sent each of its tokens to
+    (`CompletionOutput.routed_experts`), for RL trainers to replay the rollout's
+    routing. Such a request shares prefix-cache pages only among its own completions,
+    and runs one decode step per call (no multi-step decode, no speculative tokens).
     """
 
     n: int = 1
@@ -178,6 +184,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # a str or a list of str are taken too, and None (none)
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -239,6 +246,9 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r} "
                 f"({type(self.output_kind).__name__})"
             )
+        put(
+            "return_routed_experts", check_bool("return_routed_experts", self.return_routed_experts)
+        )
 
     @property
     def has_penalties(self) -> bool:
@@ -309,6 +319,14 @@ class CompletionOutput:
     hold only what is new since the previous output. `stop_reason` says which stop
     ended a completion with finish reason "stop": the stop string, or the token of
     `stop_token_ids`; None at EOS, as in vLLM.
+
+    `routed_experts` (with `SamplingParams.return_routed_experts`, on the output that
+    finishes the completion; None before and without it): i32[N, L, k] for the N =
+    prompt + generated tokens, L MoE layers and top k: row p holds the experts each
+    layer routed token p to when the model last computed it (a recomputation after
+    preemption replaces the earlier routing), -1 where the model never computed it
+    (the last generated token, which no step feeds back). Replaying it through the
+    model's `routing=` reproduces the forward pass (`paxkv.engine.routed_experts`).
     """
 
     index: int
@@ -318,6 +336,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # a FinishReason value once finished
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
+    routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

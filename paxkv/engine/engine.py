@@ -24,6 +24,7 @@ from paxkv.engine.endings import Endings
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import Request, RequestRegistry
+from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.sync_step import SyncStepper
 from paxkv.engine.weights_update import WeightUpdater
@@ -110,7 +111,7 @@ class Engine:
             draft_width=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.metrics = EngineMetrics()
-        # Final outputs of ended requests, reported by the next step.
+        self.routed_experts = RoutedExperts(self.runner, speculative=spec is not None)
         self.endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
         self._stepper = SyncStepper(
             self.runner,
@@ -121,6 +122,7 @@ class Engine:
             metrics=self.metrics,
             eos_token_ids=self.eos_token_ids,
             num_decode_steps=config.num_decode_steps,
+            routed_experts=self.routed_experts,
         )
         self._pipeline = (
             AsyncPipeline(
@@ -130,6 +132,7 @@ class Engine:
                 report=self.endings.report,
                 on_token=self.metrics.on_token,
                 eos_token_ids=self.eos_token_ids,
+                routed_experts=self.routed_experts,
             )
             if config.async_scheduling
             else None
@@ -214,9 +217,9 @@ class Engine:
             params or SamplingParams(),
             priority=priority,
             arrival_time=arrival_time,
-            cache_salt=cache_salt,
+            cache_salt=self.routed_experts.cache_salt(request_id, params, cache_salt),
         )
-        return self._queue(req)
+        return self._queue(self.routed_experts.add(req))
 
     def _queue(self, req: Request) -> str:
         self.metrics.on_arrival(req.arrival_time)
@@ -295,7 +298,7 @@ class Engine:
         if not plan.num_chunks and (self._pipeline is None or not self._pipeline.busy):
             if self.scheduler.has_unfinished() and not self.endings.pending:
                 raise RuntimeError("the scheduler made no progress with requests pending")
-            return StepOutputs(self.endings.take())
+            return self.routed_experts.attach(StepOutputs(self.endings.take()))
         try:
             if self._pipeline is not None:
                 outputs, t1, t2 = self._pipeline.step(plan)
@@ -307,7 +310,7 @@ class Engine:
         self.endings.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
         self.metrics.maybe_log(self.stats, self.config.log_stats_interval_s)
-        return StepOutputs.of(self.endings.take(), outputs)
+        return self.routed_experts.attach(StepOutputs.of(self.endings.take(), outputs))
 
     # Introspection.
 

@@ -217,6 +217,7 @@ class LeaderRunner(StepRunner):
         self.config = runner.config
         self.kv_groups = runner.kv_groups
         self.mesh = getattr(runner, "mesh", None)
+        self.routing_shape = runner.routing_shape
 
     num_compilations = property(lambda self: self.runner.num_compilations)
     compile_seconds = property(lambda self: self.runner.compile_seconds)
@@ -230,6 +231,10 @@ class LeaderRunner(StepRunner):
     def fetch(self, handle: Any) -> Sampled:
         """`runner.fetch`: process 0 reads the (replicated) samples."""
         return self.runner.fetch(handle)
+
+    def fetch_routing(self, handle: Any) -> np.ndarray:
+        """`runner.fetch_routing`: process 0 reads the (replicated) routing."""
+        return self.runner.fetch_routing(handle)
 
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]

@@ -459,6 +459,11 @@ class StepOutputs(Sequence[RequestOutput]):
             return StepOutputs(items + outputs._items, outputs._deltas)
         return StepOutputs(items + outputs)
 
+    def built_items(self) -> list[RequestOutput]:
+        """The outputs built already (those of requests not `Request.deferred`, and
+        those read), building none."""
+        return [o for o in self._items if isinstance(o, RequestOutput)]
+
     def handles(self) -> list[tuple[str, bool, Any]]:
         """`(request_id, finished, output)` per output, building none of them."""
         out = [(o.request_id, o.finished, o) for o in self._items]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.recording import record_scores
+from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import PLACEHOLDER_TOKEN
@@ -46,6 +47,7 @@ class AsyncPipeline:
       on_token: called with the time since a sequence's previous token (None for its
         first) for each token resolved.
       eos_token_ids: the model's end-of-sequence tokens.
+      routed_experts: records the routing of steps whose requests ask for it.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class AsyncPipeline:
         report: Callable[[Iterable[str]], list[RequestOutput]],
         on_token: Callable[[float | None], None],
         eos_token_ids: tuple[int, ...],
+        routed_experts: RoutedExperts | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -64,6 +67,7 @@ class AsyncPipeline:
         self.report = report
         self.on_token = on_token
         self.eos_token_ids = eos_token_ids
+        self.routed_experts = routed_experts
         self.inflight: InFlight | None = None
         self._last_token_seen: dict[int, float] = {}
 
@@ -119,6 +123,8 @@ class AsyncPipeline:
     def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
         """Waits for an in-flight step and puts its sampled tokens in place."""
         sampled = self.runner.fetch(inflight.sampled)
+        if self.routed_experts is not None:
+            self.routed_experts.record(inflight.plan, inflight.sampled)
         now = time.monotonic()
         # Scored sequences that ended with this step (max_tokens=0) are reported now,
         # with their prompt logprobs in place.

@@ -67,7 +67,10 @@ class Request:
 
     def __post_init__(self) -> None:
         p = self.seqs[0].params
-        self.deferred = not p.stop and p.logprobs is None and p.prompt_logprobs is None
+        self.deferred = (
+            not (p.stop or p.logprobs is not None or p.prompt_logprobs is not None)
+            and not p.return_routed_experts
+        )
         self.output_kind = p.output_kind  # what its outputs hold
         self.build_lock = new_lock()
 

@@ -45,6 +45,9 @@ class StepRunner:
     model_config: Any
     num_compilations: int = 0
     compile_seconds: float = 0.0
+    # `(L, k)` of the routing a model that routes experts returns with every step
+    # (`fetch_routing`): its MoE layers and top k. None: the model routes none.
+    routing_shape: tuple[int, int] | None = None
 
     def dispatch(self, hb: HostBatch) -> Any:
         """Starts one step of `hb`; returns a handle for `fetch`."""
@@ -53,6 +56,11 @@ class StepRunner:
     def fetch(self, handle: Any) -> Sampled:
         """The samples of a dispatched step, as NumPy arrays (rows: max_num_seqs)."""
         raise NotImplementedError
+
+    def fetch_routing(self, handle: Any) -> np.ndarray:  # i32[L, T, k]
+        """The experts each MoE layer of a dispatched step sent each packed row to,
+        copied to the host (only steps whose routing a request asks for pay it)."""
+        raise ValueError("the model routes no experts (routing_shape is None)")
 
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
@@ -110,6 +118,8 @@ class ModelRunner(StepRunner):
             mc = model.config
         self.model_config = mc
         self.config = config
+        if getattr(model, "routes_experts", False):
+            self.routing_shape = (mc.num_layers, mc.num_experts_per_tok)
         self.mesh = mesh
         # Which layers share a page table (one group unless the model mixes windows).
         self.kv_groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
@@ -198,8 +208,14 @@ class ModelRunner(StepRunner):
         return self._run_step(*StepBatch.from_host(hb, self.config.page_size))
 
     def fetch(self, handle: Sampled) -> Sampled:
-        """Waits for the step and copies its samples to the host."""
-        return jax.device_get(handle)
+        """Waits for the step and copies its samples to the host (not its routing)."""
+        return jax.device_get(handle.replace(routing=None))
+
+    def fetch_routing(self, handle: Sampled) -> np.ndarray:  # i32[L, T, k]
+        """The step's routing (`Sampled.routing`), copied to the host."""
+        if handle.routing is None:
+            return super().fetch_routing(handle)
+        return np.asarray(jax.device_get(handle.routing))
 
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]

@@ -100,7 +100,9 @@ class Speculated:
 class Sampled:
     """One step's samples: the token of every row and what the API reports about it,
     and (`scored`, None when the step scores no row) its prompt logprobs, and (`spec`,
-    None when no sequence of the step speculates) the speculative verdicts."""
+    None when no sequence of the step speculates) the speculative verdicts, and
+    (`routing`, None unless the model routes experts) the experts each MoE layer sent
+    each packed row to, which stays on the device unless a request asks for it."""
 
     tokens: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S]; of the chosen token, under log_softmax(logits)
@@ -109,13 +111,14 @@ class Sampled:
     ranks: jax.Array  # i32[S]; the chosen token's rank, 1 = the most likely
     scored: Scored | None = None
     spec: Speculated | None = None
+    routing: jax.Array | None = None  # i32[L, T, k]
 
     def padded(self, rows: int) -> Sampled:
         """Its per-sequence arrays (`spec` too) padded with zero rows to `rows` rows."""
         pad = rows - self.tokens.shape[0]
-        per_row = self.replace(scored=None)
+        per_row = self.replace(scored=None, routing=None)
         per_row = jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)), per_row)
-        return per_row.replace(scored=self.scored)
+        return per_row.replace(scored=self.scored, routing=self.routing)
 
 
 def apply_penalties(

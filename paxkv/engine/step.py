@@ -128,15 +128,20 @@ def forward_logits(
     *,
     attention_backend: str,
     decode_only: bool = False,
-) -> tuple[jax.Array, PagedKVCache]:
+    return_routing: bool = False,
+) -> tuple[jax.Array, ...]:  # logits, cache (, i32[L, T, k])
     """The model over a packed batch: writes its K/V, attends, and returns the logits
     (f32[S, V], or [T, V] for every row) with the updated cache. `decode_only` (static):
-    every sequence has at most one row, which the model is told (`decode_only=True`)."""
+    every sequence has at most one row, which the model is told (`decode_only=True`).
+    `return_routing` (static, a model that `routes_experts` only): also the experts each
+    MoE layer sent each row to."""
     extra = {"decode_only": True} if decode_only else {}
-    hidden, kv_cache = model(
+    if return_routing:
+        extra["return_routing"] = True
+    hidden, kv_cache, *routing = model(
         tokens, positions, kv_cache, table, attention_backend=attention_backend, **extra
     )
-    return model.logits(hidden if rows is None else hidden[rows]), kv_cache
+    return model.logits(hidden if rows is None else hidden[rows]), kv_cache, *routing
 
 
 def forward_sample(
@@ -221,7 +226,9 @@ def model_step(
         valid = jnp.arange(k)[None, :] < batch.draft_counts[:, None]
         rows = jnp.where(valid, draft_rows, tokens_in.shape[0])
         tokens_in = tokens_in.at[rows.reshape(-1)].set(proposals.reshape(-1), mode="drop")
-    logits, kv_cache = forward_logits(
+    # A model that routes experts always returns its routing (no second compiled
+    # variant): it stays on the device unless a request asks (`ModelRunner.fetch_routing`).
+    logits, kv_cache, *routing = forward_logits(
         model,
         tokens_in,
         batch.positions,
@@ -229,6 +236,7 @@ def model_step(
         batch.table,
         jnp.concatenate([last, draft_rows.reshape(-1), batch.score_rows]),
         attention_backend=attention_backend,
+        return_routing=getattr(model, "routes_experts", False),
     )
     sampled = sample(logits[:num_sampled], sampling, num_logprobs=num_logprobs)
     num_spec = num_sampled * (k + 1)
@@ -252,6 +260,11 @@ def model_step(
         sampled = sampled.replace(scored=scored)
     sampled = sampled.padded(prev_tokens.shape[0])
     mesh = getattr(model, "mesh", None)
+    if routing:  # replicated on a mesh, so any process reads it whole
+        routing = routing[0]
+        if mesh is not None:
+            routing = jax.lax.with_sharding_constraint(routing, shardings.replicated(mesh))
+        sampled = sampled.replace(routing=routing)
     if mesh is not None:  # replicated, like the next step's prev_tokens input
         sampled = sampled.replace(
             tokens=jax.lax.with_sharding_constraint(sampled.tokens, shardings.replicated(mesh))

@@ -15,6 +15,7 @@ import jax
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.recording import record_samples
+from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.step import MAX_STOP_IDS
 from paxkv.host.plan import DecodeColumns, reserve_ahead
@@ -36,6 +37,8 @@ class SyncStepper:
       num_decode_steps: decode iterations per compiled call when a plan allows it.
       report_decode: the outputs of a steady decode plan (`Endings.report_decode`);
         None: `report` them.
+      routed_experts: records the routing of steps whose requests ask for it (their
+        plans run one step per call).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class SyncStepper:
         eos_token_ids: tuple[int, ...],
         num_decode_steps: int,
         report_decode: Callable[[DecodeColumns], StepOutputs] | None = None,
+        routed_experts: RoutedExperts | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -58,6 +62,7 @@ class SyncStepper:
         self.eos_token_ids = eos_token_ids
         self.num_decode_steps = num_decode_steps
         self.report_decode = report_decode
+        self.routed_experts = routed_experts
 
     def step(self, plan: SchedulerOutput) -> tuple[list[RequestOutput], float, float]:
         """Runs `plan` (N decode steps in one call when it can) and records its tokens;
@@ -77,7 +82,10 @@ class SyncStepper:
             limits = [n for c, n in zip(planned.chunks, limits, strict=True) if id(c.seq) in kept]
         t1 = time.perf_counter()  # laid out; the device's time starts with the dispatch
         if limits is None:
-            results = [(self.runner.fetch(self.runner.dispatch(hb)), None)]
+            handle = self.runner.dispatch(hb)
+            results = [(self.runner.fetch(handle), None)]
+            if self.routed_experts is not None:
+                self.routed_experts.record(plan, handle)
         else:
             stops = [c.seq.stop_token_ids(self.eos_token_ids) for c in plan.chunks]
             sampled, valid = self.runner.decode_loop(hb, stops, limits)
@@ -100,6 +108,8 @@ class SyncStepper:
         n = self.num_decode_steps
         if n <= 1 or any(c.num_tokens != 1 or not c.samples for c in plan.chunks):
             return None
+        if self.routed_experts is not None and self.routed_experts.wants(plan):
+            return None  # the decode loop returns no routing
         eos = self.eos_token_ids
         if any(len(c.seq.stop_token_ids(eos)) > MAX_STOP_IDS for c in plan.chunks):
             return None
