@@ -112,13 +112,11 @@ class Engine:
         )
         self.metrics = EngineMetrics()
         self.routed_experts = RoutedExperts(self.runner, speculative=spec is not None)
-        self.endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
+        self.endings = endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
         self._stepper = SyncStepper(
-            self.runner,
-            self.scheduler,
-            self.batch_builder,
-            report=self.endings.report,
-            report_decode=self.endings.report_decode,
+            *(self.runner, self.scheduler, self.batch_builder),
+            report=endings.report,
+            report_decode=endings.report_decode,
             metrics=self.metrics,
             eos_token_ids=self.eos_token_ids,
             num_decode_steps=config.num_decode_steps,
@@ -171,8 +169,7 @@ class Engine:
         `resume`. Requests can still be added and aborted, and weights updated."""
         self.paused = True
 
-    def resume(self) -> None:
-        """Restarts the scheduling `pause` stopped."""
+    def resume(self) -> None:  # restarts the scheduling `pause` stopped
         self.paused = False
 
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
