@@ -19,18 +19,22 @@ processes stop the job with a message (`InputMismatch`) rather than produce wron
 tokens.
 
 Failure: a process that dies breaks the next collective (gloo: connection reset), so
-the step raises on every other process; a process that hangs stops sending heartbeats
-to the coordinator, which ends every process after `heartbeat_timeout_seconds` of
-`jax.distributed.initialize`. `update_weights` is not carried (process 0's runner
-refuses it).
+the step raises on every other process; a process that hangs, or one whose death
+leaves a collective waiting, stops process 0's call: `LeaderRunner.busy_s` tells a
+watchdog how long the call in flight has run (`paxkv.serve.multihost`). A process that
+stops sending heartbeats to the coordinator ends every process after
+`heartbeat_timeout_seconds` of `jax.distributed.initialize`. `update_weights` is not
+carried (process 0's runner refuses it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -217,6 +221,21 @@ class LeaderRunner(StepRunner):
         self.config = runner.config
         self.kv_groups = runner.kv_groups
         self.mesh = getattr(runner, "mesh", None)
+        self._busy_since: float | None = None  # time.monotonic() at the call's start
+
+    def busy_s(self) -> float:
+        """Seconds the call in flight (a message and its device call) has run; 0 when
+        none is. Safe from any thread."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
 
     num_compilations = property(lambda self: self.runner.num_compilations)
     compile_seconds = property(lambda self: self.runner.compile_seconds)
@@ -224,19 +243,24 @@ class LeaderRunner(StepRunner):
 
     def dispatch(self, hb: HostBatch) -> Any:
         """Sends `hb`, then dispatches it."""
-        self.channel.send(Command.STEP, host_batch_arrays(hb))
-        return self.runner.dispatch(hb)
+        with self._busy():
+            self.channel.send(Command.STEP, host_batch_arrays(hb))
+            return self.runner.dispatch(hb)
 
     def fetch(self, handle: Any) -> Sampled:
         """`runner.fetch`: process 0 reads the (replicated) samples."""
-        return self.runner.fetch(handle)
+        with self._busy():
+            return self.runner.fetch(handle)
 
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
     ) -> tuple[Sampled, np.ndarray]:
         """Sends `hb` with the loop's stop ids and limits, then runs the loop."""
-        self.channel.send(Command.LOOP, [*host_batch_arrays(hb), *_loop_arrays(stop_ids, limits)])
-        return self.runner.decode_loop(hb, stop_ids, limits)
+        with self._busy():
+            self.channel.send(
+                Command.LOOP, [*host_batch_arrays(hb), *_loop_arrays(stop_ids, limits)]
+            )
+            return self.runner.decode_loop(hb, stop_ids, limits)
 
     def warmup(
         self,
@@ -254,12 +278,14 @@ class LeaderRunner(StepRunner):
 
     def restore_cache(self) -> bool:
         """Every process restores its cache after a failed call."""
-        self.channel.send(Command.RESTORE)
-        return self.runner.restore_cache()
+        with self._busy():
+            self.channel.send(Command.RESTORE)
+            return self.runner.restore_cache()
 
     def stop(self) -> None:
         """Ends the other processes' `follow`."""
-        self.channel.send(Command.STOP)
+        with self._busy():
+            self.channel.send(Command.STOP)
 
 
 def _loop_arrays(stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]) -> list[np.ndarray]:
