@@ -24,7 +24,8 @@ leaves a collective waiting, stops process 0's call: `LeaderRunner.busy_s` tells
 watchdog how long the call in flight has run (`paxkv.serve.multihost`). A process that
 stops sending heartbeats to the coordinator ends every process after
 `heartbeat_timeout_seconds` of `jax.distributed.initialize`. `update_weights` is not
-carried (process 0's runner refuses it).
+carried: process 0's runner refuses it with a ValueError that says why
+(`LeaderRunner.param_source`).
 """
 
 from __future__ import annotations
@@ -212,7 +213,18 @@ class LeaderRunner(StepRunner):
     makes the call on `runner` (a `ModelRunner` on the mesh that spans the processes).
     Everything else is `runner`'s."""
 
-    param_source = None  # `update_weights` is not carried to the other processes
+    @property
+    def param_source(self) -> Any:
+        """Refuses `Engine.update_weights` (which reads this first, before any change):
+        the weights are sharded over the processes, each holding only its own shards,
+        so new weights given to process 0 cannot reach the others' devices."""
+        raise ValueError(
+            "update_weights is not supported for a replica that spans processes "
+            f"({jax.process_count()} under jax.distributed): each process holds only its "
+            "own shards of the weights, and process 0 cannot place new ones on the other "
+            "processes' devices; restart the job on the new checkpoint, or serve replicas "
+            "that each fit one process"
+        )
 
     def __init__(self, runner: StepRunner, channel: Channel) -> None:
         self.runner = runner
