@@ -188,7 +188,7 @@ def test_update_weights_is_refused_naming_why_and_the_engine_serves_on():
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
     sent = channel.seq
-    with pytest.raises(ValueError, match="spans processes.*own shards"):
+    with pytest.raises(ValueError, match=r"spans processes.*own shards"):
         engine.update_weights({}, policy="abort")
     assert channel.seq == sent and engine.weight_version == 0
     (out,) = engine.run_until_done().values()
