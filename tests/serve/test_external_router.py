@@ -22,9 +22,13 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 ROUTER_PYTHON = os.environ.get("PAXKV_ROUTER_PYTHON", sys.executable)
-# Four heads of five pages or so (byte tokens) that prompts share.
-HEADS = [f"# package {i}: " + "import os, sys, json, re, math\n" * 2 for i in range(4)]
 PAGE_SIZE = ENGINE["page_size"]
+
+
+def head(i: int, run: str) -> str:
+    """Head `i` of five pages or so (byte tokens) that prompts share, new in each `run`
+    (another run's cached pages do not count); heads differ from their first page on."""
+    return f"# package {i} ({run})\n" + "import os, sys, json, re, math\n" * 2
 
 
 def _has_router() -> bool:
@@ -102,10 +106,9 @@ def test_paxkv_serve_instances_behind_sglang_router(workers, policy):
         # Each head's four requests one after another: round robin sends every head to
         # both instances, the cache-aware policy each to one.
         before = _hits(workers)
-        salt = f"# {policy}\n"  # new pages for this run: the other run's do not count
-        shared = len((salt + HEADS[0]).encode()) // PAGE_SIZE * PAGE_SIZE  # full pages
+        shared = len(head(0, policy).encode()) // PAGE_SIZE * PAGE_SIZE  # full pages
         for n in range(16):
-            body = {"model": "tiny-py", "prompt": salt + HEADS[n // 4] + f"x{n} = "}
+            body = {"model": "tiny-py", "prompt": head(n // 4, policy) + f"x{n} = "}
             r = httpx.post(f"{router.base}/v1/completions", json=body | {"max_tokens": 2})
             assert r.status_code == 200, r.text
         hits = _hits(workers) - before
