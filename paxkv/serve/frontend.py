@@ -10,7 +10,9 @@ queue.
 The engine isolates what one request can break (its host work failing ends it with
 finish reason "abort" and `RequestOutput.error`). A step that raises anyway is a bug in
 the engine: the front end then fails every request in flight, answers no more, and
-reports itself dead (`AsyncEngine.dead`), as vLLM's engine client does.
+reports itself dead (`AsyncEngine.dead`), as vLLM's engine client does; `fail_stuck`
+does the same from outside when the stepping thread is stuck in a call that will not
+return (a replica across processes that lost one).
 """
 
 from __future__ import annotations

@@ -12,22 +12,16 @@ import time
 
 import numpy as np
 import pytest
+from engine_configs import small_config
 
-from paxkv.engine import Engine, EngineConfig
+from paxkv.engine import Engine
 from paxkv.engine import multihost as mh
 from paxkv.engine.runner import FakeRunner
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-CONFIG = EngineConfig(
-    num_pages=64,
-    page_size=8,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    max_model_len=96,
-    log_stats_interval_s=0,
-)
+CONFIG = small_config(64, log_stats_interval_s=0)
 STALL_S = 1.0
 GRACE_S = 0.5
 
