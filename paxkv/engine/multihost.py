@@ -19,18 +19,23 @@ processes stop the job with a message (`InputMismatch`) rather than produce wron
 tokens.
 
 Failure: a process that dies breaks the next collective (gloo: connection reset), so
-the step raises on every other process; a process that hangs stops sending heartbeats
-to the coordinator, which ends every process after `heartbeat_timeout_seconds` of
-`jax.distributed.initialize`. `update_weights` is not carried (process 0's runner
-refuses it).
+the step raises on every other process; a process that hangs, or one whose death
+leaves a collective waiting, stops process 0's call: `LeaderRunner.busy_s` tells a
+watchdog how long the call in flight has run (`paxkv.serve.multihost`). A process that
+stops sending heartbeats to the coordinator ends every process after
+`heartbeat_timeout_seconds` of `jax.distributed.initialize`. `update_weights` is not
+carried: process 0's runner refuses it with a ValueError that says why
+(`LeaderRunner.param_source`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -208,7 +213,18 @@ class LeaderRunner(StepRunner):
     makes the call on `runner` (a `ModelRunner` on the mesh that spans the processes).
     Everything else is `runner`'s."""
 
-    param_source = None  # `update_weights` is not carried to the other processes
+    @property
+    def param_source(self) -> Any:
+        """Refuses `Engine.update_weights` (which reads this first, before any change):
+        the weights are sharded over the processes, each holding only its own shards,
+        so new weights given to process 0 cannot reach the others' devices."""
+        raise ValueError(
+            "update_weights is not supported for a replica that spans processes "
+            f"({jax.process_count()} under jax.distributed): each process holds only its "
+            "own shards of the weights, and process 0 cannot place new ones on the other "
+            "processes' devices; restart the job on the new checkpoint, or serve replicas "
+            "that each fit one process"
+        )
 
     def __init__(self, runner: StepRunner, channel: Channel) -> None:
         self.runner = runner
@@ -218,6 +234,21 @@ class LeaderRunner(StepRunner):
         self.kv_groups = runner.kv_groups
         self.mesh = getattr(runner, "mesh", None)
         self.routing_shape = runner.routing_shape
+        self._busy_since: float | None = None  # time.monotonic() at the call's start
+
+    def busy_s(self) -> float:
+        """Seconds the call in flight (a message and its device call) has run; 0 when
+        none is. Safe from any thread."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
 
     num_compilations = property(lambda self: self.runner.num_compilations)
     compile_seconds = property(lambda self: self.runner.compile_seconds)
@@ -225,12 +256,14 @@ class LeaderRunner(StepRunner):
 
     def dispatch(self, hb: HostBatch) -> Any:
         """Sends `hb`, then dispatches it."""
-        self.channel.send(Command.STEP, host_batch_arrays(hb))
-        return self.runner.dispatch(hb)
+        with self._busy():
+            self.channel.send(Command.STEP, host_batch_arrays(hb))
+            return self.runner.dispatch(hb)
 
     def fetch(self, handle: Any) -> Sampled:
         """`runner.fetch`: process 0 reads the (replicated) samples."""
-        return self.runner.fetch(handle)
+        with self._busy():
+            return self.runner.fetch(handle)
 
     def fetch_routing(self, handle: Any) -> np.ndarray:
         """`runner.fetch_routing`: process 0 reads the (replicated) routing."""
@@ -240,8 +273,11 @@ class LeaderRunner(StepRunner):
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
     ) -> tuple[Sampled, np.ndarray]:
         """Sends `hb` with the loop's stop ids and limits, then runs the loop."""
-        self.channel.send(Command.LOOP, [*host_batch_arrays(hb), *_loop_arrays(stop_ids, limits)])
-        return self.runner.decode_loop(hb, stop_ids, limits)
+        with self._busy():
+            self.channel.send(
+                Command.LOOP, [*host_batch_arrays(hb), *_loop_arrays(stop_ids, limits)]
+            )
+            return self.runner.decode_loop(hb, stop_ids, limits)
 
     def warmup(
         self,
@@ -259,12 +295,14 @@ class LeaderRunner(StepRunner):
 
     def restore_cache(self) -> bool:
         """Every process restores its cache after a failed call."""
-        self.channel.send(Command.RESTORE)
-        return self.runner.restore_cache()
+        with self._busy():
+            self.channel.send(Command.RESTORE)
+            return self.runner.restore_cache()
 
     def stop(self) -> None:
         """Ends the other processes' `follow`."""
-        self.channel.send(Command.STOP)
+        with self._busy():
+            self.channel.send(Command.STOP)
 
 
 def _loop_arrays(stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]) -> list[np.ndarray]:

@@ -144,7 +144,9 @@ def main(argv: list[str]) -> None:
         on_shutdown=None if channel is None else lambda: multihost.stop_followers(engine),
     )
     if channel is not None:
-        multihost.exit_when_failed(state.front)
+        # Half the heartbeat timeout: the requests are answered 503 before JAX ends the job.
+        stall_s = launch_flags.HEARTBEAT_TIMEOUT_S.value / 2
+        multihost.exit_when_failed(state.front, engine, stall_s=stall_s)
     run_server(state, sock=sock, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
 
 

@@ -10,7 +10,9 @@ queue.
 The engine isolates what one request can break (its host work failing ends it with
 finish reason "abort" and `RequestOutput.error`). A step that raises anyway is a bug in
 the engine: the front end then fails every request in flight, answers no more, and
-reports itself dead (`AsyncEngine.dead`), as vLLM's engine client does.
+reports itself dead (`AsyncEngine.dead`), as vLLM's engine client does; `fail_stuck`
+does the same from outside when the stepping thread is stuck in a call that will not
+return (a replica across processes that lost one).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -104,6 +107,8 @@ class AsyncEngine:
             queue.SimpleQueue()
         )
         self._groups: dict[str, RequestGroup] = {}  # the stepping thread's, by request id
+        # The event loop's: every group submitted and not yet collected.
+        self._live: weakref.WeakSet[RequestGroup] = weakref.WeakSet()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -144,6 +149,7 @@ class AsyncEngine:
         except BaseException:
             self.num_unfinished -= num_seqs
             raise
+        self._live.add(group)
         return group
 
     def end_in_flight(self, reason: str) -> None:
@@ -152,6 +158,28 @@ class AsyncEngine:
         logging.info("paxkv-serve: ending the requests in flight: %s", reason)
         self._stopping = True
         self._commands.put((lambda: self._fail_all(EngineDead(reason), abort=True), None))
+
+    def fail_stuck(self, reason: str) -> None:
+        """Fails every request in flight with EngineDead(`reason`) (HTTP 503) without the
+        stepping thread, which is stuck in a call that will not return (a process of a
+        replica across processes died or hangs); the front end is dead from now on.
+        Safe from any thread."""
+
+        def fail() -> None:
+            logging.error("paxkv-serve: failing the requests in flight: %s", reason)
+            self.dead = True
+            error = EngineDead(reason)
+            for group in list(self._live):
+                group.outputs.put_nowait(error)
+            while True:  # commands queued behind the stuck call never run
+                try:
+                    _, future = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if future is not None and future.set_running_or_notify_cancel():
+                    future.set_exception(error)
+
+        self._loop.call_soon_threadsafe(fail)
 
     def abort(self, request_id: str) -> None:
         """Ends request `request_id` (its last output comes with finish reason "abort");

@@ -4,8 +4,9 @@ the other processes' loop, and how each ends.
 Process 0 serves HTTP over an engine whose runner sends every device call to the other
 processes first (`leader_engine`); the others serve nothing and run those calls
 (`follow_and_exit`). At shutdown process 0 stops them (`stop_followers`); when the
-replica fails (a collective broke: another process died), process 0 answers the
-requests in flight with 503 and exits 1 (`exit_when_failed`). Exits go through
+replica fails (a collective broke, or a device call waits past a bound: another process
+died or hangs), process 0 answers the requests in flight with 503 and exits 1
+(`exit_when_failed`). Exits go through
 `os._exit`: JAX's shutdown barrier would wait for processes that are gone.
 """
 
@@ -16,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import jax
@@ -76,16 +78,40 @@ def stop_followers(engine: Engine) -> None:
         logging.warning("paxkv-serve: could not stop the other processes: %s", e)
 
 
-def exit_when_failed(front: Any, grace_s: float = 2.0) -> None:
-    """Process 0: once every replica of `front` (a `ReplicaSet`) has failed, its requests
-    answered 503, exits 1 `grace_s` later: a replica without all its processes cannot
-    serve again."""
+def exit_when_failed(
+    front: Any,
+    engine: Engine,
+    *,
+    stall_s: float,
+    grace_s: float = 2.0,
+    on_exit: Callable[[int, str], Any] | None = None,
+) -> None:
+    """Process 0: exits 1 once the replica has failed, its requests in flight answered
+    503 first (a replica without all its processes cannot serve again).
+
+    It fails when a step raises (a collective broke: `front`, a `ReplicaSet`, fails its
+    requests), or when a device call of `engine` (whose runner is a
+    `multihost.LeaderRunner`) has run `stall_s` seconds (a process died without breaking
+    the collective, or hangs: the requests are failed here, the stepping thread being
+    stuck). Then it exits `grace_s` later, time for the 503 events to reach the clients
+    (`on_exit(status, message)`; default `exit_now`). Set `stall_s` below the heartbeat
+    timeout, after which JAX ends the process with the connections cut, and above any
+    step's time.
+    """
+    runner = engine.runner
+    on_exit = on_exit or exit_now
 
     def watch() -> None:
         while not front.failed:
+            if runner.busy_s() > stall_s:
+                front.fail_stuck(
+                    f"the replica's processes stopped answering: a device call has waited "
+                    f"{stall_s:g} s for them"
+                )
+                break
             time.sleep(0.2)
         time.sleep(grace_s)
-        exit_now(1, "paxkv-serve: the replica's processes stopped answering (see above); exiting")
+        on_exit(1, "paxkv-serve: the replica's processes stopped answering (see above); exiting")
 
     threading.Thread(target=watch, name="paxkv-failure-watch", daemon=True).start()
 

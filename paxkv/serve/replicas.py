@@ -114,6 +114,12 @@ class ReplicaSet:
         for f in self.fronts:
             f.end_in_flight(reason)
 
+    def fail_stuck(self, reason: str) -> None:
+        """Fails every replica's requests in flight now, its stepping thread stuck (see
+        `AsyncEngine.fail_stuck`); safe from any thread."""
+        for f in self.fronts:
+            f.fail_stuck(reason)
+
     async def submit(
         self, submissions: Sequence[Submission], *, stream: bool = True
     ) -> RoutedGroup:

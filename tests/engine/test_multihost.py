@@ -178,3 +178,18 @@ def test_pack_round_trips_any_host_batch_fields_and_checks_order():
         mh.pack(mh.Command.STEP, 0, [np.zeros(2, np.float64)])
     fields = [f.name for f in dataclasses.fields(HostBatch)]
     assert len(fields) <= mh.MAX_ARRAYS - 2  # room for the decode loop's extras
+
+
+def test_update_weights_is_refused_naming_why_and_the_engine_serves_on():
+    """A replica across processes cannot take new weights from process 0 alone: refused
+    before anything changes or is sent to the other processes."""
+    channel = mh.Channel(np.array)
+    engine = Engine(None, CONFIG, runner=lambda c: mh.LeaderRunner(FakeRunner(256, c), channel))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
+    sent = channel.seq
+    with pytest.raises(ValueError, match=r"spans processes.*own shards"):
+        engine.update_weights({}, policy="abort")
+    assert channel.seq == sent and engine.weight_version == 0
+    (out,) = engine.run_until_done().values()
+    assert out.error is None and len(out.outputs[0].token_ids) == 4

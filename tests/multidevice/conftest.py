@@ -20,3 +20,13 @@ def eight_devices():
             f"{jax.device_count()} devices: JAX started before XLA_FLAGS={_FLAG} was set; run "
             "`PAXKV_MULTIDEVICE_TESTS=1 python -m pytest tests/multidevice` in a fresh process"
         )
+
+
+@pytest.fixture(scope="module")
+def serve_oracle():
+    """The serving tests' oracle: the engine `serve_processes` serves, on one device."""
+    from serve_processes import ENGINE, MAX_MODEL_LEN, MODEL
+
+    from paxkv import LLM
+
+    return LLM(MODEL, dtype="float32", warmup=False, max_model_len=MAX_MODEL_LEN, **ENGINE)

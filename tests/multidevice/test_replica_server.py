@@ -4,92 +4,37 @@ sticks to the replicas that hold its prefixes and spreads evenly over them, and
 /metrics gives each replica's figures and their totals."""
 
 import concurrent.futures
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
+from serve_processes import MODEL, ServeProcesses, cpu_env, free_port, metrics, serve_argv
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-ENGINE = {"num_pages": 256, "page_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64}
-MAX_MODEL_LEN = 128
-MODEL = "tiny-py"
 # Eight prefixes of two full pages (32 byte tokens) and more.
 PREFIXES = [f"# module {i}\nimport os\nimport sys\nimport json\n\n" for i in range(8)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metrics(base: str) -> dict[str, float]:
-    samples = {}
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "paxkv.launch.serve",
-        f"--config={MODEL}",
-        f"--port={port}",
-        "--mesh=model:2,data:4",
-        "--dtype=float32",
-        f"--max_model_len={MAX_MODEL_LEN}",
-        "--expose_prefix_cache_metrics",
-        *(f"--{k}={v}" for k, v in ENGINE.items()),
-    ]
-    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed below)
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}  # XLA_FLAGS: this process's 8 devices
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 480  # four replicas compile their step shapes
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"paxkv-serve exited {proc.returncode}:\n{log.read()[-5000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "paxkv-serve was not ready in time"
-        time.sleep(0.5)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    log.close()
+    port = free_port()
+    argv = serve_argv(port, "--mesh=model:2,data:4", "--expose_prefix_cache_metrics")
+    # XLA_FLAGS: this process's 8 devices (conftest).
+    proc = ServeProcesses([argv], base=f"http://127.0.0.1:{port}", env=cpu_env())
+    try:
+        yield proc.base
+        assert proc.terminate() == [0]
+    finally:
+        proc.kill()
 
 
-@pytest.fixture(scope="module")
-def llm():
-    """The oracle: the same model and engine on one device."""
-    from paxkv import LLM
-
-    return LLM(MODEL, dtype="float32", warmup=False, max_model_len=MAX_MODEL_LEN, **ENGINE)
-
-
-def test_four_replicas_answer_as_one_device(server, llm):
+def test_four_replicas_answer_as_one_device(server, serve_oracle):
     from paxkv import SamplingParams
 
+    llm = serve_oracle
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
-    before = _metrics(server)
+    before = metrics(server)
     prompts = [PREFIXES[i] + f"def f{i}(x):" for i in range(4)] + ["x", "class A:"]
     want = [
         o.outputs[0].text
@@ -109,7 +54,7 @@ def test_four_replicas_answer_as_one_device(server, llm):
         model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2
     )
     assert [c.text for c in several.choices] == [t for t in want for _ in range(2)]
-    after = _metrics(server)
+    after = metrics(server)
     assert after["paxkv:num_compilations_total"] == before["paxkv:num_compilations_total"] > 0
     for i in range(4):  # each replica compiled its own step shapes, and nothing since
         assert after[f'paxkv:replica_num_compilations_total{{replica="{i}"}}'] > 0
@@ -120,7 +65,7 @@ def test_shared_prefixes_stick_to_their_replica_and_spread_evenly(server):
     time, onto an idle server) goes to the least loaded replica in turn, and the other 40
     (8 at a time) follow it there by the prefix rule, so every replica serves two
     prefixes and 12 requests."""
-    before = _metrics(server)
+    before = metrics(server)
     prefixes = [p.replace("module", "package") for p in PREFIXES]
 
     def one(i: int) -> int:
@@ -131,7 +76,7 @@ def test_shared_prefixes_stick_to_their_replica_and_spread_evenly(server):
     for batch in range(1, 6):  # all eight prefixes in every batch of 8
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(one, range(batch * 8, batch * 8 + 8))) == [200] * 8
-    after = _metrics(server)
+    after = metrics(server)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
