@@ -124,9 +124,7 @@ class Engine:
         )
         self._pipeline = (
             AsyncPipeline(
-                self.runner,
-                self.scheduler,
-                self.batch_builder,
+                *(self.runner, self.scheduler, self.batch_builder),
                 report=self.endings.report,
                 on_token=self.metrics.on_token,
                 eos_token_ids=self.eos_token_ids,
@@ -169,7 +167,8 @@ class Engine:
         `resume`. Requests can still be added and aborted, and weights updated."""
         self.paused = True
 
-    def resume(self) -> None:  # restarts the scheduling `pause` stopped
+    def resume(self) -> None:
+        """Restarts the scheduling `pause` stopped."""
         self.paused = False
 
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
