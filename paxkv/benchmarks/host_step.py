@@ -86,7 +86,45 @@ _WINDOWS = flags.DEFINE_list(
     "128,128,128,128,128,global for Gemma 3's pattern: the KV-cache groups to keep.",
 )
 
+_DEVICE_MS = flags.DEFINE_float(
+    "device_ms",
+    0.0,
+    "Simulate a device: each call's results are ready this long after the device "
+    "starts it (it starts when dispatched and the previous call is done), and fetch "
+    "waits for them; reports the device's idle gap before each call.",
+)
+
 PARTS = ("schedule", "layout", "record", "outputs")
+
+
+class SimulatedDevice(FakeRunner):
+    """The fake runner in front of a simulated device: a call starts when it is
+    dispatched and the previous one is done, is ready `device_s` later, and `fetch`
+    waits until then. `gaps` holds, per call after the first, how long the device sat
+    idle before it (0 when the host dispatched it in time)."""
+
+    def __init__(self, *args: Any, device_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device_s = device_s
+        self.ready = None  # when the last call's results are ready
+        self.gaps: list[float] = []
+
+    def dispatch(self, hb: Any) -> Any:
+        """Queues the call on the simulated device; the handle says when it is ready."""
+        now = time.perf_counter()
+        if self.ready is not None:
+            self.gaps.append(max(0.0, now - self.ready))
+        start = now if self.ready is None else max(now, self.ready)
+        self.ready = start + self.device_s
+        return (super().dispatch(hb), self.ready)
+
+    def fetch(self, handle: Any) -> Any:
+        """Waits until the call is ready; its samples."""
+        sampled, ready = handle
+        wait = ready - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return super().fetch(sampled)
 
 
 def _lognormal_mean(mean: float, hi: int) -> LengthDistribution:
@@ -159,17 +197,20 @@ def run(
     *,
     vocab: int = VOCAB,
     accept_fraction: float | None = None,
+    device_s: float = 0.0,
 ) -> dict[str, Any]:
     """Replays `trace` through an engine over the fake runner, whose layers have
     `layer_windows` (None: global) and which accepts `accept_fraction` of each
-    speculative draft (`FakeRunner`); returns the results."""
-    engine = Engine(
-        None,
-        config,
-        runner=lambda c: FakeRunner(
-            vocab, c, layer_windows=layer_windows, accept_fraction=accept_fraction
-        ),
-    )
+    speculative draft (`FakeRunner`), in front of a simulated device of `device_s`
+    per call if > 0 (`SimulatedDevice`); returns the results."""
+
+    def runner(c: EngineConfig) -> FakeRunner:
+        kw = dict(layer_windows=layer_windows, accept_fraction=accept_fraction)
+        if device_s > 0:
+            return SimulatedDevice(vocab, c, device_s=device_s, **kw)
+        return FakeRunner(vocab, c, **kw)
+
+    engine = Engine(None, config, runner=runner)
     clock = _Clock()
     # Instrument the parts of a step on this engine's objects only.
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
@@ -243,6 +284,7 @@ def run(
         "all_finished": produced == forced,
         "pages_in_use_at_end": engine.pool.num_in_use,
         "generation_tokens": stats["generation_tokens"],
+        "device_idle_gap_us": _gaps(engine.runner),
         "speculation": engine.speculator.stats() if engine.speculator is not None else None,
         "per_step_us": {
             clock_name: {
@@ -258,6 +300,21 @@ def run(
             }
             for clock_name in ("cpu", "wall")
         },
+    }
+
+
+def _gaps(runner: FakeRunner) -> dict[str, float] | None:
+    """p50 / p99 / mean of a simulated device's idle gaps before its calls, and the
+    fraction of calls it waited for (None without a simulated device)."""
+    gaps = getattr(runner, "gaps", None)
+    if not gaps:
+        return None
+    x = np.array(gaps) * 1e6
+    return {
+        "p50": float(np.median(x)),
+        "p99": float(np.percentile(x, 99)),
+        "mean": float(x.mean()),
+        "waited": float((x > 0).mean()),
     }
 
 
@@ -339,7 +396,14 @@ def main(argv: list[str]) -> None:
         ),
     )
     windows = tuple(None if w == "global" else int(w) for w in _WINDOWS.value)
-    result = run(trace, config, windows, vocab=_VOCAB.value, accept_fraction=_SPEC_ACCEPTANCE.value)
+    result = run(
+        trace,
+        config,
+        windows,
+        vocab=_VOCAB.value,
+        accept_fraction=_SPEC_ACCEPTANCE.value,
+        device_s=_DEVICE_MS.value / 1e3,
+    )
     print(
         f"steps {result['steps']}, preemptions {result['preemptions']}, peak running "
         f"{result['peak_running']}, prefix hit rate {result['prefix_hit_rate']:.1%}, "
@@ -352,6 +416,13 @@ def main(argv: list[str]) -> None:
             f"speculation: {spec['spec_decode_num_drafts']} drafts, mean accepted length "
             f"{spec['spec_decode_mean_accepted_length']:.2f}, "
             f"{result['generation_tokens'] / result['steps']:.1f} tokens per step"
+        )
+    gaps = result["device_idle_gap_us"]
+    if gaps is not None:
+        print(
+            f"simulated device of {_DEVICE_MS.value} ms per call: idle gap before a call "
+            f"p50 {gaps['p50']:.0f} us, p99 {gaps['p99']:.0f} us, mean {gaps['mean']:.0f} "
+            f"us; it waited for the host before {gaps['waited']:.1%} of calls"
         )
     print(_table(result))
     if _JSON_OUT.value is not None:
