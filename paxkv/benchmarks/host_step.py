@@ -218,7 +218,7 @@ def run(
 
     def layout(plan, *args, **kwargs):
         decode_only.append(
-            plan.decode is not None or all(c.num_tokens - c.num_draft == 1 for c in plan.chunks)
+            all(c.num_tokens - c.num_draft == 1 for c in plan.extra)  # decode: all decodes
         )
         return engine_layout(plan, *args, **kwargs)
 

@@ -15,7 +15,7 @@ from absl import logging
 
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request, RequestRegistry
-from paxkv.host.plan import DecodeColumns
+from paxkv.host.plan import SchedulerOutput
 from paxkv.host.scheduler import Scheduler
 from paxkv.metrics import EngineMetrics
 from paxkv.request import RequestOutput
@@ -90,11 +90,13 @@ class Endings:
             self._finished(req)
         return outputs
 
-    def report_decode(self, decode: DecodeColumns) -> StepOutputs:
-        """`report` of a steady decode step's requests (`RequestRegistry.report_decode`:
-        one batch of deltas for those that go on)."""
+    def report_decode(self, plan: SchedulerOutput) -> StepOutputs:
+        """`report` of the requests of a plan made with the steady decode's columns: one
+        batch of deltas for the columns' requests that go on
+        (`RequestRegistry.report_decode`), the others one by one."""
         self.end_failed()
-        deltas, others = self.requests.report_decode(decode)
+        deltas, others = self.requests.report_decode(plan.decode)
+        others += [c.seq.request_id for c in plan.extra if c.samples]
         outputs, finished = self.requests.report(others, defer=True)
         for req in finished:
             self._finished(req)

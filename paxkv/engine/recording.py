@@ -24,13 +24,30 @@ def record_samples(
     read fails alone. Returns, per token produced, the time since the sequence's previous
     token (None for its first, and for the tokens after the first that one speculative
     step produced for a sequence: they arrive together)."""
-    if plan.decode is not None and valid is None:  # a steady decode: its columns
-        n = plan.num_chunks
+    if plan.decode is not None and valid is None:  # the steady decode's columns first
+        n = plan.num_decode
         recorded = scheduler.steady.record(
             plan, samples.tokens[:n].tolist(), samples.logprobs[:n].tolist(), eos_token_ids
         )
         if recorded is not None:
-            return recorded[1]
+            gaps = recorded[1]
+            if plan.extra:
+                rest = SchedulerOutput(plan.extra, ())
+                gaps += _record(scheduler, rest, samples.rows_from(n), None, eos_token_ids, True)
+            return gaps
+    return _record(scheduler, plan, samples, valid, eos_token_ids, False)
+
+
+def _record(
+    scheduler: Scheduler,
+    plan: SchedulerOutput,
+    samples: Sampled,
+    valid: Sequence[bool] | None,
+    eos_token_ids: tuple[int, ...],
+    steady: bool,
+) -> list[float | None]:
+    """`record_samples` the general way (`steady`: the `extra` of a plan whose decodes
+    the steady decode recorded, `Scheduler.update`)."""
     if valid is None:
         record_scores(plan, samples)
     tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
@@ -55,7 +72,7 @@ def record_samples(
                 result = (tokens[i], logprobs[i])
         sampled.append(result)
     was_running = [c.seq.status is running for c in plan.chunks] if valid is not None else None
-    scheduler.update(plan, sampled, eos_token_ids=eos_token_ids)
+    scheduler.update(plan, sampled, eos_token_ids=eos_token_ids, steady=steady)
     if was_running is not None:  # the loop and the host must agree on who ran
         for c, ran, got in zip(plan.chunks, was_running, sampled, strict=True):
             aborted = c.seq.finish_reason is FinishReason.ABORT  # failed or aborted

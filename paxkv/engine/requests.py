@@ -429,7 +429,7 @@ class RequestRegistry:
             )
         reqs = cache[2]
         if reqs is None:
-            return None, decode.request_ids
+            return None, list(decode.request_ids)
         ended = [i for i, s in enumerate(decode.seqs) if s.finish_reason is not None]
         counters = decode.counters
         if ended:

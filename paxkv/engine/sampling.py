@@ -113,6 +113,12 @@ class Sampled:
     spec: Speculated | None = None
     routing: jax.Array | None = None  # i32[L, T, k]
 
+    def rows_from(self, start: int) -> Sampled:
+        """Its per-sequence arrays (`spec` too) from row `start` on (host arrays)."""
+        per_row = self.replace(scored=None, routing=None)
+        per_row = jax.tree.map(lambda a: a[start:], per_row)
+        return per_row.replace(scored=self.scored, routing=self.routing)
+
     def padded(self, rows: int) -> Sampled:
         """Its per-sequence arrays (`spec` too) padded with zero rows to `rows` rows."""
         pad = rows - self.tokens.shape[0]

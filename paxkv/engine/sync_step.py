@@ -18,7 +18,7 @@ from paxkv.engine.recording import record_samples
 from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.step import MAX_STOP_IDS
-from paxkv.host.plan import DecodeColumns, reserve_ahead
+from paxkv.host.plan import reserve_ahead
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.metrics import EngineMetrics
 from paxkv.request import RequestOutput
@@ -51,7 +51,7 @@ class SyncStepper:
         metrics: EngineMetrics,
         eos_token_ids: tuple[int, ...],
         num_decode_steps: int,
-        report_decode: Callable[[DecodeColumns], StepOutputs] | None = None,
+        report_decode: Callable[[SchedulerOutput], StepOutputs] | None = None,
         routed_experts: RoutedExperts | None = None,
     ) -> None:
         self.runner = runner
@@ -99,7 +99,7 @@ class SyncStepper:
             gaps = record_samples(self.scheduler, step, sampled, valid, self.eos_token_ids)
             self.metrics.on_tokens(gaps)
         if plan.decode is not None and self.report_decode is not None:
-            return self.report_decode(plan.decode), t1, t2
+            return self.report_decode(plan), t1, t2
         return self.report(plan.sampled_request_ids()), t1, t2
 
     def _reserve_ahead(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:

@@ -185,28 +185,32 @@ def build_host_batch(
     of none. A step where a chunk has speculative proposals carries them as
     `draft_tokens` of width `draft_width` (the most a chunk may have), else of width 0.
     """
+    extra = plan.extra
+    # One transposition of the chunk tuples, then a NumPy array per field.
+    (seqs, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
+        zip(*extra, strict=True) if extra else ((),) * 9
+    )
+    q_lens = np.array(q_col, np.int64)
+    starts = np.array(start_col, np.int64)
+    num_pages = np.array(pages_col, np.int64)
+    row_ids = np.array(row_col, np.int64)
+    counters = np.array(out_col, np.int32)
+    num_draft = np.array(draft_col, np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=-1)
     decode = plan.decode
-    if decode is not None:  # a steady decode's columns: one token each
-        seqs = decode.seqs
-        n = len(seqs)
-        q_lens = np.ones(n, np.int64)
-        starts = decode.ends - 1
-        num_pages, row_ids, counters = decode.num_pages, decode.rows, decode.counters
-        samples_col, tokens_col, num_draft = (True,) * n, None, np.zeros(n, np.int32)
-    else:
-        chunks = plan.chunks
-        seqs = [c.seq for c in chunks]
-        n = len(chunks)
-        # One transposition of the chunk tuples, then a NumPy array per field.
-        (_, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
-            zip(*chunks, strict=True) if n else ((),) * 9
-        )
-        q_lens = np.array(q_col, np.int64)
-        starts = np.array(start_col, np.int64)
-        num_pages = np.array(pages_col, np.int64)
-        row_ids = np.array(row_col, np.int64)
-        counters = np.array(out_col, np.int32)
-        num_draft = np.array(draft_col, np.int32)
+    nd = plan.num_decode
+    if decode is not None:  # the steady decode's columns first: one token each
+        seqs = decode.seqs + seqs
+        q_lens = np.concatenate([np.ones(nd, np.int64), q_lens])
+        starts = np.concatenate([decode.ends - 1, starts])
+        num_pages = np.concatenate([decode.num_pages, num_pages])
+        row_ids = np.concatenate([decode.rows, row_ids])
+        counters = np.concatenate([decode.counters, counters])
+        num_draft = np.concatenate([np.zeros(nd, np.int32), num_draft])
+        flat = np.concatenate([decode.tokens, flat])
+        samples_col = (True,) * nd + samples_col
+        tokens_col = ((),) * nd + tokens_col
+    n = len(seqs)
     num = int(q_lens.sum())
     t_pad = Buckets.pick(num, buckets.tokens, "tokens in the step")
     s_pad = buckets.seq_bucket(n, t_pad)
@@ -220,10 +224,7 @@ def build_host_batch(
         raise ValueError(f"sequence {s}: kv_len={ends[s]} needs more than its {num_pages[s]} pages")
 
     tokens = np.zeros(t_pad, np.int32)
-    if decode is not None:
-        tokens[:num] = decode.tokens
-    else:
-        tokens[:num] = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=num)
+    tokens[:num] = flat
     cu = np.zeros(s_pad + 1, np.int32)
     np.cumsum(q_lens, out=cu[1 : n + 1])
     cu[n + 1 :] = cu[n]
@@ -255,10 +256,8 @@ def build_host_batch(
     for i in penalised.tolist():
         if samples_col[i]:
             histories[i] = seqs[i].penalty_history()
-    if decode is not None:  # a steady decode scores no prompt rows
-        score_rows, score_targets = np.zeros(0, np.int32), np.zeros(0, np.int32)
-    else:
-        score_rows, score_targets = _scored_rows(chunks, cu, t_pad)
+    # Only `extra` chunks score (the columns' decodes do not).
+    score_rows, score_targets = _scored_rows(extra, cu[nd:], t_pad)
     # A step that scores carries histories even with no penalties (rows of id -1 change
     # nothing), so a shape has three variants, not four.
     carries = score_rows.size > 0 or any(histories[i] is not None for i in penalised.tolist())

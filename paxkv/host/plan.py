@@ -112,25 +112,25 @@ class DecodeColumns:
 class SchedulerOutput:
     """The plan of one step: chunks in batch order, and who was preempted to make room.
 
-    A steady decode step is planned as `decode` columns (`DecodeColumns`); its `chunks`
-    are then made only if someone asks for them. `version` is the scheduler's
+    A plan made with the steady decode's columns holds its leading decodes as `decode`
+    (`DecodeColumns`) and the chunks after them as `extra`; its `chunks` (all of them)
+    are then made only if someone asks. `version` is the scheduler's
     `SequenceQueues.version` when it was made (-1: not recorded).
     """
 
-    __slots__ = ("_chunks", "decode", "preempted", "version")
+    __slots__ = ("_chunks", "decode", "extra", "preempted", "version")
 
     def __init__(
         self,
-        chunks: tuple[ScheduledChunk, ...] | None,
+        chunks: tuple[ScheduledChunk, ...],
         preempted: tuple[SequenceState, ...],
         *,
         decode: DecodeColumns | None = None,
         version: int = -1,
     ) -> None:
-        if (chunks is None) == (decode is None):
-            raise ValueError("a plan has chunks or decode columns, exactly one of them")
-        self._chunks = chunks
         self.decode = decode
+        self.extra = chunks  # after the decodes (all of them without)
+        self._chunks = chunks if decode is None else None
         self.preempted = preempted
         self.version = version
 
@@ -138,34 +138,38 @@ class SchedulerOutput:
     def chunks(self) -> tuple[ScheduledChunk, ...]:
         """Its chunks, in batch order."""
         if self._chunks is None:
-            self._chunks = self.decode.chunks()
+            self._chunks = self.decode.chunks() + self.extra
         return self._chunks
+
+    @property
+    def num_decode(self) -> int:
+        """How many leading chunks are the columns' decodes."""
+        return 0 if self.decode is None else len(self.decode.seqs)
 
     @property
     def num_chunks(self) -> int:
         """How many sequences it runs."""
-        return len(self.decode.seqs) if self._chunks is None else len(self._chunks)
+        return self.num_decode + len(self.extra)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the step computes, over all chunks."""
-        if self._chunks is None:
-            return len(self.decode.seqs)
-        return sum(c.num_tokens for c in self.chunks)
+        return self.num_decode + sum(c.num_tokens for c in self.extra)
 
     def sampled_request_ids(self) -> list[str]:
         """The request ids of its chunks that sample (repeated for n > 1)."""
-        if self._chunks is None:
-            return self.decode.request_ids
-        return [c.seq.request_id for c in self._chunks if c.samples]
+        extra = [c.seq.request_id for c in self.extra if c.samples]
+        return extra if self.decode is None else self.decode.request_ids + extra
 
     def running(self) -> SchedulerOutput:
         """The plan without the chunks of sequences that ended since it was made
         (aborted, or failed); itself when there are none."""
-        seqs = self.decode.seqs if self._chunks is None else (c.seq for c in self._chunks)
-        if all(s.status is SeqStatus.RUNNING for s in seqs):
+        running = SeqStatus.RUNNING
+        if all(c.seq.status is running for c in self.extra) and (
+            self.decode is None or all(s.status is running for s in self.decode.seqs)
+        ):
             return self
-        kept = tuple(c for c in self.chunks if c.seq.status is SeqStatus.RUNNING)
+        kept = tuple(c for c in self.chunks if c.seq.status is running)
         return SchedulerOutput(kept, self.preempted)
 
     def __repr__(self) -> str:

@@ -26,8 +26,8 @@ class SequenceQueues:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._failed: list[tuple[SequenceState, str]] = []
-        # Changes whenever a sequence starts or stops running, or its outputs change
-        # other than by a recorded token (the steady decode holds while it does not).
+        # Changes when a running sequence is preempted or its outputs change other than
+        # by a recorded token: what the steady decode's columns cannot absorb.
         self.version = 0
 
     def add(self, seq: SequenceState) -> None:
@@ -59,7 +59,6 @@ class SequenceQueues:
             self._end_stopped(seq, now)
 
     def _finish(self, seq: SequenceState, reason: FinishReason, now: float) -> None:
-        self.version += 1
         self.kv_cache_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -76,7 +75,6 @@ class SequenceQueues:
         and takes reason "stop" unless it was aborted."""
         if seq.finish_reason is FinishReason.ABORT:
             return
-        self.version += 1
         seq.truncate_outputs(num_output_tokens)
         self._end_stopped(seq, time.monotonic())
 
@@ -92,7 +90,6 @@ class SequenceQueues:
         """Ends `seq` (finish reason "abort") because something tied to it failed, frees
         what it holds, and records why for `take_failed`. Safe on a sequence caught
         half-way through scheduling: whatever pages it took go back."""
-        self.version += 1
         if seq.status is SeqStatus.FINISHED:  # ended, but its output failed: not a success
             seq.finish_reason = FinishReason.ABORT
         else:

@@ -139,20 +139,20 @@ class Scheduler(SequenceQueues):
     def schedule(self) -> SchedulerOutput:
         """Plans the next step and reserves its pages. Call `update` with its results."""
         self._writers.new_plan()
-        plan = self.steady.plan()
-        if plan is not None:
-            return plan
-        budget = self.max_num_batched_tokens
+        # The leading decodes from the steady decode's columns (None: none), then the
+        # other running sequences' chunks the general way.
+        decode, scheduled = self.steady.plan()
+        n = len(decode.seqs) if decode is not None else 0
+        budget = self.max_num_batched_tokens - n
         chunks: list[ScheduledChunk] = []
         preempted: list[SequenceState] = []
-        scheduled: set[int] = set()
         now = time.monotonic()
         ps = self.page_size
         kv = self.kv_cache_manager
         # Decodes (one token left to compute) first, then prefill chunks; each in order of
         # precedence, which `self.running` keeps.
         prefills = []
-        for seq in list(self.running):
+        for seq in self.running[n:]:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted to make room for a sequence before it
             outputs = seq.output_token_ids
@@ -194,7 +194,7 @@ class Scheduler(SequenceQueues):
                 scheduled.add(id(seq))
                 budget -= chunk.num_tokens
         # Admit waiting sequences first-come-first-served while they fit.
-        while self.waiting and budget > 0 and len(chunks) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and n + len(chunks) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             try:
                 chunk = self._admit(seq, budget, now)
@@ -215,7 +215,11 @@ class Scheduler(SequenceQueues):
         if spec is not None and budget > 0 and spec.new_step(len(self.running)):
             spare = spec.spare_tokens(self.max_num_batched_tokens - budget, budget)
             add_proposals(chunks, spare, spec, kv, max_model_len=self.max_model_len, fail=self.fail)
-        return SchedulerOutput(tuple(chunks), tuple(preempted), version=self.version)
+        if decode is None:
+            return SchedulerOutput(tuple(chunks), tuple(preempted), version=self.version)
+        plan = SchedulerOutput(tuple(chunks), tuple(preempted), decode=decode)
+        self.steady.planned(plan)
+        return plan
 
     def _schedule_running(
         self,
@@ -265,7 +269,6 @@ class Scheduler(SequenceQueues):
         if n is None:
             return None
         self.waiting.popleft()
-        self.version += 1
         seq.status = SeqStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
@@ -280,18 +283,22 @@ class Scheduler(SequenceQueues):
         sampled: Iterable[tuple[int, float] | None],
         *,
         eos_token_ids: tuple[int, ...] = (),
+        steady: bool = False,
     ) -> list[SequenceState]:
         """Records a step's results and returns the sequences it finished.
 
         `sampled` holds `(token, logprob)` or `(token, logprob, top_logprobs)` for each
         chunk in `output.chunks` that samples, and None for the others; for a chunk with
         speculative proposals, a list of them: its accepted proposals, then the target's
-        token. Pages held only for rejected proposals go back to the pool.
+        token. Pages held only for rejected proposals go back to the pool. With
+        `steady`, `output` is the `extra` of a plan whose decodes the steady decode
+        recorded (`SteadyDecoder.record`), which keeps its columns.
         """
         now = time.monotonic()
         finished = []
         kv = self.kv_cache_manager
-        self.steady.drop()
+        if not steady:
+            self.steady.drop()
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -320,7 +327,8 @@ class Scheduler(SequenceQueues):
                 continue
             self._finish(seq, reason, now)
             finished.append(seq)
-        self.steady.after_update(output, finished, eos_token_ids)
+        if not steady:
+            self.steady.after_update(eos_token_ids)
         return finished
 
     # Metrics.

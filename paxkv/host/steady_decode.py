@@ -1,32 +1,36 @@
-"""The steady decode: a running batch in which every sequence decodes, planned and
-recorded over columns. No JAX.
+"""The steady decode: the running sequences that decode, kept as columns across steps
+and planned and recorded by array operations. No JAX.
 
-While nothing changes which sequences run (`SequenceQueues.version`), step after step
-every running sequence decodes one token. The scheduler then keeps the batch as NumPy
-columns (rows, cache lengths, output counters, last tokens, output limits, stop
-tokens) and advances them with a few array operations per step: planning does Python
-work only for the sequences whose next token needs a new page or fills one (a page in
-every `page_size` steps), and recording only appends each token to its sequence's
-list (one short loop) and ends the sequences that stop. Anything else (an admission,
-a preemption, a sequence that ends, an abort) changes the version, and the scheduler
-plans the next step the general way, which makes new columns once the batch is
-steady again.
+Most running sequences decode one token per step, step after step. The scheduler
+keeps the leading run of them (in running order: the first `n` running sequences,
+all decoding) as NumPy columns: rows, cache lengths, output counters, last tokens,
+output limits, stop tokens. Each step advances the columns with a few array
+operations; Python runs only for what changes: a sequence whose next token needs a
+new page or fills one (one step in `page_size`), one that ends (dropped from the
+columns at the next plan), one that starts decoding right after them (appended).
+The rest of the step (the other running sequences' chunks, admissions) is planned
+the general way after the columns, exactly as the general path would order it: the
+columns are the first sequences of the running list, and all of them decode.
 
-Sequences whose steps need more than that keep the general path: top logprobs,
-prompt scores, sliding windows, speculative proposals, async placeholders and
-multi-step decoding (the engine turns the steady decode off for the last three).
+What the columns cannot absorb (a preemption, an admission ahead of them, async
+placeholders, a plan that was not recorded) drops them; the general path plans and
+records until the next `update` makes new ones. Sequences whose decode needs more
+keep to the general path (they end the leading run): top logprobs, prompt scores,
+many stop tokens; as do sliding windows, speculative proposals, async scheduling and
+multi-step decoding.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.plan import DecodeColumns, SchedulerOutput
-from paxkv.host.sequence import SequenceState
+from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.request import FinishReason
 
 if TYPE_CHECKING:
@@ -34,13 +38,28 @@ if TYPE_CHECKING:
 
 # Stop tokens per sequence kept in the columns; a sequence with more keeps the general path.
 MAX_STEADY_STOPS = 16
+_RUNNING = SeqStatus.RUNNING
+
+
+def decodes_steadily(seq: SequenceState, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether `seq`'s next step is a decode the columns can hold."""
+    return (
+        seq.status is _RUNNING
+        and seq.num_computed_tokens + 1 == seq.num_tokens
+        and bool(seq.output_token_ids)
+        and seq.output_token_ids[-1] >= 0
+        and not seq.track_top
+        and seq.prompt_scores is None
+        and seq.params.max_tokens > 0
+        and len(seq.stop_set(eos_token_ids)) <= MAX_STEADY_STOPS
+    )
 
 
 class SteadyDecode:
-    """The columns of a running batch that only decodes, as of its last recorded step.
+    """The columns of the leading decoding sequences of a running batch.
 
     Args:
-      seqs: the running sequences, in the order of the scheduler's running list.
+      seqs: the sequences, in running order (each `decodes_steadily`).
       kv: their pages.
       max_model_len: the longest sequence.
       eos_token_ids: the model's EOS ids the stop columns were made with.
@@ -49,19 +68,19 @@ class SteadyDecode:
 
     def __init__(
         self,
-        seqs: tuple[SequenceState, ...],
+        seqs: Sequence[SequenceState],
         kv: KVCacheManager,
         *,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         version: int,
     ) -> None:
-        self.seqs = seqs
+        self.seqs = tuple(seqs)
         self.request_ids = [s.request_id for s in seqs]
         self.version = version
         self.eos_token_ids = eos_token_ids
-        ps = kv.page_size
-        self.page_size = ps
+        self.page_size = ps = kv.page_size
+        self.caching = kv.prefix_cache.enabled
         self.rows = np.array([kv.row(s) for s in seqs], np.int64)
         # The next step's cache lengths, outputs so far and input tokens.
         self.ends = np.array([s.num_computed_tokens + 1 for s in seqs], np.int64)
@@ -69,50 +88,52 @@ class SteadyDecode:
         self.tokens = np.array([s.output_token_ids[-1] for s in seqs], np.int32)
         self.caps = np.array([kv.num_pages(s) for s in seqs], np.int64) * ps
         self.registered = np.array([kv.num_keys(s) for s in seqs], np.int64)
-        self.caching = kv.prefix_cache.enabled
         self.max_outputs = np.array(
             [min(s.params.max_tokens, max_model_len - s.num_prompt) for s in seqs], np.int64
         )
         stops = [s.stop_token_ids(eos_token_ids) for s in seqs]
-        width = max(map(len, stops), default=0)
-        self.stop_table = np.full((len(seqs), max(width, 1)), -1, np.int64)  # -1: no stop
+        self.stop_table = np.full((len(seqs), MAX_STEADY_STOPS), -1, np.int64)  # -1: none
         for i, ids in enumerate(stops):
             self.stop_table[i, : len(ids)] = ids
-        self.penalised = [i for i, s in enumerate(seqs) if s.penalised]
+        self.penalised = np.array([s.penalised for s in seqs], bool)
         self.last_times = np.array([s.last_token_time for s in seqs], np.float64)
         self.plan: SchedulerOutput | None = None  # planned, not yet recorded
 
-    @staticmethod
-    def eligible(
-        plan: SchedulerOutput, running: list[SequenceState], eos_token_ids: tuple[int, ...]
-    ) -> bool:
-        """Whether a recorded `plan` leaves a steady batch: every running sequence
-        decoded one token in it (in running order), and none needs the general path."""
-        chunks = plan.chunks
-        if len(chunks) != len(running) or plan.preempted:
-            return False
-        for c, seq in zip(chunks, running, strict=True):
-            if (
-                c.seq is not seq
-                or c.num_tokens != 1
-                or not c.samples
-                or c.num_draft
-                or seq.track_top
-                or seq.prompt_scores is not None
-                or not seq.output_token_ids
-                or seq.params.max_tokens == 0
-                or len(seq.stop_set(eos_token_ids)) > MAX_STEADY_STOPS
-            ):
-                return False
-        return True
+    _ARRAYS = (
+        "rows",
+        "ends",
+        "counters",
+        "tokens",
+        "caps",
+        "registered",
+        "max_outputs",
+        "stop_table",
+        "penalised",
+        "last_times",
+    )
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keeps the sequences where `mask` (bool[n]) is True."""
+        keep = mask.tolist()
+        self.seqs = tuple(s for s, k in zip(self.seqs, keep, strict=True) if k)
+        self.request_ids = [r for r, k in zip(self.request_ids, keep, strict=True) if k]
+        for name in self._ARRAYS:
+            setattr(self, name, getattr(self, name)[mask])
+
+    def extend(self, more: SteadyDecode) -> None:
+        """Appends the columns of `more` (the sequences right after these)."""
+        self.seqs += more.seqs
+        self.request_ids += more.request_ids
+        for name in self._ARRAYS:
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(more, name)]))
 
     def plan_next(
-        self, kv: KVCacheManager, register, version: int
-    ) -> SchedulerOutput | None:  # register: (seq, end) -> None
-        """The next step's plan: every sequence decodes. Allocates the pages of the
-        sequences whose token starts a new one and registers (`register(seq, end)`)
-        the pages that fill; None when a page cannot be had (the general path then
-        preempts), keeping what it allocated."""
+        self, kv: KVCacheManager, register: Callable[[SequenceState, int], None]
+    ) -> DecodeColumns | None:
+        """The next step's decodes. Allocates the pages of the sequences whose token
+        starts a new one and registers (`register(seq, end)`) the pages that fill;
+        None when a page cannot be had (the general path then preempts), keeping what
+        it allocated."""
         ends = self.ends
         seqs = self.seqs
         for i in np.flatnonzero(ends > self.caps).tolist():
@@ -127,40 +148,47 @@ class SteadyDecode:
                 register(seq, int(ends[i]))
                 self.registered[i] = kv.num_keys(seq)
         num_pages = -(-ends // self.page_size)
-        columns = DecodeColumns(
+        return DecodeColumns(
             seqs, self.request_ids, self.rows, ends, num_pages, self.counters, self.tokens
         )
-        self.plan = plan = SchedulerOutput(None, (), decode=columns, version=version)
-        return plan
 
     def record(
         self, tokens: list[int], logprobs: list[float], now: float
     ) -> tuple[list[tuple[SequenceState, FinishReason]], list[float]]:
         """Records the planned step's tokens: appends each to its sequence (its cache
-        length, penalty counts and token time too) and advances the columns. Returns
-        the sequences that end, with why (a stop token, else max_tokens or
-        max_model_len: the caller finishes them), and each token's gap since the
-        sequence's previous one."""
+        length, penalty counts and token time too) and advances the columns. A
+        sequence that ended while the step ran (aborted) takes nothing. Returns the
+        sequences that end, with why (a stop token, else max_tokens or max_model_len:
+        the caller finishes them), and each token's gap since the sequence's previous
+        one."""
+        seqs = self.seqs
         ends = self.ends
-        for seq, token, logprob, end in zip(
-            self.seqs, tokens, logprobs, ends.tolist(), strict=True
+        alive = [s.status is _RUNNING for s in seqs]
+        every = all(alive)
+        for seq, token, logprob, end, live in zip(
+            seqs, tokens, logprobs, ends.tolist(), alive, strict=True
         ):
-            seq.output_token_ids.append(token)
-            seq.logprobs.append(logprob)
-            seq.num_computed_tokens = end
-            seq.last_token_time = now
-        for i in self.penalised:
-            self.seqs[i]._count(tokens[i], 1)
+            if every or live:
+                seq.output_token_ids.append(token)
+                seq.logprobs.append(logprob)
+                seq.num_computed_tokens = end
+                seq.last_token_time = now
+        for i in np.flatnonzero(self.penalised).tolist():
+            if alive[i]:
+                seqs[i]._count(tokens[i], 1)
         toks = np.array(tokens, np.int64)
         counters = self.counters + 1
         stop = (self.stop_table == toks[:, None]).any(axis=1)
-        length = counters >= self.max_outputs
+        over = stop | (counters >= self.max_outputs)
+        if not every:
+            over &= np.array(alive)
         ended = [
-            (self.seqs[i], FinishReason.STOP if stop[i] else FinishReason.LENGTH)
-            for i in np.flatnonzero(stop | length).tolist()
+            (seqs[i], FinishReason.STOP if stop[i] else FinishReason.LENGTH)
+            for i in np.flatnonzero(over).tolist()
         ]
-        gaps = (now - self.last_times).tolist()
-        self.last_times = np.full(len(self.seqs), now)
+        gaps = now - self.last_times
+        gaps = (gaps if every else gaps[np.array(alive)]).tolist()
+        self.last_times = np.full(len(seqs), now)
         # The next step's columns: new arrays, since the recorded plan holds these.
         self.ends = ends + 1
         self.counters = counters
@@ -169,10 +197,29 @@ class SteadyDecode:
         return ended, gaps
 
 
+class _Scheduled:
+    """The sequences already in the plan being made: the columns' and those added
+    (`add`), by id; `in` asks (the columns' ids are collected only if asked)."""
+
+    def __init__(self, columns: Sequence[SequenceState]) -> None:
+        self.columns = columns
+        self.ids: set[int] = set()
+        self._column_ids: set[int] | None = None
+
+    def add(self, seq_id: int) -> None:
+        self.ids.add(seq_id)
+
+    def __contains__(self, seq_id: int) -> bool:
+        if seq_id in self.ids:
+            return True
+        if self._column_ids is None:
+            self._column_ids = {id(s) for s in self.columns}
+        return seq_id in self._column_ids
+
+
 class SteadyDecoder:
-    """A scheduler's steady decode: makes the columns once a recorded plan leaves the
-    batch steady (`after_update`), plans from them (`plan`) and records into them
-    (`record`) while the scheduler's version holds, and drops them otherwise.
+    """A scheduler's steady decode: makes the columns after an `update` of the general
+    path (`after_update`), plans from them (`plan`) and records into them (`record`).
 
     Args:
       scheduler: whose running batch (its `steady_decode` switches this on and off).
@@ -183,54 +230,84 @@ class SteadyDecoder:
         self.columns: SteadyDecode | None = None
 
     def drop(self) -> None:
-        """Forgets the columns (the general path records the next step)."""
+        """Forgets the columns (the general path plans and records)."""
         self.columns = None
 
-    def after_update(
-        self,
-        plan: SchedulerOutput,
-        finished: list[SequenceState],
-        eos_token_ids: tuple[int, ...],
-    ) -> None:
-        """Makes the columns if the plan `update` just recorded leaves a steady batch."""
+    def _leading(self, start: int, eos_token_ids: tuple[int, ...]) -> list[SequenceState]:
+        """The running sequences from `start` on that decode steadily, up to the first
+        one that does not."""
+        out = []
+        for seq in self.scheduler.running[start:]:
+            if not decodes_steadily(seq, eos_token_ids):
+                break
+            out.append(seq)
+        return out
+
+    def after_update(self, eos_token_ids: tuple[int, ...]) -> None:
+        """Makes the columns of the leading decoding sequences (after the general path
+        recorded a step)."""
         s = self.scheduler
         kv = s.kv_cache_manager
-        if (
-            s.steady_decode
-            and not finished
-            and plan.version == s.version
-            and not kv.sliding
-            and SteadyDecode.eligible(plan, s.running, eos_token_ids)
-        ):
+        if not s.steady_decode or kv.sliding:
+            return
+        seqs = self._leading(0, eos_token_ids)
+        if seqs:
             self.columns = SteadyDecode(
-                tuple(s.running),
+                seqs,
                 kv,
                 max_model_len=s.max_model_len,
                 eos_token_ids=eos_token_ids,
                 version=s.version,
             )
 
-    def plan(self) -> SchedulerOutput | None:
-        """The next plan of a steady batch, or None when the general path must plan it:
-        no columns, the running set changed, a waiting sequence could be admitted, or
-        a page could not be had."""
+    def plan(self) -> tuple[DecodeColumns | None, _Scheduled]:
+        """The decodes of the next plan from the columns, after dropping the sequences
+        that ended and appending those that started decoding right after them; and the
+        set of scheduled sequences to go on with. None for the decodes (and no columns
+        from now on) when the general path must plan the whole step: no columns, a
+        change they cannot absorb, more of them than the token budget, or a page that
+        could not be had."""
         steady, s = self.columns, self.scheduler
         if steady is None:
-            return None
-        n = len(steady.seqs)
+            return None, _Scheduled(())
+        running = s.running
         if (
             not s.steady_decode
             or steady.version != s.version
             or steady.plan is not None  # its last plan was never recorded
-            or n > s.max_num_batched_tokens
-            or (s.waiting and n < min(s.max_num_seqs, s.max_num_batched_tokens))
         ):
             self.columns = None
-            return None
-        plan = steady.plan_next(s.kv_cache_manager, s._writers.register, s.version)
-        if plan is None:
+            return None, _Scheduled(())
+        alive = [seq.status is _RUNNING for seq in steady.seqs]
+        if not all(alive):
+            steady.keep(np.array(alive, bool))
+        n = len(steady.seqs)
+        more = self._leading(n, steady.eos_token_ids) if len(running) > n else []
+        if more:
+            kv = s.kv_cache_manager
+            eos = steady.eos_token_ids
+            steady.extend(
+                SteadyDecode(
+                    more, kv, max_model_len=s.max_model_len, eos_token_ids=eos, version=s.version
+                )
+            )
+            n = len(steady.seqs)
+        if (
+            not n
+            or n > s.max_num_batched_tokens
+            or running[:n] != list(steady.seqs)  # still the leading sequences
+        ):
             self.columns = None
-        return plan
+            return None, _Scheduled(())
+        decode = steady.plan_next(s.kv_cache_manager, s._writers.register)
+        if decode is None:
+            self.columns = None
+            return None, _Scheduled(())
+        return decode, _Scheduled(decode.seqs)
+
+    def planned(self, plan: SchedulerOutput) -> None:
+        """The plan made with the columns' decodes (which `record` will record)."""
+        self.columns.plan = plan
 
     def record(
         self,
@@ -239,15 +316,16 @@ class SteadyDecoder:
         logprobs: list[float],
         eos_token_ids: tuple[int, ...],
     ) -> tuple[list[SequenceState], list[float]] | None:
-        """Records a steady plan's `tokens` and `logprobs` (one per sequence) and finishes
-        the sequences that end. Returns them and each token's gap since its sequence's
-        previous one; None (recording nothing) when `plan` is not the columns' current
-        plan: the caller records it with `Scheduler.update`."""
+        """Records the decodes of a plan made with the columns: `tokens` and `logprobs`
+        of each of them; finishes the sequences that end. Returns those and each
+        token's gap since its sequence's previous one; None (recording nothing) when
+        `plan` is not the columns' current plan: the caller records it all with
+        `Scheduler.update`."""
         steady, s = self.columns, self.scheduler
         if (
             steady is None
             or steady.plan is not plan
-            or plan.version != s.version
+            or steady.version != s.version
             or steady.eos_token_ids != eos_token_ids
         ):
             return None
@@ -255,8 +333,4 @@ class SteadyDecoder:
         ended, gaps = steady.record(tokens, logprobs, now)
         for seq, reason in ended:
             s._finish(seq, reason, now)
-        if ended:
-            self.columns = None
-        else:
-            steady.version = s.version
         return [seq for seq, _ in ended], gaps

@@ -85,7 +85,7 @@ def _run(steady: bool, seed: int, num_pages: int, tokenizer):
 
     def schedule():
         plan = plan_of()
-        kinds.append(plan.decode is not None)
+        kinds.append((plan.decode is not None, bool(plan.extra)))
         return plan
 
     engine.scheduler.schedule = schedule
@@ -122,8 +122,9 @@ def test_steady_decode_equals_the_general_path(seed, num_pages):
     off = _run(False, seed, num_pages, tokenizer)
     batches_on, steps_on, kinds_on, pre_on = on
     batches_off, steps_off, kinds_off, pre_off = off
-    assert not any(kinds_off)
-    assert sum(kinds_on) >= 5, "the workload never reached a steady decode"
+    assert not any(d for d, _ in kinds_off)
+    assert sum(d for d, _ in kinds_on) >= 5, "the workload never reached a steady decode"
+    assert any(d and e for d, e in kinds_on), "no step mixed the columns with other chunks"
     assert len(batches_on) == len(batches_off)
     for i, (a, b) in enumerate(zip(batches_on, batches_off, strict=True)):
         for field in a:
