@@ -132,21 +132,25 @@ class SteadyDecode:
     ) -> DecodeColumns | None:
         """The next step's decodes. Allocates the pages of the sequences whose token
         starts a new one and registers (`register(seq, end)`) the pages that fill;
-        None when a page cannot be had (the general path then preempts), keeping what
-        it allocated."""
+        None when a page cannot be had (the general path then preempts) or the work of
+        a sequence raised (the general path then fails that sequence alone), keeping
+        what it allocated."""
         ends = self.ends
         seqs = self.seqs
-        for i in np.flatnonzero(ends > self.caps).tolist():
-            seq = seqs[i]
-            if not kv.allocate(seq, int(ends[i])):
-                return None
-            self.caps[i] = kv.num_pages(seq) * self.page_size
-        if self.caching:
-            ps = self.page_size
-            for i in np.flatnonzero(ends // ps > self.registered).tolist():
+        try:
+            for i in np.flatnonzero(ends > self.caps).tolist():
                 seq = seqs[i]
-                register(seq, int(ends[i]))
-                self.registered[i] = kv.num_keys(seq)
+                if not kv.allocate(seq, int(ends[i])):
+                    return None
+                self.caps[i] = kv.num_pages(seq) * self.page_size
+            if self.caching:
+                ps = self.page_size
+                for i in np.flatnonzero(ends // ps > self.registered).tolist():
+                    seq = seqs[i]
+                    register(seq, int(ends[i]))
+                    self.registered[i] = kv.num_keys(seq)
+        except Exception:  # the general path plans the step and isolates the fault
+            return None
         num_pages = -(-ends // self.page_size)
         return DecodeColumns(
             seqs, self.request_ids, self.rows, ends, num_pages, self.counters, self.tokens

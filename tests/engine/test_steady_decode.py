@@ -99,6 +99,7 @@ def _run(steady: bool, seed: int, num_pages: int, tokenizer):
             break
         if engine.has_unfinished():
             outs = engine.step()
+            engine.scheduler.kv_cache_manager.check_invariants()
             # Within a step, the requests that ended come first on the steady path.
             steps.append(
                 sorted(
@@ -192,3 +193,29 @@ def test_step_outputs_behave_like_a_list():
     assert outs + [] == [outs[0]] == [] + outs  # noqa: RUF005 (the operators under test)
     with pytest.raises(IndexError):
         outs[1]
+
+
+def test_a_fault_in_a_steady_step_fails_only_its_request():
+    """An allocation that raises while the columns plan (a page for one sequence) fails
+    that request alone, as on the general path; the others finish."""
+    engine = _engine(True, 256, None)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    for i in range(4):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [10 + i] * 5}, params)
+    kv = engine.scheduler.kv_cache_manager
+    allocate = kv.allocate
+
+    def faulty(seq, num_tokens):
+        if seq.request_id == "r2" and num_tokens > 12:
+            raise RuntimeError("injected")
+        return allocate(seq, num_tokens)
+
+    kv.allocate = faulty
+    final = engine.run_until_done()
+    assert final["r2"].outputs[0].finish_reason == "abort"
+    assert "injected" in final["r2"].error
+    for rid in ("r0", "r1", "r3"):
+        assert final[rid].outputs[0].finish_reason == "length"
+    assert engine.pool.num_in_use == 0
