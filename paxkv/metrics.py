@@ -99,7 +99,9 @@ class EngineMetrics:
     def on_tokens(self, itls: list[float | None]) -> None:
         """`on_token` for each of one step's tokens."""
         self.generation_tokens += len(itls)
-        self.latency["inter_token_latency_seconds"].extend(t for t in itls if t is not None)
+        if None in itls:
+            itls = [t for t in itls if t is not None]
+        self.latency["inter_token_latency_seconds"].extend(itls)
 
     def on_finish(self, seq: SequenceState) -> None:
         """Records a sequence that ended: its finish reason and latencies."""

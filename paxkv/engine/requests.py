@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import random
 import time
 from collections.abc import Iterable
@@ -230,6 +231,9 @@ class Request:
         )
 
 
+_FINISH_REASON = operator.attrgetter("finish_reason")
+
+
 class RequestRegistry:
     """The unfinished requests of an engine, by id; validates what is submitted.
 
@@ -430,7 +434,12 @@ class RequestRegistry:
         reqs = cache[2]
         if reqs is None:
             return None, list(decode.request_ids)
-        ended = [i for i, s in enumerate(decode.seqs) if s.finish_reason is not None]
+        reasons = list(map(_FINISH_REASON, decode.seqs))
+        ended = (
+            []
+            if reasons.count(None) == len(reasons)
+            else [i for i, r in enumerate(reasons) if r is not None]
+        )
         counters = decode.counters
         if ended:
             keep = np.ones(len(reqs), bool)

@@ -10,6 +10,7 @@ sequences afterwards.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -166,7 +167,7 @@ class SchedulerOutput:
         (aborted, or failed); itself when there are none."""
         running = SeqStatus.RUNNING
         if all(c.seq.status is running for c in self.extra) and (
-            self.decode is None or all(s.status is running for s in self.decode.seqs)
+            self.decode is None or all_running(self.decode.seqs)
         ):
             return self
         kept = tuple(c for c in self.chunks if c.seq.status is running)
@@ -174,6 +175,14 @@ class SchedulerOutput:
 
     def __repr__(self) -> str:
         return f"SchedulerOutput(chunks={self.chunks!r}, preempted={self.preempted!r})"
+
+
+def all_running(seqs: Sequence[SequenceState]) -> bool:
+    """Whether every sequence of `seqs` is running (a C loop, no Python per sequence)."""
+    return list(map(_STATUS, seqs)).count(SeqStatus.RUNNING) == len(seqs)
+
+
+_STATUS = operator.attrgetter("status")
 
 
 def reserve_ahead(

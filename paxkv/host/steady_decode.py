@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.kv_cache_manager import KVCacheManager
-from paxkv.host.plan import DecodeColumns, SchedulerOutput
+from paxkv.host.plan import DecodeColumns, SchedulerOutput, all_running
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.request import FinishReason
 
@@ -167,8 +167,8 @@ class SteadyDecode:
         one."""
         seqs = self.seqs
         ends = self.ends
-        alive = [s.status is _RUNNING for s in seqs]
-        every = all(alive)
+        every = all_running(seqs)
+        alive = [True] * len(seqs) if every else [s.status is _RUNNING for s in seqs]
         for seq, token, logprob, end, live in zip(
             seqs, tokens, logprobs, ends.tolist(), alive, strict=True
         ):
@@ -282,9 +282,8 @@ class SteadyDecoder:
         ):
             self.columns = None
             return None, _Scheduled(())
-        alive = [seq.status is _RUNNING for seq in steady.seqs]
-        if not all(alive):
-            steady.keep(np.array(alive, bool))
+        if not all_running(steady.seqs):
+            steady.keep(np.array([seq.status is _RUNNING for seq in steady.seqs], bool))
         n = len(steady.seqs)
         more = self._leading(n, steady.eos_token_ids) if len(running) > n else []
         if more:
