@@ -56,9 +56,10 @@ def _bounded_memory_maps():
 
 
 def pytest_collection_modifyitems(items):
-    """The longest test, the multidevice child suite (about 2 minutes), first: with a
-    worker per core (pytest-xdist) it then overlaps the rest instead of running last."""
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_multidevice.py::"))
+    """The longest tests, the two multidevice child suites (minutes each), first: with a
+    worker per core (pytest-xdist, a file per worker) they then run side by side and
+    overlap the rest instead of running last."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_multidevice"))
 
 
 def pytest_sessionfinish(session):

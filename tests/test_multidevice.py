@@ -1,37 +1,15 @@
-"""Runs the 8-device mesh tests (`tests/multidevice/`) in a child pytest process.
+"""Runs the 8-device mesh tests of models, loading and weights (`tests/multidevice/`) in
+a child pytest process (`multidevice_env.run_multidevice`); the serving ones run from
+`test_multidevice_servers.py`, a file of their own so that another worker takes them."""
 
-XLA creates forced host devices only from `XLA_FLAGS` set before JAX starts, which this
-process is past; the child sets it, so `python -m pytest` stays the one test command.
-"""
-
-import os
 import pathlib
-import subprocess
-import sys
 
-from multidevice_env import MULTIDEVICE_ENV
+from multidevice_env import ROOT, run_multidevice
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+SERVERS = ("test_mesh_serving.py", "test_multihost_serving.py", "test_replica_server.py")
 
 
 def test_multidevice_suite():
-    env = os.environ | {MULTIDEVICE_ENV: "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            "0",
-            "tests/multidevice",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,  # about 9 minutes on a loaded 2-core VM (two multi-process servers)
-    )
-    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    files = sorted(pathlib.Path(ROOT, "tests/multidevice").glob("test_*.py"))
+    assert {f.name for f in files} >= set(SERVERS)
+    run_multidevice([str(f.relative_to(ROOT)) for f in files if f.name not in SERVERS])
