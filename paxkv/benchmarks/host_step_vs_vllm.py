@@ -30,15 +30,19 @@ ROWS = ("all", "at_max_num_seqs", "decode_only_at_max_num_seqs")
 PAXKV_PARTS = ("schedule", "layout", "record", "outputs", "read")
 VLLM_PARTS = ("schedule", "update")
 
-_TRACE = flags.DEFINE_string("trace", None, "Trace JSON (host_step --make_trace).")
-_VLLM_PYTHON = flags.DEFINE_string(
-    "vllm_python", "/tmp/vllm-venv/bin/python", "An interpreter that imports vLLM 0.33."
-)
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternated rounds (one run of each per round).")
-_VOCAB = flags.DEFINE_integer("vocab", 32000, "The fake model's vocabulary.")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at once.")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 16384, "KV pages (vLLM: blocks).")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write every run's results as JSON here.")
+
+def define_flags() -> None:
+    """Defines the command's flags; called only when run as a script, so that importing
+    this module (the tests do) defines no global absl flags."""
+    flags.DEFINE_string("trace", None, "Trace JSON (host_step --make_trace).")
+    flags.DEFINE_string(
+        "vllm_python", "/tmp/vllm-venv/bin/python", "An interpreter that imports vLLM 0.33."
+    )
+    flags.DEFINE_integer("rounds", 3, "Alternated rounds (one run of each per round).")
+    flags.DEFINE_integer("vocab", 32000, "The fake model's vocabulary.")
+    flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at once.")
+    flags.DEFINE_integer("num_pages", 16384, "KV pages (vLLM: blocks).")
+    flags.DEFINE_string("json_out", None, "Write every run's results as JSON here.")
 
 
 def _load() -> str:
@@ -54,7 +58,9 @@ def _run(python: str, module: str, args: list[str], out: str) -> dict[str, Any]:
     cmd = [python, "-m", module, *args, f"--json_out={out}"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
     if result.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` exited {result.returncode}:\n{result.stderr[-3000:]}")
+        raise RuntimeError(
+            f"`{' '.join(cmd)}` exited {result.returncode}:\n{result.stderr[-3000:]}"
+        )
     with open(out) as f:
         return json.load(f)
 
@@ -96,21 +102,21 @@ def _tables(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str]) -> None:
     """Runs the alternated rounds and prints the load averages and the table."""
     del argv
-    if _TRACE.value is None:
+    if flags.FLAGS.trace is None:
         raise app.UsageError("--trace is required (write one with host_step --make_trace)")
     common = [
-        f"--trace={os.path.abspath(_TRACE.value)}",
-        f"--vocab={_VOCAB.value}",
-        f"--max_num_seqs={_MAX_NUM_SEQS.value}",
-        f"--num_pages={_NUM_PAGES.value}",
+        f"--trace={os.path.abspath(flags.FLAGS.trace)}",
+        f"--vocab={flags.FLAGS.vocab}",
+        f"--max_num_seqs={flags.FLAGS.max_num_seqs}",
+        f"--num_pages={flags.FLAGS.num_pages}",
     ]
     runs: dict[str, list[dict[str, Any]]] = {"paxkv": [], "vllm": []}
     load_before = _load()
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(_ROUNDS.value):
+        for i in range(flags.FLAGS.rounds):
             for name, python, module in (
                 ("paxkv", sys.executable, "paxkv.benchmarks.host_step"),
-                ("vllm", _VLLM_PYTHON.value, "paxkv.benchmarks.vllm_scheduler"),
+                ("vllm", flags.FLAGS.vllm_python, "paxkv.benchmarks.vllm_scheduler"),
             ):
                 result = _run(python, module, common, os.path.join(tmp, f"{name}{i}.json"))
                 if not result["all_finished"]:
@@ -123,8 +129,8 @@ def main(argv: list[str]) -> None:
     print(f"load average before: {load_before}; after: {load_after}")
     print("CPU-clock p50 per step (us), medians across rounds:")
     print(_tables(rows))
-    if _JSON_OUT.value is not None:
-        with open(_JSON_OUT.value, "w") as f:
+    if flags.FLAGS.json_out is not None:
+        with open(flags.FLAGS.json_out, "w") as f:
             json.dump(
                 {"load_before": load_before, "load_after": load_after, "rows": rows, "runs": runs},
                 f,
@@ -133,4 +139,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -53,14 +53,18 @@ INSTALL_HINT = (
     "paxkv.benchmarks.vllm_scheduler` from paxkv's checkout"
 )
 
-_TRACE = flags.DEFINE_string("trace", None, "Trace JSON to replay (host_step --make_trace).")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 16384, "KV blocks.")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per block.")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at once.")
-_MAX_TOKENS = flags.DEFINE_integer("max_num_batched_tokens", 8192, "Tokens per step.")
-_CACHING = flags.DEFINE_bool("enable_prefix_caching", True, "Prefix caching.")
-_VOCAB = flags.DEFINE_integer("vocab", 32000, "The fake model's vocabulary.")
+
+def define_flags() -> None:
+    """Defines the command's flags; called only when run as a script, so that importing
+    this module (the tests do) defines no global absl flags."""
+    flags.DEFINE_string("trace", None, "Trace JSON to replay (host_step --make_trace).")
+    flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+    flags.DEFINE_integer("num_pages", 16384, "KV blocks.")
+    flags.DEFINE_integer("page_size", 16, "Tokens per block.")
+    flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at once.")
+    flags.DEFINE_integer("max_num_batched_tokens", 8192, "Tokens per step.")
+    flags.DEFINE_bool("enable_prefix_caching", True, "Prefix caching.")
+    flags.DEFINE_integer("vocab", 32000, "The fake model's vocabulary.")
 
 
 def _fake_model_dir(vocab: int, max_model_len: int) -> str:
@@ -98,13 +102,11 @@ def make_scheduler(
     block hasher its engine core gives each `Request` (None without prefix caching)."""
     try:
         import torch
-        from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
-        from vllm.config import VllmConfig
+        from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-        from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as e:
         raise SystemExit(f"{e}: {INSTALL_HINT}") from e
@@ -190,9 +192,7 @@ def run(trace: dict[str, Any], scheduler: Any, hasher: Any, max_num_seqs: int) -
         while nxt < len(requests) and requests[nxt]["arrival_step"] <= step:
             r = requests[nxt]
             params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
-            scheduler.add_request(
-                Request(r["id"], r["prompt"], params, None, block_hasher=hasher)
-            )
+            scheduler.add_request(Request(r["id"], r["prompt"], params, None, block_hasher=hasher))
             nxt += 1
         step += 1
         if not scheduler.has_unfinished_requests():
@@ -206,15 +206,11 @@ def run(trace: dict[str, Any], scheduler: Any, hasher: Any, max_num_seqs: int) -
         c3, w3 = time.thread_time_ns(), time.perf_counter_ns()
         for outs in engine_outputs.values():
             for out in outs.outputs:
-                produced[out.request_id] = produced.get(out.request_id, 0) + len(
-                    out.new_token_ids
-                )
+                produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
         rows.append(
             {
                 "running": len(scheduler.running),
-                "decode_only": all(
-                    n == 1 for n in scheduler_output.num_scheduled_tokens.values()
-                ),
+                "decode_only": all(n == 1 for n in scheduler_output.num_scheduled_tokens.values()),
                 "cpu_schedule": (c1 - c0) / 1e3,
                 "cpu_update": (c3 - c2) / 1e3,
                 "wall_schedule": (w1 - w0) / 1e3,
@@ -225,7 +221,7 @@ def run(trace: dict[str, Any], scheduler: Any, hasher: Any, max_num_seqs: int) -
         for clock in ("cpu", "wall"):
             row[f"{clock}_total"] = row[f"{clock}_schedule"] + row[f"{clock}_update"]
     pool = scheduler.kv_cache_manager.block_pool
-    at_max = lambda r: r["running"] == max_num_seqs  # noqa: E731
+    at_max = lambda r: r["running"] == max_num_seqs
     return {
         "steps": len(rows),
         "peak_running": max((r["running"] for r in rows), default=0),
@@ -285,30 +281,31 @@ def main(argv: list[str]) -> None:
     """Replays `--trace` through vLLM's scheduler and prints (and optionally writes) the
     results."""
     del argv
-    if _TRACE.value is None:
+    if flags.FLAGS.trace is None:
         raise app.UsageError("--trace is required (write one with host_step --make_trace)")
-    with open(_TRACE.value) as f:
+    with open(flags.FLAGS.trace) as f:
         trace = json.load(f)
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in trace["requests"])
     scheduler, hasher = make_scheduler(
-        num_pages=_NUM_PAGES.value,
-        page_size=_PAGE_SIZE.value,
-        max_num_seqs=_MAX_NUM_SEQS.value,
-        max_num_batched_tokens=_MAX_TOKENS.value,
-        max_model_len=max(longest, _PAGE_SIZE.value),
-        enable_prefix_caching=_CACHING.value,
-        vocab=_VOCAB.value,
+        num_pages=flags.FLAGS.num_pages,
+        page_size=flags.FLAGS.page_size,
+        max_num_seqs=flags.FLAGS.max_num_seqs,
+        max_num_batched_tokens=flags.FLAGS.max_num_batched_tokens,
+        max_model_len=max(longest, flags.FLAGS.page_size),
+        enable_prefix_caching=flags.FLAGS.enable_prefix_caching,
+        vocab=flags.FLAGS.vocab,
     )
-    result = run(trace, scheduler, hasher, _MAX_NUM_SEQS.value)
+    result = run(trace, scheduler, hasher, flags.FLAGS.max_num_seqs)
     print(
         f"vLLM scheduler: steps {result['steps']}, peak running {result['peak_running']}, "
         f"all finished {result['all_finished']}"
     )
     print(_table(result))
-    if _JSON_OUT.value is not None:
-        with open(_JSON_OUT.value, "w") as f:
+    if flags.FLAGS.json_out is not None:
+        with open(flags.FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
