@@ -35,8 +35,10 @@ reports.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -71,6 +73,7 @@ def _fake_model_dir(vocab: int, max_model_len: int) -> str:
     """A folder holding a one-layer Llama `config.json` (no weights): what vLLM's
     `ModelConfig` reads to know the model."""
     folder = tempfile.mkdtemp(prefix="vllm-fake-model-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
