@@ -5,9 +5,10 @@
 
 vLLM is not a paxkv dependency, and this module imports nothing of it until it runs
 (the test suite imports it without vLLM). It needs vLLM 0.33 and absl-py in a venv of
-their own, with paxkv's sources on `PYTHONPATH` (it imports nothing else of paxkv):
+their own (Python 3.11 or 3.12 both work; use paxkv's for a like-for-like comparison),
+with paxkv's sources on `PYTHONPATH` (it imports nothing else of paxkv):
 
-    python3.12 -m venv /tmp/vllm-venv
+    python3.11 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install vllm==0.33.0 absl-py
 
 It drives `vllm.v1.core.sched.scheduler.Scheduler` itself, the class vLLM's engine
@@ -50,7 +51,7 @@ PARTS = ("schedule", "update")
 SAMPLED_TOKEN = 1  # what the fake model samples, every time
 INSTALL_HINT = (
     "this benchmark needs vLLM 0.33 and absl-py in a venv of their own: "
-    "`python3.12 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm==0.33.0 "
+    "`python3.11 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm==0.33.0 "
     "absl-py`, then run it with `PYTHONPATH=. /tmp/vllm-venv/bin/python -m "
     "paxkv.benchmarks.vllm_scheduler` from paxkv's checkout"
 )
