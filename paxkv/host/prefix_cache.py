@@ -132,9 +132,8 @@ class PrefixCache:
         num_groups = len(self.windows)
         if not self.enabled:
             return CachedPrefix([[] for _ in range(num_groups)], [])
-        tokens = seq.prompt_token_ids + seq.output_token_ids
         ps = self.page_size
-        keys = page_keys(tokens, ps, num_pages=seq.cacheable_tokens() // ps, salt=self._salt(seq))
+        keys = self.keys_of(seq, 0, seq.cacheable_tokens() // ps, None)
         lookup = self.pool.lookup
         if self.windows == (None,):
             hits = []
@@ -189,6 +188,37 @@ class PrefixCache:
             )
         return hit_tokens
 
+    def prompt_keys(self, seq: SequenceState) -> list[PageKey]:
+        """Keys of seq's full prompt pages, computed once per salt and kept on the
+        sequence (`SequenceState.prompt_keys`)."""
+        salt = self._salt(seq)
+        memo = seq.prompt_keys
+        if memo is None or memo[0] != salt:
+            prompt = seq.prompt_token_ids
+            memo = seq.prompt_keys = (salt, page_keys(prompt, self.page_size, salt=salt))
+        return memo[1]
+
+    def keys_of(
+        self, seq: SequenceState, start: int, stop: int, parent: PageKey | None
+    ) -> list[PageKey]:
+        """Keys of seq's full pages `start .. stop - 1` (`parent`: page `start - 1`'s).
+        Those of its prompt are computed once per salt and kept on the sequence (a
+        prompt never changes): a lookup and the registrations after it hash each
+        prompt page once. Only the other pages' tokens are read."""
+        salt = self._salt(seq)
+        head = self.prompt_keys(seq)[start:stop]
+        first = start + len(head)
+        if first >= stop:
+            return head
+        ps = self.page_size
+        # page_keys salts the first page it is given: only when it is the sequence's first.
+        return head + page_keys(
+            seq.token_ids(first * ps, stop * ps),
+            ps,
+            parent=head[-1] if head else parent,
+            salt=salt if first == 0 else None,
+        )
+
     def _lead(self, tokens: list[int], salt: Hashable) -> tuple:
         return (salt, tuple(tokens[: min(4, self.page_size)]))
 
@@ -200,21 +230,13 @@ class PrefixCache:
         first = len(held.keys)
         if not self.enabled or first >= full:
             return
-        # Only the new pages' tokens are read: the work does not grow with the sequence.
-        tokens = seq.token_ids(first * ps, full * ps)
-        # page_keys salts the first page it is given: only when it is the sequence's first.
-        new = page_keys(
-            tokens,
-            ps,
-            parent=held.keys[-1] if held.keys else None,
-            salt=self._salt(seq) if first == 0 else None,
-        )
+        new = self.keys_of(seq, first, full, held.keys[-1] if held.keys else None)
         for i, key in enumerate(new, start=first):
             for g, table in enumerate(held.tables):
                 if table[i] != NULL_PAGE:
                     self.pool.mark_cached(table[i], self._key(g, key))
             if i == 0:
-                lead = self._lead(tokens, self._salt(seq))
+                lead = self._lead(seq.token_ids(0, min(4, ps)), self._salt(seq))
                 self._first_tokens[lead] = None
                 self._first_tokens.move_to_end(lead)
                 if len(self._first_tokens) > _MAX_LEADS:

@@ -31,7 +31,12 @@ class SequenceQueues:
         self.version = 0
 
     def add(self, seq: SequenceState) -> None:
-        """Queues a validated sequence (see `check_fits`)."""
+        """Queues a validated sequence (see `check_fits`). With prefix caching its
+        prompt's page keys are computed now, on arrival, not in a step (as vLLM hashes
+        a request's blocks when it makes the request)."""
+        cache = self.kv_cache_manager.prefix_cache
+        if cache.enabled:
+            cache.prompt_keys(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:

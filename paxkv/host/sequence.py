@@ -55,6 +55,8 @@ class SequenceState:
     # With prompt_logprobs (or a score request): the logprobs of its prompt positions.
     prompt_scores: PromptScores | None = dataclasses.field(default=None, repr=False)
     _prompt_set: frozenset[int] | None = dataclasses.field(default=None, repr=False)
+    # `(salt, keys of its full prompt pages)`, kept by the prefix cache (`keys_of`).
+    prompt_keys: tuple | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Facts the per-step host path reads for every sequence, computed once.
