@@ -27,6 +27,7 @@ from paxkv.engine.outputs import (
     snapshot,
     take,
 )
+from paxkv.engine.validation import check_params, prompt_ids
 from paxkv.host.plan import DecodeColumns
 from paxkv.host.prompt_scores import PromptScores
 from paxkv.host.scheduler import Scheduler
@@ -40,7 +41,6 @@ from paxkv.request import (
     check_float,
     check_int,
     check_token_ids,
-    normalize_prompt,
 )
 
 
@@ -458,45 +458,14 @@ class RequestRegistry:
     def validate(
         self, request_id: str, prompt: str | dict, params: SamplingParams
     ) -> tuple[str | None, list[int]]:
-        """Returns `(text, token_ids)` of a servable request, or raises ValueError saying why not."""
+        """Returns `(text, token_ids)` of a servable request, or raises ValueError saying
+        why not (`paxkv.engine.validation`)."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                f"request {request_id!r}: stop strings (SamplingParams.stop={list(params.stop)!r}) "
-                "are matched on the text and need a tokenizer, and the engine has none: "
-                "pass Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir))"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > self.max_logprobs:
-                raise ValueError(
-                    f"request {request_id!r}: {name}={k} exceeds the engine's "
-                    f"max_logprobs={self.max_logprobs}"
-                )
-        text, ids = normalize_prompt(prompt)
-        if ids is None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "a string prompt needs a tokenizer, and the engine has none: pass "
-                    "Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir)) (LLM "
-                    "reads a checkpoint's tokenizer.json with the tokenizers package: pip "
-                    "install -e '.[tokenizers]'), or {'prompt_token_ids': [...]} instead"
-                )
-            ids = list(self.tokenizer.encode(text))
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.vocab_size
-        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
-        if bad:
-            i, t = bad[0]
-            raise ValueError(
-                f"request {request_id!r}: token id {t} at position {i} is outside the vocabulary [0, {vocab})"
-            )
-        if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(ids)} tokens is longer than max_model_len={self.max_model_len}"
-            )
+        check_params(request_id, params, self.tokenizer, self.max_logprobs)
+        text, ids = prompt_ids(
+            request_id, prompt, self.tokenizer, self.vocab_size, self.max_model_len
+        )
         try:
             self.scheduler.check_fits(len(ids), params)
         except ValueError as e:
