@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
+from paxkv.benchmarks.step_summary import summary, table
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.runner import FakeRunner
 from paxkv.request import RequestOutputKind, SamplingParams
@@ -319,39 +320,11 @@ def _gaps(runner: FakeRunner) -> dict[str, float] | None:
 
 
 def _summary(rows, clock: str, keep) -> dict[str, Any]:
-    kept = [r for r in rows if keep(r)]
-    out: dict[str, Any] = {"steps": len(kept)}
-    for part in ("total", *PARTS, "read"):
-        x = np.array([r[f"{clock}_{part}"] for r in kept]) if kept else np.zeros(1)
-        stats = {
-            "p50": float(np.median(x)),
-            "mean": float(x.mean()),
-            "p99": float(np.percentile(x, 99)),
-        }
-        if part == "total":
-            out.update(stats)
-        else:
-            out[part] = stats
-    return out
+    return summary(rows, clock, keep, (*PARTS, "read"))
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [
-        "| clock | steps | part | p50 (us) | mean (us) | p99 (us) |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for clock in ("cpu", "wall"):
-        for which in ("all", "at_max_num_seqs", "decode_only_at_max_num_seqs"):
-            s = result["per_step_us"][clock][which]
-            label = f"{clock}, {which.replace('_', ' ')}"
-            lines.append(
-                f"| {label} | {s['steps']} | host total | {s['p50']:.0f} | {s['mean']:.0f} | "
-                f"{s['p99']:.0f} |"
-            )
-            for part in (*PARTS, "read"):
-                p = s[part]
-                lines.append(f"| | | {part} | {p['p50']:.0f} | {p['mean']:.0f} | {p['p99']:.0f} |")
-    return "\n".join(lines)
+    return table(result, "host total", (*PARTS, "read"))
 
 
 def main(argv: list[str]) -> None:

@@ -44,8 +44,9 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
 from absl import app, flags
+
+from paxkv.benchmarks.step_summary import summary, table
 
 PARTS = ("schedule", "update")
 SAMPLED_TOKEN = 1  # what the fake model samples, every time
@@ -245,40 +246,12 @@ def run(trace: dict[str, Any], scheduler: Any, hasher: Any, max_num_seqs: int) -
     }
 
 
-def _summary(rows: list[dict[str, Any]], clock: str, keep: Any) -> dict[str, Any]:
-    kept = [r for r in rows if keep(r)]
-    out: dict[str, Any] = {"steps": len(kept)}
-    for part in ("total", *PARTS):
-        x = np.array([r[f"{clock}_{part}"] for r in kept]) if kept else np.zeros(1)
-        stats = {
-            "p50": float(np.median(x)),
-            "mean": float(x.mean()),
-            "p99": float(np.percentile(x, 99)),
-        }
-        if part == "total":
-            out.update(stats)
-        else:
-            out[part] = stats
-    return out
+def _summary(rows, clock: str, keep) -> dict[str, Any]:
+    return summary(rows, clock, keep, PARTS)
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [
-        "| clock | steps | part | p50 (us) | mean (us) | p99 (us) |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for clock in ("cpu", "wall"):
-        for which in ("all", "at_max_num_seqs", "decode_only_at_max_num_seqs"):
-            s = result["per_step_us"][clock][which]
-            label = f"{clock}, {which.replace('_', ' ')}"
-            lines.append(
-                f"| {label} | {s['steps']} | schedule + update | {s['p50']:.0f} | "
-                f"{s['mean']:.0f} | {s['p99']:.0f} |"
-            )
-            for part in PARTS:
-                p = s[part]
-                lines.append(f"| | | {part} | {p['p50']:.0f} | {p['mean']:.0f} | {p['p99']:.0f} |")
-    return "\n".join(lines)
+    return table(result, "schedule + update", PARTS)
 
 
 def main(argv: list[str]) -> None:
