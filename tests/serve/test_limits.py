@@ -131,14 +131,19 @@ def test_grace_expiry_answers_in_flight_requests_with_openai_errors():
     import concurrent.futures
     import threading
 
-    s = Server("--shutdown_grace_s=0.1")
-    body = {"prompt": "x", "max_tokens": 120, "ignore_eos": True}
+    # Requests long enough that no host or step speed finishes them within the grace
+    # period: the stream 4000 tokens, each plain request 1000 (their pages fit at once).
+    s = Server("--shutdown_grace_s=0.1", "--max_model_len=4096", "--num_pages=1024")
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
     running = threading.Event()
 
     def stream():
         lines = []
         with httpx.stream(
-            "POST", f"{s.url}/completions", json={**body, "stream": True}, timeout=60
+            "POST",
+            f"{s.url}/completions",
+            json={**body, "max_tokens": 4000, "stream": True},
+            timeout=60,
         ) as r:
             for line in r.iter_lines():
                 running.set()
