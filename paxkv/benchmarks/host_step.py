@@ -228,7 +228,8 @@ def run(
     builder.build_batch = clock.wrap("layout", layout)
     engine.scheduler.update = clock.wrap("record", engine.scheduler.update)
     steady = engine.scheduler.steady
-    steady.record = clock.wrap("record", steady.record)
+    for name in ("record", "advance", "resolve"):  # the latter two: async scheduling
+        setattr(steady, name, clock.wrap("record", getattr(steady, name)))
     engine.requests.report = clock.wrap("outputs", engine.requests.report)
     engine.requests.report_decode = clock.wrap("outputs", engine.requests.report_decode)
     for name in ("dispatch", "fetch", "decode_loop"):

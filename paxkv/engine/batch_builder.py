@@ -7,6 +7,7 @@ fails its own request (`Scheduler.fail`) and leaves the step, and the others run
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 from paxkv.host.batch import Buckets, HostBatch, build_host_batch
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
@@ -31,7 +32,7 @@ class BatchBuilder:
         self.draft_width = draft_width
 
     def build_batch(
-        self, plan: SchedulerOutput, pending: dict[int, int] | None = None
+        self, plan: SchedulerOutput, pending: Mapping[int, int] | None = None
     ) -> tuple[SchedulerOutput, HostBatch | None]:
         """The host batch of `plan`: `pending` maps `id(seq)` to the row of the in-flight
         step's output that holds the token seq samples there (async scheduling).

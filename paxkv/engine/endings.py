@@ -9,6 +9,7 @@ reports it, exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from absl import logging
@@ -90,13 +91,18 @@ class Endings:
             self._finished(req)
         return outputs
 
-    def report_decode(self, plan: SchedulerOutput) -> StepOutputs:
+    def report_decode(
+        self, plan: SchedulerOutput, extra: Iterable[str] | None = None
+    ) -> StepOutputs:
         """`report` of the requests of a plan made with the steady decode's columns: one
         batch of deltas for the columns' requests that go on
-        (`RequestRegistry.report_decode`), the others one by one."""
+        (`RequestRegistry.report_decode`), the others one by one: those of `extra`
+        (None: the plan's other chunks that sample)."""
         self.end_failed()
         deltas, others = self.requests.report_decode(plan.decode)
-        others += [c.seq.request_id for c in plan.extra if c.samples]
+        if extra is None:
+            extra = [c.seq.request_id for c in plan.extra if c.samples]
+        others += extra
         outputs, finished = self.requests.report(others, defer=True)
         for req in finished:
             self._finished(req)

@@ -126,7 +126,8 @@ class Engine:
             AsyncPipeline(
                 *(self.runner, self.scheduler, self.batch_builder),
                 report=self.endings.report,
-                on_token=self.metrics.on_token,
+                report_decode=self.endings.report_decode,
+                on_tokens=self.metrics.on_tokens,
                 eos_token_ids=self.eos_token_ids,
                 routed_experts=self.routed_experts,
             )
@@ -369,5 +370,4 @@ def _scheduler(
         reservation=reservation,
         kv_groups=getattr(runner, "kv_groups", None),
         speculator=speculator,
-        steady_decode=not config.async_scheduling,  # placeholders: the general path
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -169,7 +169,7 @@ def build_host_batch(
     page_size: int,
     buckets: Buckets,
     rows: BatchRows,
-    pending: dict[int, int] | None = None,
+    pending: Mapping[int, int] | None = None,
     draft_width: int = 0,
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
@@ -179,7 +179,8 @@ def build_host_batch(
     each row cut to the chunk's `num_pages`; with
     `paxkv.host.plan.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
-    in-flight step's output that holds the token the sequence's last row needs;
+    in-flight step's output that holds the token the sequence's last row needs (a
+    placeholder in the chunk's tokens; the columns carry theirs as `DecodeColumns.src`);
     `token_src` points there. A step where a sequence with penalties samples, or that
     scores prompt rows, carries histories of `history_length(P, page_size)` tokens, else
     of none. A step where a chunk has speculative proposals carries them as
@@ -265,10 +266,12 @@ def build_host_batch(
         histories, s_pad, history_length(p_pad, page_size) if carries else 0
     )
     token_src = np.full(t_pad, -1, np.int32)
+    if decode is not None:  # the columns' rows are their first nd packed rows
+        token_src[:nd] = decode.src
     if pending:
-        for i, seq in enumerate(seqs):
-            if samples_col[i] and id(seq) in pending:  # its last token is in flight
-                token_src[cu[i + 1] - 1] = pending[id(seq)]
+        for i in range(nd, n):  # a chunk whose last token is in flight
+            if samples_col[i] and tokens_col[i][-1] < 0:
+                token_src[cu[i + 1] - 1] = pending[id(seqs[i])]
     return HostBatch(
         tokens,
         positions,

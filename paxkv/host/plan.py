@@ -92,7 +92,11 @@ class DecodeColumns:
     ends: np.ndarray  # i64[n]: tokens in the cache once the step has run
     num_pages: np.ndarray  # i64[n]: pages the step reads and writes
     counters: np.ndarray  # i32[n]: outputs each had generated (the sampling counter)
-    tokens: np.ndarray  # i32[n]: each one's last token, the step's input
+    tokens: np.ndarray  # i32[n]: each one's last token, the step's input (< 0: unknown)
+    # i32[n]: the row of the in-flight step's output that holds each unknown last token
+    # (async scheduling), -1 where it is known.
+    src: np.ndarray
+    stops: np.ndarray  # i64[n, MAX_STEADY_STOPS]: each one's stop tokens, padded with -1
 
     def chunks(self) -> tuple[ScheduledChunk, ...]:
         """The same plan as chunks."""

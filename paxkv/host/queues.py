@@ -26,8 +26,9 @@ class SequenceQueues:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._failed: list[tuple[SequenceState, str]] = []
-        # Changes when a running sequence is preempted or its outputs change other than
-        # by a recorded token: what the steady decode's columns cannot absorb.
+        # Changes when a running sequence is preempted: what the steady decode's columns
+        # cannot absorb (an ended sequence they drop, a resolved placeholder they read
+        # from the device).
         self.version = 0
 
     def add(self, seq: SequenceState) -> None:
@@ -59,7 +60,6 @@ class SequenceQueues:
         finish reason "stop", as it would have without the placeholder."""
         if seq.finish_reason is FinishReason.ABORT:
             return
-        self.version += 1
         if seq.resolve_output(index, token, logprob, top, eos_token_ids, now):
             self._end_stopped(seq, now)
 

@@ -57,8 +57,8 @@ class Scheduler(SequenceQueues):
       speculator: gives decodes speculative proposals out of each step's spare budget
         (`paxkv.host.speculative`); None: no speculation.
       steady_decode: plan and record a batch in which every running sequence decodes
-        over columns (`paxkv.host.steady_decode`); the same plans either way. Off for
-        async scheduling and multi-step decoding (and with a speculator).
+        over columns (`paxkv.host.steady_decode`); the same plans either way. Off with
+        a speculator (multi-step decoding records the general way).
     """
 
     def __init__(
@@ -284,6 +284,7 @@ class Scheduler(SequenceQueues):
         *,
         eos_token_ids: tuple[int, ...] = (),
         steady: bool = False,
+        in_flight: bool = False,
     ) -> list[SequenceState]:
         """Records a step's results and returns the sequences it finished.
 
@@ -292,7 +293,8 @@ class Scheduler(SequenceQueues):
         speculative proposals, a list of them: its accepted proposals, then the target's
         token. Pages held only for rejected proposals go back to the pool. With
         `steady`, `output` is the `extra` of a plan whose decodes the steady decode
-        recorded (`SteadyDecoder.record`), which keeps its columns.
+        recorded (`SteadyDecoder.record`), which keeps its columns. `in_flight`: the tokens
+        are placeholders of `output`, dispatched and not read yet (async scheduling).
         """
         now = time.monotonic()
         finished = []
@@ -328,7 +330,7 @@ class Scheduler(SequenceQueues):
             self._finish(seq, reason, now)
             finished.append(seq)
         if not steady:
-            self.steady.after_update(eos_token_ids)
+            self.steady.after_update(eos_token_ids, output if in_flight else None)
         return finished
 
     # Metrics.

@@ -12,18 +12,23 @@ The rest of the step (the other running sequences' chunks, admissions) is planne
 the general way after the columns, exactly as the general path would order it: the
 columns are the first sequences of the running list, and all of them decode.
 
-What the columns cannot absorb (a preemption, an admission ahead of them, async
-placeholders, a plan that was not recorded) drops them; the general path plans and
-records until the next `update` makes new ones. Sequences whose decode needs more
-keep to the general path (they end the leading run): top logprobs, prompt scores,
-many stop tokens; as do sliding windows, speculative proposals, async scheduling and
-multi-step decoding.
+With async scheduling the columns' last tokens are placeholders of the step in
+flight: `src` holds each one's row in that step's output (which the device reads the
+token from), `advance` records a dispatched plan's placeholders and `resolve` puts
+the real tokens in place when the step is read, ending the sequences that sampled a
+stop token.
+
+What the columns cannot absorb (a preemption, an admission ahead of them, a plan that
+was not recorded) drops them; the general path plans and records until the next
+`update` makes new ones. Sequences whose decode needs more keep to the general path
+(they end the leading run): top logprobs, prompt scores, many stop tokens; as do
+sliding windows, speculative proposals and multi-step decoding.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,13 +46,17 @@ MAX_STEADY_STOPS = 16
 _RUNNING = SeqStatus.RUNNING
 
 
-def decodes_steadily(seq: SequenceState, eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether `seq`'s next step is a decode the columns can hold."""
+def decodes_steadily(
+    seq: SequenceState, eos_token_ids: tuple[int, ...], pending: Mapping[int, int]
+) -> bool:
+    """Whether `seq`'s next step is a decode the columns can hold; `pending` maps
+    `id(seq)` to its row in the output of the step in flight, for a sequence whose
+    last token is that step's placeholder (async scheduling)."""
     return (
         seq.status is _RUNNING
         and seq.num_computed_tokens + 1 == seq.num_tokens
         and bool(seq.output_token_ids)
-        and seq.output_token_ids[-1] >= 0
+        and (seq.output_token_ids[-1] >= 0 or id(seq) in pending)
         and not seq.track_top
         and seq.prompt_scores is None
         and seq.params.max_tokens > 0
@@ -64,6 +73,8 @@ class SteadyDecode:
       max_model_len: the longest sequence.
       eos_token_ids: the model's EOS ids the stop columns were made with.
       version: the scheduler's `SequenceQueues.version` they hold for.
+      pending: `id(seq)` to its row in the in-flight step's output, for each sequence
+        whose last token is a placeholder (see `decodes_steadily`).
     """
 
     def __init__(
@@ -74,6 +85,7 @@ class SteadyDecode:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         version: int,
+        pending: Mapping[int, int],
     ) -> None:
         self.seqs = tuple(seqs)
         self.request_ids = [s.request_id for s in seqs]
@@ -86,6 +98,14 @@ class SteadyDecode:
         self.ends = np.array([s.num_computed_tokens + 1 for s in seqs], np.int64)
         self.counters = np.array([len(s.output_token_ids) for s in seqs], np.int32)
         self.tokens = np.array([s.output_token_ids[-1] for s in seqs], np.int32)
+        # The row of the in-flight step's output holding each last token (-1: known).
+        self.src = np.array(
+            [
+                pending[id(s)] if t < 0 else -1
+                for s, t in zip(seqs, self.tokens.tolist(), strict=True)
+            ],
+            np.int32,
+        )
         self.caps = np.array([kv.num_pages(s) for s in seqs], np.int64) * ps
         self.registered = np.array([kv.num_keys(s) for s in seqs], np.int64)
         self.max_outputs = np.array(
@@ -104,6 +124,7 @@ class SteadyDecode:
         "ends",
         "counters",
         "tokens",
+        "src",
         "caps",
         "registered",
         "max_outputs",
@@ -122,8 +143,9 @@ class SteadyDecode:
 
     def extend(self, more: SteadyDecode) -> None:
         """Appends the columns of `more` (the sequences right after these)."""
+        # New objects: a plan in flight (async scheduling) holds the old ones.
         self.seqs += more.seqs
-        self.request_ids += more.request_ids
+        self.request_ids = self.request_ids + more.request_ids
         for name in self._ARRAYS:
             setattr(self, name, np.concatenate([getattr(self, name), getattr(more, name)]))
 
@@ -153,7 +175,15 @@ class SteadyDecode:
             return None
         num_pages = -(-ends // self.page_size)
         return DecodeColumns(
-            seqs, self.request_ids, self.rows, ends, num_pages, self.counters, self.tokens
+            seqs,
+            self.request_ids,
+            self.rows,
+            ends,
+            num_pages,
+            self.counters,
+            self.tokens,
+            self.src,
+            self.stop_table,
         )
 
     def record(
@@ -197,8 +227,35 @@ class SteadyDecode:
         self.ends = ends + 1
         self.counters = counters
         self.tokens = toks.astype(np.int32)
+        self.src = np.full(len(seqs), -1, np.int32)
         self.plan = None
         return ended, gaps
+
+    def advance(self, placeholder: int) -> list[SequenceState]:
+        """Records the planned step as dispatched with its tokens unknown (async
+        scheduling): appends `placeholder` to each running sequence (logprob 0, its
+        cache length too) and advances the columns, each last token now at its row of
+        this step's output. Returns the sequences that reach their output limit (the
+        caller finishes them, reason "length"; a stop token shows at `resolve`)."""
+        seqs = self.seqs
+        ends = self.ends
+        every = all_running(seqs)
+        alive = [True] * len(seqs) if every else [s.status is _RUNNING for s in seqs]
+        for seq, end, live in zip(seqs, ends.tolist(), alive, strict=True):
+            if live:
+                seq.output_token_ids.append(placeholder)
+                seq.logprobs.append(0.0)
+                seq.num_computed_tokens = end
+        counters = self.counters + 1
+        over = counters >= self.max_outputs
+        if not every:
+            over &= np.array(alive)
+        self.ends = ends + 1
+        self.counters = counters
+        self.tokens = np.full(len(seqs), placeholder, np.int32)
+        self.src = np.arange(len(seqs), dtype=np.int32)
+        self.plan = None
+        return [seqs[i] for i in np.flatnonzero(over).tolist()]
 
 
 class _Scheduled:
@@ -232,37 +289,53 @@ class SteadyDecoder:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.columns: SteadyDecode | None = None
+        # Async scheduling: `id(seq)` to its row in the in-flight step's output, for the
+        # sequences outside the columns that sampled there (`decodes_steadily`).
+        self.pending: dict[int, int] = {}
 
     def drop(self) -> None:
         """Forgets the columns (the general path plans and records)."""
         self.columns = None
+        self.pending = {}
 
     def _leading(self, start: int, eos_token_ids: tuple[int, ...]) -> list[SequenceState]:
         """The running sequences from `start` on that decode steadily, up to the first
         one that does not."""
         out = []
+        pending = self.pending
         for seq in self.scheduler.running[start:]:
-            if not decodes_steadily(seq, eos_token_ids):
+            if not decodes_steadily(seq, eos_token_ids, pending):
                 break
             out.append(seq)
         return out
 
-    def after_update(self, eos_token_ids: tuple[int, ...]) -> None:
+    def after_update(
+        self, eos_token_ids: tuple[int, ...], in_flight: SchedulerOutput | None = None
+    ) -> None:
         """Makes the columns of the leading decoding sequences (after the general path
-        recorded a step)."""
+        recorded a step; `in_flight`: a step dispatched with its tokens unknown, whose
+        placeholders it recorded)."""
         s = self.scheduler
         kv = s.kv_cache_manager
         if not s.steady_decode or kv.sliding:
             return
+        if in_flight is not None:
+            self.pending = {id(c.seq): i for i, c in enumerate(in_flight.chunks) if c.samples}
         seqs = self._leading(0, eos_token_ids)
         if seqs:
-            self.columns = SteadyDecode(
-                seqs,
-                kv,
-                max_model_len=s.max_model_len,
-                eos_token_ids=eos_token_ids,
-                version=s.version,
-            )
+            self.columns = self._columns(seqs, eos_token_ids)
+
+    def _columns(self, seqs: list[SequenceState], eos_token_ids: tuple[int, ...]) -> SteadyDecode:
+        """New columns of `seqs` (each `decodes_steadily`)."""
+        s = self.scheduler
+        return SteadyDecode(
+            seqs,
+            s.kv_cache_manager,
+            max_model_len=s.max_model_len,
+            eos_token_ids=eos_token_ids,
+            version=s.version,
+            pending=self.pending,
+        )
 
     def plan(self) -> tuple[DecodeColumns | None, _Scheduled]:
         """The decodes of the next plan from the columns, after dropping the sequences
@@ -287,13 +360,7 @@ class SteadyDecoder:
         n = len(steady.seqs)
         more = self._leading(n, steady.eos_token_ids) if len(running) > n else []
         if more:
-            kv = s.kv_cache_manager
-            eos = steady.eos_token_ids
-            steady.extend(
-                SteadyDecode(
-                    more, kv, max_model_len=s.max_model_len, eos_token_ids=eos, version=s.version
-                )
-            )
+            steady.extend(self._columns(more, steady.eos_token_ids))
             n = len(steady.seqs)
         if (
             not n
@@ -337,3 +404,50 @@ class SteadyDecoder:
         for seq, reason in ended:
             s._finish(seq, reason, now)
         return [seq for seq, _ in ended], gaps
+
+    def advance(self, plan: SchedulerOutput, placeholder: int) -> bool:
+        """Records the decodes of a dispatched plan made with the columns with their
+        tokens unknown (async scheduling; `SteadyDecode.advance`), finishing those that
+        reach their output limit, and notes the rows of its `extra` chunks that sample.
+        False (recording nothing) when `plan` is not the columns' current plan: the
+        caller records it all with `Scheduler.update`."""
+        steady, s = self.columns, self.scheduler
+        if steady is None or steady.plan is not plan or steady.version != s.version:
+            return False
+        now = time.monotonic()
+        for seq in steady.advance(placeholder):
+            s._finish(seq, FinishReason.LENGTH, now)
+        n = plan.num_decode
+        self.pending = {id(c.seq): n + j for j, c in enumerate(plan.extra) if c.samples}
+        return True
+
+    def resolve(
+        self, decode: DecodeColumns, tokens: list[int], logprobs: list[float]
+    ) -> list[bool]:
+        """Puts the tokens a step made with the columns sampled (`tokens`, `logprobs`:
+        one per decode) in place of their placeholders, and ends the sequences whose
+        token is a stop token there (reason "stop", as `SequenceQueues.resolve`).
+        Returns whether each sequence took its token (one aborted, or ended at an
+        earlier token, takes none)."""
+        now = time.monotonic()
+        took = []
+        for seq, index, token, logprob in zip(
+            decode.seqs, decode.counters.tolist(), tokens, logprobs, strict=True
+        ):
+            out = seq.output_token_ids
+            if index >= len(out) or seq.finish_reason is FinishReason.ABORT:
+                took.append(False)
+                continue
+            out[index] = token
+            seq.logprobs[index] = logprob
+            seq.last_token_time = now
+            if seq.penalised:
+                seq._count(token, 1)
+            took.append(True)
+        stop = (decode.stops == np.array(tokens, np.int64)[:, None]).any(axis=1)
+        stop &= np.array(took)
+        for i in np.flatnonzero(stop).tolist():
+            seq = decode.seqs[i]
+            seq.truncate_outputs(int(decode.counters[i]) + 1)
+            self.scheduler._end_stopped(seq, now)
+        return took

@@ -28,8 +28,9 @@ class CharTokenizer:
         return "".join(chr(97 + t % 26) for t in ids)
 
 
-def _engine(steady: bool, num_pages: int, tokenizer) -> Engine:
+def _engine(steady: bool, num_pages: int, tokenizer, async_scheduling: bool = False) -> Engine:
     config = EngineConfig(
+        async_scheduling=async_scheduling,
         num_pages=num_pages,
         page_size=8,
         max_num_seqs=8,
@@ -71,8 +72,8 @@ def _workload(seed: int):
     return arrivals, aborts
 
 
-def _run(steady: bool, seed: int, num_pages: int, tokenizer):
-    engine = _engine(steady, num_pages, tokenizer)
+def _run(steady: bool, seed: int, num_pages: int, tokenizer, async_scheduling: bool = False):
+    engine = _engine(steady, num_pages, tokenizer, async_scheduling)
     batches, steps, kinds = [], [], []
     dispatch = engine.runner.dispatch
 
@@ -115,12 +116,13 @@ def _run(steady: bool, seed: int, num_pages: int, tokenizer):
     return batches, steps, kinds, engine.stats()["num_preemptions"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("num_pages", [64, 12])  # 12: preemption
-def test_steady_decode_equals_the_general_path(seed, num_pages):
+def test_steady_decode_equals_the_general_path(seed, num_pages, async_scheduling):
     tokenizer = CharTokenizer() if seed % 2 else None
-    on = _run(True, seed, num_pages, tokenizer)
-    off = _run(False, seed, num_pages, tokenizer)
+    on = _run(True, seed, num_pages, tokenizer, async_scheduling)
+    off = _run(False, seed, num_pages, tokenizer, async_scheduling)
     batches_on, steps_on, kinds_on, pre_on = on
     batches_off, steps_off, kinds_off, pre_off = off
     assert not any(d for d, _ in kinds_off)
@@ -134,10 +136,11 @@ def test_steady_decode_equals_the_general_path(seed, num_pages):
     assert pre_on == pre_off
 
 
-def test_steady_steps_make_no_chunk_and_no_output_object():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steady_steps_make_no_chunk_and_no_output_object(async_scheduling):
     """A steady decode step plans as columns (no `ScheduledChunk`) and reports one batch
-    of deltas (no output object) until someone reads it."""
-    engine = _engine(True, 256, None)
+    of deltas (no output object) until someone reads it; with async scheduling too."""
+    engine = _engine(True, 256, None, async_scheduling)
     params = SamplingParams(
         temperature=0.0, max_tokens=30, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
@@ -159,7 +162,11 @@ def test_steady_steps_make_no_chunk_and_no_output_object():
     tokens = {o.request_id: o.outputs[0].token_ids for o in last}
     for i in range(4):
         seq = engine.requests.get(f"r{i}").seqs[0]
-        assert tokens[f"r{i}"] == seq.output_token_ids[-1:]
+        if async_scheduling:  # the last output is the in-flight step's placeholder
+            assert seq.output_token_ids[-1] < 0
+            assert tokens[f"r{i}"] == seq.output_token_ids[-2:-1]
+        else:
+            assert tokens[f"r{i}"] == seq.output_token_ids[-1:]
 
 
 def test_a_skipped_delta_keeps_its_tokens_and_passes_its_text_on():
@@ -195,10 +202,11 @@ def test_step_outputs_behave_like_a_list():
         outs[1]
 
 
-def test_a_fault_in_a_steady_step_fails_only_its_request():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_fault_in_a_steady_step_fails_only_its_request(async_scheduling):
     """An allocation that raises while the columns plan (a page for one sequence) fails
     that request alone, as on the general path; the others finish."""
-    engine = _engine(True, 256, None)
+    engine = _engine(True, 256, None, async_scheduling)
     params = SamplingParams(
         temperature=0.0, max_tokens=20, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
