@@ -107,7 +107,6 @@ class AsyncPipeline:
         self.eos_token_ids = eos_token_ids
         self.routed_experts = routed_experts
         self.inflight: InFlight | None = None
-        self._last_token_seen: dict[int, float] = {}
 
     @property
     def busy(self) -> bool:
@@ -122,7 +121,6 @@ class AsyncPipeline:
             while real and seq.output_token_ids[real - 1] == PLACEHOLDER_TOKEN:
                 real -= 1
             seq.truncate_outputs(real)
-            self._last_token_seen.pop(id(seq), None)
 
     def step(self, plan: SchedulerOutput) -> tuple[Sequence[RequestOutput], float, float]:
         """Dispatches `plan` (if it has work), then resolves the step before it.
@@ -174,7 +172,6 @@ class AsyncPipeline:
         if self.routed_experts is not None:
             self.routed_experts.record(plan, inflight.sampled)
         now = time.monotonic()
-        seen = self._last_token_seen
         gaps: list[float | None] = []
         # Scored sequences that ended with this step (max_tokens=0) are reported now,
         # with their prompt logprobs in place (only general chunks score).
@@ -183,18 +180,14 @@ class AsyncPipeline:
         decode = plan.decode if inflight.columns else None
         if decode is not None:
             n = len(decode.seqs)
-            took = self.scheduler.steady.resolve(
+            gaps += self.scheduler.steady.resolve(
                 decode, sampled.tokens[:n].tolist(), sampled.logprobs[:n].tolist()
             )
-            for seq, ok in zip(decode.seqs, took, strict=True):
-                if ok:
-                    before = seen.get(id(seq))
-                    gaps.append(None if before is None else now - before)
-                    seen[id(seq)] = now
         for seq, row, index in inflight.placeholders:
             if index >= len(seq.output_token_ids):
                 continue  # dropped: the sequence stopped at an earlier token
-            before = seen.get(id(seq))
+            # Placeholders keep the token times: this is the previous token's, as read.
+            before = seq.last_token_time if index else None
             try:
                 token, logprob, *top = sample_result(sampled, row, seq)
                 self.scheduler.resolve(
@@ -204,15 +197,8 @@ class AsyncPipeline:
                 self.scheduler.fail(seq, e)
                 continue
             gaps.append(None if before is None else now - before)
-            seen[id(seq)] = now
             touched.append(seq)
         self.on_tokens(gaps)
         if decode is not None:
-            outputs = self.report_decode(plan, [seq.request_id for seq in touched])
-            touched += [seq for seq in decode.seqs if seq.finish_reason is not None]
-        else:
-            outputs = self.report(seq.request_id for seq in touched)
-        for seq in touched:
-            if seq.finish_reason is not None:
-                seen.pop(id(seq), None)
-        return outputs
+            return self.report_decode(plan, [seq.request_id for seq in touched])
+        return self.report(seq.request_id for seq in touched)

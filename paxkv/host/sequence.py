@@ -145,13 +145,15 @@ class SequenceState:
     ) -> FinishReason | None:
         """Appends a sampled token at time `now`; returns why it ends the sequence (a stop
         token, max_tokens or `max_model_len`), or None. With max_tokens=0 (scoring) the
-        token is dropped: the prefill was all the sequence asked for."""
+        token is dropped: the prefill was all the sequence asked for. A placeholder
+        (< 0) keeps the token times: `resolve_output` sets them when the token is read."""
         if self.params.max_tokens == 0:
             return FinishReason.LENGTH
         self.append_output(token, logprob, top)
-        if self.first_token_time is None:
-            self.first_token_time = now
-        self.last_token_time = now
+        if token >= 0:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
         outputs = len(self.output_token_ids)
         if token in self.stop_set(eos_token_ids):
             return FinishReason.STOP

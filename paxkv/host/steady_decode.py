@@ -423,14 +423,14 @@ class SteadyDecoder:
 
     def resolve(
         self, decode: DecodeColumns, tokens: list[int], logprobs: list[float]
-    ) -> list[bool]:
+    ) -> list[float]:
         """Puts the tokens a step made with the columns sampled (`tokens`, `logprobs`:
         one per decode) in place of their placeholders, and ends the sequences whose
-        token is a stop token there (reason "stop", as `SequenceQueues.resolve`).
-        Returns whether each sequence took its token (one aborted, or ended at an
-        earlier token, takes none)."""
+        token is a stop token there (reason "stop", as `SequenceQueues.resolve`). A
+        sequence aborted, or ended at an earlier token, takes none. Returns, for each
+        token taken, the time since its sequence's previous one."""
         now = time.monotonic()
-        took = []
+        took, gaps = [], []
         for seq, index, token, logprob in zip(
             decode.seqs, decode.counters.tolist(), tokens, logprobs, strict=True
         ):
@@ -440,6 +440,7 @@ class SteadyDecoder:
                 continue
             out[index] = token
             seq.logprobs[index] = logprob
+            gaps.append(now - seq.last_token_time)  # its previous token's, as resolved
             seq.last_token_time = now
             if seq.penalised:
                 seq._count(token, 1)
@@ -450,4 +451,4 @@ class SteadyDecoder:
             seq = decode.seqs[i]
             seq.truncate_outputs(int(decode.counters[i]) + 1)
             self.scheduler._end_stopped(seq, now)
-        return took
+        return gaps

@@ -113,7 +113,8 @@ def _run(steady: bool, seed: int, num_pages: int, tokenizer, async_scheduling: b
                 )
             )
     assert engine.pool.num_in_use == 0
-    return batches, steps, kinds, engine.stats()["num_preemptions"]
+    stats = engine.stats()
+    return batches, steps, kinds, (stats["num_preemptions"], stats["generation_tokens"])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
