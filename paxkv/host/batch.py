@@ -268,7 +268,7 @@ def build_host_batch(
     token_src = np.full(t_pad, -1, np.int32)
     if decode is not None:  # the columns' rows are their first nd packed rows
         token_src[:nd] = decode.src
-    if pending:
+    if pending is not None:
         for i in range(nd, n):  # a chunk whose last token is in flight
             if samples_col[i] and tokens_col[i][-1] < 0:
                 token_src[cu[i + 1] - 1] = pending[id(seqs[i])]
