@@ -1,10 +1,12 @@
 """SamplingParams' integer fields fit the device's int32; text prompts are valid Unicode."""
 
+import re
+
 import numpy as np
 import pytest
 
 from paxkv import SamplingParams
-from paxkv.request import normalize_prompt
+from paxkv.request import check_token_ids, normalize_prompt
 
 
 @pytest.mark.parametrize(
@@ -50,3 +52,24 @@ def test_stop_token_ids_are_bounded_in_count():
         SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
     with pytest.raises(ValueError, match=r"stop_token_ids has 1025 ids"):  # an array too
         SamplingParams(stop_token_ids=np.arange(MAX_STOP_TOKEN_IDS + 1))
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        ([1, True], TypeError, "ids[1] must be an integer, got True (bool)"),
+        ([1, 2, -2], ValueError, "ids[2]=-2 must be in [0, 99]"),
+        ([1, 2.0], TypeError, "ids[1] must be an integer, got 2.0 (float)"),
+        ([100, 1], ValueError, "ids[0]=100 must be in [0, 99]"),
+    ],
+)
+def test_token_ids_errors_name_the_first_bad_entry(ids, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        check_token_ids("ids", ids, hi=99)
+
+
+def test_token_ids_pass_through_as_ints():
+    assert check_token_ids("ids", [0, 99, 5], hi=99) == [0, 99, 5]
+    assert check_token_ids("ids", (np.int64(3), 4), hi=99) == [3, 4]
+    assert check_token_ids("ids", np.array([7, 8], np.int32), hi=99) == [7, 8]
+    assert check_token_ids("ids", [], hi=99) == []
