@@ -102,9 +102,13 @@ def check_token_ids(name: str, ids: Any, *, lo: int | None = 0, hi: int | None =
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise TypeError(f"{name} must be a list of ints, got {ids!r} ({type(ids).__name__})")
     # The common case in C loops (a prompt's thousands of ids): plain ints within range.
-    if ids and set(map(type, ids)) == {int}:
-        if (lo is None or min(ids) >= lo) and (hi is None or max(ids) <= hi):
-            return list(ids)
+    if (
+        ids
+        and set(map(type, ids)) == {int}
+        and (lo is None or min(ids) >= lo)
+        and (hi is None or max(ids) <= hi)
+    ):
+        return list(ids)
     # Otherwise each entry, so the error names the first bad one.
     return [check_int(f"{name}[{i}]", t, lo=lo, hi=hi) for i, t in enumerate(ids)]
 

@@ -88,6 +88,16 @@ class BatchRows:
             self.tables[g, row, n : n + len(more)] = more
         self._held[row] = n + len(pages)
 
+    def append_one(self, rows: list[int], pages: list[int]) -> None:
+        """`append` of one page `pages[i]` to each row `rows[i]` (one group), in one
+        write."""
+        rows_at = np.array(rows, np.int64)
+        at = self._held[rows_at]
+        if int(at.max()) >= self.pages_per_seq:
+            raise ValueError(f"a row would hold more than pages_per_seq={self.pages_per_seq}")
+        self.tables[0, rows_at, at] = pages
+        self._held[rows_at] = at + 1
+
     def clear(self, row: int, group: int, index: int) -> None:
         """Sets entry `index` of `row`'s table of `group` to `NULL_PAGE` (a page a window
         group let go of)."""

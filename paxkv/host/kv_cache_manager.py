@@ -23,7 +23,7 @@ the context.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from paxkv.host.batch_rows import BatchRows
 from paxkv.host.kv_groups import KVCacheGroups, first_page_read, peak_pages
@@ -335,6 +335,51 @@ class KVCacheManager:
         for seq, held in self._seqs.items():
             assert len({len(t) for t in held.tables}) == 1, f"{seq.seq_id}: ragged tables"
             self.rows.check(held.row, held.tables)
+
+
+def allocate_decodes(kv: KVCacheManager, seqs: Sequence[SequenceState], ends: list[int]) -> int:
+    """`kv.allocate(seqs[i], ends[i])` for each in order, up to the first that cannot;
+    returns how many were granted (the rest hold nothing more). When each takes exactly
+    one more page (one group, no windows, the policy letting all grow and the pool
+    holding them all: the steady decode's sequences whose token starts a page), the
+    pages come from one pool call and one write of the persistent batch."""
+    held = [kv._seqs.get(seq) for seq in seqs]
+    if not kv.sliding and kv.num_groups == 1 and all(h is not None for h in held):
+        one_more = all(
+            kv.pages_to_hold(seq, end) == len(h.tables[0]) + 1 and kv.can_grow(seq, end)
+            for seq, end, h in zip(seqs, ends, held, strict=True)
+        )
+        pages = kv.pool.allocate(len(seqs)) if one_more else None
+        if pages is not None:
+            try:  # the persistent batch first: a row past its width changes nothing
+                kv.rows.append_one([h.row for h in held], pages)
+            except Exception:
+                kv.pool.free(pages)
+                raise
+            for h, page in zip(held, pages, strict=True):
+                h.tables[0].append(page)
+            return len(seqs)
+    for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)):
+        if not kv.allocate(seq, end):
+            return i
+    return len(seqs)
+
+
+def register_decodes(
+    kv: KVCacheManager, seqs: Sequence[SequenceState], ends: list[int]
+) -> list[list[int]]:
+    """`kv.register_full_pages(seqs[i], ends[i])` for each; a decode that fills one page
+    past its prompt's registers it the short way (`PrefixCache.register_filled`)."""
+    cache = kv.prefix_cache
+    pages = []
+    for seq, end in zip(seqs, ends, strict=True):
+        held = kv._seqs.get(seq)
+        if cache.enabled and held is not None and cache.register_filled(seq, held, end):
+            page = held.tables[0][len(held.keys) - 1]
+            pages.append([page] if page != NULL_PAGE else [])
+        else:
+            pages.append(kv.register_full_pages(seq, end))
+    return pages
 
 
 def _window_sizes(windows: tuple[int | None, ...]) -> tuple[tuple[int, tuple[int, ...]], ...]:

@@ -243,6 +243,28 @@ class PrefixCache:
                     self._first_tokens.popitem(last=False)
         held.keys.extend(new)
 
+    def register_filled(self, seq: SequenceState, held: SequencePages, end: int) -> bool:
+        """`register(seq, held, end)` when it caches one page, the one seq's decode to
+        token `end` fills, past its prompt's full pages and past its first, in one
+        group: its key made and marked here in a few operations. False (registering
+        nothing) when those conditions do not hold."""
+        ps = self.page_size
+        i = len(held.keys)
+        table = held.tables[0]
+        if (
+            len(held.tables) != 1
+            or end // ps != i + 1
+            or i >= len(table)
+            or i < len(self.prompt_keys(seq))
+            or not i
+        ):
+            return False
+        key = (hash(held.keys[-1]), tuple(seq.token_ids(i * ps, end)), None)
+        if table[i] != NULL_PAGE:
+            self.pool.mark_cached(table[i], key)
+        held.keys.append(key)
+        return True
+
     def forget(self, held: SequencePages, num_computed_tokens: int) -> None:
         """Uncaches the pages registered ahead of computing them (from token
         `num_computed_tokens` on: their chunk did not run), so no one finds them."""

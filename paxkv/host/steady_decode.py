@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paxkv.host.kv_cache_manager import KVCacheManager
+from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes
 from paxkv.host.plan import DecodeColumns, SchedulerOutput, all_running
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.request import FinishReason
@@ -150,27 +150,30 @@ class SteadyDecode:
             setattr(self, name, np.concatenate([getattr(self, name), getattr(more, name)]))
 
     def plan_next(
-        self, kv: KVCacheManager, register: Callable[[SequenceState, int], None]
+        self, kv: KVCacheManager, register: Callable[[list[SequenceState], list[int]], None]
     ) -> DecodeColumns | None:
         """The next step's decodes. Allocates the pages of the sequences whose token
-        starts a new one and registers (`register(seq, end)`) the pages that fill;
+        starts a new one and registers (`register(seqs, ends)`) the pages that fill;
         None when a page cannot be had (the general path then preempts) or the work of
         a sequence raised (the general path then fails that sequence alone), keeping
         what it allocated."""
         ends = self.ends
         seqs = self.seqs
         try:
-            for i in np.flatnonzero(ends > self.caps).tolist():
-                seq = seqs[i]
-                if not kv.allocate(seq, int(ends[i])):
+            grow = np.flatnonzero(ends > self.caps)
+            if grow.size:
+                growing = [seqs[i] for i in grow.tolist()]
+                granted = allocate_decodes(kv, growing, ends[grow].tolist())
+                for i, seq in zip(grow[:granted].tolist(), growing, strict=False):
+                    self.caps[i] = kv.num_pages(seq) * self.page_size
+                if granted < len(growing):
                     return None
-                self.caps[i] = kv.num_pages(seq) * self.page_size
             if self.caching:
-                ps = self.page_size
-                for i in np.flatnonzero(ends // ps > self.registered).tolist():
-                    seq = seqs[i]
-                    register(seq, int(ends[i]))
-                    self.registered[i] = kv.num_keys(seq)
+                filled = np.flatnonzero(ends // self.page_size > self.registered)
+                if filled.size:
+                    filling = [seqs[i] for i in filled.tolist()]
+                    register(filling, ends[filled].tolist())
+                    self.registered[filled] = [kv.num_keys(seq) for seq in filling]
         except Exception:  # the general path plans the step and isolates the fault
             return None
         num_pages = -(-ends // self.page_size)
@@ -369,7 +372,7 @@ class SteadyDecoder:
         ):
             self.columns = None
             return None, _Scheduled(())
-        decode = steady.plan_next(s.kv_cache_manager, s._writers.register)
+        decode = steady.plan_next(s.kv_cache_manager, s._writers.register_decodes)
         if decode is None:
             self.columns = None
             return None, _Scheduled(())

@@ -214,14 +214,14 @@ def test_a_fault_in_a_steady_step_fails_only_its_request(async_scheduling):
     for i in range(4):
         engine.add_request(f"r{i}", {"prompt_token_ids": [10 + i] * 5}, params)
     kv = engine.scheduler.kv_cache_manager
-    allocate = kv.allocate
+    pages_to_hold = kv.pages_to_hold  # asked by every growth, one by one or batched
 
     def faulty(seq, num_tokens):
         if seq.request_id == "r2" and num_tokens > 12:
             raise RuntimeError("injected")
-        return allocate(seq, num_tokens)
+        return pages_to_hold(seq, num_tokens)
 
-    kv.allocate = faulty
+    kv.pages_to_hold = faulty
     final = engine.run_until_done()
     assert final["r2"].outputs[0].finish_reason == "abort"
     assert "injected" in final["r2"].error
