@@ -365,21 +365,15 @@ def allocate_decodes(kv: KVCacheManager, seqs: Sequence[SequenceState], ends: li
     return len(seqs)
 
 
-def register_decodes(
-    kv: KVCacheManager, seqs: Sequence[SequenceState], ends: list[int]
-) -> list[list[int]]:
-    """`kv.register_full_pages(seqs[i], ends[i])` for each; a decode that fills one page
-    past its prompt's registers it the short way (`PrefixCache.register_filled`)."""
+def register_decode(kv: KVCacheManager, seq: SequenceState, end: int) -> list[int]:
+    """`kv.register_full_pages(seq, end)`; a decode that fills one page past its
+    prompt's registers it the short way (`PrefixCache.register_filled`)."""
+    held = kv._seqs.get(seq)
     cache = kv.prefix_cache
-    pages = []
-    for seq, end in zip(seqs, ends, strict=True):
-        held = kv._seqs.get(seq)
-        if cache.enabled and held is not None and cache.register_filled(seq, held, end):
-            page = held.tables[0][len(held.keys) - 1]
-            pages.append([page] if page != NULL_PAGE else [])
-        else:
-            pages.append(kv.register_full_pages(seq, end))
-    return pages
+    if cache.enabled and held is not None and cache.register_filled(seq, held, end):
+        page = held.tables[0][len(held.keys) - 1]
+        return [page] if page != NULL_PAGE else []
+    return kv.register_full_pages(seq, end)
 
 
 def _window_sizes(windows: tuple[int | None, ...]) -> tuple[tuple[int, tuple[int, ...]], ...]:

@@ -1,10 +1,10 @@
 """The steady decode's page work for many decodes at once against `KVCacheManager`'s
 one sequence at a time: `allocate_decodes` (the same pages, rows and failures) and
-`register_decodes` (the same prefix keys and cached pages)."""
+`register_decode` (the same prefix keys and cached pages)."""
 
 import pytest
 
-from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes, register_decodes
+from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes, register_decode
 from paxkv.host.page_pool import PagePool
 from paxkv.host.sequence import SequenceState
 from paxkv.request import SamplingParams
@@ -77,7 +77,9 @@ def test_registering_filled_pages_the_short_way_keys_them_alike():
             ends = [seq.num_tokens for seq in seqs]
             assert allocate_decodes(kv, seqs, ends) == len(seqs)
             if batched:
-                registered.append(register_decodes(kv, seqs, ends))
+                registered.append(
+                    [register_decode(kv, s, e) for s, e in zip(seqs, ends, strict=True)]
+                )
             else:
                 registered.append(
                     [kv.register_full_pages(s, e) for s, e in zip(seqs, ends, strict=True)]
