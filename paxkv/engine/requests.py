@@ -266,8 +266,9 @@ class RequestRegistry:
         self._ids = itertools.count()
         self.weight_version = 0  # the weights new requests sample under
         # `report_decode`'s requests of the steady batch: (its seqs, weight version,
-        # requests or None when some need `report`).
-        self._decode_batch: tuple[Any, int, list[Request] | None] | None = None
+        # {seq: its request} for those that take deltas, the requests in order or None
+        # when some need `report`).
+        self._decode_batch: tuple[Any, int, dict, list[Request] | None] | None = None
 
     def unfinished(self) -> list[Request]:
         """The unfinished requests, in the order they were submitted."""
@@ -416,22 +417,20 @@ class RequestRegistry:
         completion, DELTA, no weight update since it arrived): `report` them all."""
         cache = self._decode_batch
         if cache is None or cache[0] is not decode.seqs or cache[1] != self.weight_version:
-            reqs = [self._requests.get(rid) for rid in decode.request_ids]
-            simple = all(
-                r is not None
-                and r.deferred
-                and r.progress is not None
-                and len(r.seqs) == 1
-                and r.output_kind is DELTA
-                and len(r.version_starts) == 1
-                for r in reqs
-            )
+            # The columns changed (a sequence ended or joined): the requests known from
+            # the last batch are looked up by sequence, only the others checked anew.
+            known = cache[2] if cache is not None and cache[1] == self.weight_version else {}
+            reqs = list(map(known.get, decode.seqs))
+            for i in [i for i, r in enumerate(reqs) if r is None]:
+                reqs[i] = self._delta_request(decode.request_ids[i])
+            simple = not any(r is None for r in reqs)
             cache = self._decode_batch = (
                 decode.seqs,
                 self.weight_version,
+                {s: r for s, r in zip(decode.seqs, reqs, strict=True) if r is not None},
                 reqs if simple else None,
             )
-        reqs = cache[2]
+        reqs = cache[3]
         if reqs is None:
             return None, list(decode.request_ids)
         reasons = list(map(_FINISH_REASON, decode.seqs))
@@ -448,6 +447,21 @@ class RequestRegistry:
             counters = counters[keep]
         deltas = DecodeDeltas.take(reqs, counters, self.weight_version) if reqs else None
         return deltas, [decode.request_ids[i] for i in ended]
+
+    def _delta_request(self, request_id: str) -> Request | None:
+        """The request `request_id` if its output each step is a delta of one token that
+        its reader builds (`Request.deferred`, one completion, DELTA, one weight version,
+        reported once already), else None."""
+        r = self._requests.get(request_id)
+        ok = (
+            r is not None
+            and r.deferred
+            and r.progress is not None
+            and len(r.seqs) == 1
+            and r.output_kind is DELTA
+            and len(r.version_starts) == 1
+        )
+        return r if ok else None
 
     def _new_id(self) -> str:
         """An id no caller-chosen id takes: the next counter value not in use."""

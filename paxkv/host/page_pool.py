@@ -129,6 +129,21 @@ class PagePool:
         Raises ValueError, with the pool unchanged, if any page is ``NULL_PAGE``, out of
         range, or would be freed more times than it is referenced.
         """
+        pages = list(pages)
+        refcounts = self._refcounts
+        if (  # the common case in C loops: distinct plain ints in range, each referenced
+            pages
+            and set(map(type, pages)) == {int}
+            and min(pages) > NULL_PAGE
+            and max(pages) < self._num_pages
+            and len(set(pages)) == len(pages)
+            and all(map(refcounts.__getitem__, pages))
+        ):
+            for page in pages:
+                refcounts[page] -= 1
+                if not refcounts[page]:
+                    self._append(page)
+            return
         pages = [self._check_page(p) for p in pages]
         for page, count in collections.Counter(pages).items():
             if count > self._refcounts[page]:
