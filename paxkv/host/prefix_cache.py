@@ -246,8 +246,9 @@ class PrefixCache:
     def register_filled(self, seq: SequenceState, held: SequencePages, end: int) -> bool:
         """`register(seq, held, end)` when it caches one page, the one seq's decode to
         token `end` fills, past its prompt's full pages and past its first, in one
-        group: its key made and marked here in a few operations. False (registering
-        nothing) when those conditions do not hold."""
+        group: the same key (`page_keys`) without `register`'s general walk (the steady
+        decode's filled pages, one decode in `page_size` each step). False
+        (registering nothing) when those conditions do not hold."""
         ps = self.page_size
         i = len(held.keys)
         table = held.tables[0]
@@ -259,9 +260,9 @@ class PrefixCache:
             or not i
         ):
             return False
-        key = (hash(held.keys[-1]), tuple(seq.token_ids(i * ps, end)), None)
+        key = page_keys(seq.token_ids(i * ps, end), ps, parent=held.keys[-1])[0]
         if table[i] != NULL_PAGE:
-            self.pool.mark_cached(table[i], key)
+            self.pool.mark_cached(table[i], self._key(0, key))
         held.keys.append(key)
         return True
 

@@ -26,3 +26,31 @@ def test_replays_a_trace_to_the_end(tmp_path):
     assert at_max["steps"] > 0 and at_max["p50"] > 0
     assert set(at_max) >= {"p50", "mean", "p99", "steps", "schedule", "outputs"}
     json.dumps(result)  # what --json_out writes
+
+
+def test_schedule_parts_time_the_pieces_inside_schedule_and_restore_them():
+    from paxkv.benchmarks import schedule_parts
+    from paxkv.host.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+    trace = host_step.make_trace(40, seed=2, arrival_rate=4.0)
+    config = EngineConfig(
+        num_pages=512,
+        page_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        max_model_len=4096,
+        num_decode_steps=1,
+        log_stats_interval_s=0.0,
+    )
+    with schedule_parts.timed_schedule() as steps:
+        result = host_step.run(trace, config)
+    assert result["all_finished"]
+    assert Scheduler.schedule is schedule  # every piece put back
+    m = schedule_parts.medians(steps, running=8)
+    assert m["steps"] > 0
+    plan, page_work = m["steady decode: plan"], m["  page work"]
+    assert 0 < page_work <= plan <= m["schedule"]
+    for _, parts in steps:  # nested pieces never exceed the call they are inside
+        assert parts.get("  page work", 0) <= parts.get("steady decode: plan", 0)
+        assert parts.get("steady decode: plan", 0) + parts.get("admissions", 0) <= parts["schedule"]
