@@ -120,6 +120,8 @@ def penalty_histories(
     """i32[3, size, length]: the sequences' penalty histories (see `sampling_arrays`) as
     rows padded with id -1; ValueError if one is longer than `length`."""
     history = np.zeros((3, size, length), np.int32)
+    if not length and histories.count(None) == len(histories):
+        return history
     history[0] = -1
     for i, h in enumerate(histories):
         if h is not None:
@@ -191,23 +193,25 @@ def build_host_batch(
     (seqs, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
         zip(*extra, strict=True) if extra else ((),) * 9
     )
-    q_lens = np.array(q_col, np.int64)
+    q_lens = np.array(q_col, np.int32)
     starts = np.array(start_col, np.int64)
     num_pages = np.array(pages_col, np.int64)
     row_ids = np.array(row_col, np.int64)
     counters = np.array(out_col, np.int32)
+    drafts = any(draft_col)
     num_draft = np.array(draft_col, np.int32)
     flat = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=-1)
     decode = plan.decode
     nd = plan.num_decode
     if decode is not None:  # the steady decode's columns first: one token each
         seqs = decode.seqs + seqs
-        q_lens = np.concatenate([np.ones(nd, np.int64), q_lens])
+        q_lens = np.concatenate([np.ones(nd, np.int32), q_lens])
         starts = np.concatenate([decode.ends - 1, starts])
         num_pages = np.concatenate([decode.num_pages, num_pages])
         row_ids = np.concatenate([decode.rows, row_ids])
         counters = np.concatenate([decode.counters, counters])
-        num_draft = np.concatenate([np.zeros(nd, np.int32), num_draft])
+        num_draft = np.zeros(nd + len(num_draft), np.int32)
+        num_draft[nd:] = draft_col
         flat = np.concatenate([decode.tokens, flat])
         samples_col = (True,) * nd + samples_col
         tokens_col = ((),) * nd + tokens_col
@@ -232,15 +236,22 @@ def build_host_batch(
     positions = np.zeros(t_pad, np.int32)
     positions[:num] = np.arange(num) + np.repeat(starts - cu[:n], q_lens)
     logits_indices = np.zeros(s_pad, np.int32)
-    logits_indices[:n] = cu[1 : n + 1] - 1 - num_draft
-    draft_tokens, draft_counts = _drafts(tokens_col, num_draft, s_pad, draft_width)
+    logits_indices[:n] = cu[1 : n + 1] - 1
+    if drafts:
+        logits_indices[:n] -= num_draft
+        draft_tokens, draft_counts = _drafts(tokens_col, num_draft, s_pad, draft_width)
+    else:
+        draft_tokens, draft_counts = np.zeros((s_pad, 0), np.int32), np.zeros(s_pad, np.int32)
 
-    # One gather of every group's rows, each cut to the chunk's pages.
+    # One gather of every group's rows, each cut to the chunk's pages (a row holds
+    # NULL_PAGE past its pages: only rows holding more than their chunk's are cut).
     groups = rows.num_groups
     table = np.full((groups, s_pad, p_pad), NULL_PAGE, np.int32)
     gathered = rows.tables[:, row_ids, :p_pad]
-    cut = np.arange(p_pad)[None, None, :] < num_pages[None, :, None]
-    table[:, :n] = np.where(cut, gathered, NULL_PAGE)
+    if (rows.held(row_ids) > num_pages).any():
+        cut = np.arange(p_pad)[None, None, :] < num_pages[None, :, None]
+        gathered = np.where(cut, gathered, NULL_PAGE)
+    table[:, :n] = gathered
     if groups == 1:
         table = table[0]
     kv_lens = np.zeros(s_pad, np.int32)
@@ -252,7 +263,7 @@ def build_host_batch(
     ints[:n, ROW_INT_COLUMNS] = rows.ints[row_ids]
     ints[:n, INT_COLUMN["counter"]] = counters
     # Only the chunks with penalties build their histories.
-    penalised = np.flatnonzero(has_penalties(floats[:n]))
+    penalised = np.flatnonzero(has_penalties(floats[:n])) if rows.penalised else np.zeros(0, int)
     histories: list = [None] * n
     for i in penalised.tolist():
         if samples_col[i]:

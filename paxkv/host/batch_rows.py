@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paxkv.host.sampling_columns import ROW_INTS, padding_floats, sampling_floats
+from paxkv.host.sampling_columns import ROW_INTS, has_penalties, padding_floats, sampling_floats
 from paxkv.pallas_kernels.layout import NULL_PAGE
 from paxkv.request import SamplingParams
 
@@ -40,6 +40,8 @@ class BatchRows:
         self.ints = np.zeros((capacity, len(ROW_INTS)), np.int32)  # i32[rows, len(ROW_INTS)]
         self._free = list(range(capacity - 1, -1, -1))
         self._held = np.zeros(capacity, np.int64)  # pages written in each row
+        # Rows in use whose sampling applies a penalty (their steps carry histories).
+        self.penalised: set[int] = set()
 
     @property
     def block_tables(self) -> np.ndarray:  # i32[rows, pages_per_seq]
@@ -71,6 +73,8 @@ class BatchRows:
             self._grow()
         row = self._free.pop()
         self.floats[row] = sampling_floats(params)
+        if has_penalties(self.floats[row : row + 1])[0]:
+            self.penalised.add(row)
         self.ints[row] = [seed if name == "seed" else getattr(params, name) for name in ROW_INTS]
         return row
 
@@ -98,6 +102,10 @@ class BatchRows:
         self.tables[0, rows_at, at] = pages
         self._held[rows_at] = at + 1
 
+    def held(self, rows: np.ndarray) -> np.ndarray:  # i64[n]
+        """Pages written in each of `rows` (i64[n])."""
+        return self._held[rows]
+
     def clear(self, row: int, group: int, index: int) -> None:
         """Sets entry `index` of `row`'s table of `group` to `NULL_PAGE` (a page a window
         group let go of)."""
@@ -113,6 +121,7 @@ class BatchRows:
     def release(self, row: int) -> None:
         """Clears `row` and frees it for another sequence."""
         self.truncate(row, 0)
+        self.penalised.discard(row)
         self._free.append(row)
 
     def check(self, row: int, tables: Sequence[list[int]]) -> None:

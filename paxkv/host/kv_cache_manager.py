@@ -343,12 +343,18 @@ def allocate_decodes(kv: KVCacheManager, seqs: Sequence[SequenceState], ends: li
     one more page (one group, no windows, the policy letting all grow and the pool
     holding them all: the steady decode's sequences whose token starts a page), the
     pages come from one pool call and one write of the persistent batch."""
-    held = [kv._seqs.get(seq) for seq in seqs]
-    if not kv.sliding and kv.num_groups == 1 and all(h is not None for h in held):
-        one_more = all(
-            kv.pages_to_hold(seq, end) == len(h.tables[0]) + 1 and kv.can_grow(seq, end)
-            for seq, end, h in zip(seqs, ends, held, strict=True)
-        )
+    held = list(map(kv._seqs.get, seqs))
+    if not kv.sliding and kv.num_groups == 1 and held.count(None) == 0:
+        ps = kv.page_size
+        if type(kv.reservation) is PagedReservation:  # a page per page_size tokens, always
+            one_more = all(
+                -(-end // ps) == len(h.tables[0]) + 1 for end, h in zip(ends, held, strict=True)
+            )
+        else:
+            one_more = all(
+                kv.pages_to_hold(seq, end) == len(h.tables[0]) + 1 and kv.can_grow(seq, end)
+                for seq, end, h in zip(seqs, ends, held, strict=True)
+            )
         pages = kv.pool.allocate(len(seqs)) if one_more else None
         if pages is not None:
             try:  # the persistent batch first: a row past its width changes nothing
@@ -365,15 +371,20 @@ def allocate_decodes(kv: KVCacheManager, seqs: Sequence[SequenceState], ends: li
     return len(seqs)
 
 
-def register_decode(kv: KVCacheManager, seq: SequenceState, end: int) -> list[int]:
-    """`kv.register_full_pages(seq, end)`; a decode that fills one page past its
-    prompt's registers it the short way (`PrefixCache.register_filled`)."""
-    held = kv._seqs.get(seq)
+def register_decodes(
+    kv: KVCacheManager, seqs: Sequence[SequenceState], ends: Sequence[int]
+) -> list[list[int]]:
+    """`kv.register_full_pages(seqs[i], ends[i])` for each, in order; the decodes that
+    each fill one page past their prompt's are keyed in one pass
+    (`PrefixCache.register_filled`)."""
     cache = kv.prefix_cache
-    if cache.enabled and held is not None and cache.register_filled(seq, held, end):
-        page = held.tables[0][len(held.keys) - 1]
-        return [page] if page != NULL_PAGE else []
-    return kv.register_full_pages(seq, end)
+    if not cache.enabled:
+        return [[] for _ in seqs]
+    short = cache.register_filled(seqs, list(map(kv._seqs.get, seqs)), ends)
+    return [
+        kv.register_full_pages(seq, end) if page is None else [page] if page != NULL_PAGE else []
+        for seq, end, page in zip(seqs, ends, short, strict=True)
+    ]
 
 
 def _window_sizes(windows: tuple[int | None, ...]) -> tuple[tuple[int, tuple[int, ...]], ...]:

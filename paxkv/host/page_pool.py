@@ -31,6 +31,7 @@ from paxkv.pallas_kernels.layout import (
 )
 
 _DETACHED = -1  # prev/next value of a page that is not in the free queue
+_NO_KEY = object()
 
 
 class InvariantError(AssertionError):
@@ -107,16 +108,26 @@ class PagePool:
             raise ValueError(f"{n=} must be non-negative")
         if n > self._num_queued:
             return None
+        # The first n pages of the queue, unlinked at once (no call per page).
+        nxt, prev, refcounts = self._next, self._prev, self._refcounts
         pages = []
+        page = nxt[self._sentinel]
         for _ in range(n):
-            page = self._next[self._sentinel]
-            self._remove(page)
-            self._refcounts[page] = 1
-            if page in self._page_to_key:
-                key = self._page_to_key.pop(page)
-                del self._key_to_page[key]
-                self._num_evictions += 1
             pages.append(page)
+            following = nxt[page]
+            prev[page] = nxt[page] = _DETACHED
+            refcounts[page] = 1
+            page = following
+        nxt[self._sentinel] = page
+        prev[page] = self._sentinel
+        self._num_queued -= n
+        to_key = self._page_to_key
+        if to_key:  # taken pages that hold a key are evicted
+            for page in pages:
+                key = to_key.pop(page, _NO_KEY)
+                if key is not _NO_KEY:
+                    del self._key_to_page[key]
+                    self._num_evictions += 1
         return pages
 
     def free(self, pages: Iterable[int]) -> None:

@@ -243,28 +243,42 @@ class PrefixCache:
                     self._first_tokens.popitem(last=False)
         held.keys.extend(new)
 
-    def register_filled(self, seq: SequenceState, held: SequencePages, end: int) -> bool:
-        """`register(seq, held, end)` when it caches one page, the one seq's decode to
-        token `end` fills, past its prompt's full pages and past its first, in one
-        group: the same key (`page_keys`) without `register`'s general walk (the steady
-        decode's filled pages, one decode in `page_size` each step). False
-        (registering nothing) when those conditions do not hold."""
+    def register_filled(
+        self,
+        seqs: Sequence[SequenceState],
+        helds: Sequence[SequencePages | None],
+        ends: Sequence[int],
+    ) -> list[int | None]:
+        """`register(seqs[i], helds[i], ends[i])` for each decode that caches one page,
+        the one its token `ends[i]` fills, past its prompt's full pages and past its
+        first, in one group (the steady decode's filled pages, one decode in
+        `page_size` each step): in one pass, each key as `page_keys` makes it. Returns
+        per decode the page it cached (`NULL_PAGE`: its table holds none there), or
+        None where those conditions do not hold (nothing registered for it: the caller
+        registers it the general way)."""
         ps = self.page_size
-        i = len(held.keys)
-        table = held.tables[0]
-        if (
-            len(held.tables) != 1
-            or end // ps != i + 1
-            or i >= len(table)
-            or i < len(self.prompt_keys(seq))
-            or not i
-        ):
-            return False
-        key = page_keys(seq.token_ids(i * ps, end), ps, parent=held.keys[-1])[0]
-        if table[i] != NULL_PAGE:
-            self.pool.mark_cached(table[i], self._key(0, key))
-        held.keys.append(key)
-        return True
+        if len(self.windows) != 1:
+            return [None] * len(seqs)
+        mark = self.pool.mark_cached
+        out: list[int | None] = []
+        for seq, held, end in zip(seqs, helds, ends, strict=True):
+            i = len(held.keys) if held is not None else 0
+            if (
+                not i
+                or end // ps != i + 1
+                or i >= len(held.tables[0])
+                or i < len(seq.prompt_token_ids) // ps
+            ):
+                out.append(None)
+                continue
+            # page_keys' key of page i with parent page i - 1 (salt only on page 0).
+            key = (hash(held.keys[-1]), tuple(seq.token_ids(i * ps, end)), None)
+            page = held.tables[0][i]
+            if page != NULL_PAGE:
+                mark(page, key)
+            held.keys.append(key)
+            out.append(page)
+        return out
 
     def forget(self, held: SequencePages, num_computed_tokens: int) -> None:
         """Uncaches the pages registered ahead of computing them (from token

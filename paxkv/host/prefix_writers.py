@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from paxkv.host.kv_cache_manager import KVCacheManager, register_decode
+from paxkv.host.kv_cache_manager import KVCacheManager, register_decodes
 from paxkv.host.plan import SchedulerOutput
 from paxkv.host.sequence import SequenceState
 
@@ -37,10 +37,12 @@ class PrefixWriters:
 
     def register_decodes(self, seqs: list[SequenceState], ends: list[int]) -> None:
         """`register` of decodes (`seqs[i]` to token `ends[i]`), each filling a page."""
-        kv = self.kv_cache_manager
-        for seq, end in zip(seqs, ends, strict=True):
-            for page in register_decode(kv, seq, end):
-                self._writers[page] = seq
+        writers = self._writers
+        for seq, pages in zip(
+            seqs, register_decodes(self.kv_cache_manager, seqs, ends), strict=True
+        ):
+            for page in pages:
+                writers[page] = seq
 
     def depends_on(self, seq: SequenceState) -> set[SequenceState]:
         """The sequences whose chunks in the current plan write pages `seq`'s prefix hits

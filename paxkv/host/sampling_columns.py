@@ -52,7 +52,9 @@ def sampling_floats(params: SamplingParams) -> tuple[float, ...]:
 
 def padding_floats(rows: int) -> np.ndarray:
     """f32[rows, len(SAMPLING_FLOATS)] of padding rows (`FLOAT_PADDING`)."""
-    return np.tile(_PADDING_ROW, (rows, 1))
+    out = np.empty((rows, len(SAMPLING_FLOATS)), np.float32)
+    out[:] = _PADDING_ROW
+    return out
 
 
 def has_penalties(floats: np.ndarray) -> np.ndarray:

@@ -205,8 +205,9 @@ def test_step_outputs_behave_like_a_list():
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_fault_in_a_steady_step_fails_only_its_request(async_scheduling):
-    """An allocation that raises while the columns plan (a page for one sequence) fails
-    that request alone, as on the general path; the others finish."""
+    """An allocation that raises while the columns plan (the batched growth of several
+    sequences, then a page for one of them on the general path) fails that request
+    alone; the others finish."""
     engine = _engine(True, 256, None, async_scheduling)
     params = SamplingParams(
         temperature=0.0, max_tokens=20, ignore_eos=True, output_kind=RequestOutputKind.DELTA
@@ -221,8 +222,20 @@ def test_a_fault_in_a_steady_step_fails_only_its_request(async_scheduling):
             raise RuntimeError("injected")
         return pages_to_hold(seq, num_tokens)
 
+    append_one = kv.rows.append_one  # the batched growth's write of the columns' rows
+    raised = []
+
+    def faulty_rows(rows, pages):
+        grown = {s.request_id for s in engine.scheduler.running if kv.row(s) in rows}
+        if "r2" in grown and max(s.num_tokens for s in engine.scheduler.running) > 12:
+            raised.append(rows)
+            raise RuntimeError("injected")
+        return append_one(rows, pages)
+
     kv.pages_to_hold = faulty
+    kv.rows.append_one = faulty_rows
     final = engine.run_until_done()
+    assert raised, "the batched growth never met the fault"
     assert final["r2"].outputs[0].finish_reason == "abort"
     assert "injected" in final["r2"].error
     for rid in ("r0", "r1", "r3"):

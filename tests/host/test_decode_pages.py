@@ -1,10 +1,10 @@
 """The steady decode's page work for many decodes at once against `KVCacheManager`'s
 one sequence at a time: `allocate_decodes` (the same pages, rows and failures) and
-`register_decode` (the same prefix keys and cached pages)."""
+`register_decodes` (the same prefix keys and cached pages)."""
 
 import pytest
 
-from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes, register_decode
+from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes, register_decodes
 from paxkv.host.page_pool import PagePool
 from paxkv.host.sequence import SequenceState
 from paxkv.request import SamplingParams
@@ -70,16 +70,14 @@ def test_registering_filled_pages_the_short_way_keys_them_alike():
             seqs.append(seq)
         registered, short = [], []
         filled = kv.prefix_cache.register_filled
-        kv.prefix_cache.register_filled = lambda *a: short.append(filled(*a)) or short[-1]
+        kv.prefix_cache.register_filled = lambda *a: short.extend(filled(*a)) or short[-len(a[0]) :]
         for step in range(12):  # each decodes a token; some fill a page (s2's first)
             for seq in seqs:
                 seq.output_token_ids.append(10 + step)
             ends = [seq.num_tokens for seq in seqs]
             assert allocate_decodes(kv, seqs, ends) == len(seqs)
             if batched:
-                registered.append(
-                    [register_decode(kv, s, e) for s, e in zip(seqs, ends, strict=True)]
-                )
+                registered.append(register_decodes(kv, seqs, ends))
             else:
                 registered.append(
                     [kv.register_full_pages(s, e) for s, e in zip(seqs, ends, strict=True)]
@@ -88,7 +86,7 @@ def test_registering_filled_pages_the_short_way_keys_them_alike():
                 seq.num_computed_tokens = end
         keys = [kv._seqs[s].keys for s in seqs]
         cached = {p: kv.pool._page_to_key.get(p) for s in seqs for p in kv.tables(s)[0]}
-        return registered, keys, cached, short.count(True)
+        return registered, keys, cached, len(short) - short.count(None)
 
     *batched, short = run(True)
     *single, none = run(False)
