@@ -356,10 +356,16 @@ class DecodeDeltas:
         self.versions = (version,)
 
     @staticmethod
-    def take(requests: Sequence[Request], counters: np.ndarray, version: int) -> DecodeDeltas:
-        """The deltas of `requests`, each taking its token at output `counters[i]`."""
-        for req, c in zip(requests, counters.tolist(), strict=True):
-            req.progress[0].num_taken = c + 1
+    def take(
+        requests: Sequence[Request],
+        progress: Sequence[Progress],
+        counters: np.ndarray,
+        version: int,
+    ) -> DecodeDeltas:
+        """The deltas of `requests` (`progress`: each one's `progress[0]`), each taking
+        its token at output `counters[i]`."""
+        for p, n in zip(progress, (counters + 1).tolist(), strict=True):
+            p.num_taken = n
         return DecodeDeltas(requests, counters, version)
 
     def build(self, i: int) -> RequestOutput:

@@ -265,10 +265,12 @@ class RequestRegistry:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.weight_version = 0  # the weights new requests sample under
-        # `report_decode`'s requests of the steady batch: (its seqs, weight version,
-        # {seq: its request} for those that take deltas, the requests in order or None
-        # when some need `report`).
-        self._decode_batch: tuple[Any, int, dict, list[Request] | None] | None = None
+        # `report_decode`'s requests of the steady batch: (its seqs, weight version, the
+        # requests in order and their progress, or None when some need `report`).
+        self._decode_batch: tuple[Any, int, list | None, list | None] | None = None
+        # The requests of sequences of the columns that take deltas, by sequence (kept
+        # across changes of the columns; rebuilt when it outgrows them).
+        self._delta_requests: dict[Any, Request] = {}
 
     def unfinished(self) -> list[Request]:
         """The unfinished requests, in the order they were submitted."""
@@ -417,36 +419,52 @@ class RequestRegistry:
         completion, DELTA, no weight update since it arrived): `report` them all."""
         cache = self._decode_batch
         if cache is None or cache[0] is not decode.seqs or cache[1] != self.weight_version:
-            # The columns changed (a sequence ended or joined): the requests known from
-            # the last batch are looked up by sequence, only the others checked anew.
-            known = cache[2] if cache is not None and cache[1] == self.weight_version else {}
-            reqs = list(map(known.get, decode.seqs))
-            for i in [i for i, r in enumerate(reqs) if r is None]:
-                reqs[i] = self._delta_request(decode.request_ids[i])
-            simple = not any(r is None for r in reqs)
-            cache = self._decode_batch = (
-                decode.seqs,
-                self.weight_version,
-                {s: r for s, r in zip(decode.seqs, reqs, strict=True) if r is not None},
-                reqs if simple else None,
-            )
-        reqs = cache[3]
+            cache = self._decode_batch = self._batch_of(decode, cache)
+        reqs, progress = cache[2], cache[3]
         if reqs is None:
             return None, list(decode.request_ids)
         reasons = list(map(_FINISH_REASON, decode.seqs))
-        ended = (
-            []
-            if reasons.count(None) == len(reasons)
-            else [i for i, r in enumerate(reasons) if r is not None]
-        )
         counters = decode.counters
-        if ended:
-            keep = np.ones(len(reqs), bool)
-            keep[ended] = False
-            reqs = [r for r, k in zip(reqs, keep.tolist(), strict=True) if k]
-            counters = counters[keep]
-        deltas = DecodeDeltas.take(reqs, counters, self.weight_version) if reqs else None
+        ended: list[int] = []
+        if reasons.count(None) != len(reasons):  # some ended: only the others take deltas
+            going = np.fromiter(
+                map(operator.is_, reasons, itertools.repeat(None)), bool, len(reasons)
+            )
+            ended = np.flatnonzero(~going).tolist()
+            kept = going.tolist()
+            reqs = list(itertools.compress(reqs, kept))
+            progress = list(itertools.compress(progress, kept))
+            counters = counters[going]
+        deltas = DecodeDeltas.take(reqs, progress, counters, self.weight_version) if reqs else None
         return deltas, [decode.request_ids[i] for i in ended]
+
+    def _batch_of(self, decode: DecodeColumns, cache: tuple | None) -> tuple:
+        """`_decode_batch` of new columns: the requests known from the last batch are
+        looked up by sequence (`_delta_requests`), only the others (those that joined:
+        at the end) checked anew."""
+        known = self._delta_requests
+        if (
+            cache is None
+            or cache[1] != self.weight_version
+            or len(known) > 2 * len(decode.seqs) + 64
+        ):
+            known = self._delta_requests = (
+                dict(zip(cache[0], cache[2], strict=True))
+                if cache is not None and cache[1] == self.weight_version and cache[2] is not None
+                else {}
+            )
+        reqs = list(map(known.get, decode.seqs))
+        missing = reqs.count(None)
+        i = len(reqs)
+        while missing:  # from the end, where the columns append
+            i -= 1
+            if reqs[i] is None:
+                missing -= 1
+                r = reqs[i] = self._delta_request(decode.request_ids[i])
+                if r is None:
+                    return (decode.seqs, self.weight_version, None, None)
+                known[decode.seqs[i]] = r
+        return (decode.seqs, self.weight_version, reqs, [r.progress[0] for r in reqs])
 
     def _delta_request(self, request_id: str) -> Request | None:
         """The request `request_id` if its output each step is a delta of one token that

@@ -96,7 +96,7 @@ class DecodeColumns:
     # i32[n]: the row of the in-flight step's output that holds each unknown last token
     # (async scheduling), -1 where it is known.
     src: np.ndarray
-    stops: np.ndarray  # i64[n, MAX_STEADY_STOPS]: each one's stop tokens, padded with -1
+    stops: np.ndarray  # i64[n, k]: each one's stop tokens (k: the most of one), -1 padded
 
     def chunks(self) -> tuple[ScheduledChunk, ...]:
         """The same plan as chunks."""

@@ -64,6 +64,14 @@ def decodes_steadily(
     )
 
 
+def stop_tokens(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:  # bool[n]
+    """Which of `tokens` (i64[n]) is among its row's stop tokens (`table` i64[n, k], -1
+    padded)."""
+    if not table.shape[1]:
+        return np.zeros(len(tokens), bool)
+    return (table == tokens[:, None]).any(axis=1)
+
+
 class SteadyDecode:
     """The columns of the leading decoding sequences of a running batch.
 
@@ -112,7 +120,8 @@ class SteadyDecode:
             [min(s.params.max_tokens, max_model_len - s.num_prompt) for s in seqs], np.int64
         )
         stops = [s.stop_token_ids(eos_token_ids) for s in seqs]
-        self.stop_table = np.full((len(seqs), MAX_STEADY_STOPS), -1, np.int64)  # -1: none
+        # i64[n, most stops of one]; -1: none (no columns at all when none has a stop).
+        self.stop_table = np.full((len(seqs), max(map(len, stops), default=0)), -1, np.int64)
         for i, ids in enumerate(stops):
             self.stop_table[i, : len(ids)] = ids
         self.penalised = np.array([s.penalised for s in seqs], bool)
@@ -146,6 +155,14 @@ class SteadyDecode:
         # New objects: a plan in flight (async scheduling) holds the old ones.
         self.seqs += more.seqs
         self.request_ids = self.request_ids + more.request_ids
+        width = max(self.stop_table.shape[1], more.stop_table.shape[1])
+        for columns in (self, more):
+            if columns.stop_table.shape[1] < width:
+                columns.stop_table = np.pad(
+                    columns.stop_table,
+                    ((0, 0), (0, width - columns.stop_table.shape[1])),
+                    constant_values=-1,
+                )
         for name in self._ARRAYS:
             setattr(self, name, np.concatenate([getattr(self, name), getattr(more, name)]))
 
@@ -215,7 +232,7 @@ class SteadyDecode:
                 seqs[i]._count(tokens[i], 1)
         toks = np.array(tokens, np.int64)
         counters = self.counters + 1
-        stop = (self.stop_table == toks[:, None]).any(axis=1)
+        stop = stop_tokens(self.stop_table, toks)
         over = stop | (counters >= self.max_outputs)
         if not every:
             over &= np.array(alive)
@@ -448,7 +465,7 @@ class SteadyDecoder:
             if seq.penalised:
                 seq._count(token, 1)
             took.append(True)
-        stop = (decode.stops == np.array(tokens, np.int64)[:, None]).any(axis=1)
+        stop = stop_tokens(decode.stops, np.array(tokens, np.int64))
         stop &= np.array(took)
         for i in np.flatnonzero(stop).tolist():
             seq = decode.seqs[i]
