@@ -342,35 +342,34 @@ def _snapshot_one(req: Request) -> DeferredOutput | None:
 
 class DecodeDeltas:
     """The delta outputs of a steady decode step, for requests of one completion that
-    each got one token and none of which ended: the requests, and their outputs
-    before the step (`counters`); one object for the whole batch, each request's
-    `RequestOutput` built when read (`StepOutputs`).
+    each got one token and none of which ended: the requests (with their progress),
+    and their outputs before the step (`counters`); one object for the whole batch,
+    each request's `RequestOutput` built when read (`StepOutputs`).
 
     Made by `take`, which marks the tokens taken (the step's only work per request)."""
 
     __slots__ = ("counters", "requests", "versions")
 
-    def __init__(self, requests: Sequence[Request], counters: np.ndarray, version: int) -> None:
-        self.requests = requests
+    def __init__(
+        self, requests: Sequence[tuple[Request, Progress]], counters: np.ndarray, version: int
+    ) -> None:
+        self.requests = requests  # (request, its progress[0]) of each
         self.counters = counters.tolist()  # i32[n] outputs before the step
         self.versions = (version,)
 
     @staticmethod
     def take(
-        requests: Sequence[Request],
-        progress: Sequence[Progress],
-        counters: np.ndarray,
-        version: int,
+        requests: Sequence[tuple[Request, Progress]], counters: np.ndarray, version: int
     ) -> DecodeDeltas:
-        """The deltas of `requests` (`progress`: each one's `progress[0]`), each taking
-        its token at output `counters[i]`."""
-        for p, n in zip(progress, (counters + 1).tolist(), strict=True):
-            p.num_taken = n
+        """The deltas of `requests` (each with its `progress[0]`), each taking its token
+        at output `counters[i]`."""
+        for (_, progress), n in zip(requests, (counters + 1).tolist(), strict=True):
+            progress.num_taken = n
         return DecodeDeltas(requests, counters, version)
 
     def build(self, i: int) -> RequestOutput:
         """Request i's output."""
-        req = self.requests[i]
+        req = self.requests[i][0]
         c = self.counters[i]
         with req.build_lock:
             return _build(req, ((0, c, c + 1, None),), False, self.versions, None)
@@ -475,7 +474,7 @@ class StepOutputs(Sequence[RequestOutput]):
         out = [(o.request_id, o.finished, o) for o in self._items]
         d = self._deltas
         if d is not None:
-            out += [(req.request_id, False, _Entry(d, i)) for i, req in enumerate(d.requests)]
+            out += [(req.request_id, False, _Entry(d, i)) for i, (req, _) in enumerate(d.requests)]
         return out
 
 

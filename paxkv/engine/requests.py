@@ -231,6 +231,7 @@ class Request:
         )
 
 
+_NOT_DELTA = object()  # `DecodeColumns.attached` of a request that needs `report`
 _FINISH_REASON = operator.attrgetter("finish_reason")
 
 
@@ -265,12 +266,8 @@ class RequestRegistry:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.weight_version = 0  # the weights new requests sample under
-        # `report_decode`'s requests of the steady batch: (its seqs, weight version, the
-        # requests in order and their progress, or None when some need `report`).
-        self._decode_batch: tuple[Any, int, list | None, list | None] | None = None
-        # The requests of sequences of the columns that take deltas, by sequence (kept
-        # across changes of the columns; rebuilt when it outgrows them).
-        self._delta_requests: dict[Any, Request] = {}
+        # The weight version under which `report_decode` attached requests to the columns.
+        self._attached_version = 0
 
     def unfinished(self) -> list[Request]:
         """The unfinished requests, in the order they were submitted."""
@@ -417,12 +414,22 @@ class RequestRegistry:
         (ended in the step), to `report`. None for the deltas when a request of the
         batch needs more than a delta of one token (`Request.deferred`, one
         completion, DELTA, no weight update since it arrived): `report` them all."""
-        cache = self._decode_batch
-        if cache is None or cache[0] is not decode.seqs or cache[1] != self.weight_version:
-            cache = self._decode_batch = self._batch_of(decode, cache)
-        reqs, progress = cache[2], cache[3]
-        if reqs is None:
+        attached = decode.attached  # (request, its progress) of each, kept by the columns
+        if self._attached_version != self.weight_version:  # looked up anew under new weights
+            attached[:] = [None] * len(attached)
+            self._attached_version = self.weight_version
+        if attached.count(_NOT_DELTA):
             return None, list(decode.request_ids)
+        missing = attached.count(None)
+        i = len(attached)
+        while missing:  # from the end, where the columns append those that join
+            i -= 1
+            if attached[i] is None:
+                missing -= 1
+                r = self._delta_request(decode.request_ids[i])
+                attached[i] = _NOT_DELTA if r is None else (r, r.progress[0])
+                if r is None:
+                    return None, list(decode.request_ids)
         reasons = list(map(_FINISH_REASON, decode.seqs))
         counters = decode.counters
         ended: list[int] = []
@@ -431,40 +438,10 @@ class RequestRegistry:
                 map(operator.is_, reasons, itertools.repeat(None)), bool, len(reasons)
             )
             ended = np.flatnonzero(~going).tolist()
-            kept = going.tolist()
-            reqs = list(itertools.compress(reqs, kept))
-            progress = list(itertools.compress(progress, kept))
+            attached = list(itertools.compress(attached, going.tolist()))
             counters = counters[going]
-        deltas = DecodeDeltas.take(reqs, progress, counters, self.weight_version) if reqs else None
+        deltas = DecodeDeltas.take(attached, counters, self.weight_version) if attached else None
         return deltas, [decode.request_ids[i] for i in ended]
-
-    def _batch_of(self, decode: DecodeColumns, cache: tuple | None) -> tuple:
-        """`_decode_batch` of new columns: the requests known from the last batch are
-        looked up by sequence (`_delta_requests`), only the others (those that joined:
-        at the end) checked anew."""
-        known = self._delta_requests
-        if (
-            cache is None
-            or cache[1] != self.weight_version
-            or len(known) > 2 * len(decode.seqs) + 64
-        ):
-            known = self._delta_requests = (
-                dict(zip(cache[0], cache[2], strict=True))
-                if cache is not None and cache[1] == self.weight_version and cache[2] is not None
-                else {}
-            )
-        reqs = list(map(known.get, decode.seqs))
-        missing = reqs.count(None)
-        i = len(reqs)
-        while missing:  # from the end, where the columns append
-            i -= 1
-            if reqs[i] is None:
-                missing -= 1
-                r = reqs[i] = self._delta_request(decode.request_ids[i])
-                if r is None:
-                    return (decode.seqs, self.weight_version, None, None)
-                known[decode.seqs[i]] = r
-        return (decode.seqs, self.weight_version, reqs, [r.progress[0] for r in reqs])
 
     def _delta_request(self, request_id: str) -> Request | None:
         """The request `request_id` if its output each step is a delta of one token that

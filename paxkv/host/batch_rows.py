@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paxkv.host.sampling_columns import ROW_INTS, has_penalties, padding_floats, sampling_floats
+from paxkv.host.sampling_columns import ROW_INTS, padding_floats, penalises, sampling_floats
 from paxkv.pallas_kernels.layout import NULL_PAGE
 from paxkv.request import SamplingParams
 
@@ -73,7 +73,7 @@ class BatchRows:
             self._grow()
         row = self._free.pop()
         self.floats[row] = sampling_floats(params)
-        if has_penalties(self.floats[row : row + 1])[0]:
+        if penalises(params):
             self.penalised.add(row)
         self.ints[row] = [seed if name == "seed" else getattr(params, name) for name in ROW_INTS]
         return row

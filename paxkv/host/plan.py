@@ -97,6 +97,10 @@ class DecodeColumns:
     # (async scheduling), -1 where it is known.
     src: np.ndarray
     stops: np.ndarray  # i64[n, k]: each one's stop tokens (k: the most of one), -1 padded
+    # What the engine keeps for each sequence while it stays in the columns (None until
+    # it sets it): the columns' own list, which follows them as sequences leave and
+    # join, so the engine finds it again without a lookup per sequence.
+    attached: list = dataclasses.field(default_factory=list)
 
     def chunks(self) -> tuple[ScheduledChunk, ...]:
         """The same plan as chunks."""

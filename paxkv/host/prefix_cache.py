@@ -1,7 +1,7 @@
 """Automatic prefix caching: keys of full KV pages, and their lookup and registration. No JAX.
 
-Page i of a token sequence is keyed by `(hash(key of page i - 1), its page_size tokens,
-extra)`, a chain, so equal keys mean equal whole prefixes: the page can be reused by
+Page i of a token sequence is keyed by `(hash(key of page i - 1), its page_size tokens
+as int32 bytes, extra)`, a chain, so equal keys mean equal whole prefixes: the page can be reused by
 any request whose first (i + 1) * page_size tokens are the same. `extra` carries a
 per-request `cache_salt` on the first page, so tenants with different salts never
 share pages. Keys compare their tokens exactly; only the parent is compared by its
@@ -18,6 +18,7 @@ cached and every window group the pages inside its window at token `h * page_siz
 
 from __future__ import annotations
 
+import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -35,6 +36,12 @@ if TYPE_CHECKING:
 
 
 _MAX_LEADS = 8192  # first pages remembered for reporting sub-page prefix sharing
+
+
+def _tokens(token_ids: Sequence[int]) -> bytes:
+    """A page's tokens in a key: their int32 bytes, which hash once (bytes cache their
+    hash) and compare as memory, so keys are cheap to hash and compare however cold."""
+    return array.array("i", token_ids).tobytes()
 
 
 def page_keys(
@@ -58,7 +65,7 @@ def page_keys(
     for i in range(start, stop):
         key = (
             prev,
-            tuple(token_ids[i * page_size : (i + 1) * page_size]),
+            _tokens(token_ids[i * page_size : (i + 1) * page_size]),
             salt if i == 0 else None,
         )
         keys.append(key)
@@ -272,7 +279,7 @@ class PrefixCache:
                 out.append(None)
                 continue
             # page_keys' key of page i with parent page i - 1 (salt only on page 0).
-            key = (hash(held.keys[-1]), tuple(seq.token_ids(i * ps, end)), None)
+            key = (hash(held.keys[-1]), _tokens(seq.token_ids(i * ps, end)), None)
             page = held.tables[0][i]
             if page != NULL_PAGE:
                 mark(page, key)

@@ -8,6 +8,7 @@ planning on top: which of these sequences run in the next step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -30,6 +31,11 @@ class SequenceQueues:
         # cannot absorb (an ended sequence they drop, a resolved placeholder they read
         # from the device).
         self.version = 0
+        # Running sequences that ended: how many ever, and the persistent-batch rows of
+        # those since the steady decode last took them (`SteadyDecoder.plan`): what it
+        # drops from its columns without asking each sequence.
+        self.num_departures = 0
+        self.departed_rows: list[int] = []
 
     def add(self, seq: SequenceState) -> None:
         """Queues a validated sequence (see `check_fits`). With prefix caching its
@@ -63,7 +69,15 @@ class SequenceQueues:
         if seq.resolve_output(index, token, logprob, top, eos_token_ids, now):
             self._end_stopped(seq, now)
 
+    def _depart(self, seq: SequenceState) -> None:
+        """Notes that running `seq` ends now (before its pages and row are freed)."""
+        self.num_departures += 1
+        with contextlib.suppress(KeyError):  # KeyError: it holds no row
+            self.departed_rows.append(self.kv_cache_manager.row(seq))
+
     def _finish(self, seq: SequenceState, reason: FinishReason, now: float) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self._depart(seq)
         self.kv_cache_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -98,6 +112,8 @@ class SequenceQueues:
         if seq.status is SeqStatus.FINISHED:  # ended, but its output failed: not a success
             seq.finish_reason = FinishReason.ABORT
         else:
+            if seq.status is SeqStatus.RUNNING:
+                self._depart(seq)
             self.kv_cache_manager.free(seq)
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.ABORT

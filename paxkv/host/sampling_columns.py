@@ -57,6 +57,11 @@ def padding_floats(rows: int) -> np.ndarray:
     return out
 
 
+def penalises(params: SamplingParams) -> bool:
+    """Whether `params` apply a penalty (a row of them would be in `has_penalties`)."""
+    return any(getattr(params, name) != FLOAT_PADDING[name] for name in PENALTIES)
+
+
 def has_penalties(floats: np.ndarray) -> np.ndarray:
     """bool[S]: which rows of `floats` (f32[S, len(SAMPLING_FLOATS)]) apply a penalty."""
     return (floats[:, PENALTY_COLUMNS] != _PADDING_ROW[PENALTY_COLUMNS]).any(axis=1)

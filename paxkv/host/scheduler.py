@@ -261,7 +261,7 @@ class Scheduler(SequenceQueues):
         """`plan` without the chunks of sequences that ended since it was made (failed
         or aborted), and without those that read pages such a chunk was to write (they
         fail too: the prefix they share was never computed)."""
-        return self._writers.prune(plan, self.fail)
+        return plan if self.steady.unchanged(plan) else self._writers.prune(plan, self.fail)
 
     def _admit(self, seq: SequenceState, budget: int, now: float) -> ScheduledChunk | None:
         """Admits the first waiting sequence with its first chunk, or None if it must wait."""

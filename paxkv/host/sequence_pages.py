@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
-# A full page's prefix-cache key: (parent key hash, its tokens, salt of a first page).
-PageKey = tuple[int, tuple[int, ...], Hashable]
+# A full page's prefix-cache key: (parent key hash, its tokens as int32 bytes, salt of a
+# first page).
+PageKey = tuple[int, bytes, Hashable]
 
 
 @dataclasses.dataclass(eq=False)

@@ -27,6 +27,7 @@ sliding windows, speculative proposals and multi-step decoding.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes
-from paxkv.host.plan import DecodeColumns, SchedulerOutput, all_running
+from paxkv.host.plan import DecodeColumns, SchedulerOutput
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.request import FinishReason
 
@@ -72,6 +73,16 @@ def stop_tokens(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:  # bool[n]
     return (table == tokens[:, None]).any(axis=1)
 
 
+def rows_among(rows: np.ndarray, among: list[int]) -> np.ndarray:  # bool[n]
+    """Which of `rows` (i64[n]) are in `among` (a few: one comparison each)."""
+    if len(among) > 8:
+        return np.isin(rows, among)
+    found = rows == among[0]
+    for row in among[1:]:
+        found |= rows == row
+    return found
+
+
 class SteadyDecode:
     """The columns of the leading decoding sequences of a running batch.
 
@@ -97,6 +108,7 @@ class SteadyDecode:
     ) -> None:
         self.seqs = tuple(seqs)
         self.request_ids = [s.request_id for s in seqs]
+        self.attached: list = [None] * len(self.seqs)  # `DecodeColumns.attached`
         self.version = version
         self.eos_token_ids = eos_token_ids
         self.page_size = ps = kv.page_size
@@ -145,8 +157,9 @@ class SteadyDecode:
     def keep(self, mask: np.ndarray) -> None:
         """Keeps the sequences where `mask` (bool[n]) is True."""
         keep = mask.tolist()
-        self.seqs = tuple(s for s, k in zip(self.seqs, keep, strict=True) if k)
-        self.request_ids = [r for r, k in zip(self.request_ids, keep, strict=True) if k]
+        self.seqs = tuple(itertools.compress(self.seqs, keep))
+        self.request_ids = list(itertools.compress(self.request_ids, keep))
+        self.attached = list(itertools.compress(self.attached, keep))
         for name in self._ARRAYS:
             setattr(self, name, getattr(self, name)[mask])
 
@@ -155,6 +168,7 @@ class SteadyDecode:
         # New objects: a plan in flight (async scheduling) holds the old ones.
         self.seqs += more.seqs
         self.request_ids = self.request_ids + more.request_ids
+        self.attached = self.attached + more.attached
         width = max(self.stop_table.shape[1], more.stop_table.shape[1])
         for columns in (self, more):
             if columns.stop_table.shape[1] < width:
@@ -204,21 +218,23 @@ class SteadyDecode:
             self.tokens,
             self.src,
             self.stop_table,
+            self.attached,
         )
 
     def record(
-        self, tokens: list[int], logprobs: list[float], now: float
+        self, tokens: list[int], logprobs: list[float], now: float, dead: np.ndarray | None
     ) -> tuple[list[tuple[SequenceState, FinishReason]], list[float]]:
         """Records the planned step's tokens: appends each to its sequence (its cache
         length, penalty counts and token time too) and advances the columns. A
-        sequence that ended while the step ran (aborted) takes nothing. Returns the
+        sequence that ended while the step ran (aborted: True in `dead`, bool[n]; None
+        when none did) takes nothing. Returns the
         sequences that end, with why (a stop token, else max_tokens or max_model_len:
         the caller finishes them), and each token's gap since the sequence's previous
         one."""
         seqs = self.seqs
         ends = self.ends
-        every = all_running(seqs)
-        alive = [True] * len(seqs) if every else [s.status is _RUNNING for s in seqs]
+        every = dead is None or not dead.any()
+        alive = [True] * len(seqs) if every else (~dead).tolist()
         for seq, token, logprob, end, live in zip(
             seqs, tokens, logprobs, ends.tolist(), alive, strict=True
         ):
@@ -251,16 +267,17 @@ class SteadyDecode:
         self.plan = None
         return ended, gaps
 
-    def advance(self, placeholder: int) -> list[SequenceState]:
+    def advance(self, placeholder: int, dead: np.ndarray | None) -> list[SequenceState]:
         """Records the planned step as dispatched with its tokens unknown (async
         scheduling): appends `placeholder` to each running sequence (logprob 0, its
         cache length too) and advances the columns, each last token now at its row of
-        this step's output. Returns the sequences that reach their output limit (the
+        this step's output (`dead`: as `record`'s). Returns the sequences that reach
+        their output limit (the
         caller finishes them, reason "length"; a stop token shows at `resolve`)."""
         seqs = self.seqs
         ends = self.ends
-        every = all_running(seqs)
-        alive = [True] * len(seqs) if every else [s.status is _RUNNING for s in seqs]
+        every = dead is None or not dead.any()
+        alive = [True] * len(seqs) if every else (~dead).tolist()
         for seq, end, live in zip(seqs, ends.tolist(), alive, strict=True):
             if live:
                 seq.output_token_ids.append(placeholder)
@@ -312,6 +329,8 @@ class SteadyDecoder:
         # Async scheduling: `id(seq)` to its row in the in-flight step's output, for the
         # sequences outside the columns that sampled there (`decodes_steadily`).
         self.pending: dict[int, int] = {}
+        # The scheduler's departures when the last plan started (`unchanged`).
+        self._departures = -1
 
     def drop(self) -> None:
         """Forgets the columns (the general path plans and records)."""
@@ -341,6 +360,7 @@ class SteadyDecoder:
             return
         if in_flight is not None:
             self.pending = {id(c.seq): i for i, c in enumerate(in_flight.chunks) if c.samples}
+        s.departed_rows = []  # the new columns hold only running sequences
         seqs = self._leading(0, eos_token_ids)
         if seqs:
             self.columns = self._columns(seqs, eos_token_ids)
@@ -365,6 +385,9 @@ class SteadyDecoder:
         change they cannot absorb, more of them than the token budget, or a page that
         could not be had."""
         steady, s = self.columns, self.scheduler
+        # The rows of the sequences that ended since the last plan, taken.
+        gone, s.departed_rows = s.departed_rows, []
+        self._departures = s.num_departures
         if steady is None:
             return None, _Scheduled(())
         running = s.running
@@ -375,8 +398,10 @@ class SteadyDecoder:
         ):
             self.columns = None
             return None, _Scheduled(())
-        if not all_running(steady.seqs):
-            steady.keep(np.array([seq.status is _RUNNING for seq in steady.seqs], bool))
+        if gone:
+            dead = rows_among(steady.rows, gone)
+            if dead.any():
+                steady.keep(~dead)
         n = len(steady.seqs)
         more = self._leading(n, steady.eos_token_ids) if len(running) > n else []
         if more:
@@ -399,6 +424,23 @@ class SteadyDecoder:
         """The plan made with the columns' decodes (which `record` will record)."""
         self.columns.plan = plan
 
+    def unchanged(self, plan: SchedulerOutput) -> bool:
+        """Whether `plan` is the columns' current plan and no sequence was preempted or
+        stopped running since it started: then `plan.running()` is `plan`."""
+        steady, s = self.columns, self.scheduler
+        return (
+            steady is not None
+            and steady.plan is plan
+            and steady.version == s.version
+            and s.num_departures == self._departures
+        )
+
+    def _dead(self, steady: SteadyDecode) -> np.ndarray | None:
+        """bool[n]: the columns' sequences that stopped running since the plan started
+        (their rows among the departed ones); None when none did."""
+        gone = self.scheduler.departed_rows
+        return rows_among(steady.rows, gone) if gone else None
+
     def record(
         self,
         plan: SchedulerOutput,
@@ -420,7 +462,7 @@ class SteadyDecoder:
         ):
             return None
         now = time.monotonic()
-        ended, gaps = steady.record(tokens, logprobs, now)
+        ended, gaps = steady.record(tokens, logprobs, now, self._dead(steady))
         for seq, reason in ended:
             s._finish(seq, reason, now)
         return [seq for seq, _ in ended], gaps
@@ -435,7 +477,7 @@ class SteadyDecoder:
         if steady is None or steady.plan is not plan or steady.version != s.version:
             return False
         now = time.monotonic()
-        for seq in steady.advance(placeholder):
+        for seq in steady.advance(placeholder, self._dead(steady)):
             s._finish(seq, FinishReason.LENGTH, now)
         n = plan.num_decode
         self.pending = {id(c.seq): n + j for j, c in enumerate(plan.extra) if c.samples}

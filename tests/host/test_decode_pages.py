@@ -2,11 +2,13 @@
 one sequence at a time: `allocate_decodes` (the same pages, rows and failures) and
 `register_decodes` (the same prefix keys and cached pages)."""
 
+import numpy as np
 import pytest
 
 from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes, register_decodes
 from paxkv.host.page_pool import PagePool
 from paxkv.host.sequence import SequenceState
+from paxkv.host.steady_decode import rows_among
 from paxkv.request import SamplingParams
 
 PS = 4
@@ -92,3 +94,11 @@ def test_registering_filled_pages_the_short_way_keys_them_alike():
     *single, none = run(False)
     assert batched == single
     assert short >= 5 and none == 0  # the short way was taken
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 9, 20])
+def test_rows_among_is_isin(k):
+    rng = np.random.default_rng(k)
+    rows = rng.permutation(300)[:256].astype(np.int64)
+    among = rng.integers(0, 300, size=k).tolist()
+    np.testing.assert_array_equal(rows_among(rows, among), np.isin(rows, among))
