@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 # Stop tokens per sequence kept in the columns; a sequence with more keeps the general path.
 MAX_STEADY_STOPS = 16
+# The packed integer columns of `SteadyDecode` (`i64`, `i32`), in order.
+I64 = ("rows", "ends", "caps", "registered", "max_outputs")
+I32 = ("counters", "tokens", "src")
 _RUNNING = SeqStatus.RUNNING
 
 
@@ -113,24 +116,32 @@ class SteadyDecode:
         self.eos_token_ids = eos_token_ids
         self.page_size = ps = kv.page_size
         self.caching = kv.prefix_cache.enabled
-        self.rows = np.array([kv.row(s) for s in seqs], np.int64)
-        # The next step's cache lengths, outputs so far and input tokens.
-        self.ends = np.array([s.num_computed_tokens + 1 for s in seqs], np.int64)
-        self.counters = np.array([len(s.output_token_ids) for s in seqs], np.int32)
-        self.tokens = np.array([s.output_token_ids[-1] for s in seqs], np.int32)
-        # The row of the in-flight step's output holding each last token (-1: known).
-        self.src = np.array(
+        # The integer columns, packed by dtype so that dropping and appending sequences
+        # is one operation each (`I64`, `I32`: their names, read through the properties).
+        n = len(self.seqs)
+        self.i64 = np.array(
             [
-                pending[id(s)] if t < 0 else -1
-                for s, t in zip(seqs, self.tokens.tolist(), strict=True)
+                (
+                    kv.row(s),
+                    s.num_computed_tokens + 1,  # the next step's cache length
+                    kv.num_pages(s) * ps,
+                    kv.num_keys(s),
+                    min(s.params.max_tokens, max_model_len - s.num_prompt),
+                )
+                for s in seqs
+            ],
+            np.int64,
+        ).reshape(n, len(I64))
+        self.i32 = np.array(
+            [
+                # Outputs so far, the last token (the next input) and, when it is a
+                # placeholder, its row of the in-flight step's output (-1: known).
+                (len(out), out[-1], pending[id(s)] if out[-1] < 0 else -1)
+                for s in seqs
+                for out in (s.output_token_ids,)
             ],
             np.int32,
-        )
-        self.caps = np.array([kv.num_pages(s) for s in seqs], np.int64) * ps
-        self.registered = np.array([kv.num_keys(s) for s in seqs], np.int64)
-        self.max_outputs = np.array(
-            [min(s.params.max_tokens, max_model_len - s.num_prompt) for s in seqs], np.int64
-        )
+        ).reshape(n, len(I32))
         stops = [s.stop_token_ids(eos_token_ids) for s in seqs]
         # i64[n, most stops of one]; -1: none (no columns at all when none has a stop).
         self.stop_table = np.full((len(seqs), max(map(len, stops), default=0)), -1, np.int64)
@@ -140,19 +151,18 @@ class SteadyDecode:
         self.last_times = np.array([s.last_token_time for s in seqs], np.float64)
         self.plan: SchedulerOutput | None = None  # planned, not yet recorded
 
-    _ARRAYS = (
-        "rows",
-        "ends",
-        "counters",
-        "tokens",
-        "src",
-        "caps",
-        "registered",
-        "max_outputs",
-        "stop_table",
-        "penalised",
-        "last_times",
-    )
+    _ARRAYS = ("i64", "i32", "stop_table", "penalised", "last_times")
+
+    # The columns by name (views: the arrays are replaced, never written, once a plan
+    # holds them; only caps and registered are written in place).
+    rows = property(lambda self: self.i64[:, 0])  # i64[n]: rows of the persistent batch
+    ends = property(lambda self: self.i64[:, 1])  # i64[n]: the next step's cache lengths
+    caps = property(lambda self: self.i64[:, 2])  # i64[n]: tokens their pages hold
+    registered = property(lambda self: self.i64[:, 3])  # i64[n]: pages keyed
+    max_outputs = property(lambda self: self.i64[:, 4])  # i64[n]: output limits
+    counters = property(lambda self: self.i32[:, 0])  # i32[n]: outputs so far
+    tokens = property(lambda self: self.i32[:, 1])  # i32[n]: last tokens (< 0: unknown)
+    src = property(lambda self: self.i32[:, 2])  # i32[n]: see `DecodeColumns.src`
 
     def keep(self, mask: np.ndarray) -> None:
         """Keeps the sequences where `mask` (bool[n]) is True."""
@@ -196,7 +206,7 @@ class SteadyDecode:
                 growing = [seqs[i] for i in grow.tolist()]
                 granted = allocate_decodes(kv, growing, ends[grow].tolist())
                 for i, seq in zip(grow[:granted].tolist(), growing, strict=False):
-                    self.caps[i] = kv.num_pages(seq) * self.page_size
+                    self.i64[i, 2] = kv.num_pages(seq) * self.page_size
                 if granted < len(growing):
                     return None
             if self.caching:
@@ -204,7 +214,7 @@ class SteadyDecode:
                 if filled.size:
                     filling = [seqs[i] for i in filled.tolist()]
                     register(filling, ends[filled].tolist())
-                    self.registered[filled] = [kv.num_keys(seq) for seq in filling]
+                    self.i64[filled, 3] = [kv.num_keys(seq) for seq in filling]
         except Exception:  # the general path plans the step and isolates the fault
             return None
         num_pages = -(-ends // self.page_size)
@@ -227,10 +237,9 @@ class SteadyDecode:
         """Records the planned step's tokens: appends each to its sequence (its cache
         length, penalty counts and token time too) and advances the columns. A
         sequence that ended while the step ran (aborted: True in `dead`, bool[n]; None
-        when none did) takes nothing. Returns the
-        sequences that end, with why (a stop token, else max_tokens or max_model_len:
-        the caller finishes them), and each token's gap since the sequence's previous
-        one."""
+        when none did) takes nothing. Returns the sequences that end, with why (a stop
+        token, else max_tokens or max_model_len: the caller finishes them), and each
+        token's gap since the sequence's previous one."""
         seqs = self.seqs
         ends = self.ends
         every = dead is None or not dead.any()
@@ -260,11 +269,7 @@ class SteadyDecode:
         gaps = (gaps if every else gaps[np.array(alive)]).tolist()
         self.last_times = np.full(len(seqs), now)
         # The next step's columns: new arrays, since the recorded plan holds these.
-        self.ends = ends + 1
-        self.counters = counters
-        self.tokens = toks.astype(np.int32)
-        self.src = np.full(len(seqs), -1, np.int32)
-        self.plan = None
+        self._advanced(counters, toks, -1)
         return ended, gaps
 
     def advance(self, placeholder: int, dead: np.ndarray | None) -> list[SequenceState]:
@@ -272,8 +277,8 @@ class SteadyDecode:
         scheduling): appends `placeholder` to each running sequence (logprob 0, its
         cache length too) and advances the columns, each last token now at its row of
         this step's output (`dead`: as `record`'s). Returns the sequences that reach
-        their output limit (the
-        caller finishes them, reason "length"; a stop token shows at `resolve`)."""
+        their output limit (the caller finishes them, reason "length"; a stop token
+        shows at `resolve`)."""
         seqs = self.seqs
         ends = self.ends
         every = dead is None or not dead.any()
@@ -287,12 +292,20 @@ class SteadyDecode:
         over = counters >= self.max_outputs
         if not every:
             over &= np.array(alive)
-        self.ends = ends + 1
-        self.counters = counters
-        self.tokens = np.full(len(seqs), placeholder, np.int32)
-        self.src = np.arange(len(seqs), dtype=np.int32)
-        self.plan = None
+        self._advanced(counters, placeholder, np.arange(len(seqs)))
         return [seqs[i] for i in np.flatnonzero(over).tolist()]
+
+    def _advanced(self, counters: np.ndarray, tokens, src) -> None:
+        """The columns one step on, as new arrays (the recorded plan holds the old
+        ones): cache lengths + 1, these output counters, last tokens and their rows."""
+        i64 = self.i64.copy()
+        i64[:, 1] += 1
+        i32 = np.empty_like(self.i32)
+        i32[:, 0] = counters
+        i32[:, 1] = tokens
+        i32[:, 2] = src
+        self.i64, self.i32 = i64, i32
+        self.plan = None
 
 
 class _Scheduled:
