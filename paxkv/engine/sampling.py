@@ -115,6 +115,17 @@ class Sampled:
 
     def rows_from(self, start: int) -> Sampled:
         """Its per-sequence arrays (`spec` too) from row `start` on (host arrays)."""
+        if self.spec is None:  # the per-row arrays, sliced one by one
+            return Sampled(
+                self.tokens[start:],
+                self.logprobs[start:],
+                self.top_ids[start:],
+                self.top_logprobs[start:],
+                self.ranks[start:],
+                self.scored,
+                None,
+                self.routing,
+            )
         per_row = self.replace(scored=None, routing=None)
         per_row = jax.tree.map(lambda a: a[start:], per_row)
         return per_row.replace(scored=self.scored, routing=self.routing)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.engine.sampling import SamplingBatch, add_to_history, apply_penalties, sample
+from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, apply_penalties, sample
 from paxkv.request import SamplingParams
 
 V = 12
@@ -225,3 +225,21 @@ def test_penalised_sample_is_batch_independent():
     a = jax.jit(sample)(logits, alone)
     b = jax.jit(sample)(jnp.repeat(logits, 3, axis=0), together)
     assert int(b.tokens[1]) == int(a.tokens[0])
+
+
+def test_rows_from_slices_every_per_row_array():
+    """`Sampled.rows_from` (its direct slicing without speculation) equals slicing each
+    per-row leaf, and keeps the step-wide `scored` and `routing` as they are."""
+    rng = np.random.default_rng(0)
+    s = Sampled(
+        rng.integers(0, 50, 6).astype(np.int32),
+        rng.normal(size=6).astype(np.float32),
+        rng.integers(0, 50, (6, 2)).astype(np.int32),
+        rng.normal(size=(6, 2)).astype(np.float32),
+        rng.integers(1, 9, 6).astype(np.int32),
+        routing=np.arange(12).reshape(1, 6, 2),
+    )
+    got = s.rows_from(4)
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "ranks"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(s, name)[4:])
+    assert got.routing is s.routing and got.scored is None and got.spec is None
