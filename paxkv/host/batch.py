@@ -17,7 +17,7 @@ from paxkv.host.batch_rows import BatchRows
 from paxkv.host.plan import score_spans
 from paxkv.host.sampling_columns import (
     INT_COLUMN,
-    ROW_INT_COLUMNS,
+    ROW_INT_SLICE,
     SAMPLING_INTS,
     has_penalties,
     padding_floats,
@@ -223,15 +223,16 @@ def build_host_batch(
     if n > s_pad:
         raise ValueError(f"{n} sequences exceed the sequence bucket {s_pad}")
     ends = starts + q_lens
-    short = cdiv(ends, page_size) > num_pages
+    # The columns' pages are their lengths' by construction (`SteadyDecode.plan_next`).
+    short = cdiv(ends[nd:], page_size) > num_pages[nd:]
     if short.any():
-        s = int(np.argmax(short))
+        s = nd + int(np.argmax(short))
         raise ValueError(f"sequence {s}: kv_len={ends[s]} needs more than its {num_pages[s]} pages")
 
     tokens = np.zeros(t_pad, np.int32)
     tokens[:num] = flat
     cu = np.zeros(s_pad + 1, np.int32)
-    np.cumsum(q_lens, out=cu[1 : n + 1])
+    np.cumsum(q_lens, dtype=np.int32, out=cu[1 : n + 1])
     cu[n + 1 :] = cu[n]
     positions = np.zeros(t_pad, np.int32)
     positions[:num] = np.arange(num) + np.repeat(starts - cu[:n], q_lens)
@@ -246,8 +247,11 @@ def build_host_batch(
     # One gather of every group's rows, each cut to the chunk's pages (a row holds
     # NULL_PAGE past its pages: only rows holding more than their chunk's are cut).
     groups = rows.num_groups
-    table = np.full((groups, s_pad, p_pad), NULL_PAGE, np.int32)
-    gathered = rows.tables[:, row_ids, :p_pad]
+    table = _null_pages((groups, s_pad, p_pad))
+    if groups == 1:  # whole rows taken, then cut (faster than one mixed index)
+        gathered = rows.tables[0].take(row_ids, axis=0)[None, :, :p_pad]
+    else:
+        gathered = rows.tables[:, row_ids, :p_pad]
     if (rows.held(row_ids) > num_pages).any():
         cut = np.arange(p_pad)[None, None, :] < num_pages[None, :, None]
         gathered = np.where(cut, gathered, NULL_PAGE)
@@ -260,7 +264,7 @@ def build_host_batch(
     floats = padding_floats(s_pad)
     floats[:n] = rows.floats[row_ids]
     ints = np.zeros((s_pad, len(SAMPLING_INTS)), np.int32)
-    ints[:n, ROW_INT_COLUMNS] = rows.ints[row_ids]
+    ints[:n, ROW_INT_SLICE] = rows.ints[row_ids]
     ints[:n, INT_COLUMN["counter"]] = counters
     # Only the chunks with penalties build their histories.
     penalised = np.flatnonzero(has_penalties(floats[:n])) if rows.penalised else np.zeros(0, int)
@@ -300,6 +304,13 @@ def build_host_batch(
         draft_tokens,
         draft_counts,
     )
+
+
+def _null_pages(shape: tuple[int, ...]) -> np.ndarray:
+    """i32[shape] of `NULL_PAGE` (zeroed memory when it is 0)."""
+    if NULL_PAGE == 0:
+        return np.zeros(shape, np.int32)
+    return np.full(shape, NULL_PAGE, np.int32)
 
 
 def _drafts(

@@ -41,6 +41,9 @@ PENALTY_COLUMNS = [FLOAT_COLUMN[name] for name in PENALTIES]
 # the counter changes every step.
 ROW_INTS = ("top_k", "seed")
 ROW_INT_COLUMNS = [INT_COLUMN[name] for name in ROW_INTS]
+# The same columns as a slice (they are adjacent), for a write without fancy indexing.
+ROW_INT_SLICE = slice(ROW_INT_COLUMNS[0], ROW_INT_COLUMNS[-1] + 1)
+assert list(range(len(SAMPLING_INTS)))[ROW_INT_SLICE] == ROW_INT_COLUMNS
 
 _PADDING_ROW = np.asarray([FLOAT_PADDING[name] for name in SAMPLING_FLOATS], np.float32)
 
