@@ -266,8 +266,10 @@ class RequestRegistry:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.weight_version = 0  # the weights new requests sample under
-        # The weight version under which `report_decode` attached requests to the columns.
+        # The weight version under which `report_decode` attached requests to the columns,
+        # and the last columns' list it found whole (every request a delta one).
         self._attached_version = 0
+        self._attached_whole: list | None = None
 
     def unfinished(self) -> list[Request]:
         """The unfinished requests, in the order they were submitted."""
@@ -418,18 +420,21 @@ class RequestRegistry:
         if self._attached_version != self.weight_version:  # looked up anew under new weights
             attached[:] = [None] * len(attached)
             self._attached_version = self.weight_version
-        if attached.count(_NOT_DELTA):
-            return None, list(decode.request_ids)
-        missing = attached.count(None)
-        i = len(attached)
-        while missing:  # from the end, where the columns append those that join
-            i -= 1
-            if attached[i] is None:
-                missing -= 1
-                r = self._delta_request(decode.request_ids[i])
-                attached[i] = _NOT_DELTA if r is None else (r, r.progress[0])
-                if r is None:
-                    return None, list(decode.request_ids)
+            self._attached_whole = None
+        if attached is not self._attached_whole:  # the columns changed: fill in who joined
+            if attached.count(_NOT_DELTA):
+                return None, list(decode.request_ids)
+            missing = attached.count(None)
+            i = len(attached)
+            while missing:  # from the end, where the columns append those that join
+                i -= 1
+                if attached[i] is None:
+                    missing -= 1
+                    r = self._delta_request(decode.request_ids[i])
+                    attached[i] = _NOT_DELTA if r is None else (r, r.progress[0])
+                    if r is None:
+                        return None, list(decode.request_ids)
+            self._attached_whole = attached
         reasons = list(map(_FINISH_REASON, decode.seqs))
         counters = decode.counters
         ended: list[int] = []
