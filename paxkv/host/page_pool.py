@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 from paxkv.pallas_kernels.layout import (
     NULL_PAGE,  # never allocated; padded block-table entries point here
@@ -204,6 +204,26 @@ class PagePool:
         self._key_to_page[key] = page
         self._page_to_key[page] = key
         return True
+
+    def mark_cached_many(self, pages: Sequence[int], keys: Sequence[Hashable]) -> None:
+        """`mark_cached(pages[i], keys[i])` for each, in order, in one pass: the same
+        checks and outcome (a key another page already holds stays with it; an error
+        leaves the earlier pages marked, as one call at a time would)."""
+        refcounts, to_key, to_page = self._refcounts, self._page_to_key, self._key_to_page
+        for page, key in zip(pages, keys, strict=True):
+            if type(page) is not int or page == NULL_PAGE or not 0 < page < self._num_pages:
+                page = self._check_page(page)  # raises unless a valid page id
+            if not refcounts[page]:
+                raise ValueError(f"page {page} is not in use and cannot be marked cached")
+            held = to_key.get(page, key)
+            if held is not key and held != key:
+                raise ValueError(f"page {page} already holds cache key {held!r}, not {key!r}")
+            owner = to_page.get(key)
+            if owner is None:
+                to_page[key] = page
+                to_key[page] = key
+            elif owner == page:
+                to_key[page] = key
 
     def uncache(self, page: int, key: Hashable) -> None:
         """Drops `key` from `page` if the page holds it (its contents were never written);

@@ -238,16 +238,19 @@ class PrefixCache:
         if not self.enabled or first >= full:
             return
         new = self.keys_of(seq, first, full, held.keys[-1] if held.keys else None)
-        for i, key in enumerate(new, start=first):
-            for g, table in enumerate(held.tables):
+        pages, keys = [], []
+        for g, table in enumerate(held.tables):
+            for i, key in enumerate(new, start=first):
                 if table[i] != NULL_PAGE:
-                    self.pool.mark_cached(table[i], self._key(g, key))
-            if i == 0:
-                lead = self._lead(seq.token_ids(0, min(4, ps)), self._salt(seq))
-                self._first_tokens[lead] = None
-                self._first_tokens.move_to_end(lead)
-                if len(self._first_tokens) > _MAX_LEADS:
-                    self._first_tokens.popitem(last=False)
+                    pages.append(table[i])
+                    keys.append(self._key(g, key))
+        self.pool.mark_cached_many(pages, keys)
+        if first == 0:
+            lead = self._lead(seq.token_ids(0, min(4, ps)), self._salt(seq))
+            self._first_tokens[lead] = None
+            self._first_tokens.move_to_end(lead)
+            if len(self._first_tokens) > _MAX_LEADS:
+                self._first_tokens.popitem(last=False)
         held.keys.extend(new)
 
     def register_filled(

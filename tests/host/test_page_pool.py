@@ -324,3 +324,31 @@ class PagePoolMachine(RuleBasedStateMachine):
 
 PagePoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPagePoolMachine = PagePoolMachine.TestCase
+
+
+def test_mark_cached_many_is_mark_cached_in_order():
+    """One pass over many pages ends in the state one call per page reaches: a key held
+    by another page stays with it, and a bad entry raises after marking those before."""
+
+    def pools():
+        a, b = PagePool(16), PagePool(16)
+        for pool in (a, b):
+            pool.allocate(6)
+            pool.mark_cached(4, "taken")
+        return a, b
+
+    pages, keys = [1, 2, 3, 2, 5], ["x", "y", "taken", "y", "z"]
+    many, one = pools()
+    many.mark_cached_many(pages, keys)
+    for page, key in zip(pages, keys, strict=True):
+        one.mark_cached(page, key)
+    assert many._page_to_key == one._page_to_key and many._key_to_page == one._key_to_page
+    many.check_invariants()
+    # (bad page, its key, what the error says); page 2 holds "y" already
+    for bad, key, why in [(9, "w", "not in use"), (0, "w", "NULL_PAGE"), (2, "w", "already holds")]:
+        many, _ = pools()
+        many.mark_cached(2, "y")
+        with pytest.raises(ValueError, match=why):
+            many.mark_cached_many([1, bad, 3], ["x", key, "v"])
+        # the entry before the bad one is marked, none after it
+        assert many._page_to_key.get(1) == "x" and 3 not in many._page_to_key
