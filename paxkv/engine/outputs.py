@@ -351,10 +351,10 @@ class DecodeDeltas:
     __slots__ = ("counters", "requests", "versions")
 
     def __init__(
-        self, requests: Sequence[tuple[Request, Progress]], counters: np.ndarray, version: int
+        self, requests: Sequence[tuple[Request, Progress]], counters: list[int], version: int
     ) -> None:
         self.requests = requests  # (request, its progress[0]) of each
-        self.counters = counters.tolist()  # i32[n] outputs before the step
+        self.counters = counters  # outputs of each before the step
         self.versions = (version,)
 
     @staticmethod
@@ -362,10 +362,11 @@ class DecodeDeltas:
         requests: Sequence[tuple[Request, Progress]], counters: np.ndarray, version: int
     ) -> DecodeDeltas:
         """The deltas of `requests` (each with its `progress[0]`), each taking its token
-        at output `counters[i]`."""
-        for (_, progress), n in zip(requests, (counters + 1).tolist(), strict=True):
-            progress.num_taken = n
-        return DecodeDeltas(requests, counters, version)
+        at output `counters[i]` (i32[n])."""
+        before = counters.tolist()
+        for (_, progress), n in zip(requests, before, strict=True):
+            progress.num_taken = n + 1
+        return DecodeDeltas(requests, before, version)
 
     def build(self, i: int) -> RequestOutput:
         """Request i's output."""
