@@ -27,31 +27,43 @@ _WINDOW = 20_000  # latency samples kept per summary
 
 
 class LatencySummary:
-    """The most recent latency samples of one kind, summarised as percentiles."""
+    """The most recent latency samples of one kind (the last `_WINDOW`, in a ring of
+    floats), summarised as percentiles; and the count and sum of all of them."""
 
     def __init__(self) -> None:
-        self._samples: collections.deque[float] = collections.deque(maxlen=_WINDOW)
-        self.count = 0
+        self._ring = np.zeros(_WINDOW, np.float64)
+        self.count = 0  # samples ever; the newest sits at ring[(count - 1) % _WINDOW]
         self.total = 0.0
 
     def add(self, seconds: float) -> None:
         """Records one latency sample, in seconds."""
-        self._samples.append(seconds)
+        self._ring[self.count % _WINDOW] = seconds
         self.count += 1
         self.total += seconds
 
     def extend(self, samples: Iterable[float]) -> None:
-        """Records several latency samples, in seconds."""
-        samples = list(samples)
-        self._samples.extend(samples)
-        self.count += len(samples)
-        self.total += sum(samples)
+        """Records several latency samples, in seconds (a list or an array: one write
+        of the ring, not one call per sample)."""
+        x = np.asarray(samples if isinstance(samples, (list, np.ndarray)) else list(samples), float)
+        n = len(x)
+        if not n:
+            return
+        self.total += float(x.sum())
+        at = self.count % _WINDOW
+        self.count += n
+        if n >= _WINDOW:  # only the newest fit, in order from where the next would go
+            x = np.roll(x[-_WINDOW:], self.count % _WINDOW)
+            self._ring[:] = x
+            return
+        head = min(n, _WINDOW - at)
+        self._ring[at : at + head] = x[:head]
+        self._ring[: n - head] = x[head:]
 
     def summary(self) -> dict[str, float | None]:
         """p50 / p90 / p99 / mean of the samples (None each when there are none)."""
-        if not self._samples:
+        if not self.count:
             return {"p50": None, "p90": None, "p99": None, "mean": None}
-        p50, p90, p99 = np.percentile(np.fromiter(self._samples, float), [50, 90, 99])
+        p50, p90, p99 = np.percentile(self._ring[: min(self.count, _WINDOW)], [50, 90, 99])
         return {
             "p50": float(p50),
             "p90": float(p90),
