@@ -192,18 +192,8 @@ class PagePool:
         already names another page (the existing page stays the canonical copy). Raises
         ValueError if ``page`` is not in use or already holds a different key.
         """
-        page = self._check_page(page)
-        if self._refcounts[page] == 0:
-            raise ValueError(f"page {page} is not in use and cannot be marked cached")
-        held = self._page_to_key.get(page, key)
-        if held != key:
-            raise ValueError(f"page {page} already holds cache key {held!r}, not {key!r}")
-        owner = self._key_to_page.get(key)
-        if owner is not None and owner != page:
-            return False
-        self._key_to_page[key] = page
-        self._page_to_key[page] = key
-        return True
+        self.mark_cached_many((page,), (key,))
+        return self._key_to_page[key] == page
 
     def mark_cached_many(self, pages: Sequence[int], keys: Sequence[Hashable]) -> None:
         """`mark_cached(pages[i], keys[i])` for each, in order, in one pass: the same
