@@ -38,10 +38,13 @@ if TYPE_CHECKING:
 _MAX_LEADS = 8192  # first pages remembered for reporting sub-page prefix sharing
 
 
-def _tokens(token_ids: Sequence[int]) -> bytes:
-    """A page's tokens in a key: their int32 bytes, which hash once (bytes cache their
-    hash) and compare as memory, so keys are cheap to hash and compare however cold."""
-    return array.array("i", token_ids).tobytes()
+def page_key(parent: PageKey | None, tokens: Sequence[int], salt: Hashable = None) -> PageKey:
+    """The key of a page holding `tokens` after the page keyed `parent` (None: the
+    first page, which alone carries `salt`). Its tokens are kept as int32 bytes, which
+    hash once (bytes cache their hash) and compare as memory, so keys are cheap to hash
+    and compare however cold."""
+    prev = hash(parent) if parent is not None else 0
+    return (prev, array.array("i", tokens).tobytes(), salt)
 
 
 def page_keys(
@@ -61,15 +64,10 @@ def page_keys(
     full = len(token_ids) // page_size
     stop = full if num_pages is None else min(full, start + num_pages)
     keys = []
-    prev = hash(parent) if parent is not None else 0
     for i in range(start, stop):
-        key = (
-            prev,
-            _tokens(token_ids[i * page_size : (i + 1) * page_size]),
-            salt if i == 0 else None,
-        )
-        keys.append(key)
-        prev = hash(key)
+        tokens = token_ids[i * page_size : (i + 1) * page_size]
+        parent = page_key(parent, tokens, salt if i == 0 else None)
+        keys.append(parent)
     return keys
 
 
@@ -281,8 +279,7 @@ class PrefixCache:
             ):
                 out.append(None)
                 continue
-            # page_keys' key of page i with parent page i - 1 (salt only on page 0).
-            key = (hash(held.keys[-1]), _tokens(seq.token_ids(i * ps, end)), None)
+            key = page_key(held.keys[-1], seq.token_ids(i * ps, end))  # page i > 0
             page = held.tables[0][i]
             if page != NULL_PAGE:
                 mark(page, key)
