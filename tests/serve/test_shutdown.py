@@ -14,6 +14,7 @@ GRACE_S = 1.0
 def test_sigterm_during_streams_exits_0_within_the_grace_period():
     server = Server(f"--shutdown_grace_s={GRACE_S}")
     started = threading.Event()
+    accepted = threading.Semaphore(0)  # one release per stream the server answered
 
     def stream(i):
         # 32 streams of 120 tokens, 8 at a time: longer than the grace period.
@@ -21,6 +22,7 @@ def test_sigterm_during_streams_exits_0_within_the_grace_period():
         lines = []
         try:
             with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as r:
+                accepted.release()
                 for line in r.iter_lines():
                     started.set()
                     lines.append(line)
@@ -32,6 +34,9 @@ def test_sigterm_during_streams_exits_0_within_the_grace_period():
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             streams = [pool.submit(stream, i) for i in range(32)]
             assert started.wait(60)
+            # Every stream in flight before the signal: one the server never read would be
+            # refused, not cut, and could end before the grace period for that reason.
+            assert all(accepted.acquire(timeout=60) for _ in range(32))
             sent = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             status = server.proc.wait(timeout=GRACE_S + 20)
