@@ -180,9 +180,7 @@ class AsyncPipeline:
         decode = plan.decode if inflight.columns else None
         if decode is not None:
             n = len(decode.seqs)
-            gaps += self.scheduler.steady.resolve(
-                decode, sampled.tokens[:n].tolist(), sampled.logprobs[:n].tolist()
-            )
+            gaps += self.scheduler.steady.resolve(decode, sampled.tokens[:n].tolist())
         for seq, row, index in inflight.placeholders:
             if index >= len(seq.output_token_ids):
                 continue  # dropped: the sequence stopped at an earlier token

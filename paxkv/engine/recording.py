@@ -26,9 +26,7 @@ def record_samples(
     step produced for a sequence: they arrive together)."""
     if plan.decode is not None and valid is None:  # the steady decode's columns first
         n = plan.num_decode
-        recorded = scheduler.steady.record(
-            plan, samples.tokens[:n].tolist(), samples.logprobs[:n].tolist(), eos_token_ids
-        )
+        recorded = scheduler.steady.record(plan, samples.tokens[:n].tolist(), eos_token_ids)
         if recorded is not None:
             gaps = recorded[1]
             if plan.extra:

@@ -38,7 +38,9 @@ class SequenceState:
     priority: int = 0  # lower runs first, as in vLLM
     cache_salt: str | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)  # of the chosen tokens
+    # With params.logprobs: per output token, the chosen token's logprob (kept only for
+    # the sequences that report them: no float per token per step for the others).
+    logprobs: list[float] = dataclasses.field(default_factory=list)
     # With params.logprobs: per output token, (top ids, their logprobs, chosen's rank).
     top_logprobs: list[TopLogprobs | None] = dataclasses.field(default_factory=list)
     # With penalties: how often each real token (not a placeholder) was generated.
@@ -70,10 +72,10 @@ class SequenceState:
     # placeholders (async scheduling) whose value the device knows and the host not yet.
 
     def append_output(self, token: int, logprob: float, top: TopLogprobs | None = None) -> None:
-        """Appends a sampled token, its logprob and (with params.logprobs) its top-k."""
+        """Appends a sampled token and (with params.logprobs) its logprob and top-k."""
         self.output_token_ids.append(token)
-        self.logprobs.append(logprob)
         if self.track_top:
+            self.logprobs.append(logprob)
             self.top_logprobs.append(top)
         if self.penalised:
             self._count(token, 1)
@@ -84,8 +86,8 @@ class SequenceState:
         """Puts the real token at output `index` (in place of a placeholder)."""
         self._count(self.output_token_ids[index], -1)
         self.output_token_ids[index] = token
-        self.logprobs[index] = logprob
-        if self.params.logprobs is not None:
+        if self.track_top:
+            self.logprobs[index] = logprob
             self.top_logprobs[index] = top
         self._count(token, 1)
 

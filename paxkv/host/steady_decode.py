@@ -232,10 +232,11 @@ class SteadyDecode:
         )
 
     def record(
-        self, tokens: list[int], logprobs: list[float], now: float, dead: np.ndarray | None
+        self, tokens: list[int], now: float, dead: np.ndarray | None
     ) -> tuple[list[tuple[SequenceState, FinishReason]], list[float]]:
         """Records the planned step's tokens: appends each to its sequence (its cache
-        length, penalty counts and token time too) and advances the columns. A
+        length, penalty counts and token time too; no logprob: the columns' sequences
+        report none, `decodes_steadily`) and advances the columns. A
         sequence that ended while the step ran (aborted: True in `dead`, bool[n]; None
         when none did) takes nothing. Returns the sequences that end, with why (a stop
         token, else max_tokens or max_model_len: the caller finishes them), and each
@@ -244,12 +245,9 @@ class SteadyDecode:
         ends = self.ends
         every = dead is None or not dead.any()
         alive = [True] * len(seqs) if every else (~dead).tolist()
-        for seq, token, logprob, end, live in zip(
-            seqs, tokens, logprobs, ends.tolist(), alive, strict=True
-        ):
+        for seq, token, end, live in zip(seqs, tokens, ends.tolist(), alive, strict=True):
             if every or live:
                 seq.output_token_ids.append(token)
-                seq.logprobs.append(logprob)
                 seq.num_computed_tokens = end
                 seq.last_token_time = now
         for i in np.flatnonzero(self.penalised).tolist():
@@ -274,8 +272,8 @@ class SteadyDecode:
 
     def advance(self, placeholder: int, dead: np.ndarray | None) -> list[SequenceState]:
         """Records the planned step as dispatched with its tokens unknown (async
-        scheduling): appends `placeholder` to each running sequence (logprob 0, its
-        cache length too) and advances the columns, each last token now at its row of
+        scheduling): appends `placeholder` to each running sequence (its cache length
+        too) and advances the columns, each last token now at its row of
         this step's output (`dead`: as `record`'s). Returns the sequences that reach
         their output limit (the caller finishes them, reason "length"; a stop token
         shows at `resolve`)."""
@@ -286,7 +284,6 @@ class SteadyDecode:
         for seq, end, live in zip(seqs, ends.tolist(), alive, strict=True):
             if live:
                 seq.output_token_ids.append(placeholder)
-                seq.logprobs.append(0.0)
                 seq.num_computed_tokens = end
         counters = self.counters + 1
         over = counters >= self.max_outputs
@@ -458,11 +455,10 @@ class SteadyDecoder:
         self,
         plan: SchedulerOutput,
         tokens: list[int],
-        logprobs: list[float],
         eos_token_ids: tuple[int, ...],
     ) -> tuple[list[SequenceState], list[float]] | None:
-        """Records the decodes of a plan made with the columns: `tokens` and `logprobs`
-        of each of them; finishes the sequences that end. Returns those and each
+        """Records the decodes of a plan made with the columns: the `tokens` each of
+        them sampled; finishes the sequences that end. Returns those and each
         token's gap since its sequence's previous one; None (recording nothing) when
         `plan` is not the columns' current plan: the caller records it all with
         `Scheduler.update`."""
@@ -475,7 +471,7 @@ class SteadyDecoder:
         ):
             return None
         now = time.monotonic()
-        ended, gaps = steady.record(tokens, logprobs, now, self._dead(steady))
+        ended, gaps = steady.record(tokens, now, self._dead(steady))
         for seq, reason in ended:
             s._finish(seq, reason, now)
         return [seq for seq, _ in ended], gaps
@@ -496,25 +492,20 @@ class SteadyDecoder:
         self.pending = {id(c.seq): n + j for j, c in enumerate(plan.extra) if c.samples}
         return True
 
-    def resolve(
-        self, decode: DecodeColumns, tokens: list[int], logprobs: list[float]
-    ) -> list[float]:
-        """Puts the tokens a step made with the columns sampled (`tokens`, `logprobs`:
-        one per decode) in place of their placeholders, and ends the sequences whose
+    def resolve(self, decode: DecodeColumns, tokens: list[int]) -> list[float]:
+        """Puts the tokens a step made with the columns sampled (`tokens`: one per
+        decode) in place of their placeholders, and ends the sequences whose
         token is a stop token there (reason "stop", as `SequenceQueues.resolve`). A
         sequence aborted, or ended at an earlier token, takes none. Returns, for each
         token taken, the time since its sequence's previous one."""
         now = time.monotonic()
         took, gaps = [], []
-        for seq, index, token, logprob in zip(
-            decode.seqs, decode.counters.tolist(), tokens, logprobs, strict=True
-        ):
+        for seq, index, token in zip(decode.seqs, decode.counters.tolist(), tokens, strict=True):
             out = seq.output_token_ids
             if index >= len(out) or seq.finish_reason is FinishReason.ABORT:
                 took.append(False)
                 continue
             out[index] = token
-            seq.logprobs[index] = logprob
             gaps.append(now - seq.last_token_time)  # its previous token's, as resolved
             seq.last_token_time = now
             if seq.penalised:
