@@ -227,3 +227,42 @@ def score_spans(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, int, int]]:
             if lo < hi:
                 spans.append((i, lo, hi))
     return spans
+
+
+def stop_tokens(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:  # bool[n]
+    """Which of `tokens` (i64[n]) is among its row's stop tokens (`table` i64[n, k], -1
+    padded)."""
+    if not table.shape[1]:
+        return np.zeros(len(tokens), bool)
+    return (table == tokens[:, None]).any(axis=1)
+
+
+def rows_among(rows: np.ndarray, among: list[int]) -> np.ndarray:  # bool[n]
+    """Which of `rows` (i64[n]) are in `among` (a few: one comparison each)."""
+    if len(among) > 8:
+        return np.isin(rows, among)
+    found = rows == among[0]
+    for row in among[1:]:
+        found |= rows == row
+    return found
+
+
+class Scheduled:
+    """The sequences already in the plan being made: the columns' and those added
+    (`add`), by id; `in` asks (the columns' ids are collected only if asked)."""
+
+    def __init__(self, columns: Sequence[SequenceState]) -> None:
+        self.columns = columns
+        self.ids: set[int] = set()
+        self._column_ids: set[int] | None = None
+
+    def add(self, seq_id: int) -> None:
+        """Notes `id(seq)` of a sequence added to the plan."""
+        self.ids.add(seq_id)
+
+    def __contains__(self, seq_id: int) -> bool:
+        if seq_id in self.ids:
+            return True
+        if self._column_ids is None:
+            self._column_ids = {id(s) for s in self.columns}
+        return seq_id in self._column_ids

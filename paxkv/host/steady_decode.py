@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes
-from paxkv.host.plan import DecodeColumns, SchedulerOutput
+from paxkv.host.plan import DecodeColumns, Scheduled, SchedulerOutput, rows_among, stop_tokens
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.request import FinishReason
 
@@ -66,24 +66,6 @@ def decodes_steadily(
         and seq.params.max_tokens > 0
         and len(seq.stop_set(eos_token_ids)) <= MAX_STEADY_STOPS
     )
-
-
-def stop_tokens(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:  # bool[n]
-    """Which of `tokens` (i64[n]) is among its row's stop tokens (`table` i64[n, k], -1
-    padded)."""
-    if not table.shape[1]:
-        return np.zeros(len(tokens), bool)
-    return (table == tokens[:, None]).any(axis=1)
-
-
-def rows_among(rows: np.ndarray, among: list[int]) -> np.ndarray:  # bool[n]
-    """Which of `rows` (i64[n]) are in `among` (a few: one comparison each)."""
-    if len(among) > 8:
-        return np.isin(rows, among)
-    found = rows == among[0]
-    for row in among[1:]:
-        found |= rows == row
-    return found
 
 
 class SteadyDecode:
@@ -305,26 +287,6 @@ class SteadyDecode:
         self.plan = None
 
 
-class _Scheduled:
-    """The sequences already in the plan being made: the columns' and those added
-    (`add`), by id; `in` asks (the columns' ids are collected only if asked)."""
-
-    def __init__(self, columns: Sequence[SequenceState]) -> None:
-        self.columns = columns
-        self.ids: set[int] = set()
-        self._column_ids: set[int] | None = None
-
-    def add(self, seq_id: int) -> None:
-        self.ids.add(seq_id)
-
-    def __contains__(self, seq_id: int) -> bool:
-        if seq_id in self.ids:
-            return True
-        if self._column_ids is None:
-            self._column_ids = {id(s) for s in self.columns}
-        return seq_id in self._column_ids
-
-
 class SteadyDecoder:
     """A scheduler's steady decode: makes the columns after an `update` of the general
     path (`after_update`), plans from them (`plan`) and records into them (`record`).
@@ -387,7 +349,7 @@ class SteadyDecoder:
             pending=self.pending,
         )
 
-    def plan(self) -> tuple[DecodeColumns | None, _Scheduled]:
+    def plan(self) -> tuple[DecodeColumns | None, Scheduled]:
         """The decodes of the next plan from the columns, after dropping the sequences
         that ended and appending those that started decoding right after them; and the
         set of scheduled sequences to go on with. None for the decodes (and no columns
@@ -399,7 +361,7 @@ class SteadyDecoder:
         gone, s.departed_rows = s.departed_rows, []
         self._departures = s.num_departures
         if steady is None:
-            return None, _Scheduled(())
+            return None, Scheduled(())
         running = s.running
         if (
             not s.steady_decode
@@ -407,7 +369,7 @@ class SteadyDecoder:
             or steady.plan is not None  # its last plan was never recorded
         ):
             self.columns = None
-            return None, _Scheduled(())
+            return None, Scheduled(())
         if gone:
             dead = rows_among(steady.rows, gone)
             if dead.any():
@@ -423,12 +385,12 @@ class SteadyDecoder:
             or running[:n] != list(steady.seqs)  # still the leading sequences
         ):
             self.columns = None
-            return None, _Scheduled(())
+            return None, Scheduled(())
         decode = steady.plan_next(s.kv_cache_manager, s._writers.register_decodes)
         if decode is None:
             self.columns = None
-            return None, _Scheduled(())
-        return decode, _Scheduled(decode.seqs)
+            return None, Scheduled(())
+        return decode, Scheduled(decode.seqs)
 
     def planned(self, plan: SchedulerOutput) -> None:
         """The plan made with the columns' decodes (which `record` will record)."""

@@ -7,8 +7,8 @@ import pytest
 
 from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes, register_decodes
 from paxkv.host.page_pool import PagePool
+from paxkv.host.plan import rows_among
 from paxkv.host.sequence import SequenceState
-from paxkv.host.steady_decode import rows_among
 from paxkv.request import SamplingParams
 
 PS = 4
