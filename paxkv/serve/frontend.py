@@ -141,10 +141,12 @@ class AsyncEngine:
                 f"the server holds {self.num_unfinished} unfinished sequences, and takes at "
                 f"most {self.max_unfinished}: retry later"
             )
-        await asyncio.to_thread(self._validate, submissions)
-        group = RequestGroup(self, submissions)
+        # Held from the check on: requests that arrive while this one is validated or
+        # queued see its sequences (checked and counted with no await in between).
         self.num_unfinished += num_seqs
         try:
+            await asyncio.to_thread(self._validate, submissions)
+            group = RequestGroup(self, submissions)
             await self._call(lambda: self._add(group, submissions))
         except BaseException:
             self.num_unfinished -= num_seqs

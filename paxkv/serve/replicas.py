@@ -76,8 +76,9 @@ class ReplicaSet:
         self.routed = [collections.Counter() for _ in engines]  # rule -> prompts sent
         self.retried = 0  # requests run again after their replica failed
         self.cut = 0  # streams ended early by their replica's failure
-        # Sequences routed and being validated: not yet in their front's count, but in
-        # the load the router balances (while the front validates them, both count them).
+        # Sequences routed and not yet submitted to their front (a request's shares go
+        # one after another): in the load the router balances before their front counts
+        # them (while the front validates and queues them, both count them).
         self._pending = [0] * len(engines)
         self._forgotten: set[int] = set()  # failed replicas whose routes were dropped
         self._last_stats: list[dict[str, Any] | None] = [None] * len(engines)
