@@ -1,6 +1,6 @@
 """Benchmark: the engine's whole host path per step, over the fake step runner.
 
-    python -m paxkv.benchmarks.host_step [--trace=FILE] [--json_out=FILE]
+    python -m paxkv.benchmarks.host_step [--trace=FILE] [--repeat=1] [--json_out=FILE]
     python -m paxkv.benchmarks.host_step --make_trace=FILE [--num_requests=2000 --seed=0]
 
 Runs `Engine.step()` with `FakeRunner` (no model, no device: deterministic tokens on
@@ -26,7 +26,9 @@ which is the whole `step()` less the fake runner's own time; and apart from the
 host total, read: the reader building the step's outputs (`StepOutputs`: a server's
 front end does it on its event loop, off the stepping thread). Reported in microseconds
 (p50 / mean / p99) over all steps, over the steps with `max_num_seqs` running, and
-over those of them in which every sequence decodes.
+over those of them in which every sequence decodes; with `--repeat=N`, over the steps
+of N replays of the trace, each on a new engine (a window of ~100 steps at 256 running
+is a tenth of a second: pooling replays steadies its median on a noisy machine).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ from paxkv.tools.workloads import LengthDistribution
 VOCAB = 32000
 
 _TRACE = flags.DEFINE_string("trace", None, "Trace JSON to replay; unset: generate one.")
+_REPEAT = flags.DEFINE_integer(
+    "repeat", 1, "Replays of the trace, each on a new engine; their steps pooled.", lower_bound=1
+)
 _MAKE_TRACE = flags.DEFINE_string("make_trace", None, "Write a generated trace here and exit.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 2000, "Requests of a generated trace.")
@@ -199,11 +204,60 @@ def run(
     vocab: int = VOCAB,
     accept_fraction: float | None = None,
     device_s: float = 0.0,
+    repeat: int = 1,
 ) -> dict[str, Any]:
-    """Replays `trace` through an engine over the fake runner, whose layers have
-    `layer_windows` (None: global) and which accepts `accept_fraction` of each
-    speculative draft (`FakeRunner`), in front of a simulated device of `device_s`
-    per call if > 0 (`SimulatedDevice`); returns the results."""
+    """Replays `trace` `repeat` times, each through a new engine over the fake runner,
+    whose layers have `layer_windows` (None: global) and which accepts
+    `accept_fraction` of each speculative draft (`FakeRunner`), in front of a
+    simulated device of `device_s` per call if > 0 (`SimulatedDevice`); returns the
+    results, every replay's steps pooled (the counts and stats: the last replay's)."""
+    rows: list[dict[str, float]] = []
+    finished = True
+    for _ in range(repeat):
+        engine, produced = _replay(
+            trace, config, layer_windows, rows, vocab, accept_fraction, device_s
+        )
+        finished = finished and produced == {r["id"]: r["max_tokens"] for r in trace["requests"]}
+    stats = engine.stats()
+    return {
+        "steps": len(rows) // repeat,
+        "repeat": repeat,
+        "preemptions": stats["num_preemptions"],
+        "peak_running": engine.scheduler.peak_running,
+        "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
+        "all_finished": finished,
+        "pages_in_use_at_end": engine.pool.num_in_use,
+        "generation_tokens": stats["generation_tokens"],
+        "device_idle_gap_us": _gaps(engine.runner),
+        "per_step_us": {
+            clock_name: {
+                "all": _summary(rows, clock_name, lambda r: True),
+                "at_max_num_seqs": _summary(
+                    rows, clock_name, lambda r: r["running"] == config.max_num_seqs
+                ),
+                "decode_only_at_max_num_seqs": _summary(
+                    rows,
+                    clock_name,
+                    lambda r: r["running"] == config.max_num_seqs and r["decode_only"],
+                ),
+            }
+            for clock_name in ("cpu", "wall")
+        },
+        "speculation": engine.speculator.stats() if engine.speculator is not None else None,
+    }
+
+
+def _replay(
+    trace: dict[str, Any],
+    config: EngineConfig,
+    layer_windows: tuple[int | None, ...],
+    rows: list[dict[str, float]],
+    vocab: int,
+    accept_fraction: float | None,
+    device_s: float,
+) -> tuple[Engine, dict[str, int]]:
+    """One replay of `trace` through a new instrumented engine (`run`'s), appending a
+    row per step to `rows`; returns the engine and each request's token count."""
 
     def runner(c: EngineConfig) -> FakeRunner:
         kw = dict(layer_windows=layer_windows, accept_fraction=accept_fraction)
@@ -236,9 +290,7 @@ def run(
         setattr(engine.runner, name, clock.wrap("runner", getattr(engine.runner, name)))
 
     requests = sorted(trace["requests"], key=lambda r: r["arrival_step"])
-    forced = {r["id"]: r["max_tokens"] for r in requests}
     produced: dict[str, int] = {}
-    rows: list[dict[str, float]] = []
     step, nxt = 0, 0
     while nxt < len(requests) or engine.has_unfinished():
         while nxt < len(requests) and requests[nxt]["arrival_step"] <= step:
@@ -277,32 +329,7 @@ def run(
                 row[f"{name}_{part}"] = parts[part] / 1e3
         row["cpu_read"], row["wall_read"] = read_cpu / 1e3, read_wall / 1e3
         rows.append(row)
-    stats = engine.stats()
-    return {
-        "steps": len(rows),
-        "preemptions": stats["num_preemptions"],
-        "peak_running": engine.scheduler.peak_running,
-        "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
-        "all_finished": produced == forced,
-        "pages_in_use_at_end": engine.pool.num_in_use,
-        "generation_tokens": stats["generation_tokens"],
-        "device_idle_gap_us": _gaps(engine.runner),
-        "speculation": engine.speculator.stats() if engine.speculator is not None else None,
-        "per_step_us": {
-            clock_name: {
-                "all": _summary(rows, clock_name, lambda r: True),
-                "at_max_num_seqs": _summary(
-                    rows, clock_name, lambda r: r["running"] == config.max_num_seqs
-                ),
-                "decode_only_at_max_num_seqs": _summary(
-                    rows,
-                    clock_name,
-                    lambda r: r["running"] == config.max_num_seqs and r["decode_only"],
-                ),
-            }
-            for clock_name in ("cpu", "wall")
-        },
-    }
+    return engine, produced
 
 
 def _gaps(runner: FakeRunner) -> dict[str, float] | None:
@@ -377,6 +404,7 @@ def main(argv: list[str]) -> None:
         vocab=_VOCAB.value,
         accept_fraction=_SPEC_ACCEPTANCE.value,
         device_s=_DEVICE_MS.value / 1e3,
+        repeat=_REPEAT.value,
     )
     print(
         f"steps {result['steps']}, preemptions {result['preemptions']}, peak running "

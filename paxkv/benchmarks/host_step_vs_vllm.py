@@ -2,13 +2,14 @@
 (`vllm_scheduler`) on one trace, alternated.
 
     python -m paxkv.benchmarks.host_step_vs_vllm --trace=FILE \\
-        --vllm_python=/tmp/vllm-venv/bin/python [--rounds=3] [--vocab=32000] \\
+        --vllm_python=/tmp/vllm-venv/bin/python [--rounds=3] [--repeat=1] [--vocab=32000] \\
         [--max_num_seqs=256 --num_pages=16384] [--json_out=FILE]
 
 Runs `host_step --trace=FILE` with this interpreter and `vllm_scheduler --trace=FILE`
 with `--vllm_python` (a venv holding vLLM: see `vllm_scheduler`), each in a process of
 its own, alternately (paxkv, vLLM, paxkv, vLLM, ...) for `--rounds` rounds, with the
-same configuration flags. Prints the load average before and after, and per row (all
+same configuration flags (`--repeat`: each run replays the trace that many times, on
+new engines and schedulers, and pools their steps). Prints the load average before and after, and per row (all
 steps, steps at `max_num_seqs` running, decode-only steps at `max_num_seqs`) the
 medians across rounds of each run's CPU-clock p50s: paxkv's host total and parts,
 vLLM's schedule + update and parts, and the ratio vLLM / paxkv of the totals.
@@ -39,6 +40,9 @@ def define_flags() -> None:
         "vllm_python", "/tmp/vllm-venv/bin/python", "An interpreter that imports vLLM 0.33."
     )
     flags.DEFINE_integer("rounds", 3, "Alternated rounds (one run of each per round).")
+    flags.DEFINE_integer(
+        "repeat", 1, "Replays of the trace in each run (steps pooled).", lower_bound=1
+    )
     flags.DEFINE_integer("vocab", 32000, "The fake model's vocabulary.")
     flags.DEFINE_integer("max_num_seqs", 256, "Sequences running at once.")
     flags.DEFINE_integer("num_pages", 16384, "KV pages (vLLM: blocks).")
@@ -109,6 +113,7 @@ def main(argv: list[str]) -> None:
         f"--vocab={flags.FLAGS.vocab}",
         f"--max_num_seqs={flags.FLAGS.max_num_seqs}",
         f"--num_pages={flags.FLAGS.num_pages}",
+        f"--repeat={flags.FLAGS.repeat}",
     ]
     runs: dict[str, list[dict[str, Any]]] = {"paxkv": [], "vllm": []}
     load_before = _load()

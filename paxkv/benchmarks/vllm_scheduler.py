@@ -1,7 +1,7 @@
 """Benchmark: vLLM's v1 scheduler replaying a `host_step` trace, for a side-by-side.
 
     PYTHONPATH=. /tmp/vllm-venv/bin/python -m paxkv.benchmarks.vllm_scheduler \\
-        --trace=FILE [--vocab=32000] [--json_out=FILE]
+        --trace=FILE [--vocab=32000] [--repeat=1] [--json_out=FILE]
 
 vLLM is not a paxkv dependency, and this module imports nothing of it until it runs
 (the test suite imports it without vLLM). It needs vLLM 0.33 and absl-py in a venv of
@@ -42,6 +42,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from absl import app, flags
@@ -69,6 +70,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_num_batched_tokens", 8192, "Tokens per step.")
     flags.DEFINE_bool("enable_prefix_caching", True, "Prefix caching.")
     flags.DEFINE_integer("vocab", 32000, "The fake model's vocabulary.")
+    flags.DEFINE_integer(
+        "repeat", 1, "Replays of the trace, each on a new scheduler; steps pooled.", lower_bound=1
+    )
 
 
 def _fake_model_dir(vocab: int, max_model_len: int) -> str:
@@ -182,16 +186,56 @@ def _fake_model_output(scheduler: Any, scheduler_output: Any) -> Any:
     )
 
 
-def run(trace: dict[str, Any], scheduler: Any, hasher: Any, max_num_seqs: int) -> dict[str, Any]:
-    """Replays `trace` through vLLM's `scheduler` (`make_scheduler`) with the fake model;
-    returns the results (`host_step.run`'s shape, parts schedule and update)."""
+def run(
+    trace: dict[str, Any],
+    schedulers: Iterable[tuple[Any, Any]],
+    max_num_seqs: int,
+) -> dict[str, Any]:
+    """Replays `trace` through each of vLLM's `schedulers` ((scheduler, block hasher)
+    pairs, `make_scheduler`'s) in turn with the fake model; returns the results
+    (`host_step.run`'s shape, parts schedule and update), every replay's steps pooled
+    (the counts: the last replay's)."""
+    rows: list[dict[str, Any]] = []
+    forced = {r["id"]: r["max_tokens"] for r in trace["requests"]}
+    finished, replays = True, 0
+    for scheduler, hasher in schedulers:
+        finished = finished and _replay(trace, scheduler, hasher, rows) == forced
+        replays += 1
+    for row in rows:
+        for clock in ("cpu", "wall"):
+            row[f"{clock}_total"] = row[f"{clock}_schedule"] + row[f"{clock}_update"]
+    pool = scheduler.kv_cache_manager.block_pool
+    at_max = lambda r: r["running"] == max_num_seqs
+    return {
+        "steps": len(rows) // replays,
+        "repeat": replays,
+        "peak_running": max((r["running"] for r in rows), default=0),
+        "all_finished": finished,
+        # Every block but the null block is free again (cached ones are evictable).
+        "blocks_in_use_at_end": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        "per_step_us": {
+            clock: {
+                "all": _summary(rows, clock, lambda r: True),
+                "at_max_num_seqs": _summary(rows, clock, at_max),
+                "decode_only_at_max_num_seqs": _summary(
+                    rows, clock, lambda r: at_max(r) and r["decode_only"]
+                ),
+            }
+            for clock in ("cpu", "wall")
+        },
+    }
+
+
+def _replay(
+    trace: dict[str, Any], scheduler: Any, hasher: Any, rows: list[dict[str, Any]]
+) -> dict[str, int]:
+    """One replay of `trace` through `scheduler`, appending a row per step to `rows`;
+    returns each request's token count."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     requests = sorted(trace["requests"], key=lambda r: r["arrival_step"])
-    forced = {r["id"]: r["max_tokens"] for r in requests}
     produced: dict[str, int] = {}
-    rows: list[dict[str, Any]] = []
     step, nxt = 0, 0
     while nxt < len(requests) or scheduler.has_unfinished_requests():
         while nxt < len(requests) and requests[nxt]["arrival_step"] <= step:
@@ -222,28 +266,7 @@ def run(trace: dict[str, Any], scheduler: Any, hasher: Any, max_num_seqs: int) -
                 "wall_update": (w3 - w2) / 1e3,
             }
         )
-    for row in rows:
-        for clock in ("cpu", "wall"):
-            row[f"{clock}_total"] = row[f"{clock}_schedule"] + row[f"{clock}_update"]
-    pool = scheduler.kv_cache_manager.block_pool
-    at_max = lambda r: r["running"] == max_num_seqs
-    return {
-        "steps": len(rows),
-        "peak_running": max((r["running"] for r in rows), default=0),
-        "all_finished": produced == forced,
-        # Every block but the null block is free again (cached ones are evictable).
-        "blocks_in_use_at_end": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
-        "per_step_us": {
-            clock: {
-                "all": _summary(rows, clock, lambda r: True),
-                "at_max_num_seqs": _summary(rows, clock, at_max),
-                "decode_only_at_max_num_seqs": _summary(
-                    rows, clock, lambda r: at_max(r) and r["decode_only"]
-                ),
-            }
-            for clock in ("cpu", "wall")
-        },
-    }
+    return produced
 
 
 def _summary(rows, clock: str, keep) -> dict[str, Any]:
@@ -263,16 +286,19 @@ def main(argv: list[str]) -> None:
     with open(flags.FLAGS.trace) as f:
         trace = json.load(f)
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in trace["requests"])
-    scheduler, hasher = make_scheduler(
-        num_pages=flags.FLAGS.num_pages,
-        page_size=flags.FLAGS.page_size,
-        max_num_seqs=flags.FLAGS.max_num_seqs,
-        max_num_batched_tokens=flags.FLAGS.max_num_batched_tokens,
-        max_model_len=max(longest, flags.FLAGS.page_size),
-        enable_prefix_caching=flags.FLAGS.enable_prefix_caching,
-        vocab=flags.FLAGS.vocab,
+    schedulers = (
+        make_scheduler(
+            num_pages=flags.FLAGS.num_pages,
+            page_size=flags.FLAGS.page_size,
+            max_num_seqs=flags.FLAGS.max_num_seqs,
+            max_num_batched_tokens=flags.FLAGS.max_num_batched_tokens,
+            max_model_len=max(longest, flags.FLAGS.page_size),
+            enable_prefix_caching=flags.FLAGS.enable_prefix_caching,
+            vocab=flags.FLAGS.vocab,
+        )
+        for _ in range(flags.FLAGS.repeat)
     )
-    result = run(trace, scheduler, hasher, flags.FLAGS.max_num_seqs)
+    result = run(trace, schedulers, flags.FLAGS.max_num_seqs)
     print(
         f"vLLM scheduler: steps {result['steps']}, peak running {result['peak_running']}, "
         f"all finished {result['all_finished']}"

@@ -6,6 +6,10 @@ from paxkv.benchmarks import host_step
 from paxkv.engine import EngineConfig
 
 
+def at_max_steps(result, row):
+    return result["per_step_us"]["cpu"][row]["steps"]
+
+
 def test_replays_a_trace_to_the_end(tmp_path):
     trace = host_step.make_trace(60, seed=1, arrival_rate=8.0, shared_prefix=32)
     assert len(trace["requests"]) == 60
@@ -26,6 +30,12 @@ def test_replays_a_trace_to_the_end(tmp_path):
     assert at_max["steps"] > 0 and at_max["p50"] > 0
     assert set(at_max) >= {"p50", "mean", "p99", "steps", "schedule", "outputs"}
     json.dumps(result)  # what --json_out writes
+    # Two replays on new engines: the same steps twice, pooled.
+    twice = host_step.run(trace, config, repeat=2)
+    assert twice["all_finished"] and twice["steps"] == result["steps"]
+    assert twice["repeat"] == 2
+    for row in ("all", "at_max_num_seqs"):
+        assert twice["per_step_us"]["cpu"][row]["steps"] == 2 * at_max_steps(result, row)
 
 
 def test_schedule_parts_time_the_pieces_inside_schedule_and_restore_them():

@@ -43,16 +43,21 @@ def test_vllm_replays_a_trace_to_the_end():
     from paxkv.benchmarks import vllm_scheduler
 
     trace = host_step.make_trace(60, seed=1, arrival_rate=8.0, shared_prefix=32, vocab=64)
-    scheduler, hasher = vllm_scheduler.make_scheduler(
-        num_pages=512,
-        page_size=16,
-        max_num_seqs=16,
-        max_num_batched_tokens=1024,
-        max_model_len=4096,
-        enable_prefix_caching=True,
-        vocab=64,
-    )
-    result = vllm_scheduler.run(trace, scheduler, hasher, max_num_seqs=16)
+    schedulers = [
+        vllm_scheduler.make_scheduler(
+            num_pages=512,
+            page_size=16,
+            max_num_seqs=16,
+            max_num_batched_tokens=1024,
+            max_model_len=4096,
+            enable_prefix_caching=True,
+            vocab=64,
+        )
+        for _ in range(2)
+    ]
+    once = vllm_scheduler.run(trace, schedulers[:1], max_num_seqs=16)
+    result = vllm_scheduler.run(trace, schedulers[1:], max_num_seqs=16)
+    assert once["steps"] == result["steps"]
     assert result["all_finished"] and result["blocks_in_use_at_end"] == 0
     assert result["peak_running"] == 16
     at_max = result["per_step_us"]["cpu"]["at_max_num_seqs"]

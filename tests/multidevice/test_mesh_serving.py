@@ -229,6 +229,7 @@ def test_launch_flags_set_the_default_mesh(served, tiny, tmp_path):
 
     _, model = tiny
     split = served("model:2")
+    cache_dir = jax.config.jax_compilation_cache_dir  # the suite's (tests/conftest.py)
     flags.FLAGS(["app", "--mesh=model:2", f"--compilation_cache_dir={tmp_path}"])
     try:
         assert launch_flags.init_runtime() == MeshShape(model=2)
@@ -241,7 +242,7 @@ def test_launch_flags_set_the_default_mesh(served, tiny, tmp_path):
         ]
     finally:
         shardings.set_default_mesh(None)
-        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
         flags.FLAGS.unparse_flags()
 
 

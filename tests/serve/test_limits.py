@@ -133,7 +133,11 @@ def test_grace_expiry_answers_in_flight_requests_with_openai_errors():
 
     # Requests long enough that no host or step speed finishes them within the grace
     # period: the stream 4000 tokens, each plain request 1000 (their pages fit at once).
-    s = Server("--shutdown_grace_s=0.1", "--max_model_len=4096", "--num_pages=1024")
+    # One step shape (--deterministic): warm-up compiles one, not the dozens a 4096-token
+    # model length's buckets make (6 s to ready, not 30).
+    s = Server(
+        "--shutdown_grace_s=0.1", "--max_model_len=4096", "--num_pages=1024", "--deterministic"
+    )
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
     running = threading.Event()
 
