@@ -150,10 +150,20 @@ class PagePool:
             and len(set(pages)) == len(pages)
             and all(map(refcounts.__getitem__, pages))
         ):
+            # Those reaching 0 linked at the tail in one pass (`_append`, inlined).
+            nxt, prev, sentinel = self._next, self._prev, self._sentinel
+            tail = prev[sentinel]
+            queued = self._num_queued
             for page in pages:
                 refcounts[page] -= 1
                 if not refcounts[page]:
-                    self._append(page)
+                    prev[page] = tail
+                    nxt[tail] = page
+                    tail = page
+                    queued += 1
+            nxt[tail] = sentinel
+            prev[sentinel] = tail
+            self._num_queued = queued
             return
         pages = [self._check_page(p) for p in pages]
         for page, count in collections.Counter(pages).items():

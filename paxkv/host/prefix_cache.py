@@ -267,24 +267,33 @@ class PrefixCache:
         ps = self.page_size
         if len(self.windows) != 1:
             return [None] * len(seqs)
-        mark = self.pool.mark_cached
         out: list[int | None] = []
+        pages, keys, keyed = [], [], []
         for seq, held, end in zip(seqs, helds, ends, strict=True):
             i = len(held.keys) if held is not None else 0
-            if (
-                not i
-                or end // ps != i + 1
-                or i >= len(held.tables[0])
-                or i < len(seq.prompt_token_ids) // ps
-            ):
+            if not i or end // ps != i + 1 or i >= len(held.tables[0]) or i < seq.num_prompt // ps:
                 out.append(None)
                 continue
-            key = page_key(held.keys[-1], seq.token_ids(i * ps, end))  # page i > 0
+            # Page i > 0: its tokens, from the outputs alone when it starts past the prompt.
+            start = i * ps - seq.num_prompt
+            tokens = (
+                seq.output_token_ids[start : start + ps]
+                if start >= 0
+                else seq.token_ids(i * ps, end)
+            )
+            key = page_key(held.keys[-1], tokens)
             page = held.tables[0][i]
             if page != NULL_PAGE:
-                mark(page, key)
-            held.keys.append(key)
+                pages.append(page)
+                keys.append(key)
+            keyed.append((held.keys, key))
             out.append(page)
+        # Marked in one pass, then kept: if marking raises, no key is kept, and the
+        # caller's general path keys these pages again (marking a page with the key it
+        # holds changes nothing).
+        self.pool.mark_cached_many(pages, keys)
+        for held_keys, key in keyed:
+            held_keys.append(key)
         return out
 
     def forget(self, held: SequencePages, num_computed_tokens: int) -> None:
