@@ -108,10 +108,14 @@ class EngineMetrics:
         if itl is not None:
             self.latency["inter_token_latency_seconds"].add(itl)
 
-    def on_tokens(self, itls: list[float | None]) -> None:
-        """`on_token` for each of one step's tokens."""
+    def on_tokens(self, itls: list[float | None] | np.ndarray) -> None:
+        """`on_token` for each of one step's tokens: a list (None for a first token) or
+        an f64 array (NaN for one)."""
         self.generation_tokens += len(itls)
-        if None in itls:
+        if isinstance(itls, np.ndarray):
+            if np.isnan(itls).any():
+                itls = itls[~np.isnan(itls)]
+        elif None in itls:
             itls = [t for t in itls if t is not None]
         self.latency["inter_token_latency_seconds"].extend(itls)
 

@@ -36,3 +36,18 @@ def test_the_ring_holds_the_newest_window(monkeypatch, seed):
 
 def test_an_empty_summary_is_none():
     assert LatencySummary().summary() == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+def test_on_tokens_counts_first_tokens_but_times_only_the_others():
+    # A list (None: a sequence's first token) and an array (NaN: the same) count alike.
+    as_list, as_array = metrics.EngineMetrics(), metrics.EngineMetrics()
+    gaps = [None, 0.5, 0.25, None, 1.0]
+    as_list.on_tokens(gaps)
+    as_array.on_tokens(np.array(gaps, np.float64))
+    as_array.on_tokens(np.array([2.0]))
+    as_list.on_tokens([2.0])
+    for m in (as_list, as_array):
+        itl = m.latency["inter_token_latency_seconds"]
+        assert m.generation_tokens == 6
+        assert itl.count == 4 and itl.total == pytest.approx(3.75)
+        assert itl.summary()["p50"] == pytest.approx(0.75)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.host.plan import score_spans
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
@@ -18,20 +20,23 @@ def record_samples(
     samples: Sampled,
     valid: Sequence[bool] | None,
     eos_token_ids: tuple[int, ...],
-) -> list[float | None]:
+) -> list[float | None] | np.ndarray:
     """Hands one iteration's samples to `scheduler.update`; `valid` masks a multi-step
     loop's (None: every sampling chunk got a token). A sequence whose result cannot be
     read fails alone. Returns, per token produced, the time since the sequence's previous
     token (None for its first, and for the tokens after the first that one speculative
-    step produced for a sequence: they arrive together)."""
+    step produced for a sequence: they arrive together): a list, or for a plan with the
+    steady decode's columns an f64 array (NaN for those None)."""
     if plan.decode is not None and valid is None:  # the steady decode's columns first
         n = plan.num_decode
         recorded = scheduler.steady.record(plan, samples.tokens[:n].tolist(), eos_token_ids)
         if recorded is not None:
-            gaps = recorded[1]
+            gaps = recorded[1]  # f64[taken], no first tokens among them
             if plan.extra:
                 rest = SchedulerOutput(plan.extra, ())
-                gaps += _record(scheduler, rest, samples.rows_from(n), None, eos_token_ids, True)
+                more = _record(scheduler, rest, samples.rows_from(n), None, eos_token_ids, True)
+                if more:  # None (a first token) as NaN
+                    gaps = np.concatenate((gaps, np.array(more, np.float64)))
             return gaps
     return _record(scheduler, plan, samples, valid, eos_token_ids, False)
 

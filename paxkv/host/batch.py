@@ -213,8 +213,6 @@ def build_host_batch(
         num_draft = np.zeros(nd + len(num_draft), np.int32)
         num_draft[nd:] = draft_col
         flat = np.concatenate([decode.tokens, flat])
-        samples_col = (True,) * nd + samples_col
-        tokens_col = ((),) * nd + tokens_col
     n = len(seqs)
     num = int(q_lens.sum())
     t_pad = Buckets.pick(num, buckets.tokens, "tokens in the step")
@@ -240,7 +238,8 @@ def build_host_batch(
     logits_indices[:n] = cu[1 : n + 1] - 1
     if drafts:
         logits_indices[:n] -= num_draft
-        draft_tokens, draft_counts = _drafts(tokens_col, num_draft, s_pad, draft_width)
+        padded = ((),) * nd + tokens_col  # `samples_col`, `tokens_col`: extra's alone
+        draft_tokens, draft_counts = _drafts(padded, num_draft, s_pad, draft_width)
     else:
         draft_tokens, draft_counts = np.zeros((s_pad, 0), np.int32), np.zeros(s_pad, np.int32)
 
@@ -270,7 +269,7 @@ def build_host_batch(
     penalised = np.flatnonzero(has_penalties(floats[:n])) if rows.penalised else np.zeros(0, int)
     histories: list = [None] * n
     for i in penalised.tolist():
-        if samples_col[i]:
+        if i < nd or samples_col[i - nd]:
             histories[i] = seqs[i].penalty_history()
     # Only `extra` chunks score (the columns' decodes do not).
     score_rows, score_targets = _scored_rows(extra, cu[nd:], t_pad)
@@ -285,7 +284,7 @@ def build_host_batch(
         token_src[:nd] = decode.src
     if pending is not None:
         for i in range(nd, n):  # a chunk whose last token is in flight
-            if samples_col[i] and tokens_col[i][-1] < 0:
+            if samples_col[i - nd] and tokens_col[i - nd][-1] < 0:
                 token_src[cu[i + 1] - 1] = pending[id(seqs[i])]
     return HostBatch(
         tokens,

@@ -215,23 +215,29 @@ class SteadyDecode:
 
     def record(
         self, tokens: list[int], now: float, dead: np.ndarray | None
-    ) -> tuple[list[tuple[SequenceState, FinishReason]], list[float]]:
+    ) -> tuple[list[tuple[SequenceState, FinishReason]], np.ndarray]:
         """Records the planned step's tokens: appends each to its sequence (its cache
         length, penalty counts and token time too; no logprob: the columns' sequences
         report none, `decodes_steadily`) and advances the columns. A
         sequence that ended while the step ran (aborted: True in `dead`, bool[n]; None
         when none did) takes nothing. Returns the sequences that end, with why (a stop
         token, else max_tokens or max_model_len: the caller finishes them), and each
-        token's gap since the sequence's previous one."""
+        token's gap since the sequence's previous one (f64[taken])."""
         seqs = self.seqs
         ends = self.ends
         every = dead is None or not dead.any()
         alive = [True] * len(seqs) if every else (~dead).tolist()
-        for seq, token, end, live in zip(seqs, tokens, ends.tolist(), alive, strict=True):
-            if every or live:
+        if every:
+            for seq, token, end in zip(seqs, tokens, ends.tolist(), strict=True):
                 seq.output_token_ids.append(token)
                 seq.num_computed_tokens = end
                 seq.last_token_time = now
+        else:
+            for seq, token, end, live in zip(seqs, tokens, ends.tolist(), alive, strict=True):
+                if live:
+                    seq.output_token_ids.append(token)
+                    seq.num_computed_tokens = end
+                    seq.last_token_time = now
         for i in np.flatnonzero(self.penalised).tolist():
             if alive[i]:
                 seqs[i]._count(tokens[i], 1)
@@ -246,7 +252,8 @@ class SteadyDecode:
             for i in np.flatnonzero(over).tolist()
         ]
         gaps = now - self.last_times
-        gaps = (gaps if every else gaps[np.array(alive)]).tolist()
+        if not every:
+            gaps = gaps[np.array(alive)]
         self.last_times = np.full(len(seqs), now)
         # The next step's columns: new arrays, since the recorded plan holds these.
         self._advanced(counters, toks, -1)
@@ -418,7 +425,7 @@ class SteadyDecoder:
         plan: SchedulerOutput,
         tokens: list[int],
         eos_token_ids: tuple[int, ...],
-    ) -> tuple[list[SequenceState], list[float]] | None:
+    ) -> tuple[list[SequenceState], np.ndarray] | None:
         """Records the decodes of a plan made with the columns: the `tokens` each of
         them sampled; finishes the sequences that end. Returns those and each
         token's gap since its sequence's previous one; None (recording nothing) when
