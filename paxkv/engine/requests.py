@@ -410,12 +410,16 @@ class RequestRegistry:
                 finished.append(self._requests.pop(rid))
         return outputs, finished
 
-    def report_decode(self, decode: DecodeColumns) -> tuple[DecodeDeltas | None, list[str]]:
+    def report_decode(
+        self, decode: DecodeColumns, gone: np.ndarray | None = None
+    ) -> tuple[DecodeDeltas | None, list[str]]:
         """The outputs of a steady decode step (`DecodeColumns`): one `DecodeDeltas` for
         its requests that took their token and go on, and the ids of the others
         (ended in the step), to `report`. None for the deltas when a request of the
         batch needs more than a delta of one token (`Request.deferred`, one
-        completion, DELTA, no weight update since it arrived): `report` them all."""
+        completion, DELTA, no weight update since it arrived): `report` them all.
+        `gone` (bool[n], `SteadyDecoder.gone`) tells which sequences ended; None:
+        each one's finish reason does."""
         attached = decode.attached  # (request, its progress) of each, kept by the columns
         if self._attached_version != self.weight_version:  # looked up anew under new weights
             attached[:] = [None] * len(attached)
@@ -435,14 +439,17 @@ class RequestRegistry:
                     if r is None:
                         return None, list(decode.request_ids)
             self._attached_whole = attached
-        reasons = list(map(_FINISH_REASON, decode.seqs))
+        if gone is None:
+            reasons = list(map(_FINISH_REASON, decode.seqs))
+            if reasons.count(None) != len(reasons):
+                gone = np.fromiter(
+                    map(operator.is_not, reasons, itertools.repeat(None)), bool, len(reasons)
+                )
         counters = decode.counters
         ended: list[int] = []
-        if reasons.count(None) != len(reasons):  # some ended: only the others take deltas
-            going = np.fromiter(
-                map(operator.is_, reasons, itertools.repeat(None)), bool, len(reasons)
-            )
-            ended = np.flatnonzero(~going).tolist()
+        if gone is not None and gone.any():  # some ended: only the others take deltas
+            going = ~gone
+            ended = np.flatnonzero(gone).tolist()
             attached = list(itertools.compress(attached, going.tolist()))
             counters = counters[going]
         deltas = DecodeDeltas.take(attached, counters, self.weight_version) if attached else None

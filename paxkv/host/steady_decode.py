@@ -247,6 +247,7 @@ class SteadyDecode:
         over = stop | (counters >= self.max_outputs)
         if not every:
             over &= np.array(alive)
+        self.gone = over if every else over | dead  # bool[n]: ended in the step, or before
         ended = [
             (seqs[i], FinishReason.STOP if stop[i] else FinishReason.LENGTH)
             for i in np.flatnonzero(over).tolist()
@@ -310,6 +311,9 @@ class SteadyDecoder:
         self.pending: dict[int, int] = {}
         # The scheduler's departures when the last plan started (`unchanged`).
         self._departures = -1
+        # (plan, departures, version, bool[n] `SteadyDecode.gone`) once `record` recorded
+        # the plan's columns (`gone`).
+        self._recorded: tuple | None = None
 
     def drop(self) -> None:
         """Forgets the columns (the general path plans and records)."""
@@ -443,7 +447,18 @@ class SteadyDecoder:
         ended, gaps = steady.record(tokens, now, self._dead(steady))
         for seq, reason in ended:
             s._finish(seq, reason, now)
+        self._recorded = (plan, s.num_departures, s.version, steady.gone)
         return [seq for seq, _ in ended], gaps
+
+    def gone(self, plan: SchedulerOutput) -> np.ndarray | None:
+        """bool[n]: which of the columns' sequences of `plan` stopped running, in its
+        step (their last token) or while it ran, when `record` recorded it and no
+        sequence has stopped running or been preempted since; None otherwise (then
+        ask each sequence)."""
+        r, s = self._recorded, self.scheduler
+        if r is None or r[0] is not plan or r[1] != s.num_departures or r[2] != s.version:
+            return None
+        return r[3]
 
     def advance(self, plan: SchedulerOutput, placeholder: int) -> bool:
         """Records the decodes of a dispatched plan made with the columns with their
