@@ -99,9 +99,7 @@ class Endings:
         (`RequestRegistry.report_decode`), the others one by one: those of `extra`
         (None: the plan's other chunks that sample)."""
         self.end_failed()
-        deltas, others = self.requests.report_decode(
-            plan.decode, self.scheduler.steady.gone(plan)
-        )
+        deltas, others = self.requests.report_decode(plan.decode, self.scheduler.steady.gone(plan))
         if extra is None:
             extra = [c.seq.request_id for c in plan.extra if c.samples]
         others += extra

@@ -189,21 +189,31 @@ def build_host_batch(
     `draft_tokens` of width `draft_width` (the most a chunk may have), else of width 0.
     """
     extra = plan.extra
+    decode = plan.decode
+    nd = plan.num_decode
     # One transposition of the chunk tuples, then a NumPy array per field.
     (seqs, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
         zip(*extra, strict=True) if extra else ((),) * 9
     )
-    q_lens = np.array(q_col, np.int32)
-    starts = np.array(start_col, np.int64)
-    num_pages = np.array(pages_col, np.int64)
-    row_ids = np.array(row_col, np.int64)
-    counters = np.array(out_col, np.int32)
     drafts = any(draft_col)
-    num_draft = np.array(draft_col, np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=-1)
-    decode = plan.decode
-    nd = plan.num_decode
-    if decode is not None:  # the steady decode's columns first: one token each
+    if decode is not None and not extra:  # the steady decode's columns alone
+        seqs = decode.seqs
+        q_lens = np.ones(nd, np.int32)
+        starts = decode.ends - 1
+        num_pages = decode.num_pages
+        row_ids = decode.rows
+        counters = decode.counters
+        num_draft = np.zeros(nd, np.int32)
+        flat = decode.tokens
+    else:
+        q_lens = np.array(q_col, np.int32)
+        starts = np.array(start_col, np.int64)
+        num_pages = np.array(pages_col, np.int64)
+        row_ids = np.array(row_col, np.int64)
+        counters = np.array(out_col, np.int32)
+        num_draft = np.array(draft_col, np.int32)
+        flat = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=-1)
+    if decode is not None and extra:  # the steady decode's columns first: one token each
         seqs = decode.seqs + seqs
         q_lens = np.concatenate([np.ones(nd, np.int32), q_lens])
         starts = np.concatenate([decode.ends - 1, starts])

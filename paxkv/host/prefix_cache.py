@@ -19,6 +19,7 @@ cached and every window group the pages inside its window at token `h * page_siz
 from __future__ import annotations
 
 import array
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -236,12 +237,19 @@ class PrefixCache:
         if not self.enabled or first >= full:
             return
         new = self.keys_of(seq, first, full, held.keys[-1] if held.keys else None)
-        pages, keys = [], []
-        for g, table in enumerate(held.tables):
-            for i, key in enumerate(new, start=first):
-                if table[i] != NULL_PAGE:
-                    pages.append(table[i])
-                    keys.append(self._key(g, key))
+        if len(held.tables) == 1:  # one group: its pages keyed as they are, in one slice
+            pages, keys = held.tables[0][first:full], new
+            if NULL_PAGE in pages:
+                held_pages = [p != NULL_PAGE for p in pages]
+                pages = list(itertools.compress(pages, held_pages))
+                keys = list(itertools.compress(keys, held_pages))
+        else:
+            pages, keys = [], []
+            for g, table in enumerate(held.tables):
+                for i, key in enumerate(new, start=first):
+                    if table[i] != NULL_PAGE:
+                        pages.append(table[i])
+                        keys.append(self._key(g, key))
         self.pool.mark_cached_many(pages, keys)
         if first == 0:
             lead = self._lead(seq.token_ids(0, min(4, ps)), self._salt(seq))
