@@ -364,8 +364,8 @@ class DecodeDeltas:
         """The deltas of `requests` (each with its `progress[0]`), each taking its token
         at output `counters[i]` (i32[n])."""
         before = counters.tolist()
-        for (_, progress), n in zip(requests, before, strict=True):
-            progress.num_taken = n + 1
+        for (_, progress), n in zip(requests, (counters + 1).tolist(), strict=True):
+            progress.num_taken = n
         return DecodeDeltas(requests, before, version)
 
     def build(self, i: int) -> RequestOutput:

@@ -187,8 +187,9 @@ class SteadyDecode:
             if grow.size:
                 growing = [seqs[i] for i in grow.tolist()]
                 granted = allocate_decodes(kv, growing, ends[grow].tolist())
-                for i, seq in zip(grow[:granted].tolist(), growing, strict=False):
-                    self.i64[i, 2] = kv.num_pages(seq) * self.page_size
+                self.i64[grow[:granted], 2] = [
+                    kv.num_pages(seq) * self.page_size for seq in growing[:granted]
+                ]
                 if granted < len(growing):
                     return None
             if self.caching:
@@ -214,9 +215,9 @@ class SteadyDecode:
         )
 
     def record(
-        self, tokens: list[int], now: float, dead: np.ndarray | None
+        self, toks: np.ndarray, now: float, dead: np.ndarray | None
     ) -> tuple[list[tuple[SequenceState, FinishReason]], np.ndarray]:
-        """Records the planned step's tokens: appends each to its sequence (its cache
+        """Records the planned step's tokens (`toks`, i32[n]): appends each to its sequence (its cache
         length, penalty counts and token time too; no logprob: the columns' sequences
         report none, `decodes_steadily`) and advances the columns. A
         sequence that ended while the step ran (aborted: True in `dead`, bool[n]; None
@@ -225,6 +226,7 @@ class SteadyDecode:
         token's gap since the sequence's previous one (f64[taken])."""
         seqs = self.seqs
         ends = self.ends
+        tokens = toks.tolist()
         every = dead is None or not dead.any()
         alive = [True] * len(seqs) if every else (~dead).tolist()
         if every:
@@ -241,7 +243,6 @@ class SteadyDecode:
         for i in np.flatnonzero(self.penalised).tolist():
             if alive[i]:
                 seqs[i]._count(tokens[i], 1)
-        toks = np.array(tokens, np.int64)
         counters = self.counters + 1
         stop = stop_tokens(self.stop_table, toks)
         over = stop | (counters >= self.max_outputs)
@@ -427,11 +428,11 @@ class SteadyDecoder:
     def record(
         self,
         plan: SchedulerOutput,
-        tokens: list[int],
+        tokens: np.ndarray,
         eos_token_ids: tuple[int, ...],
     ) -> tuple[list[SequenceState], np.ndarray] | None:
-        """Records the decodes of a plan made with the columns: the `tokens` each of
-        them sampled; finishes the sequences that end. Returns those and each
+        """Records the decodes of a plan made with the columns: the `tokens` (i32[n])
+        each of them sampled; finishes the sequences that end. Returns those and each
         token's gap since its sequence's previous one; None (recording nothing) when
         `plan` is not the columns' current plan: the caller records it all with
         `Scheduler.update`."""
