@@ -150,20 +150,7 @@ class PagePool:
             and len(set(pages)) == len(pages)
             and all(map(refcounts.__getitem__, pages))
         ):
-            # Those reaching 0 linked at the tail in one pass (`_append`, inlined).
-            nxt, prev, sentinel = self._next, self._prev, self._sentinel
-            tail = prev[sentinel]
-            queued = self._num_queued
-            for page in pages:
-                refcounts[page] -= 1
-                if not refcounts[page]:
-                    prev[page] = tail
-                    nxt[tail] = page
-                    tail = page
-                    queued += 1
-            nxt[tail] = sentinel
-            prev[sentinel] = tail
-            self._num_queued = queued
+            self._num_queued += _release(pages, refcounts, self._prev, self._next, self._sentinel)
             return
         pages = [self._check_page(p) for p in pages]
         for page, count in collections.Counter(pages).items():
@@ -347,3 +334,22 @@ class PagePool:
                 self._key_to_page.get(key) == page,
                 f"page {page} holds key {key!r} but the key maps to {self._key_to_page.get(key)}",
             )
+
+
+def _release(
+    pages: list[int], refcounts: list[int], prev: list[int], nxt: list[int], sentinel: int
+) -> int:
+    """Drops a reference to each of `pages` (checked), linking those that reach 0 at the
+    tail of the free queue in one pass (`PagePool._append` inlined); returns how many."""
+    tail = prev[sentinel]
+    linked = 0
+    for page in pages:
+        refcounts[page] -= 1
+        if not refcounts[page]:
+            prev[page] = tail
+            nxt[tail] = page
+            tail = page
+            linked += 1
+    nxt[tail] = sentinel
+    prev[sentinel] = tail
+    return linked

@@ -229,17 +229,12 @@ class SteadyDecode:
         tokens = toks.tolist()
         every = dead is None or not dead.any()
         alive = [True] * len(seqs) if every else (~dead).tolist()
-        if every:
-            for seq, token, end in zip(seqs, tokens, ends.tolist(), strict=True):
-                seq.output_token_ids.append(token)
-                seq.num_computed_tokens = end
-                seq.last_token_time = now
-        else:
-            for seq, token, end, live in zip(seqs, tokens, ends.tolist(), alive, strict=True):
-                if live:
-                    seq.output_token_ids.append(token)
-                    seq.num_computed_tokens = end
-                    seq.last_token_time = now
+        columns = zip(seqs, tokens, ends.tolist(), strict=True)
+        live = columns if every else itertools.compress(columns, alive)
+        for seq, token, end in live:  # no test per sequence when none died
+            seq.output_token_ids.append(token)
+            seq.num_computed_tokens = end
+            seq.last_token_time = now
         for i in np.flatnonzero(self.penalised).tolist():
             if alive[i]:
                 seqs[i]._count(tokens[i], 1)
@@ -312,9 +307,7 @@ class SteadyDecoder:
         self.pending: dict[int, int] = {}
         # The scheduler's departures when the last plan started (`unchanged`).
         self._departures = -1
-        # (plan, departures, version, bool[n] `SteadyDecode.gone`) once `record` recorded
-        # the plan's columns (`gone`).
-        self._recorded: tuple | None = None
+        self._recorded: tuple | None = None  # `record`'s plan, departures, version, gone
 
     def drop(self) -> None:
         """Forgets the columns (the general path plans and records)."""
@@ -452,10 +445,8 @@ class SteadyDecoder:
         return [seq for seq, _ in ended], gaps
 
     def gone(self, plan: SchedulerOutput) -> np.ndarray | None:
-        """bool[n]: which of the columns' sequences of `plan` stopped running, in its
-        step (their last token) or while it ran, when `record` recorded it and no
-        sequence has stopped running or been preempted since; None otherwise (then
-        ask each sequence)."""
+        """bool[n]: which of `plan`'s columns stopped running in its step or while it
+        ran, if `record` recorded it and none left or was preempted since; else None."""
         r, s = self._recorded, self.scheduler
         if r is None or r[0] is not plan or r[1] != s.num_departures or r[2] != s.version:
             return None
