@@ -238,7 +238,8 @@ class PrefixCache:
             return
         new = self.keys_of(seq, first, full, held.keys[-1] if held.keys else None)
         if len(held.tables) == 1:  # one group: its pages keyed as they are, in one slice
-            pages, keys = held.tables[0][first:full], new
+            # (`new` may stop short of `full`: keys only of pages whose tokens are known)
+            pages, keys = held.tables[0][first : first + len(new)], new
             if NULL_PAGE in pages:
                 held_pages = [p != NULL_PAGE for p in pages]
                 pages = list(itertools.compress(pages, held_pages))

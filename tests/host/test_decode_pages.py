@@ -102,3 +102,18 @@ def test_rows_among_is_isin(k):
     rows = rng.permutation(300)[:256].astype(np.int64)
     among = rng.integers(0, 300, size=k).tolist()
     np.testing.assert_array_equal(rows_among(rows, among), np.isin(rows, among))
+
+
+def test_registering_past_the_known_tokens_keys_only_the_pages_they_fill():
+    # A speculative step holds pages for its proposals and registers up to its cache
+    # length before the accepted tokens are all appended: only pages whose tokens are
+    # known get keys (and the one-group slice must stop there too).
+    kv = KVCacheManager(PagePool(64), page_size=PS, max_model_len=64)
+    seq = SequenceState("s", "s", 0, list(range(1, 10)), SamplingParams(), 0, 0.0)
+    assert kv.allocate(seq, 20)  # 5 pages of 4 for 9 known tokens
+    kv.register_full_pages(seq, 20)
+    table = kv.tables(seq)[0]
+    keyed = [kv.pool._page_to_key.get(p) for p in table]
+    assert len(kv._seqs[seq].keys) == 2
+    assert [k is not None for k in keyed] == [True, True, False, False, False]
+    assert keyed[:2] == kv._seqs[seq].keys
