@@ -67,11 +67,7 @@ class PagePool:
     # Free queue.
 
     def _append(self, page: int) -> None:
-        tail = self._prev[self._sentinel]
-        self._prev[page] = tail
-        self._next[page] = self._sentinel
-        self._next[tail] = page
-        self._prev[self._sentinel] = page
+        _link_at_tail((page,), self._prev, self._next, self._sentinel)
         self._num_queued += 1
 
     def _remove(self, page: int) -> None:
@@ -150,7 +146,11 @@ class PagePool:
             and len(set(pages)) == len(pages)
             and all(map(refcounts.__getitem__, pages))
         ):
-            self._num_queued += _release(pages, refcounts, self._prev, self._next, self._sentinel)
+            for page in pages:
+                refcounts[page] -= 1
+            freed = [page for page in pages if not refcounts[page]]
+            _link_at_tail(freed, self._prev, self._next, self._sentinel)
+            self._num_queued += len(freed)
             return
         pages = [self._check_page(p) for p in pages]
         for page, count in collections.Counter(pages).items():
@@ -336,20 +336,13 @@ class PagePool:
             )
 
 
-def _release(
-    pages: list[int], refcounts: list[int], prev: list[int], nxt: list[int], sentinel: int
-) -> int:
-    """Drops a reference to each of `pages` (checked), linking those that reach 0 at the
-    tail of the free queue in one pass (`PagePool._append` inlined); returns how many."""
+def _link_at_tail(pages: Sequence[int], prev: list[int], nxt: list[int], sentinel: int) -> None:
+    """Links `pages` (detached), in order, at the tail of the free queue whose links are
+    `prev` / `nxt` around `sentinel`."""
     tail = prev[sentinel]
-    linked = 0
     for page in pages:
-        refcounts[page] -= 1
-        if not refcounts[page]:
-            prev[page] = tail
-            nxt[tail] = page
-            tail = page
-            linked += 1
+        prev[page] = tail
+        nxt[tail] = page
+        tail = page
     nxt[tail] = sentinel
     prev[sentinel] = tail
-    return linked

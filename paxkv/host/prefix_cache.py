@@ -283,14 +283,7 @@ class PrefixCache:
             if not i or end // ps != i + 1 or i >= len(held.tables[0]) or i < seq.num_prompt // ps:
                 out.append(None)
                 continue
-            # Page i > 0: its tokens, from the outputs alone when it starts past the prompt.
-            start = i * ps - seq.num_prompt
-            tokens = (
-                seq.output_token_ids[start : start + ps]
-                if start >= 0
-                else seq.token_ids(i * ps, end)
-            )
-            key = page_key(held.keys[-1], tokens)
+            key = page_key(held.keys[-1], seq.token_ids(i * ps, (i + 1) * ps))  # page i > 0
             page = held.tables[0][i]
             if page != NULL_PAGE:
                 pages.append(page)

@@ -134,7 +134,9 @@ class SequenceState:
         if stop <= len(prompt):
             return prompt[start:stop]
         out = self.output_token_ids
-        return prompt[start:] + out[max(0, start - len(prompt)) : stop - len(prompt)]
+        if start >= len(prompt):  # the outputs alone (a decode's filled page)
+            return out[start - len(prompt) : stop - len(prompt)]
+        return prompt[start:] + out[: stop - len(prompt)]
 
     def record_sample(
         self,

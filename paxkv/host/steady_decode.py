@@ -132,6 +132,7 @@ class SteadyDecode:
         self.penalised = np.array([s.penalised for s in seqs], bool)
         self.last_times = np.array([s.last_token_time for s in seqs], np.float64)
         self.plan: SchedulerOutput | None = None  # planned, not yet recorded
+        self.gone: np.ndarray | None = None  # bool[n]: `record`'s, of the step it recorded
 
     _ARRAYS = ("i64", "i32", "stop_table", "penalised", "last_times")
 
