@@ -21,3 +21,12 @@ def run_multidevice(paths: list[str], timeout_s: int = 1200) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *paths]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+
+
+def xla_flags(devices: int) -> str:
+    """This process's `XLA_FLAGS` (the suite's fast-compile flags among them: a child
+    that dropped them would compile at full optimisation, and miss the shared
+    compilation cache) with `devices` forced host devices instead of any count it has."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])

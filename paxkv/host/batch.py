@@ -7,6 +7,7 @@ free of JAX lets it be benchmarked and tested on its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -191,104 +192,116 @@ def build_host_batch(
     extra = plan.extra
     decode = plan.decode
     nd = plan.num_decode
-    # One transposition of the chunk tuples, then a NumPy array per field.
+    ne = len(extra)
+    n = nd + ne
+    # One transposition of the extra chunks' tuples; the columns' decodes (one token
+    # each, their rows first) are laid out from their arrays without per-chunk work.
     (seqs, start_col, q_col, samples_col, tokens_col, row_col, pages_col, out_col, draft_col) = (
         zip(*extra, strict=True) if extra else ((),) * 9
     )
     drafts = any(draft_col)
-    if decode is not None and not extra:  # the steady decode's columns alone
-        seqs = decode.seqs
-        q_lens = np.ones(nd, np.int32)
-        starts = decode.ends - 1
-        num_pages = decode.num_pages
-        row_ids = decode.rows
-        counters = decode.counters
-        num_draft = np.zeros(nd, np.int32)
-        flat = decode.tokens
-    else:
-        q_lens = np.array(q_col, np.int32)
-        starts = np.array(start_col, np.int64)
-        num_pages = np.array(pages_col, np.int64)
-        row_ids = np.array(row_col, np.int64)
-        counters = np.array(out_col, np.int32)
-        num_draft = np.array(draft_col, np.int32)
-        flat = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, count=-1)
-    if decode is not None and extra:  # the steady decode's columns first: one token each
+    num_x = sum(q_col)  # the extra chunks' tokens
+    most_pages = max(pages_col, default=0)
+    if ne:
+        q_x = np.array(q_col, np.int32)
+        ends_x = np.array(start_col, np.int64) + q_x
+        pages_x = np.array(pages_col, np.int64)
+        # The columns' pages are their lengths' by construction (`SteadyDecode.plan_next`).
+        short = cdiv(ends_x, page_size) > pages_x
+        if short.any():
+            s = nd + int(np.argmax(short))
+            raise ValueError(
+                f"sequence {s}: kv_len={ends_x[s - nd]} needs more than its {pages_x[s - nd]} pages"
+            )
+    if decode is not None:
         seqs = decode.seqs + seqs
-        q_lens = np.concatenate([np.ones(nd, np.int32), q_lens])
-        starts = np.concatenate([decode.ends - 1, starts])
-        num_pages = np.concatenate([decode.num_pages, num_pages])
-        row_ids = np.concatenate([decode.rows, row_ids])
-        counters = np.concatenate([decode.counters, counters])
-        num_draft = np.zeros(nd + len(num_draft), np.int32)
-        num_draft[nd:] = draft_col
-        flat = np.concatenate([decode.tokens, flat])
-    n = len(seqs)
-    num = int(q_lens.sum())
+        most_pages = max(most_pages, int(decode.num_pages.max()))
+        row_ids = np.concatenate([decode.rows, row_col]) if ne else decode.rows
+        num_pages = np.concatenate([decode.num_pages, pages_x]) if ne else decode.num_pages
+    else:
+        row_ids = np.array(row_col, np.int64)
+        num_pages = pages_x
+    num = nd + num_x
     t_pad = Buckets.pick(num, buckets.tokens, "tokens in the step")
     s_pad = buckets.seq_bucket(n, t_pad)
-    p_pad = Buckets.pick(int(num_pages.max()), buckets.pages, "pages per sequence")
+    p_pad = Buckets.pick(most_pages, buckets.pages, "pages per sequence")
     if n > s_pad:
         raise ValueError(f"{n} sequences exceed the sequence bucket {s_pad}")
-    ends = starts + q_lens
-    # The columns' pages are their lengths' by construction (`SteadyDecode.plan_next`).
-    short = cdiv(ends[nd:], page_size) > num_pages[nd:]
-    if short.any():
-        s = nd + int(np.argmax(short))
-        raise ValueError(f"sequence {s}: kv_len={ends[s]} needs more than its {num_pages[s]} pages")
 
     tokens = np.zeros(t_pad, np.int32)
-    tokens[:num] = flat
-    cu = np.zeros(s_pad + 1, np.int32)
-    np.cumsum(q_lens, dtype=np.int32, out=cu[1 : n + 1])
-    cu[n + 1 :] = cu[n]
     positions = np.zeros(t_pad, np.int32)
-    positions[:num] = np.arange(num) + np.repeat(starts - cu[:n], q_lens)
+    cu = np.empty(s_pad + 1, np.int32)
+    kv_lens = np.zeros(s_pad, np.int32)
     logits_indices = np.zeros(s_pad, np.int32)
-    logits_indices[:n] = cu[1 : n + 1] - 1
+    if nd:  # the columns: packed row i is decode i's one token
+        tokens[:nd] = decode.tokens
+        positions[:nd] = decode.ends - 1
+        cu[: nd + 1] = _arange(nd + 1)
+        kv_lens[:nd] = decode.ends
+        logits_indices[:nd] = cu[:nd]
+    else:
+        cu[0] = 0
+    if ne:
+        tokens[nd:num] = np.fromiter(itertools.chain.from_iterable(tokens_col), np.int32, num_x)
+        x_cu = cu[nd + 1 : n + 1]
+        np.cumsum(q_x, dtype=np.int32, out=x_cu)
+        # Chunk i's rows hold positions start_i, start_i + 1, ... (x_cu: their ends).
+        positions[nd:num] = _arange(num_x) + np.repeat(ends_x - x_cu, q_x)
+        x_cu += nd
+        kv_lens[nd:n] = ends_x
+        logits_indices[nd:n] = x_cu - 1
+    cu[n + 1 :] = num
     if drafts:
+        num_draft = np.zeros(n, np.int32)
+        num_draft[nd:] = draft_col
         logits_indices[:n] -= num_draft
         padded = ((),) * nd + tokens_col  # `samples_col`, `tokens_col`: extra's alone
         draft_tokens, draft_counts = _drafts(padded, num_draft, s_pad, draft_width)
     else:
-        draft_tokens, draft_counts = np.zeros((s_pad, 0), np.int32), np.zeros(s_pad, np.int32)
+        draft_tokens, draft_counts = _constant("no drafts", s_pad)
 
     # One gather of every group's rows, each cut to the chunk's pages (a row holds
     # NULL_PAGE past its pages: only rows holding more than their chunk's are cut).
     groups = rows.num_groups
     table = _null_pages((groups, s_pad, p_pad))
-    if groups == 1:  # whole rows taken, then cut (faster than one mixed index)
-        gathered = rows.tables[0].take(row_ids, axis=0)[None, :, :p_pad]
+    if groups == 1:  # whole rows taken into the table (faster than one mixed index)
+        rows.tables[0][:, :p_pad].take(row_ids, axis=0, out=table[0, :n])
     else:
-        gathered = rows.tables[:, row_ids, :p_pad]
+        table[:, :n] = rows.tables[:, row_ids, :p_pad]
     if (rows.held(row_ids) > num_pages).any():
         cut = np.arange(p_pad)[None, None, :] < num_pages[None, :, None]
-        gathered = np.where(cut, gathered, NULL_PAGE)
-    table[:, :n] = gathered
+        table[:, :n] = np.where(cut, table[:, :n], NULL_PAGE)
     if groups == 1:
         table = table[0]
-    kv_lens = np.zeros(s_pad, np.int32)
-    kv_lens[:n] = ends
 
     floats = padding_floats(s_pad)
     floats[:n] = rows.floats[row_ids]
     ints = np.zeros((s_pad, len(SAMPLING_INTS)), np.int32)
     ints[:n, ROW_INT_SLICE] = rows.ints[row_ids]
-    ints[:n, INT_COLUMN["counter"]] = counters
+    counter = INT_COLUMN["counter"]
+    if nd:
+        ints[:nd, counter] = decode.counters
+    ints[nd:n, counter] = out_col
     # Only the chunks with penalties build their histories.
-    penalised = np.flatnonzero(has_penalties(floats[:n])) if rows.penalised else np.zeros(0, int)
+    penalised = np.flatnonzero(has_penalties(floats[:n])).tolist() if rows.penalised else ()
     histories: list = [None] * n
-    for i in penalised.tolist():
+    for i in penalised:
         if i < nd or samples_col[i - nd]:
             histories[i] = seqs[i].penalty_history()
     # Only `extra` chunks score (the columns' decodes do not).
-    score_rows, score_targets = _scored_rows(extra, cu[nd:], t_pad)
+    if ne:
+        score_rows, score_targets = _scored_rows(extra, cu[nd:], t_pad)
+    else:
+        score_rows, score_targets = _constant("no scores", 0)
     # A step that scores carries histories even with no penalties (rows of id -1 change
     # nothing), so a shape has three variants, not four.
-    carries = score_rows.size > 0 or any(histories[i] is not None for i in penalised.tolist())
-    history = penalty_histories(
-        histories, s_pad, history_length(p_pad, page_size) if carries else 0
-    )
+    carries = score_rows.size > 0 or any(histories[i] is not None for i in penalised)
+    if carries or penalised:
+        history = penalty_histories(
+            histories, s_pad, history_length(p_pad, page_size) if carries else 0
+        )
+    else:
+        history = _constant("no history", s_pad)
     token_src = np.full(t_pad, -1, np.int32)
     if decode is not None:  # the columns' rows are their first nd packed rows
         token_src[:nd] = decode.src
@@ -302,7 +315,7 @@ def build_host_batch(
         table,
         kv_lens,
         cu,
-        np.array([n], np.int32),
+        _constant("num seqs", n),
         logits_indices,
         floats,
         ints,
@@ -313,6 +326,39 @@ def build_host_batch(
         draft_tokens,
         draft_counts,
     )
+
+
+_ARANGE = np.arange(0, dtype=np.int32)
+
+
+def _arange(n: int) -> np.ndarray:
+    """i32[n]: 0 .. n - 1, a read-only view of one array kept across steps."""
+    global _ARANGE
+    if n > len(_ARANGE):
+        _ARANGE = np.arange(max(n, 2 * len(_ARANGE), 1024), dtype=np.int32)
+        _ARANGE.flags.writeable = False
+    return _ARANGE[:n]
+
+
+@functools.cache
+def _constant(what: str, size: int) -> np.ndarray | tuple[np.ndarray, ...]:
+    """The arrays of a step that are the same every step of their size, made once and
+    read-only (a step's consumers never write its arrays): "no drafts" (draft tokens
+    i32[size, 0] and counts i32[size]), "no scores" (rows and targets, i32[0] each),
+    "no history" (i32[3, size, 0]), "num seqs" (i32[1] holding `size`)."""
+    if what == "no drafts":
+        out = (np.zeros((size, 0), np.int32), np.zeros(size, np.int32))
+    elif what == "no scores":
+        out = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+    elif what == "no history":
+        out = (np.zeros((3, size, 0), np.int32),)
+    elif what == "num seqs":
+        out = (np.array([size], np.int32),)
+    else:
+        raise ValueError(f"no constant {what!r}")
+    for a in out:
+        a.flags.writeable = False
+    return out if len(out) > 1 else out[0]
 
 
 def _null_pages(shape: tuple[int, ...]) -> np.ndarray:

@@ -48,6 +48,9 @@ MAX_STEADY_STOPS = 16
 I64 = ("rows", "ends", "caps", "registered", "max_outputs")
 I32 = ("counters", "tokens", "src")
 _RUNNING = SeqStatus.RUNNING
+# Added to the packed columns by a step: the cache length and the output counter + 1.
+_NEXT_END = np.array([0, 1, 0, 0, 0], np.int64)
+_NEXT_OUTPUT = np.array([1, 0, 0], np.int32)
 
 
 def decodes_steadily(
@@ -130,6 +133,7 @@ class SteadyDecode:
         for i, ids in enumerate(stops):
             self.stop_table[i, : len(ids)] = ids
         self.penalised = np.array([s.penalised for s in seqs], bool)
+        self.num_penalised = int(self.penalised.sum())  # 0: `record` counts no tokens
         self.last_times = np.array([s.last_token_time for s in seqs], np.float64)
         self.plan: SchedulerOutput | None = None  # planned, not yet recorded
         self.gone: np.ndarray | None = None  # bool[n]: `record`'s, of the step it recorded
@@ -155,6 +159,8 @@ class SteadyDecode:
         self.attached = list(itertools.compress(self.attached, keep))
         for name in self._ARRAYS:
             setattr(self, name, getattr(self, name)[mask])
+        if self.num_penalised:
+            self.num_penalised = int(self.penalised.sum())
 
     def extend(self, more: SteadyDecode) -> None:
         """Appends the columns of `more` (the sequences right after these)."""
@@ -172,6 +178,7 @@ class SteadyDecode:
                 )
         for name in self._ARRAYS:
             setattr(self, name, np.concatenate([getattr(self, name), getattr(more, name)]))
+        self.num_penalised += more.num_penalised
 
     def plan_next(
         self, kv: KVCacheManager, register: Callable[[list[SequenceState], list[int]], None]
@@ -236,17 +243,21 @@ class SteadyDecode:
             seq.output_token_ids.append(token)
             seq.num_computed_tokens = end
             seq.last_token_time = now
-        for i in np.flatnonzero(self.penalised).tolist():
-            if alive[i]:
-                seqs[i]._count(tokens[i], 1)
-        counters = self.counters + 1
-        stop = stop_tokens(self.stop_table, toks)
-        over = stop | (counters >= self.max_outputs)
+        if self.num_penalised:
+            for i in np.flatnonzero(self.penalised).tolist():
+                if alive[i]:
+                    seqs[i]._count(tokens[i], 1)
+        i32 = self.i32 + _NEXT_OUTPUT  # the columns one step on: counters + 1
+        counters = i32[:, 0]
+        over = counters >= self.max_outputs
+        stop = stop_tokens(self.stop_table, toks) if self.stop_table.shape[1] else None
+        if stop is not None:
+            over |= stop
         if not every:
             over &= np.array(alive)
         self.gone = over if every else over | dead  # bool[n]: ended in the step, or before
         ended = [
-            (seqs[i], FinishReason.STOP if stop[i] else FinishReason.LENGTH)
+            (seqs[i], FinishReason.STOP if stop is not None and stop[i] else FinishReason.LENGTH)
             for i in np.flatnonzero(over).tolist()
         ]
         gaps = now - self.last_times
@@ -254,7 +265,7 @@ class SteadyDecode:
             gaps = gaps[np.array(alive)]
         self.last_times = np.full(len(seqs), now)
         # The next step's columns: new arrays, since the recorded plan holds these.
-        self._advanced(counters, toks, -1)
+        self._advanced(i32, toks, -1)
         return ended, gaps
 
     def advance(self, placeholder: int, dead: np.ndarray | None) -> list[SequenceState]:
@@ -272,23 +283,20 @@ class SteadyDecode:
             if live:
                 seq.output_token_ids.append(placeholder)
                 seq.num_computed_tokens = end
-        counters = self.counters + 1
-        over = counters >= self.max_outputs
+        i32 = self.i32 + _NEXT_OUTPUT
+        over = i32[:, 0] >= self.max_outputs
         if not every:
             over &= np.array(alive)
-        self._advanced(counters, placeholder, np.arange(len(seqs)))
+        self._advanced(i32, placeholder, np.arange(len(seqs)))
         return [seqs[i] for i in np.flatnonzero(over).tolist()]
 
-    def _advanced(self, counters: np.ndarray, tokens, src) -> None:
+    def _advanced(self, i32: np.ndarray, tokens, src) -> None:
         """The columns one step on, as new arrays (the recorded plan holds the old
-        ones): cache lengths + 1, these output counters, last tokens and their rows."""
-        i64 = self.i64.copy()
-        i64[:, 1] += 1
-        i32 = np.empty_like(self.i32)
-        i32[:, 0] = counters
+        ones): cache lengths + 1; `i32`, the integer columns with their output counters
+        one on (new), takes these last tokens and their rows."""
         i32[:, 1] = tokens
         i32[:, 2] = src
-        self.i64, self.i32 = i64, i32
+        self.i64, self.i32 = self.i64 + _NEXT_END, i32
         self.plan = None
 
 

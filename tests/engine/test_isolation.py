@@ -161,14 +161,14 @@ def test_a_fault_of_the_whole_step_is_not_blamed_on_a_request(tiny, monkeypatch)
     engine = _engine(model)
     engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, _params(4, False))
     engine.add_request("b", {"prompt_token_ids": [4, 5]}, _params(4, False))
-    original = batch_module.penalty_histories
+    original = batch_module._scored_rows
 
-    def only_together(histories, *args, **kwargs):
-        if len(histories) > 1:
+    def only_together(chunks, *args, **kwargs):
+        if len(chunks) > 1:
             raise Injected("the step")
-        return original(histories, *args, **kwargs)
+        return original(chunks, *args, **kwargs)
 
-    monkeypatch.setattr(batch_module, "penalty_histories", only_together)
+    monkeypatch.setattr(batch_module, "_scored_rows", only_together)
     with pytest.raises(Injected, match="the step"):
         engine.step()
 

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from multidevice_env import xla_flags
 
 ENGINE = {"num_pages": 256, "page_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64}
 MAX_MODEL_LEN = 128
@@ -105,7 +106,7 @@ def cpu_env(devices: int | None = None) -> dict[str, str]:
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     if devices is not None:
         env |= {
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "XLA_FLAGS": xla_flags(devices),
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
         }
     return env

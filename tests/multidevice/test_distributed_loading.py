@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from subprocess import PIPE
 
+from multidevice_env import xla_flags
 from safetensors import safe_open
 
 from paxkv.models import PRESETS, init_model, save_hf_checkpoint
@@ -28,10 +29,10 @@ def test_two_processes_each_read_only_their_slices(tmp_path):
     save_hf_checkpoint(init_model(config, seed=5), tmp_path, max_shard_bytes=600_000)
     port = _free_port()
     env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags(4),
         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
     }
-    solo_env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    solo_env = os.environ | {"XLA_FLAGS": xla_flags(1)}
     argvs = [(-1, solo_env), (0, env), (1, env)]
     procs = [
         subprocess.Popen(

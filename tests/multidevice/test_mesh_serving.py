@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from multidevice_env import xla_flags
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
@@ -275,7 +276,7 @@ def test_two_processes_serve_one_model_parallel_replica():
         "--mesh=model:4",
     ]
     env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
     }
     argvs = [generate, *([*generate, *distributed, f"--process_id={i}"] for i in range(2))]

@@ -20,6 +20,17 @@ CRASHES = ("Segmentation fault", "Fatal Python error", "Traceback")
 PLATFORM = "paxkv-serve: platform"
 LOADING = "loading the model"
 WARMUP = "paxkv: compiling"
+# As soon as the process catches the signal (its handler is the first thing paxkv-serve
+# installs, before it imports JAX): a fixed delay after the start would race the
+# interpreter's own start on a loaded machine, when no program can catch a signal yet.
+CAUGHT = "caught"
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` (Linux: /proc/PID/status SigCgt)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
 
 
 def read(log) -> str:
@@ -37,7 +48,7 @@ def listening(port: int) -> bool:
 @pytest.mark.parametrize(
     ("sig", "when"),
     [
-        (signal.SIGTERM, 0.5),
+        (signal.SIGTERM, CAUGHT),
         (signal.SIGINT, PLATFORM),
         (signal.SIGTERM, LOADING),
         (signal.SIGTERM, WARMUP),
@@ -50,14 +61,17 @@ def test_a_signal_before_the_server_listens_exits_0(sig, when):
     with tempfile.TemporaryFile("w+") as log:
         proc = launch(port, log=log)
         try:
-            if isinstance(when, str):  # as soon as the log says so
-                deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 120
+            if when == CAUGHT:
+                while not catches(proc.pid, sig) and time.monotonic() < deadline:
+                    assert proc.poll() is None, read(log)
+                    time.sleep(0.005)
+                assert catches(proc.pid, sig), read(log)
+            else:  # as soon as the log says so
                 while when not in read(log) and time.monotonic() < deadline:
                     assert proc.poll() is None, read(log)
                     time.sleep(0.05)
                 assert when in read(log), read(log)
-            else:
-                time.sleep(when)
             assert proc.poll() is None and not listening(port), read(log)
             proc.send_signal(sig)
             status = proc.wait(timeout=60)
