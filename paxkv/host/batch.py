@@ -264,8 +264,8 @@ def build_host_batch(
     # NULL_PAGE past its pages: only rows holding more than their chunk's are cut).
     groups = rows.num_groups
     table = _null_pages((groups, s_pad, p_pad))
-    if groups == 1:  # whole rows taken into the table (faster than one mixed index)
-        rows.tables[0][:, :p_pad].take(row_ids, axis=0, out=table[0, :n])
+    if groups == 1:  # whole rows taken, then cut (faster than one mixed index or `out=`)
+        table[0, :n] = rows.tables[0].take(row_ids, axis=0)[:, :p_pad]
     else:
         table[:, :n] = rows.tables[:, row_ids, :p_pad]
     if (rows.held(row_ids) > num_pages).any():
@@ -275,9 +275,9 @@ def build_host_batch(
         table = table[0]
 
     floats = padding_floats(s_pad)
-    floats[:n] = rows.floats[row_ids]
+    floats[:n] = rows.floats.take(row_ids, axis=0)
     ints = np.zeros((s_pad, len(SAMPLING_INTS)), np.int32)
-    ints[:n, ROW_INT_SLICE] = rows.ints[row_ids]
+    ints[:n, ROW_INT_SLICE] = rows.ints.take(row_ids, axis=0)
     counter = INT_COLUMN["counter"]
     if nd:
         ints[:nd, counter] = decode.counters

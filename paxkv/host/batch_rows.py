@@ -104,7 +104,7 @@ class BatchRows:
 
     def held(self, rows: np.ndarray) -> np.ndarray:  # i64[n]
         """Pages written in each of `rows` (i64[n])."""
-        return self._held[rows]
+        return self._held.take(rows)
 
     def clear(self, row: int, group: int, index: int) -> None:
         """Sets entry `index` of `row`'s table of `group` to `NULL_PAGE` (a page a window
