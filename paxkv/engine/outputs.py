@@ -40,7 +40,7 @@ DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 _STOP = FinishReason.STOP
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Progress:
     """What one completion has taken of its sequence's tokens, and reported of them.
 

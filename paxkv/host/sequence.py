@@ -20,7 +20,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)
 class SequenceState:
     """One completion being generated: a prompt, the tokens so far, its outputs and times.
 
@@ -59,6 +59,12 @@ class SequenceState:
     _prompt_set: frozenset[int] | None = dataclasses.field(default=None, repr=False)
     # `(salt, keys of its full prompt pages)`, kept by the prefix cache (`keys_of`).
     prompt_keys: tuple | None = dataclasses.field(default=None, repr=False)
+    # Slots, not a __dict__: the steady decode writes a few fields of every running
+    # sequence each step, and slots keep those writes and the objects small.
+    num_prompt: int = dataclasses.field(init=False, repr=False)
+    track_top: bool = dataclasses.field(init=False, repr=False)
+    penalised: bool = dataclasses.field(init=False, repr=False)
+    _stops: tuple = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Facts the per-step host path reads for every sequence, computed once.
