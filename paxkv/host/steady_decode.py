@@ -132,8 +132,9 @@ class SteadyDecode:
         self.stop_table = np.full((len(seqs), max(map(len, stops), default=0)), -1, np.int64)
         for i, ids in enumerate(stops):
             self.stop_table[i, : len(ids)] = ids
-        self.penalised = np.array([s.penalised for s in seqs], bool)
-        self.num_penalised = int(self.penalised.sum())  # 0: `record` counts no tokens
+        penalised = [s.penalised for s in seqs]
+        self.penalised = np.array(penalised, bool)
+        self.num_penalised = sum(penalised)  # 0: `record` counts no tokens
         self.last_times = np.array([s.last_token_time for s in seqs], np.float64)
         self.plan: SchedulerOutput | None = None  # planned, not yet recorded
         self.gone: np.ndarray | None = None  # bool[n]: `record`'s, of the step it recorded
