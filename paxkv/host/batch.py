@@ -332,12 +332,16 @@ _ARANGE = np.arange(0, dtype=np.int32)
 
 
 def _arange(n: int) -> np.ndarray:
-    """i32[n]: 0 .. n - 1, a read-only view of one array kept across steps."""
+    """i32[n]: 0 .. n - 1, a read-only view of one array kept across steps (the view
+    is of the array this call read or made: engines stepping in threads may grow it
+    at once)."""
     global _ARANGE
-    if n > len(_ARANGE):
-        _ARANGE = np.arange(max(n, 2 * len(_ARANGE), 1024), dtype=np.int32)
-        _ARANGE.flags.writeable = False
-    return _ARANGE[:n]
+    full = _ARANGE
+    if n > len(full):
+        full = np.arange(max(n, 2 * len(full), 1024), dtype=np.int32)
+        full.flags.writeable = False
+        _ARANGE = full
+    return full[:n]
 
 
 @functools.cache
