@@ -289,10 +289,7 @@ def build_host_batch(
         if i < nd or samples_col[i - nd]:
             histories[i] = seqs[i].penalty_history()
     # Only `extra` chunks score (the columns' decodes do not).
-    if ne:
-        score_rows, score_targets = _scored_rows(extra, cu[nd:], t_pad)
-    else:
-        score_rows, score_targets = _constant("no scores", 0)
+    score_rows, score_targets = _scored_rows(extra, cu[nd:], t_pad)
     # A step that scores carries histories even with no penalties (rows of id -1 change
     # nothing), so a shape has three variants, not four.
     carries = score_rows.size > 0 or any(histories[i] is not None for i in penalised)
@@ -395,7 +392,7 @@ def _scored_rows(chunks: Sequence, cu: np.ndarray, t_pad: int) -> tuple[np.ndarr
     starts at packed row cu[i]: none, or `t_pad` of each (see `HostBatch.score_rows`)."""
     spans = score_spans(chunks)
     if not spans:
-        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        return _constant("no scores", 0)
     rows = np.zeros(t_pad, np.int32)
     targets = np.zeros(t_pad, np.int32)
     at = 0

@@ -13,16 +13,15 @@ the general way after the columns, exactly as the general path would order it: t
 columns are the first sequences of the running list, and all of them decode.
 
 With async scheduling the columns' last tokens are placeholders of the step in
-flight: `src` holds each one's row in that step's output (which the device reads the
-token from), `advance` records a dispatched plan's placeholders and `resolve` puts
-the real tokens in place when the step is read, ending the sequences that sampled a
-stop token.
+flight (`src`: each one's row in that step's output, where the device reads it);
+`advance` records a dispatched plan's placeholders, `resolve` the real tokens when
+the step is read, ending those that sampled a stop token.
 
-What the columns cannot absorb (a preemption, an admission ahead of them, a plan that
-was not recorded) drops them; the general path plans and records until the next
-`update` makes new ones. Sequences whose decode needs more keep to the general path
-(they end the leading run): top logprobs, prompt scores, many stop tokens; as do
-sliding windows, speculative proposals and multi-step decoding.
+What the columns cannot absorb (a preemption, an admission ahead of them, a plan not
+recorded) drops them; the general path plans and records until the next `update`
+makes new ones. Sequences needing more keep to the general path (they end the leading
+run): top logprobs, prompt scores, many stop tokens; so do sliding windows,
+speculative proposals and multi-step decoding.
 """
 
 from __future__ import annotations
@@ -48,17 +47,15 @@ MAX_STEADY_STOPS = 16
 I64 = ("rows", "ends", "caps", "registered", "max_outputs")
 I32 = ("counters", "tokens", "src")
 _RUNNING = SeqStatus.RUNNING
-# Added to the packed columns by a step: the cache length and the output counter + 1.
-_NEXT_END = np.array([0, 1, 0, 0, 0], np.int64)
-_NEXT_OUTPUT = np.array([1, 0, 0], np.int32)
+_NEXT_END = np.array([0, 1, 0, 0, 0], np.int64)  # a step: cache length + 1
+_NEXT_OUTPUT = np.array([1, 0, 0], np.int32)  # and output counter + 1
 
 
 def decodes_steadily(
     seq: SequenceState, eos_token_ids: tuple[int, ...], pending: Mapping[int, int]
 ) -> bool:
-    """Whether `seq`'s next step is a decode the columns can hold; `pending` maps
-    `id(seq)` to its row in the output of the step in flight, for a sequence whose
-    last token is that step's placeholder (async scheduling)."""
+    """Whether `seq`'s next step is a decode the columns can hold; `pending`: `id(seq)`
+    to its row in the in-flight step's output, if its last token is a placeholder."""
     return (
         seq.status is _RUNNING
         and seq.num_computed_tokens + 1 == seq.num_tokens
@@ -226,13 +223,11 @@ class SteadyDecode:
     def record(
         self, toks: np.ndarray, now: float, dead: np.ndarray | None
     ) -> tuple[list[tuple[SequenceState, FinishReason]], np.ndarray]:
-        """Records the planned step's tokens (`toks`, i32[n]): appends each to its sequence (its cache
-        length, penalty counts and token time too; no logprob: the columns' sequences
-        report none, `decodes_steadily`) and advances the columns. A
-        sequence that ended while the step ran (aborted: True in `dead`, bool[n]; None
-        when none did) takes nothing. Returns the sequences that end, with why (a stop
-        token, else max_tokens or max_model_len: the caller finishes them), and each
-        token's gap since the sequence's previous one (f64[taken])."""
+        """Appends the planned step's tokens (`toks`, i32[n]) to their sequences (cache
+        length, penalty counts, token time; no logprobs, `decodes_steadily`) and advances
+        the columns; one that ended while the step ran (True in `dead`, bool[n], or
+        None) takes nothing. Returns those that end, with why (stop token, else length:
+        the caller finishes them), and each token's gap since its previous (f64[taken])."""
         seqs = self.seqs
         ends = self.ends
         tokens = toks.tolist()
@@ -292,9 +287,8 @@ class SteadyDecode:
         return [seqs[i] for i in np.flatnonzero(over).tolist()]
 
     def _advanced(self, i32: np.ndarray, tokens, src) -> None:
-        """The columns one step on, as new arrays (the recorded plan holds the old
-        ones): cache lengths + 1; `i32`, the integer columns with their output counters
-        one on (new), takes these last tokens and their rows."""
+        """The columns one step on, as new arrays (the recorded plan holds the old ones):
+        cache lengths + 1, and `i32` (new, counters + 1) takes these tokens and rows."""
         i32[:, 1] = tokens
         i32[:, 2] = src
         self.i64, self.i32 = self.i64 + _NEXT_END, i32
