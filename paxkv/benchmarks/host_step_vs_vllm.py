@@ -12,7 +12,8 @@ same configuration flags (`--repeat`: each run replays the trace that many times
 new engines and schedulers, and pools their steps). Prints the load average before and after, and per row (all
 steps, steps at `max_num_seqs` running, decode-only steps at `max_num_seqs`) the
 medians across rounds of each run's CPU-clock p50s: paxkv's host total and parts,
-vLLM's schedule + update and parts, and the ratio vLLM / paxkv of the totals.
+vLLM's schedule + update and parts, the ratio vLLM / paxkv of the totals, and the
+range of the rounds' own ratios (each round's two runs back to back).
 """
 
 from __future__ import annotations
@@ -81,15 +82,23 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             for part in parts:
                 med[name][part] = float(np.median([s[part]["p50"] for s in stats]))
         ratio = med["vllm"]["total"] / med["paxkv"]["total"] if med["paxkv"]["total"] else 0.0
-        out.append({"row": row, **med, "ratio": ratio})
+        # Each round's own ratio (its two runs ran back to back): the spread that the
+        # machine's drift over the rounds gives the ratio of the medians.
+        rounds = [
+            v["per_step_us"]["cpu"][row]["p50"] / p["per_step_us"]["cpu"][row]["p50"]
+            for p, v in zip(runs["paxkv"], runs["vllm"], strict=True)
+            if p["per_step_us"]["cpu"][row]["p50"]
+        ]
+        out.append({"row": row, **med, "ratio": ratio, "round_ratios": rounds})
     return out
 
 
 def _tables(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| steps | paxkv steps | host total | schedule | layout | record | outputs | "
-        "read | vLLM steps | schedule + update | schedule | update | vLLM / paxkv |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "read | vLLM steps | schedule + update | schedule | update | vLLM / paxkv | "
+        "rounds' ratios |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         p, v = r["paxkv"], r["vllm"]
@@ -98,9 +107,17 @@ def _tables(rows: list[dict[str, Any]]) -> str:
             + " | ".join(f"{p[k]:.0f}" for k in PAXKV_PARTS)
             + f" | {v['steps']} | {v['total']:.0f} | "
             + " | ".join(f"{v[k]:.0f}" for k in VLLM_PARTS)
-            + f" | {r['ratio']:.1f}x |"
+            + f" | {r['ratio']:.1f}x | {_span(r['round_ratios'])} |"
         )
     return "\n".join(lines)
+
+
+def _span(ratios: list[float]) -> str:
+    """`min-max` of the rounds' ratios (one value when they agree to a tenth)."""
+    if not ratios:
+        return "-"
+    lo, hi = f"{min(ratios):.1f}x", f"{max(ratios):.1f}x"
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def main(argv: list[str]) -> None:

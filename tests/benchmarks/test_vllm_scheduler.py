@@ -36,6 +36,9 @@ def test_compare_takes_medians_across_rounds_and_the_ratio():
         assert r["paxkv"]["total"] == 2 and r["paxkv"]["layout"] == 2
         assert r["vllm"]["total"] == 20 and r["vllm"]["update"] == 20
         assert r["ratio"] == 10 and r["paxkv"]["steps"] == 7
+        assert r["round_ratios"] == [10 / 9, 30, 10]  # each round's vLLM / paxkv
+    table = host_step_vs_vllm._tables(out)
+    assert table.splitlines()[2].endswith("| 10.0x | 1.1x-30.0x |")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
