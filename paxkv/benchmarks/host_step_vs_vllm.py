@@ -72,23 +72,21 @@ def _run(python: str, module: str, args: list[str], out: str) -> dict[str, Any]:
 
 def compare(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per row: the medians across runs of the CPU-clock p50s (paxkv's total and parts,
-    vLLM's total and parts), the step counts and the ratio vLLM / paxkv."""
+    vLLM's total and parts), the step counts, the ratio vLLM / paxkv of the total's
+    medians and each round's own ratio (`round_ratios`)."""
     out = []
     for row in ROWS:
-        med = {}
+        med, totals = {}, {}
         for name, parts in (("paxkv", PAXKV_PARTS), ("vllm", VLLM_PARTS)):
             stats = [r["per_step_us"]["cpu"][row] for r in runs[name]]
-            med[name] = {"steps": stats[0]["steps"], "total": np.median([s["p50"] for s in stats])}
+            totals[name] = [s["p50"] for s in stats]
+            med[name] = {"steps": stats[0]["steps"], "total": np.median(totals[name])}
             for part in parts:
                 med[name][part] = float(np.median([s[part]["p50"] for s in stats]))
         ratio = med["vllm"]["total"] / med["paxkv"]["total"] if med["paxkv"]["total"] else 0.0
-        # Each round's own ratio (its two runs ran back to back): the spread that the
-        # machine's drift over the rounds gives the ratio of the medians.
-        rounds = [
-            v["per_step_us"]["cpu"][row]["p50"] / p["per_step_us"]["cpu"][row]["p50"]
-            for p, v in zip(runs["paxkv"], runs["vllm"], strict=True)
-            if p["per_step_us"]["cpu"][row]["p50"]
-        ]
+        # Each round's own ratio: its two runs ran back to back, so the machine's drift
+        # over the rounds shows as their spread.
+        rounds = [v / p for p, v in zip(totals["paxkv"], totals["vllm"], strict=True) if p]
         out.append({"row": row, **med, "ratio": ratio, "round_ratios": rounds})
     return out
 
