@@ -205,6 +205,13 @@ def test_bad_window_and_softcap():
         reference(*args, sm_scale=sm_scale, soft_cap=-1.0)
 
 
+def _assert_same_scales(actual: np.ndarray, desired: np.ndarray) -> None:
+    """Equal bfloat16 scales, NaN (the poisoned ones) matching NaN: compared in
+    float32, which holds every bfloat16 exactly and whose NaNs NumPy's assert matches
+    (with ml_dtypes < 0.7 it does not treat bfloat16 as a float dtype)."""
+    np.testing.assert_array_equal(actual.astype(np.float32), desired.astype(np.float32))
+
+
 def test_pack_kv_pages_lays_out_separate_k_and_v():
     # Separate K/V pages (and scales) pack into the one array the kernels read: token
     # j's key then value in row j, each head's key scales then value scales, padded with
@@ -217,10 +224,10 @@ def test_pack_kv_pages_lays_out_separate_k_and_v():
     kv, scales = pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)), scale_lanes=lanes)
     np.testing.assert_array_equal(np.asarray(kv), case.kv_pages)
     assert scales.shape == case.kv_scales.shape
-    np.testing.assert_array_equal(np.asarray(scales)[..., :ps], case.kv_scales[..., :ps])
+    _assert_same_scales(np.asarray(scales)[..., :ps], case.kv_scales[..., :ps])
     assert (np.asarray(scales)[..., ps:] == 1).all()
     _, scales = pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)))
-    np.testing.assert_array_equal(np.asarray(scales), case.kv_scales[..., :ps])
+    _assert_same_scales(np.asarray(scales), case.kv_scales[..., :ps])
     with pytest.raises(ValueError, match=f"scale_lanes={ps - 1} must be >= page_size={ps}"):
         pack_kv_pages(*map(jnp.asarray, (k, v, k_scales, v_scales)), scale_lanes=ps - 1)
     kv, scales = pack_kv_pages(jnp.asarray(k).astype(jnp.float32), jnp.asarray(v, jnp.float32))
