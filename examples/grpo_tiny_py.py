@@ -9,7 +9,7 @@ source). Each iteration:
 3. advantages: the rewards normalized within each prompt's group (`group_advantages`);
 4. training: one optax Adam step on the policy-gradient loss (`policy_gradient_loss`)
    of the sampled tokens' log-probabilities under the trainer's own dense forward pass
-   (`model.dense_logits`, as `paxkv.models.train` trains the model), teacher-forced;
+   (`model.dense_logits`, as `paxkv.models.training` trains the model), teacher-forced;
 5. sync: `engine.update_weights(new_params)`, in place: the engine compiles nothing.
 
 The loop is on-policy with one step per batch, so GRPO's ratio is 1 and its clip never

@@ -335,8 +335,8 @@ def test_commands_are_classified() -> None:
     assert [c.kind for c in parse_commands(line)] == ["other", "other", "other", "script"]
     bench = parse_commands(line)[-1]
     assert bench == Command("script", SCRIPTS["paxkv-bench"], ("--num_requests=4",))
-    module = parse_commands("python -m paxkv.benchmarks.kv_write --x=1 | tee out")
-    assert module[0] == Command("module", "paxkv.benchmarks.kv_write", ("--x=1",))
+    module = parse_commands("python -m benchmarks.kv_write --x=1 | tee out")
+    assert module[0] == Command("module", "benchmarks.kv_write", ("--x=1",))
     nested = parse_commands('gcloud tpu-vm ssh v --command="paxkv-generate --mesh=model:16"')
     assert [c.kind for c in nested] == ["other", "script"]
     assert nested[1].args == ("--mesh=model:16",)

@@ -1,5 +1,5 @@
 """One copy of each page-format fact: `NULL_PAGE` and the KV cache dtypes live only in
-`pallas_kernels/layout.py`, and a second definition anywhere in the package sources fails here.
+`paxkv/pallas_kernels/layout.py`, and a second definition anywhere in the package sources fails here.
 
 The sources are read as syntax trees (nothing is imported), so a copy is found wherever
 it sits, even in a module no test imports.
@@ -13,10 +13,9 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The package sources: paxkv/ and the folders mapped into its namespace (pyproject's
-# package-dir).
-SOURCE_DIRS = ("paxkv", "pallas_kernels", "models", "configs")
-HOME = "pallas_kernels/layout.py"
+# The package sources, and the benchmarks run from a checkout.
+SOURCE_DIRS = ("paxkv", "benchmarks")
+HOME = "paxkv/pallas_kernels/layout.py"
 
 # Names only the home may bind.
 HOME_NAMES = (

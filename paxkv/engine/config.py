@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from paxkv.host.batch import Buckets
+from paxkv.host.request import MAX_SEED, check_bool, check_float, check_int
 from paxkv.host.speculative import SpeculativeConfig
 from paxkv.pallas_kernels.dispatch import BACKENDS, DETERMINISTIC, resolve_backend
 from paxkv.pallas_kernels.layout import (
@@ -15,7 +16,6 @@ from paxkv.pallas_kernels.layout import (
     cdiv,
     valid_page_size,
 )
-from paxkv.request import MAX_SEED, check_bool, check_float, check_int
 
 
 def _field(default, help: str, *, choices: tuple[str, ...] | None = None):

@@ -14,12 +14,12 @@ from typing import Any
 
 from absl import logging
 
+from paxkv.engine.metrics import EngineMetrics
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.host.plan import SchedulerOutput
+from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler
-from paxkv.metrics import EngineMetrics
-from paxkv.request import RequestOutput
 
 
 class Endings:

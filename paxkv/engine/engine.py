@@ -21,6 +21,7 @@ from flax import nnx
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
+from paxkv.engine.metrics import EngineMetrics, engine_stats
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import Request, RequestRegistry
@@ -29,11 +30,10 @@ from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.sync_step import SyncStepper
 from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.page_pool import PagePool
+from paxkv.host.request import RequestOutput, SamplingParams
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.speculative import SpeculativeConfig, Speculator
-from paxkv.metrics import EngineMetrics, engine_stats
-from paxkv.request import RequestOutput, SamplingParams
 from paxkv.sharding import shardings
 
 
@@ -312,7 +312,7 @@ class Engine:
     # Introspection.
 
     def stats(self) -> dict[str, Any]:
-        """The run's metrics so far (see `paxkv.metrics.engine_stats`)."""
+        """The run's metrics so far (see `paxkv.engine.metrics.engine_stats`)."""
         stats = engine_stats(
             self.metrics,
             self.scheduler,

@@ -20,9 +20,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from paxkv.detokenizer import IncrementalDetokenizer, StopStrings, decode_stream
-from paxkv.host.sequence import SequenceState
-from paxkv.request import (
+from paxkv.host.request import (
     CompletionOutput,
     FinishReason,
     Logprob,
@@ -30,6 +28,8 @@ from paxkv.request import (
     RequestOutput,
     RequestOutputKind,
 )
+from paxkv.host.sequence import SequenceState
+from paxkv.text.detokenizer import IncrementalDetokenizer, StopStrings, decode_stream
 
 if TYPE_CHECKING:
     from paxkv.engine.requests import Request

@@ -24,9 +24,9 @@ from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.sampling import Sampled, sample_result
 from paxkv.engine.step import PLACEHOLDER_TOKEN
+from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SequenceState
-from paxkv.request import RequestOutput
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from paxkv.detokenizer import StopStrings
 from paxkv.engine.outputs import (
     DELTA,
     FINAL_ONLY,
@@ -30,9 +29,7 @@ from paxkv.engine.outputs import (
 from paxkv.engine.validation import check_params, prompt_ids
 from paxkv.host.plan import DecodeColumns
 from paxkv.host.prompt_scores import PromptScores
-from paxkv.host.scheduler import Scheduler
-from paxkv.host.sequence import SequenceState
-from paxkv.request import (
+from paxkv.host.request import (
     CompletionOutput,
     Logprob,
     RequestMetrics,
@@ -42,6 +39,9 @@ from paxkv.request import (
     check_int,
     check_token_ids,
 )
+from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import SequenceState
+from paxkv.text.detokenizer import StopStrings
 
 
 @dataclasses.dataclass(eq=False)

@@ -23,9 +23,9 @@ import numpy as np
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request
 from paxkv.engine.runner import StepRunner
+from paxkv.host.request import RequestOutputKind, SamplingParams
 from paxkv.host.scheduler import SchedulerOutput
 from paxkv.host.sequence import SequenceState
-from paxkv.request import RequestOutputKind, SamplingParams
 
 NOT_ROUTED = -1  # a position the model never computed for the request
 

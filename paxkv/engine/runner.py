@@ -5,7 +5,7 @@ The engine lays out each step as a `HostBatch` (NumPy) and hands it to a step ru
 weights, the KV cache and the previous step's sampled tokens. `FakeRunner` returns
 deterministic tokens computed on the host without touching a device, so everything
 else of the engine (scheduling, batch layout, outputs, metrics) can be tested and
-benchmarked on its own (`paxkv.benchmarks.host_step`).
+benchmarked on its own (`benchmarks.host_step`).
 """
 
 from __future__ import annotations

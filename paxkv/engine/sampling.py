@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from paxkv.host.batch import sampling_arrays
+from paxkv.host.request import SamplingParams
 from paxkv.host.sampling_columns import FLOAT_COLUMN as _F
 from paxkv.host.sampling_columns import INT_COLUMN as _I
 from paxkv.host.sequence import SequenceState, TopLogprobs
-from paxkv.request import SamplingParams
 
 
 @struct.dataclass

@@ -13,15 +13,15 @@ from collections.abc import Callable, Iterable
 import jax
 
 from paxkv.engine.batch_builder import BatchBuilder
+from paxkv.engine.metrics import EngineMetrics
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.recording import record_samples
 from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.step import MAX_STOP_IDS
 from paxkv.host.plan import reserve_ahead
+from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
-from paxkv.metrics import EngineMetrics
-from paxkv.request import RequestOutput
 
 
 class SyncStepper:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paxkv.request import SamplingParams, normalize_prompt
+from paxkv.host.request import SamplingParams, normalize_prompt
 
 
 def check_params(

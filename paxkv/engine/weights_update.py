@@ -16,8 +16,8 @@ from paxkv.engine.params import prepare_params
 from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import RequestRegistry
 from paxkv.engine.runner import StepRunner
+from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
-from paxkv.request import RequestOutput
 
 # What happens to the requests in flight when new weights arrive:
 #   "wait": no new request is admitted; those already admitted (a completion scheduled

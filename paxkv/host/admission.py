@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from paxkv.host.kv_cache_manager import KVCacheManager
+from paxkv.host.request import SamplingParams
 from paxkv.host.sequence import SequenceState
-from paxkv.request import SamplingParams
 
 
 def chunk_tokens(seq: SequenceState, budget: int, page_size: int) -> int:

@@ -30,7 +30,7 @@ __all__ = ["Buckets", "HostBatch", "build_host_batch"]
 
 if TYPE_CHECKING:
     from paxkv.host.plan import SchedulerOutput
-    from paxkv.request import SamplingParams
+    from paxkv.host.request import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from paxkv.host.request import SamplingParams
 from paxkv.host.sampling_columns import ROW_INTS, padding_floats, penalises, sampling_floats
 from paxkv.pallas_kernels.layout import NULL_PAGE
-from paxkv.request import SamplingParams
 
 
 class BatchRows:

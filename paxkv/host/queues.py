@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 
 from paxkv.host.kv_cache_manager import KVCacheManager
+from paxkv.host.request import FinishReason
 from paxkv.host.sequence import SeqStatus, SequenceState, TopLogprobs
-from paxkv.request import FinishReason
 
 
 class SequenceQueues:

@@ -2,7 +2,7 @@
 
 `PagedReservation`, the engine's policy, holds exactly the pages a sequence's computed
 tokens need and grows them a page at a time. Other policies (the load benchmark's
-contiguous baselines, `paxkv.tools.reservations`) subclass it to hold more up front.
+contiguous baselines, `paxkv.measure.reservations`) subclass it to hold more up front.
 """
 
 from __future__ import annotations

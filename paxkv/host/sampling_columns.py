@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paxkv.request import SamplingParams
+from paxkv.host.request import SamplingParams
 
 SAMPLING_FLOATS = (
     "temperature",

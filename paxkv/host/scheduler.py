@@ -29,11 +29,11 @@ from paxkv.host.page_pool import PagePool
 from paxkv.host.plan import ScheduledChunk, SchedulerOutput
 from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
+from paxkv.host.request import SamplingParams
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.host.speculative import Speculator, add_proposals, record_verified
 from paxkv.host.steady_decode import SteadyDecoder
-from paxkv.request import SamplingParams
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 

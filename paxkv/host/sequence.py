@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 from paxkv.host.prompt_scores import PromptScores
-from paxkv.request import FinishReason, SamplingParams
+from paxkv.host.request import FinishReason, SamplingParams
 
 # The top-k of one output token: (token ids, their logprobs, the chosen token's rank).
 TopLogprobs = tuple[tuple[int, ...], tuple[float, ...], int]

@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from paxkv.host.ngram_proposer import NgramProposer
 from paxkv.host.plan import ScheduledChunk
+from paxkv.host.request import FinishReason, check_bool, check_float, check_int
 from paxkv.host.sequence import SequenceState
 from paxkv.pallas_kernels.layout import cdiv
-from paxkv.request import FinishReason, check_bool, check_float, check_int
 
 if TYPE_CHECKING:
     from paxkv.host.kv_cache_manager import KVCacheManager

@@ -24,7 +24,7 @@ from absl.flags import (  # not `flags`: that name is the submodule `paxkv.launc
     FlagHolder,
 )
 
-from paxkv.request import MAX_SEED
+from paxkv.host.request import MAX_SEED
 
 JSON_SHOWN_CHARS = 120  # of a value `json_object` refuses, shown in its error
 

@@ -7,7 +7,7 @@ The same requests run through the same engine, with the same KV memory
 (`--kv_budget_mib`, or the memory of `--num_pages` uniform pages), once per set-up:
 paged, paged with uniform allocation (models with sliding-window layers only: every
 layer keeps every page), contiguous max-length reservation, and contiguous
-guessed-length reservation (see `paxkv.tools.load_bench`). A page of the grouped
+guessed-length reservation (see `paxkv.measure.load_bench`). A page of the grouped
 cache holds fewer layers (`paxkv.host.kv_groups`), so "paged" gets more pages there.
 """
 
@@ -22,8 +22,7 @@ from absl import flags
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.launch import exit_with_error, list_in_help, platform, run_app
 from paxkv.launch import flags as launch_flags
-from paxkv.pallas_kernels.layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
-from paxkv.tools.load_bench import (
+from paxkv.measure.load_bench import (
     SETUPS,
     WORKLOADS,
     format_table,
@@ -31,6 +30,7 @@ from paxkv.tools.load_bench import (
     progress_bar,
     run_setup,
 )
+from paxkv.pallas_kernels.layout import cdiv, kv_page_bytes, resolve_kv_cache_dtype
 
 _WORKLOAD = flags.DEFINE_enum("workload", "sharegpt", list(WORKLOADS), "Request lengths.")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 32, "Requests in the workload.", lower_bound=1)
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
             with open(_JSON_OUT.value, "w") as f:
                 json.dump(results, f, indent=2)
         if _PLOT_OUT.value:
-            from paxkv.tools.bench_plot import plot
+            from paxkv.measure.bench_plot import plot
 
             plot(results, _PLOT_OUT.value)
     except (ValueError, OSError) as e:

@@ -1,6 +1,6 @@
 """Flags shared by the launch apps, and the library objects they build.
 
-`--config` names a serving set-up of `paxkv.configs`; the engine flags override its
+`--setup` names a serving set-up of `paxkv.launch.setups`; the engine flags override its
 `EngineConfig` fields (unset, they keep the set-up's). `--model_dir` is a local
 Hugging Face checkpoint whose weights (and config.json) replace the set-up's shapes.
 
@@ -18,21 +18,23 @@ from typing import Any
 import jax
 from absl import flags, logging
 
-from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.engine.config import EngineConfig
+from paxkv.host.request import INT32_MAX
 from paxkv.launch import define_seed, json_object, platform
-from paxkv.llm import LLM
+from paxkv.launch.setups import NAMES, ServingSetup, get_setup
 from paxkv.models import CONFIG_FILE, DTYPES, ModelConfig, read_hf_config
+from paxkv.offline.llm import LLM
 from paxkv.pallas_kernels.layout import kv_page_bytes, resolve_kv_cache_dtype
-from paxkv.request import INT32_MAX
 from paxkv.sharding.mesh_shape import MeshShape
 
-CONFIG = flags.DEFINE_string("config", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
+SETUP = flags.DEFINE_string("setup", "tiny", f"Serving set-up: one of {', '.join(NAMES)}.")
+# The flag's name before set-ups had a name of their own; deprecated (docs/moved.md).
+flags.DEFINE_alias("config", "setup")
 MODEL_DIR = flags.DEFINE_string(
     "model_dir",
     None,
     "Local Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) of "
-    "--config's model. Required except for configs with weights in the package (tiny-py) "
+    "--setup's model. Required except for set-ups with weights in the package (tiny-py) "
     "or random ones (tiny).",
 )
 DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter dtype; unset: the model's.")
@@ -48,7 +50,7 @@ SEED = define_seed(0, "Seed of random weights, sampling and the planner's draws.
 
 # Why an app's engine limits differ from the Python API's (`LLM` has no set-up).
 UNSET_ENGINE_FLAG = (
-    "Unset: --config's value (paxkv.configs), not the EngineConfig default LLM() uses."
+    "Unset: --setup's value (paxkv.launch.setups), not the EngineConfig default LLM() uses."
 )
 
 
@@ -204,21 +206,23 @@ def replica_meshes(shape: MeshShape | None) -> list[Any]:
 
 
 def serving_setup() -> ServingSetup:
-    """The set-up of `--config`, with `--model_dir`'s shapes, `--dtype` and the engine flags.
+    """The set-up of `--setup`, with `--model_dir`'s shapes, `--dtype` and the engine flags.
 
-    Raises ValueError (or OSError) for an unknown config, a missing checkpoint, an
+    Raises ValueError (or OSError) for an unknown set-up, a missing checkpoint, an
     invalid `config.json` (naming the file and the field), or engine limits that
     contradict each other or the model.
     """
-    setup = get_config(CONFIG.value)
+    if flags.FLAGS["config"].present:
+        logging.warning("--setup is deprecated: use --setup (docs/moved.md)")
+    setup = get_setup(SETUP.value)
     model = setup.model
     if MODEL_DIR.value is not None:
         model = _checkpoint_config(MODEL_DIR.value)
         differ = [f for f in _SHAPE_FIELDS if getattr(model, f) != getattr(setup.model, f)]
         if differ:
             logging.warning(
-                "--model_dir=%s differs from --config=%s in %s: serving with the checkpoint's "
-                "shapes and the config's engine limits",
+                "--model_dir=%s differs from --setup=%s in %s: serving with the checkpoint's "
+                "shapes and the set-up's engine limits",
                 MODEL_DIR.value,
                 setup.name,
                 ", ".join(differ),
@@ -249,7 +253,7 @@ def _model_source(setup: ServingSetup) -> str:
         return setup.checkpoint
     if not setup.random_weights:
         raise ValueError(
-            f"--config={setup.name} holds the model's shapes only: pass "
+            f"--setup={setup.name} holds the model's shapes only: pass "
             "--model_dir=<local Hugging Face checkpoint directory> for its weights"
         )
     return setup.name

@@ -2,14 +2,14 @@
 
     paxkv-generate                               # tiny-py completes two Python snippets
     paxkv-generate --prompt="def f(x):" --prompt="Once upon a time" --max_tokens=32
-    paxkv-generate --config=llama-3.1-8b --model_dir=/ckpt/Llama-3.1-8B --prompts_file=p.jsonl
+    paxkv-generate --setup=llama-3.1-8b --model_dir=/ckpt/Llama-3.1-8B --prompts_file=p.jsonl
 
 Prompts come from `--prompt` (repeatable) and `--prompts_file` (one per line: text, or
 JSONL with {"prompt": ...} or {"prompt_token_ids": [...]}; see
 `paxkv.launch.read_prompts`); with neither, two Python snippets. The default config,
 tiny-py, is the tiny byte-level model trained on the Python standard library, whose
 weights ship with the package: it runs on the CPU with nothing to download and writes
-Python-like text. `--config=tiny` is the same model with random weights.
+Python-like text. `--setup=tiny` is the same model with random weights.
 
 A checkpoint that cannot be loaded (a `config.json` missing a field, a truncated
 weights file, an unreadable tokenizer, weights holding NaN) ends the run with one line
@@ -22,13 +22,13 @@ import time
 
 from absl import flags
 
+from paxkv.host.request import RequestOutput, SamplingParams
 from paxkv.launch import exit_with_error, list_in_help, platform, read_prompts, run_app
 from paxkv.launch import flags as launch_flags
-from paxkv.request import RequestOutput, SamplingParams
 
 # What the default run (no --prompt, no --prompts_file) completes.
 DEFAULT_PROMPTS = ("import os", "class Stack:")
-DEFAULT_CONFIG = "tiny-py"
+DEFAULT_SETUP = "tiny-py"
 
 _PROMPT = flags.DEFINE_multi_string(
     "prompt", [], f"A prompt; repeat the flag for more. Without any: {list(DEFAULT_PROMPTS)}."
@@ -109,7 +109,7 @@ def _format_stats(outputs: list[RequestOutput], stats: dict, elapsed: float) -> 
 
 def run() -> None:
     """Console-script entry point (`paxkv-generate`)."""
-    flags.FLAGS.set_default("config", DEFAULT_CONFIG)
+    flags.FLAGS.set_default("setup", DEFAULT_SETUP)
     list_in_help(__name__, __doc__, launch_flags.__name__)
     run_app(main)
 

@@ -1,8 +1,8 @@
 """The KV capacity planner: how many sequences fit, paged against contiguous, per page size and cache dtype.
 
-    paxkv-plan --config=llama-3.1-8b --device=H200
-    paxkv-plan --config=tiny --kv_budget_gib=0.5 --workload=fixed --prompt_len=100 --output_len=28
-    paxkv-plan --config=llama-3.1-8b --device=v6e --mesh=model:4,data:2
+    paxkv-plan --setup=llama-3.1-8b --device=H200
+    paxkv-plan --setup=tiny --kv_budget_gib=0.5 --workload=fixed --prompt_len=100 --output_len=28
+    paxkv-plan --setup=llama-3.1-8b --device=v6e --mesh=model:4,data:2
 
 The KV budget is `--kv_budget_gib`, or `--kv_fraction` of a `--device`'s memory left
 after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_len`) or
@@ -10,8 +10,8 @@ after the weights. Lengths are `--workload=fixed` (`--prompt_len` + `--output_le
 max_model_len). Of the shared flags it reads --config, --model_dir (its config.json),
 --dtype, --page_size, --max_model_len, --kv_cache_dtype, --seed and --mesh; it plans
 every KV cache dtype. Prints a markdown report; `--json_out` writes it as JSON. The
-arithmetic is `paxkv.tools.capacity` (with `parameters` and `kv_budget`), the report
-`paxkv.tools.capacity_report`.
+arithmetic is `paxkv.planner.capacity` (with `parameters` and `kv_budget`), the report
+`paxkv.planner.capacity_report`.
 
 When the budget cannot hold one max_model_len sequence in the `--kv_cache_dtype` cache,
 the report is still printed in full (the plans that fit and those that do not), then
@@ -31,14 +31,14 @@ import json
 
 from absl import flags
 
-from paxkv.configs import ServingSetup
 from paxkv.launch import exit_with_error, list_in_help, run_app
 from paxkv.launch import flags as launch_flags
+from paxkv.launch.setups import ServingSetup
+from paxkv.planner import capacity, kv_budget, parameters
+from paxkv.planner.capacity_report import CapacityReport, build_report, format_bytes
+from paxkv.planner.workloads import WORKLOAD_KINDS, Workload
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 from paxkv.sharding.model_shape import ModelShape
-from paxkv.tools import capacity, kv_budget, parameters
-from paxkv.tools.capacity_report import CapacityReport, build_report, format_bytes
-from paxkv.tools.workloads import WORKLOAD_KINDS, Workload
 
 _KV_BUDGET_GIB = flags.DEFINE_float(
     "kv_budget_gib", None, "Bytes for the KV cache, in GiB (instead of --device)."

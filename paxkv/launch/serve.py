@@ -1,7 +1,7 @@
 """Serves a model over HTTP with an OpenAI-compatible API (`paxkv.serve`).
 
     paxkv-serve                                   # tiny-py on 127.0.0.1:8000
-    paxkv-serve --config=llama-3.1-8b --model_dir=/ckpt/Llama-3.1-8B-Instruct --port=8000
+    paxkv-serve --setup=llama-3.1-8b --model_dir=/ckpt/Llama-3.1-8B-Instruct --port=8000
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "def f(x):", "max_tokens": 16, "temperature": 0}'
 
@@ -27,13 +27,13 @@ import sys
 
 from absl import flags, logging
 
-from paxkv import (  # no JAX: the flags below are defined before JAX is imported
+from paxkv.launch import exit_with_error, list_in_help, run_app
+from paxkv.text import (  # no JAX: the flags below are defined before JAX is imported
     chat,
     template_sandbox,
 )
-from paxkv.launch import exit_with_error, list_in_help, run_app
 
-DEFAULT_CONFIG = "tiny-py"
+DEFAULT_SETUP = "tiny-py"
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
@@ -212,7 +212,7 @@ def run() -> None:
         signal.signal(sig, _exit_on_signal)
     from paxkv.launch import flags as launch_flags  # defines the shared flags
 
-    flags.FLAGS.set_default("config", DEFAULT_CONFIG)
+    flags.FLAGS.set_default("setup", DEFAULT_SETUP)
     list_in_help(__name__, __doc__, launch_flags.__name__)
     run_app(main)
 

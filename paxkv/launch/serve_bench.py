@@ -5,7 +5,7 @@
     paxkv-serve-bench --server_url=http://10.0.0.2:8000/v1 --workload=sharegpt --request_rate=inf
 
 Prompts are random token ids below `--vocab_size`, with the load benchmark's lengths
-(`paxkv.tools.load_bench.make_workload`), sent at Poisson arrivals (`--burstiness` != 1:
+(`paxkv.measure.load_bench.make_workload`), sent at Poisson arrivals (`--burstiness` != 1:
 gamma); prints TTFT / TPOT / ITL / end-to-end percentiles and throughput.
 """
 
@@ -37,8 +37,8 @@ def main(argv: list[str]) -> None:
     """The absl main: replays the workload against the server and prints the summary."""
     if len(argv) > 1:
         exit_with_error(f"unexpected arguments {argv[1:]}")
+    from paxkv.measure.load_bench import make_workload
     from paxkv.serve import bench_client
-    from paxkv.tools.load_bench import make_workload
 
     try:
         trace = make_workload(

@@ -4,7 +4,7 @@
     paxkv-train --out_dir=/tmp/tiny_py --steps=200
 
 The corpus is this interpreter's standard library sources, 5% of the files held out
-(see `paxkv.models.train`). The result loads as `load_model("tiny-py")` when written to the
+(see `paxkv.models.training`). The result loads as `load_model("tiny-py")` when written to the
 default `--out_dir`, and as `load_model(<out_dir>)` anywhere.
 """
 
@@ -27,8 +27,8 @@ from paxkv.models import (
     TOKENIZER_CONFIG_FILE,
     init_model,
     save_params,
+    training,
 )
-from paxkv.models import train as training
 from paxkv.models.llama_config import TINY
 
 _DEFAULTS = training.TrainConfig()

@@ -4,7 +4,7 @@
     POST /v1/chat/completions   messages through the chat template
     GET  /v1/models             the served model
     GET  /health                200 once the engine is warm and stepping, else 503
-    GET  /metrics               Prometheus text (`paxkv.metrics.PrometheusCollector`)
+    GET  /metrics               Prometheus text (`paxkv.engine.metrics.PrometheusCollector`)
 
 Streaming responses are server-sent events (`data: {chunk}` lines) ending with
 `data: [DONE]`. Errors are OpenAI's error objects (`protocol.ApiError`): 400 naming the
@@ -48,12 +48,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from paxkv import chat
-from paxkv.metrics import PrometheusCollector
+from paxkv.engine.metrics import PrometheusCollector
 from paxkv.serve import protocol, responses
 from paxkv.serve.frontend import EngineDead, QueueFull, Submission
 from paxkv.serve.protocol import ApiError
 from paxkv.serve.replicas import ReplicaSet, RoutedGroup
+from paxkv.text import chat
 
 # Stats that tell whether a prompt's prefix was cached (a hit computes fewer tokens, in
 # fewer steps): one client could learn from them what another sent.
@@ -292,7 +292,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         )
         return prompt, params
 
-    # The renderer stops itself at its time limit (`paxkv.template_sandbox.RenderLimits`); this bounds
+    # The renderer stops itself at its time limit (`paxkv.text.template_sandbox.RenderLimits`); this bounds
     # the wait should any work escape it (tokenizing is not bounded by it).
     wait_s = state.limits.chat_template.time_s + 10.0
     try:

@@ -2,7 +2,7 @@
 server over HTTP and reports latency percentiles, as `vllm bench serve` does.
 
 Each request is a streamed `/v1/completions` call with token-id prompts (from
-`paxkv.tools.load_bench.make_workload`: Poisson or gamma arrivals, ShareGPT-like or fixed
+`paxkv.measure.load_bench.make_workload`: Poisson or gamma arrivals, ShareGPT-like or fixed
 lengths), `ignore_eos` so that it writes exactly its output length. Measured per
 request on the client's clock: TTFT (send to first token), the inter-token latencies
 (between chunks, each divided among its tokens), TPOT ((end - first token) / (tokens -
@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from paxkv.tools.load_bench import RequestTrace
+from paxkv.measure.load_bench import RequestTrace
 
 PERCENTILES = (50, 90, 99)
 

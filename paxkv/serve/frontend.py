@@ -30,7 +30,7 @@ from absl import logging
 
 from paxkv.engine import Engine
 from paxkv.engine.outputs import built, handles
-from paxkv.request import RequestOutput, RequestOutputKind, SamplingParams
+from paxkv.host.request import RequestOutput, RequestOutputKind, SamplingParams
 
 
 class QueueFull(Exception):

@@ -20,9 +20,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from paxkv import chat
-from paxkv.request import SamplingParams
-from paxkv.template_sandbox import RenderLimits
+from paxkv.host.request import SamplingParams
+from paxkv.text import chat
+from paxkv.text.template_sandbox import RenderLimits
 
 # Sampling fields taken as they are, by their SamplingParams name (all of them OpenAI's or vLLM's).
 _SAMPLING_FIELDS = (

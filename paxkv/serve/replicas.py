@@ -26,8 +26,8 @@ from typing import Any
 from absl import logging
 
 from paxkv.engine import Engine
-from paxkv.metrics import merge_stats
-from paxkv.request import RequestOutput
+from paxkv.engine.metrics import merge_stats
+from paxkv.host.request import RequestOutput
 from paxkv.serve.frontend import AsyncEngine, EngineDead, QueueFull, RequestGroup, Submission
 from paxkv.serve.router import Route, make_router
 
@@ -212,7 +212,7 @@ class ReplicaSet:
             group.drain(replica, inner)
 
     async def stats(self) -> dict[str, Any]:
-        """The replicas' stats summed (`paxkv.metrics.merge_stats`), with each replica's
+        """The replicas' stats summed (`paxkv.engine.metrics.merge_stats`), with each replica's
         under "replicas" (its last stats if it has failed; "routed": the prompts routed
         to it, by rule), whether each is up under "replicas_up", and the router's counts
         under "router"."""

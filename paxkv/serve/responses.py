@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paxkv.request import CompletionOutput, Logprob, RequestOutput
+from paxkv.host.request import CompletionOutput, Logprob, RequestOutput
 
 
 class Choices:

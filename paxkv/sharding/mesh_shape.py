@@ -5,7 +5,7 @@ layer's heads and MLP columns) and a `data` axis (independent replicas, each wit
 own engine, scheduler and page pool). Launch flags spell it `model:4,data:2`.
 
 The sharding rule, shared by `paxkv.sharding` (which places the arrays) and
-`paxkv.tools.parameters` and `paxkv.tools.capacity` (which count their bytes): a dimension is split over the `model` axis
+`paxkv.planner.parameters` and `paxkv.planner.capacity` (which count their bytes): a dimension is split over the `model` axis
 when its size is a multiple of the axis size, and replicated otherwise. Attention
 (q/k/v/o and the KV pages) is split by KV head, so it is sharded exactly when
 `num_kv_heads % model == 0`; with fewer KV heads than model devices every device holds

@@ -2,8 +2,8 @@
 Plain Python, no JAX.
 
 `ModelShape` is the part of every family's config (`paxkv.models.family.ModelConfig`
-extends it) that sizes the weights and the KV cache, so `paxkv.tools.capacity` and
-`paxkv.tools.parameters` count bytes from a config without importing a model.
+extends it) that sizes the weights and the KV cache, so `paxkv.planner.capacity` and
+`paxkv.planner.parameters` count bytes from a config without importing a model.
 """
 
 from __future__ import annotations

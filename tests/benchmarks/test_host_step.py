@@ -2,7 +2,7 @@
 
 import json
 
-from paxkv.benchmarks import host_step
+from benchmarks import host_step
 from paxkv.engine import EngineConfig
 
 
@@ -39,7 +39,7 @@ def test_replays_a_trace_to_the_end(tmp_path):
 
 
 def test_schedule_parts_time_the_pieces_inside_schedule_and_restore_them():
-    from paxkv.benchmarks import schedule_parts
+    from benchmarks import schedule_parts
     from paxkv.host.scheduler import Scheduler
 
     schedule = Scheduler.schedule

@@ -20,7 +20,7 @@ def test_tiny_run_prints_a_table_and_writes_json(tmp_path):
     json_out = tmp_path / "kernels.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "paxkv.benchmarks.kernels", "--tiny", f"--json_out={json_out}"],
+        [sys.executable, "-m", "benchmarks.kernels", "--tiny", f"--json_out={json_out}"],
         capture_output=True,
         text=True,
         env=env,

@@ -1,7 +1,7 @@
 """The MoE-vs-dense benchmark runs at tiny sizes and reports every column."""
 
-from paxkv.benchmarks import moe
-from paxkv.tools import parameters
+from benchmarks import moe
+from paxkv.planner import parameters
 
 
 def test_measures_equal_active_parameters_and_every_column():

@@ -11,7 +11,7 @@ def test_the_router_benchmark_runs_and_prefix_routing_wins(tmp_path):
     argv = [
         sys.executable,
         "-m",
-        "paxkv.benchmarks.replicas",
+        "benchmarks.replicas",
         "--runner=fake",
         "--replicas=3",
         "--step_ms=1",

@@ -16,7 +16,7 @@ def test_the_front_end_benchmark_runs_its_three_modes(tmp_path):
     argv = [
         sys.executable,
         "-m",
-        "paxkv.benchmarks.serve_frontend",
+        "benchmarks.serve_frontend",
         "--clients=6",
         "--requests_per_client=2",
         "--prompt_len=20",

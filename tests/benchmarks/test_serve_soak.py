@@ -24,7 +24,7 @@ def test_a_short_soak_reports_no_5xx_and_no_leak(tmp_path):
     argv = [
         sys.executable,
         "-m",
-        "paxkv.benchmarks.serve_soak",
+        "benchmarks.serve_soak",
         "--duration_s=10",
         "--concurrency=8",
         f"--json_out={out}",

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from paxkv.benchmarks import host_step, host_step_vs_vllm
+from benchmarks import host_step, host_step_vs_vllm
 
 
 def test_modules_import_nothing_of_vllm():
     code = (
-        "import sys, paxkv.benchmarks.vllm_scheduler, paxkv.benchmarks.host_step_vs_vllm; "
+        "import sys, benchmarks.vllm_scheduler, benchmarks.host_step_vs_vllm; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -43,7 +43,7 @@ def test_compare_takes_medians_across_rounds_and_the_ratio():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_replays_a_trace_to_the_end():
-    from paxkv.benchmarks import vllm_scheduler
+    from benchmarks import vllm_scheduler
 
     trace = host_step.make_trace(60, seed=1, arrival_rate=8.0, shared_prefix=32, vocab=64)
     schedulers = [

@@ -152,8 +152,8 @@ def test_incompatible_drafts_are_refused(tiny):
 
 
 def test_llm_refuses_a_draft_with_another_tokenizer():
-    from paxkv import llm as llm_module
     from paxkv.engine import EngineConfig
+    from paxkv.offline import llm as llm_module
 
     class Other:
         def encode(self, text):

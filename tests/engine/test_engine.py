@@ -251,7 +251,7 @@ def test_parallel_sampling_n(tiny):
 
 def test_stats_and_prometheus_exposition(tiny):
     prometheus_client = pytest.importorskip("prometheus_client")
-    from paxkv.metrics import PrometheusCollector, format_log_line
+    from paxkv.engine.metrics import PrometheusCollector, format_log_line
 
     _config, model, _ = tiny
     engine = _engine(model)

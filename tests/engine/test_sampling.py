@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, apply_penalties, sample
-from paxkv.request import SamplingParams
+from paxkv.host.request import SamplingParams
 
 V = 12
 

@@ -12,7 +12,7 @@ import pytest
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.outputs import StepOutputs, built, handles
 from paxkv.engine.runner import FakeRunner
-from paxkv.request import RequestOutputKind, SamplingParams
+from paxkv.host.request import RequestOutputKind, SamplingParams
 
 VOCAB = 64
 EOS = 7

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from paxkv.host.batch_rows import BatchRows
+from paxkv.host.request import SamplingParams
 from paxkv.host.sampling_columns import FLOAT_COLUMN, ROW_INTS
 from paxkv.pallas_kernels.layout import NULL_PAGE
-from paxkv.request import SamplingParams
 
 
 def test_rows_grow_and_keep_their_contents():

@@ -14,10 +14,10 @@ from test_prefix_cache import _step
 from paxkv.host.batch import Buckets, build_host_batch
 from paxkv.host.kv_groups import KVCacheGroup, KVCacheGroups, first_page_read
 from paxkv.host.page_pool import NULL_PAGE, PagePool
+from paxkv.host.request import SamplingParams
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SeqStatus
 from paxkv.host.sequence import SequenceState as Sequence
-from paxkv.request import SamplingParams
 
 PS = 4
 

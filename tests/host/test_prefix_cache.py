@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from paxkv.host.batch import Buckets, build_host_batch
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import page_keys
+from paxkv.host.request import SamplingParams
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SeqStatus
 from paxkv.host.sequence import SequenceState as Sequence
-from paxkv.request import SamplingParams
-from paxkv.tools.page_tables import pad_page_table
-from paxkv.tools.reservations import ContiguousGuess, ContiguousMax
+from paxkv.measure.page_tables import pad_page_table
+from paxkv.measure.reservations import ContiguousGuess, ContiguousMax
 
 PS = 4
 
@@ -184,7 +184,7 @@ from absl import logging as absl_logging
 from paxkv.host.page_pool import PagePool
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState
-from paxkv.request import SamplingParams
+from paxkv.host.request import SamplingParams
 
 lines = []
 handler = logging.Handler()

@@ -6,10 +6,10 @@ import sys
 import pytest
 
 from paxkv.host.page_pool import PagePool
+from paxkv.host.request import SamplingParams
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SeqStatus
 from paxkv.host.sequence import SequenceState as Sequence
-from paxkv.request import SamplingParams
 
 PS = 4
 
@@ -153,5 +153,5 @@ def test_rejects_what_can_never_fit():
 
 
 def test_scheduler_never_imports_jax():
-    code = "import sys, paxkv.host.scheduler, paxkv.request; assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys, paxkv.host.scheduler, paxkv.host.request; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

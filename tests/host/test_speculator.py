@@ -5,9 +5,9 @@ import math
 
 import pytest
 
+from paxkv.host.request import SamplingParams
 from paxkv.host.sequence import SequenceState
 from paxkv.host.speculative import PAUSE_STEPS, SpeculativeConfig, Speculator
-from paxkv.request import SamplingParams
 
 
 def _seq(tokens):
@@ -88,7 +88,7 @@ def test_new_sequences_start_from_the_workloads_acceptance():
 
 
 def test_replicas_stats_merge_from_counts():
-    from paxkv.metrics import merge_stats
+    from paxkv.engine.metrics import merge_stats
 
     a = Speculator(SpeculativeConfig(num_speculative_tokens=2), (64,))
     b = Speculator(SpeculativeConfig(num_speculative_tokens=2), (64,))

@@ -1,7 +1,7 @@
 """The GPU kernels' shared-memory estimate and rejection against the compiled figures.
 
-The committed figures (`paxkv/tools/gpu_kernel_resources.json`, written by
-`python -m paxkv.tools.kernel_compile --json_out=...`) come from compiling every kernel of
+The committed figures (`benchmarks/gpu_kernel_resources.json`, written by
+`python -m benchmarks.kernel_compile --json_out=...`) come from compiling every kernel of
 the grid to an sm_90 cubin with the `triton` package. The estimate must bound them from
 above, tightly; the compile test redoes a representative set when `triton` is installed
 (the `compile` extra).
@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import kernel_compile
 from paxkv.pallas_kernels.contract import AttentionShapes
 from paxkv.pallas_kernels.gpu import BlockSizes
 from paxkv.pallas_kernels.gpu.block_sizes import (
     SHARED_MEMORY_LIMIT_BYTES,
     shared_memory_bytes,
 )
-from paxkv.tools import kernel_compile
 
 with open(kernel_compile.FIGURES_PATH) as _f:
     FIGURES = json.load(_f)

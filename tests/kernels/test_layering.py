@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-KERNELS = pathlib.Path(__file__).resolve().parents[2] / "pallas_kernels"
+KERNELS = pathlib.Path(__file__).resolve().parents[2] / "paxkv" / "pallas_kernels"
 
 
 def _imported_modules(path: pathlib.Path) -> list[str]:

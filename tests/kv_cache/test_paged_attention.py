@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from paxkv.kv_cache import PagedKVCache, paged_attention
+from paxkv.measure.page_tables import page_table_from_host
 from paxkv.models.layers import dense_causal_attention
-from paxkv.tools.page_tables import page_table_from_host
 
 PS, HQ, HKV, D = 8, 8, 2, 64
 

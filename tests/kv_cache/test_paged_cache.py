@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from paxkv.kv_cache import PagedKVCache
+from paxkv.measure.page_tables import page_table_from_host
 from paxkv.pallas_kernels.kv_write import write_kv_pages
 from paxkv.pallas_kernels.layout import KEY, NULL_PAGE, SCALE_DTYPE, VALUE, page_bytes
 from paxkv.pallas_kernels.quantization import dequantize
 from paxkv.pallas_kernels.reference import ragged_paged_attention_reference
-from paxkv.tools.page_tables import page_table_from_host
 
 PAGE = 8
 

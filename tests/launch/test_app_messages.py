@@ -55,7 +55,7 @@ def test_demo_on_a_device_not_here_is_one_error_line():
     assert (
         error == "error: backend='tpu' needs a TPU; this platform is 'cpu' (auto runs 'xla' here)"
     )
-    from paxkv.tools.demo import run_demo
+    from paxkv.measure.demo import run_demo
 
     with pytest.raises(ValueError, match="backend='gpu' needs a GPU; this platform is 'cpu'"):
         run_demo(num_seqs=2, max_model_len=64, backend="gpu")
@@ -69,16 +69,16 @@ def test_max_model_len_defaults_of_llm_and_the_apps_and_why_they_differ():
     import dataclasses
 
     from paxkv import LLM
-    from paxkv.configs import get_config
     from paxkv.engine import EngineConfig
-    from paxkv.models import train
+    from paxkv.launch.setups import get_setup
+    from paxkv.models import training as train
 
-    setup = get_config("tiny-py")  # paxkv-serve's default --config
+    setup = get_setup("tiny-py")  # paxkv-serve's default --config
     positions = setup.model.max_position_embeddings
     llm = LLM("tiny-py", warmup=False)
     assert llm.engine.config.max_model_len == min(positions, EngineConfig.max_model_len) == 2048
     # What LLM's docstring says gives the server's limits does.
-    assert "config=paxkv.configs.get_config(name).engine" in " ".join(LLM.__doc__.split())
+    assert "config=paxkv.launch.setups.get_setup(name).engine" in " ".join(LLM.__doc__.split())
     served = LLM("tiny-py", warmup=False, config=setup.engine)
     assert served.engine.config.max_model_len == setup.engine.max_model_len == 512
     # The set-up's reasons hold: the trained window fits, and fewer shapes to warm up.
@@ -88,6 +88,6 @@ def test_max_model_len_defaults_of_llm_and_the_apps_and_why_they_differ():
     # And the server's flag says where its default comes from.
     help_text = " ".join(_run(["-m", "paxkv.launch.serve", "--help"]).stdout.split())
     assert (
-        "--max_model_len: Longest sequence, prompt and output. Unset: --config's value "
-        "(paxkv.configs), not the EngineConfig default LLM() uses." in help_text
+        "--max_model_len: Longest sequence, prompt and output. Unset: --setup's value "
+        "(paxkv.launch.setups), not the EngineConfig default LLM() uses." in help_text
     ), help_text

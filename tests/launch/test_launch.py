@@ -13,12 +13,12 @@ from importlib import metadata
 
 import pytest
 
-from paxkv.configs import NAMES, ServingSetup, get_config
 from paxkv.launch import json_object, read_prompts
+from paxkv.launch.setups import NAMES, ServingSetup, get_setup
 from paxkv.models import CHECKPOINTS, PRESETS, init_model, save_hf_checkpoint
 from paxkv.models.llama_config import TINY
-from paxkv.tools import capacity as plan
-from paxkv.tools import kv_budget, parameters
+from paxkv.planner import capacity as plan
+from paxkv.planner import kv_budget, parameters
 
 # Small limits so that the tiny model compiles one step shape, once.
 TINY_FLAGS = [
@@ -114,17 +114,17 @@ def _commands(tmp):
             f"--model={tmp / 'truncated'}",
         ],
         "bench_nan_weight": [*bench, *BENCH_FLAGS, f"--model_dir={tmp / 'nan_weight'}"],
-        "generate_unknown_config": [*generate, "--config=llama-9", "--prompt=x"],
-        "generate_needs_weights": [*generate, "--config=llama-3.1-8b", "--prompt=x"],
-        "plan_tiny": [*plan_app, "--config=tiny", "--kv_budget_gib=0.01", "--workload=fixed"],
+        "generate_unknown_config": [*generate, "--setup=llama-9", "--prompt=x"],
+        "generate_needs_weights": [*generate, "--setup=llama-3.1-8b", "--prompt=x"],
+        "plan_tiny": [*plan_app, "--setup=tiny", "--kv_budget_gib=0.01", "--workload=fixed"],
         "plan_8b": [
             *plan_app,
-            "--config=llama-3.1-8b",
+            "--setup=llama-3.1-8b",
             "--device=H200",
             "--num_samples=5000",
             f"--json_out={tmp / 'plan.json'}",
         ],
-        "plan_too_small": [*plan_app, "--config=llama-3.1-8b", "--kv_budget_gib=0.5"],
+        "plan_too_small": [*plan_app, "--setup=llama-3.1-8b", "--kv_budget_gib=0.5"],
         "plan_zero_budget": [*plan_app, "--kv_budget_gib=0"],
         "bench": [
             *bench,
@@ -134,7 +134,7 @@ def _commands(tmp):
         ],
         "bench_bad_rate": [*bench, *BENCH_FLAGS, "--request_rate=0"],
         "bench_too_small": [*bench, *BENCH_FLAGS, "--kv_budget_mib=0.1"],
-        "bench_unknown_config": [*bench, "--config=nope"],
+        "bench_unknown_config": [*bench, "--setup=nope"],
     }
 
 
@@ -218,7 +218,7 @@ def test_generate_bad_input(runs):
     assert f"error: {tmp / 'bad.jsonl'}:2: expected" in err
     err = _error(results["generate_unknown_config"])
     assert (
-        "unknown config 'llama-9'; known configs: tiny, tiny-py, tiny-gemma3, llama-3.2-1b" in err
+        "unknown set-up 'llama-9'; known set-ups: tiny, tiny-py, tiny-gemma3, llama-3.2-1b" in err
     )
     err = _error(results["generate_needs_weights"])
     assert "--model_dir=" in err
@@ -270,7 +270,7 @@ def test_console_scripts():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_configs(name):
-    setup = get_config(name)
+    setup = get_setup(name)
     assert isinstance(setup, ServingSetup) and setup.name == name
     preset = "tiny" if setup.checkpoint == "tiny-py" else name
     # The preset's value (not a copy of its fields); a real-size set-up
@@ -286,7 +286,7 @@ def test_configs(name):
 
 
 def test_only_the_byte_level_toys_run_without_a_checkpoint():
-    assert [n for n in NAMES if get_config(n).random_weights] == [
+    assert [n for n in NAMES if get_setup(n).random_weights] == [
         "tiny",
         "tiny-gemma3",
         "tiny-qwen3",
@@ -295,7 +295,7 @@ def test_only_the_byte_level_toys_run_without_a_checkpoint():
         "tiny-qwen3-moe",
         "tiny-gpt-oss",
     ]
-    shipped = {n: get_config(n).checkpoint for n in NAMES if get_config(n).checkpoint}
+    shipped = {n: get_setup(n).checkpoint for n in NAMES if get_setup(n).checkpoint}
     assert shipped == {"tiny-py": "tiny-py"} and set(shipped.values()) <= set(CHECKPOINTS)
 
 
@@ -312,7 +312,7 @@ def test_only_the_byte_level_toys_run_without_a_checkpoint():
     ],
 )
 def test_real_configs_fit_their_device(name, device):
-    setup = get_config(name)
+    setup = get_setup(name)
     budget = kv_budget.KVBudget.on_device(
         device, weights_bytes=parameters.weights_bytes(setup.model), kv_fraction=0.9
     )
@@ -330,9 +330,9 @@ def test_real_configs_fit_their_device(name, device):
 
 def test_unknown_config():
     with pytest.raises(
-        ValueError, match=r"known configs: tiny, tiny-py, tiny-gemma3, llama-3\.2-1b, llama-3\.1-8b"
+        ValueError, match=r"known set-ups: tiny, tiny-py, tiny-gemma3, llama-3\.2-1b, llama-3\.1-8b"
     ):
-        get_config("llama-9")
+        get_setup("llama-9")
 
 
 # Prompt files.

@@ -15,7 +15,7 @@ import pytest
 from test_launch import _error, _ok, _one_line_error
 
 MIB = 2**20
-PLAN = [sys.executable, "-m", "paxkv.launch.plan", "--config=llama-3.1-8b", "--num_samples=2000"]
+PLAN = [sys.executable, "-m", "paxkv.launch.plan", "--setup=llama-3.1-8b", "--num_samples=2000"]
 
 
 @pytest.fixture(scope="module")

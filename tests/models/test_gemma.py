@@ -344,7 +344,7 @@ def test_hybrid_multi_step_and_async_match_dense(mode):
 def test_planner_pages_match_what_the_engine_holds():
     """`paxkv-plan`'s pages per sequence over the groups (`group_pages_held`) are what a
     decoding sequence of tiny Gemma 3 holds in the engine, step after step."""
-    from paxkv.tools.capacity import group_pages_held
+    from paxkv.planner.capacity import group_pages_held
 
     engine = _engine(
         perturbed_model(TINY_GEMMA3),

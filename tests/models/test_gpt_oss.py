@@ -15,7 +15,7 @@ from test_moe import _hf_router_choice
 from paxkv import LLM, SamplingParams
 from paxkv.models import GptOssConfig, layer_stack, load_hf_checkpoint, load_model
 from paxkv.models.gpt_oss_config import FULL, GPT_OSS_20B, SLIDING, TINY_GPT_OSS
-from paxkv.tools import parameters
+from paxkv.planner import parameters
 
 WINDOW = 8  # shorter than the prompts: the sliding layers' windows matter
 GPT_OSS = TINY_GPT_OSS.replace(sliding_window=WINDOW)

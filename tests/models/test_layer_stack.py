@@ -17,6 +17,7 @@ from paxkv import SamplingParams
 from paxkv.engine import Engine
 from paxkv.engine.step import MODEL_STEP, StepBatch
 from paxkv.kv_cache import PagedKVCache
+from paxkv.measure.page_tables import page_table_from_host
 from paxkv.models import (
     PRESETS,
     init_model,
@@ -27,7 +28,6 @@ from paxkv.models import (
     save_params,
 )
 from paxkv.models.gemma_config import every_nth_full
-from paxkv.tools.page_tables import page_table_from_host
 
 PS = PAGE_SIZE
 

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from paxkv.kv_cache import PagedKVCache
+from paxkv.measure.page_tables import page_table_from_host
 from paxkv.models import PRESETS, LlamaConfig, config_from_hf, init_model
 from paxkv.models.layers import apply_rope, rope_inv_freq
 from paxkv.models.llama_config import LLAMA_3_2_1B, MISTRAL_7B, QWEN2_5_7B, TINY, Llama3RopeScaling
-from paxkv.tools.page_tables import page_table_from_host
 
 PAGE = 8
 NUM_PAGES = 10

@@ -18,7 +18,7 @@ from paxkv import LLM, SamplingParams
 from paxkv.models import MoeConfig, load_hf_checkpoint, load_model, save_hf_checkpoint
 from paxkv.models import moe as moe_layer
 from paxkv.models.moe_config import MIXTRAL_8X7B, QWEN3_30B_A3B, TINY_MIXTRAL, TINY_QWEN3_MOE
-from paxkv.tools import parameters
+from paxkv.planner import parameters
 
 HI = jax.lax.Precision.HIGHEST
 CONFIGS = {
@@ -319,7 +319,7 @@ def test_routing_replay():
 
 def test_paged_step_returns_the_routing_of_its_rows():
     from paxkv.kv_cache import PagedKVCache
-    from paxkv.tools.page_tables import page_table_from_host
+    from paxkv.measure.page_tables import page_table_from_host
 
     model = perturbed_model(TINY_MIXTRAL)
     tokens = np.random.default_rng(6).integers(0, 256, 13)

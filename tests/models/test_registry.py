@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import paxkv.models
-from paxkv import configs
+from paxkv.launch import setups as configs
 from paxkv.models import (
     BYTE_LEVEL_PRESETS,
     CHECKPOINTS,
@@ -53,7 +53,7 @@ from absl import flags
 from paxkv.launch import flags as launch_flags
 out = {}
 for name in sys.argv[1:]:
-    flags.FLAGS(["app", f"--config={name}"])
+    flags.FLAGS(["app", f"--setup={name}"])
     setup = launch_flags.serving_setup()
     try:
         source = launch_flags._model_source(setup)
@@ -86,7 +86,7 @@ def test_config_flag_accepts_every_name(name, parsed_config_flags):
         assert source in NAMES
     else:  # a real model's shapes: the app asks for its weights, not for a known name
         assert source.startswith("error: ") and "pass --model_dir" in source
-    setup = configs.get_config(name)
+    setup = configs.get_setup(name)
     assert setup.name == name
     assert setup.model.replace(scan_layers=False) == PRESETS.get(name, PRESETS["tiny"])
     assert setup.random_weights == (name in BYTE_LEVEL_PRESETS)
@@ -115,7 +115,7 @@ def test_unknown_name_is_refused_by_both():
     with pytest.raises(ValueError, match="neither a preset"):
         load_model("llama-9")
     with pytest.raises(ValueError, match="unknown config 'llama-9'"):
-        configs.get_config("llama-9")
+        configs.get_setup("llama-9")
 
 
 # Model types: config class <-> model class <-> Hugging Face's model_type.

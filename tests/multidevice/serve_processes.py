@@ -42,7 +42,7 @@ def serve_argv(port: int, *flags: str) -> list[str]:
         sys.executable,
         "-m",
         "paxkv.launch.serve",
-        f"--config={MODEL}",
+        f"--setup={MODEL}",
         f"--port={port}",
         "--dtype=float32",
         f"--max_model_len={MAX_MODEL_LEN}",

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from paxkv.kv_cache import PagedKVCache, paged_attention
+from paxkv.measure.page_tables import page_table_from_host
 from paxkv.models.layers import dense_causal_attention
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
-from paxkv.tools.page_tables import page_table_from_host
 
 PS, HQ, HKV, D, LEN = 8, 16, 4, 64, 21
 

@@ -19,10 +19,10 @@ from multidevice_env import xla_flags
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
 from paxkv.models import load_model
+from paxkv.planner import capacity as plan
+from paxkv.planner import parameters
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
-from paxkv.tools import capacity as plan
-from paxkv.tools import parameters
 
 PS = 8
 # Per-device KV bytes: 48 pages of the tiny model on one device (2 layers x K, V x 2

@@ -41,7 +41,7 @@ def launch(port: int, *flags: str, log) -> subprocess.Popen:
         sys.executable,
         "-m",
         "paxkv.launch.serve",
-        "--config=tiny-py",
+        "--setup=tiny-py",
         f"--port={port}",
         f"--max_model_len={MAX_MODEL_LEN}",
         f"--max_queued_requests={MAX_QUEUED}",

@@ -278,8 +278,8 @@ def test_past_the_queue_bound_requests_get_429(server):
 def test_bench_client_measures_a_poisson_trace(server):
     import asyncio
 
+    from paxkv.measure.load_bench import make_workload
     from paxkv.serve import bench_client
-    from paxkv.tools.load_bench import make_workload
 
     trace = make_workload(
         "fixed",

@@ -42,10 +42,10 @@ class Collective:
 
 
 def test_a_stuck_device_call_ends_the_stream_with_503_and_exits_1():
-    from paxkv import chat
     from paxkv.serve import multihost
     from paxkv.serve.app import ServerState, bind, build_app
     from paxkv.serve.replicas import ReplicaSet
+    from paxkv.text import chat
 
     collective = Collective()
     engine = Engine(

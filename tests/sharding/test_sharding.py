@@ -18,12 +18,12 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from paxkv.models import PRESETS, init_model
+from paxkv.planner import capacity as plan
+from paxkv.planner import kv_budget, parameters
+from paxkv.planner.capacity_report import build_report
+from paxkv.planner.workloads import Workload
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
-from paxkv.tools import capacity as plan
-from paxkv.tools import kv_budget, parameters
-from paxkv.tools.capacity_report import build_report
-from paxkv.tools.workloads import Workload
 
 TINY = PRESETS["tiny"]
 
@@ -217,7 +217,7 @@ def test_report_on_a_mesh():
 
 
 def test_launch_flags():
-    plan_app = [sys.executable, "-m", "paxkv.launch.plan", "--config=tiny", "--kv_budget_gib=0.01"]
+    plan_app = [sys.executable, "-m", "paxkv.launch.plan", "--setup=tiny", "--kv_budget_gib=0.01"]
     generate = [sys.executable, "-m", "paxkv.launch.generate", "--prompt=a"]
     argvs = {
         "ok": [*plan_app, "--mesh=model:2,data:2"],

@@ -1,0 +1,93 @@
+"""An engine's outputs, each routed to the call that waits for its request.
+
+`LLM.generate` and `LLM.generate_stream` calls may be live at once (interleaved streams,
+a stream suspended while a `generate` runs): whichever call steps the engine files each
+output for the call its request belongs to, so every call yields exactly its own
+requests' outputs, and a call that ends early aborts its unfinished requests.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+from paxkv.host.request import RequestOutput
+
+
+class CallMailboxes:
+    """The outputs of each live call's requests not yet taken by it, by request id.
+
+    Args:
+      engine: the `paxkv.Engine` whose `step` outputs are routed.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._inbox: dict[str, collections.deque[RequestOutput]] = {}  # a queue per call
+        self._stepping = False
+        self._deferred_aborts: list[str] = []
+
+    def outputs(self, ids: list[str], bar: Any, deltas: set[str]) -> Iterator[RequestOutput]:
+        """Yields the outputs of requests `ids`, and of no others, in the order the
+        engine reports them, until each has finished; counts them on `bar` (`deltas`: the
+        ids whose outputs are deltas). Steps the engine while it has none of them to
+        yield: other calls' outputs reported meanwhile are kept for those calls. However
+        it ends early (closed, garbage-collected, or an exception, KeyboardInterrupt
+        included) it aborts its unfinished requests; once closed it steps once more to
+        report them, unless it is closed inside a step."""
+        box: collections.deque[RequestOutput] = collections.deque()
+        for rid in ids:
+            self._inbox[rid] = box
+        unfinished = dict.fromkeys(ids)
+        closed = False
+        try:
+            bar.start(len(ids))
+            while unfinished:
+                if not box:
+                    self.step()
+                    continue
+                out = box.popleft()
+                bar.advanced(out, delta=out.request_id in deltas)
+                if out.finished:
+                    del unfinished[out.request_id]
+                yield out
+        except GeneratorExit:
+            closed = True
+            raise
+        finally:
+            bar.close()
+            for rid in ids:
+                self._inbox.pop(rid, None)
+            for rid in unfinished:
+                self.abort(rid)
+            if closed and unfinished and not self._stepping:
+                self.step()  # reports, and so forgets, the aborted requests
+
+    def step(self) -> None:
+        """Runs one engine step and files each output for the call that waits for its
+        request; outputs no call waits for (an ended call's) are dropped."""
+        if not self.engine.has_unfinished():
+            raise RuntimeError(
+                "requests of this call are unfinished but the engine has none: were their "
+                "outputs taken by a direct engine.step()?"
+            )
+        self._stepping = True  # till every output is filed: a stream closed meanwhile waits
+        try:
+            for out in self.engine.step():
+                box = self._inbox.get(out.request_id)
+                if box is not None:
+                    box.append(out)
+        finally:
+            self._stepping = False
+            deferred, self._deferred_aborts = self._deferred_aborts, []
+            for rid in deferred:
+                self.engine.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request now, or after the step in progress (a stream collected inside
+        one)."""
+        if self._stepping:
+            self._deferred_aborts.append(request_id)
+        else:
+            self.engine.abort(request_id)

@@ -1,0 +1,455 @@
+"""The offline Python API, compatible with vLLM's: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from paxkv import models
+from paxkv.engine import Engine, EngineConfig
+from paxkv.host.request import RequestOutput, RequestOutputKind, SamplingParams, check_token_ids
+from paxkv.offline.call_mailboxes import CallMailboxes
+from paxkv.offline.progress import logging_above_bars
+from paxkv.sharding import shardings
+from paxkv.text import chat as chat_templates
+
+Prompts = str | dict | Sequence[str | dict]
+Params = SamplingParams | Sequence[SamplingParams] | None
+# A progress bar switch, as vLLM takes it: True, False, or a tqdm-like class to make it with.
+UseTqdm = bool | Callable[..., Any]
+
+
+def default_engine_config(model_config: Any, seed: int = 0) -> EngineConfig:
+    """The engine limits a model is served with when none are given: `EngineConfig`'s
+    defaults, with `seed` and max_model_len = min(the model's positions,
+    `EngineConfig.max_model_len`)."""
+    max_len = min(model_config.max_position_embeddings, EngineConfig.max_model_len)
+    return EngineConfig(seed=seed, max_model_len=max_len)
+
+
+class LLM:
+    """Loads a model and serves batches of prompts through the paged engine.
+
+        llm = LLM(model="tiny", num_pages=512, page_size=16, max_num_seqs=32)
+        outputs = llm.generate(["def f(x):"], SamplingParams(max_tokens=32))
+        outputs[0].outputs[0].text
+        llm.chat([{"role": "user", "content": "Hi"}])  # a checkpoint with a chat template
+
+    Args:
+      model: a preset name of `paxkv.models` (e.g. "tiny"), or a local Hugging Face
+        checkpoint directory (config.json + safetensors). Nothing is downloaded.
+      dtype: parameter dtype ("float32", "bfloat16"); None keeps the model's.
+      scan_layers: hold the layers stacked and run them as one scan, so each step
+        shape compiles one layer rather than all of them (deep models); None: off.
+      seed: seed of random initialisation (presets), and with `config=None` of requests
+        without a seed (a given `config` carries its own).
+      mesh: a `jax.sharding.Mesh` of one replica to shard the model and cache over
+        (see `paxkv.sharding.shardings`); None serves on one device.
+      config: the engine's `EngineConfig`; None: its defaults, with `seed` and
+        max_model_len = min(the model's positions, `EngineConfig.max_model_len`).
+        These are not the launch apps' defaults: `paxkv-serve` and the others serve
+        their `--setup` set-up's limits (`paxkv.launch.setups`; tiny-py's are small, for a
+        quick warm-up on the CPU); `config=paxkv.launch.setups.get_setup(name).engine`
+        serves with those.
+      warmup: compile every step shape now (`Engine.warmup`, with a progress bar on
+        stderr), so that no request waits for a compilation later. False defers each
+        compilation to the first step of its shape (tests, one-shot scripts).
+      **engine_kwargs: `EngineConfig` fields that override `config`'s: num_pages,
+        page_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_dtype,
+        attention_backend, ...
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str | None = None,
+        seed: int = 0,
+        mesh: Any = None,
+        scan_layers: bool | None = None,
+        config: EngineConfig | None = None,
+        warmup: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
+        if not isinstance(warmup, bool):
+            raise TypeError(f"warmup must be a bool, got {warmup!r}")
+        _check_engine_kwargs(engine_kwargs)  # before any loading
+        # On a mesh the weights are loaded straight into their shardings.
+        mesh = mesh if mesh is not None else shardings.default_mesh()
+        model_config, module, tokenizer = models.load_model(
+            model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
+        )
+        config = _engine_config(config or default_engine_config(model_config, seed), engine_kwargs)
+        draft = _draft_model(models, config, tokenizer, dtype=dtype, seed=seed, mesh=mesh)
+        self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh, draft_model=draft)
+        self._model_config = model_config  # what checkpoints for `update_weights` must match
+        self._request_ids = itertools.count()
+        # Each live call's outputs, kept for it while another call steps the engine.
+        self._router = CallMailboxes(self.engine)
+        # Where `chat` finds the chat template: the checkpoint's directory (none for presets).
+        name = os.fspath(model)
+        self._checkpoint_dir = (
+            None
+            if name in models.PRESETS
+            else models.CHECKPOINTS.get(name, name if os.path.isdir(name) else None)
+        )
+        self._tokenizer_config_file = models.TOKENIZER_CONFIG_FILE
+        if warmup:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        num_shapes = len(self.engine.config.buckets().shapes())
+        bar = tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape")
+        with bar, logging_above_bars():
+            self.engine.warmup(progress=lambda done, total: bar.update(done - bar.n))
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (None when it has none)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompts,
+        sampling_params: Params = None,
+        *,
+        use_tqdm: UseTqdm = True,
+    ) -> list[RequestOutput]:
+        """Generates completions of every prompt; returns them in the prompts' order.
+
+        A prompt is a string (needs a tokenizer) or `{"prompt_token_ids": [...]}`.
+        `sampling_params` is one for all prompts or one per prompt. Every prompt is
+        validated before any runs: a bad one raises ValueError naming its index, and
+        nothing is submitted. `use_tqdm` shows vLLM's "Processed prompts" bar on stderr
+        (requests finished, with input and output token throughput); a callable is the
+        tqdm-like class to make it with.
+
+        Each output is the request's whole final output, whatever the params'
+        `output_kind`: as vLLM does, the requests run with `FINAL_ONLY` (on copies of
+        the params), so no output is built before a request ends.
+        """
+        return self._generate(prompts, sampling_params, use_tqdm, what="prompt")
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: Params = None,
+        *,
+        use_tqdm: UseTqdm = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates the next message of each conversation; one output per conversation.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts, content a
+        str) or a list of them. Each is rendered with the chat template, as transformers'
+        `apply_chat_template` renders it (`paxkv.text.chat`), and tokenized with no special
+        tokens added (the template writes them). The template is `chat_template` (Jinja
+        source, or the name of one of the checkpoint's templates), else the checkpoint's:
+        `chat_template` in its `tokenizer_config.json` or its `chat_template.jinja`.
+        `add_generation_prompt` ends the prompt with the header of an assistant turn;
+        `continue_final_message` (with `add_generation_prompt=False`) makes the model
+        continue the final message instead. `chat_template_kwargs` are more variables for
+        the template. Each output's `prompt` is the rendered text. Everything is checked
+        before anything is submitted: ValueError or TypeError naming the conversation,
+        the message and the field; ValueError when there is no template or tokenizer.
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(
+                "chat() needs a tokenizer, and this model has none: LLM reads a checkpoint's "
+                "tokenizer.json with the tokenizers package (pip install -e '.[tokenizers]')"
+            )
+        conversations = chat_templates.parse_conversations(messages)
+        templates = self.chat_templates
+        texts = chat_templates.render(
+            templates.get(chat_template),
+            conversations,
+            special_tokens=templates.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        prompts = [
+            {"prompt_token_ids": chat_templates.encode_rendered(tokenizer, t)} for t in texts
+        ]
+        outputs = self._generate(prompts, sampling_params, use_tqdm, what="conversation")
+        return [dataclasses.replace(o, prompt=t) for o, t in zip(outputs, texts, strict=True)]
+
+    def generate_stream(
+        self,
+        prompts: Prompts,
+        sampling_params: Params = None,
+        *,
+        use_tqdm: UseTqdm = False,
+    ) -> Iterator[RequestOutput]:
+        """Like `generate`, but yields each request's outputs as it advances.
+
+        What each output holds is its params' `output_kind` (`RequestOutputKind`), as in
+        vLLM: CUMULATIVE (the default) the completions so far, every time they advance;
+        DELTA only the new tokens and text since the request's previous output (with
+        n > 1, only the completions that advanced); FINAL_ONLY one output when the
+        request ends. The last output of a request has `finished=True`. A stream yields
+        its own requests' outputs only, and all of them, whatever other streams and
+        `generate` calls run meanwhile (their steps keep its outputs for it). Closing the
+        iterator early, or dropping it, aborts its requests still running; so does an
+        exception raised while it steps (a `use_tqdm` bar's included). The progress bar
+        is off by default here: the caller sees progress already.
+        """
+        bar = _Progress(use_tqdm)
+        ids, params = self._submit(prompts, sampling_params, what="prompt")
+        deltas = {
+            rid
+            for rid, p in zip(ids, params, strict=True)
+            if p.output_kind is RequestOutputKind.DELTA
+        }
+        yield from self._router.outputs(ids, bar, deltas)
+
+    def score(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        completions: Sequence[str | Sequence[int]],
+        *,
+        use_tqdm: UseTqdm = False,
+    ) -> list[np.ndarray]:
+        """Teacher-forced log-probabilities: for each pair `(prompts[i], completions[i])`,
+        f32[len(completion tokens)], each completion token's logprob given the prompt and
+        the completion tokens before it, under the raw distribution (log_softmax of the
+        f32 logits). Nothing is generated.
+
+        A prompt or completion is a string (tokenized on its own: the completion's
+        tokens follow the prompt's) or a list of token ids. Pairs are scored in one
+        batch (`Engine.add_score_request`); to score n completions of one prompt, repeat
+        the prompt: they share its cached pages. Every pair is validated before any
+        runs: a bad one raises ValueError naming its index.
+        """
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+        if self.engine.paused:
+            raise RuntimeError("the engine is paused: engine.resume() it first")
+        tok = self.engine.tokenizer
+        pairs = [
+            (_token_ids(tok, "prompts", i, p), _token_ids(tok, "completions", i, c))
+            for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+        ]
+        ids = [str(next(self._request_ids)) for _ in pairs]
+        for i, (rid, (p, c)) in enumerate(zip(ids, pairs, strict=True)):
+            try:
+                self.engine.add_score_request(rid, p, c)
+            except (TypeError, ValueError) as e:
+                for queued in ids[:i]:
+                    self.engine.abort(queued)
+                self.engine.step()  # reports, and so forgets, the aborted requests
+                raise type(e)(f"pair {i}: {e}") from None
+        outs = self._router.outputs(ids, _Progress(use_tqdm), set())
+        final = {out.request_id: out.scores for out in outs if out.finished}
+        return [final[i] for i in ids]
+
+    def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
+        """Installs new weights without a recompilation (`Engine.update_weights`);
+        returns the new weight version.
+
+        `weights` is a parameter tree, or the path of a Hugging Face safetensors or
+        orbax (`save_params`) checkpoint of the same architecture: its `config.json`
+        must equal the model's except for the dtype and how layers are held, and it is
+        loaded in the model's dtype (cast, as loading casts) and straight into the
+        mesh's shardings. Raises ValueError, the engine keeping its weights, for a
+        checkpoint or tree that does not match.
+        """
+        if isinstance(weights, (str, os.PathLike)):
+            weights = read_params(os.fspath(weights), self._model_config, self.engine.mesh)
+            copy = False  # the loaded arrays are the engine's alone
+        return self.engine.update_weights(weights, policy=policy, copy=copy)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters (see `Engine.stats`)."""
+        return self.engine.stats()
+
+    @functools.cached_property
+    def chat_templates(self) -> chat_templates.ChatTemplates:
+        """The checkpoint's chat templates (`tokenizer_config.json`, `chat_template.jinja`;
+        none for a preset), read on first use."""
+        return chat_templates.ChatTemplates.from_checkpoint(
+            self._checkpoint_dir, self._tokenizer_config_file
+        )
+
+    def _generate(
+        self, prompts: Prompts, sampling_params: Params, use_tqdm: UseTqdm, *, what: str
+    ) -> list[RequestOutput]:
+        bar = _Progress(use_tqdm)
+        ids, _ = self._submit(
+            prompts, sampling_params, what=what, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        final = {
+            out.request_id: out for out in self._router.outputs(ids, bar, set()) if out.finished
+        }
+        return [final[i] for i in ids]
+
+    def _submit(
+        self,
+        prompts: Prompts,
+        sampling_params: Params,
+        *,
+        what: str,
+        output_kind: RequestOutputKind | None = None,
+    ) -> tuple[list[str], list[SamplingParams]]:
+        """Validates every prompt (errors name `what` and its index), then queues them
+        all; returns their ids and params. `output_kind` replaces the params' own (on
+        copies: the caller's are not changed)."""
+        if self.engine.paused:
+            raise RuntimeError("the engine is paused: engine.resume() it first")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} {what}s")
+        ids = [str(next(self._request_ids)) for _ in prompts]
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+            try:
+                self.engine.requests.validate(rid, prompt, p)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{what} {i}: {e}") from None
+        if output_kind is not None:
+            copies = {
+                id(p): dataclasses.replace(p, output_kind=output_kind)
+                for p in params
+                if p.output_kind is not output_kind
+            }
+            params = [copies.get(id(p), p) for p in params]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.engine.add_request(rid, prompt, p)
+        return ids, params
+
+
+class _Progress:
+    """vLLM's "Processed prompts" bar: requests finished, and the tokens per second read
+    and written so far (of the finished requests, as vLLM counts them; delta outputs'
+    tokens as they come)."""
+
+    def __init__(self, use_tqdm: UseTqdm) -> None:
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            raise TypeError(
+                f"use_tqdm must be a bool or a tqdm-like class, got {type(use_tqdm).__name__}"
+            )
+        self._make = (tqdm if use_tqdm is True else use_tqdm) if use_tqdm is not False else None
+        self._bar = None
+        self._logging = contextlib.ExitStack()  # log records go above the bar while it is open
+        self._input_tokens = self._output_tokens = 0
+
+    def start(self, total: int) -> None:
+        """Shows the bar (when on) for `total` requests."""
+        if self._make is not None:
+            self._bar = self._make(
+                total=total, desc="Processed prompts", dynamic_ncols=True, postfix=self._speed(0.0)
+            )
+            self._logging.enter_context(logging_above_bars())
+
+    def advanced(self, out: RequestOutput, *, delta: bool) -> None:
+        """Counts an output: its tokens if it is a `delta` one, and the request if it
+        finished (with its tokens, if they are all in `out`)."""
+        if self._bar is None:
+            return
+        if delta or out.finished:
+            self._output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if not out.finished:
+            return
+        self._input_tokens += len(out.prompt_token_ids)
+        self._bar.set_postfix_str(self._speed(self._bar.format_dict["elapsed"]), refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        """Closes the bar, if shown."""
+        if self._bar is not None:
+            self._bar.close()
+        self._logging.close()
+
+    def _speed(self, elapsed: float) -> str:
+        if elapsed <= 0:
+            return "est. speed input: 0.00 toks/s, output: 0.00 toks/s"
+        return (
+            f"est. speed input: {self._input_tokens / elapsed:.2f} toks/s, "
+            f"output: {self._output_tokens / elapsed:.2f} toks/s"
+        )
+
+
+def _token_ids(tokenizer: Any, what: str, index: int, text_or_ids: Any) -> list[int]:
+    """A prompt or completion of `LLM.score` as token ids (a string is tokenized)."""
+    if not isinstance(text_or_ids, str):
+        return check_token_ids(f"{what}[{index}]", text_or_ids, lo=None)
+    if tokenizer is None:
+        raise ValueError(f"{what}[{index}] is a string, and the model has no tokenizer")
+    return list(tokenizer.encode(text_or_ids))
+
+
+def read_params(path: str, model_config: Any, mesh: Any = None) -> Any:
+    """The parameter state of the checkpoint at `path` (Hugging Face safetensors or
+    orbax), loaded in `model_config`'s dtype into `mesh`'s shardings; ValueError naming
+    the differing fields if its `config.json` is of another architecture than
+    `model_config` (dtype and how layers are held aside)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a checkpoint directory")
+    mine = model_config
+    theirs = models.read_hf_config(path).replace(dtype=mine.dtype, scan_layers=mine.scan_layers)
+    if theirs != mine:
+        differ = [
+            f"{f.name}={getattr(theirs, f.name)!r} (the model's: {getattr(mine, f.name)!r})"
+            for f in dataclasses.fields(mine)
+            if getattr(theirs, f.name) != getattr(mine, f.name)
+        ]
+        raise ValueError(f"checkpoint {path} is of another architecture: {', '.join(differ)}")
+    _, module, _ = models.load_model(
+        path, dtype=mine.dtype, mesh=mesh, scan_layers=mine.scan_layers
+    )
+    return nnx.state(module, nnx.Param)
+
+
+def _engine_config(config: EngineConfig, engine_kwargs: dict[str, Any]) -> EngineConfig:
+    """`config` with `engine_kwargs` (`EngineConfig` fields) in place."""
+    _check_engine_kwargs(engine_kwargs)
+    return dataclasses.replace(config, **engine_kwargs)
+
+
+def _draft_model(
+    models: Any, config: EngineConfig, tokenizer: Any, *, dtype: str | None, seed: int, mesh: Any
+) -> Any:
+    """The draft model that `config.speculative_config` names (method "draft_model"),
+    loaded like the target; None without one. ValueError when its tokenizer differs
+    from the target's (a draft must propose the target's token ids)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    _, draft, draft_tokenizer = models.load_model(spec.model, dtype=dtype, seed=seed, mesh=mesh)
+    probe = "def f(x):\n    return [x, 'é', 3.14]  # draft\n"
+    if (tokenizer is None) != (draft_tokenizer is None) or (
+        tokenizer is not None and tokenizer.encode(probe) != draft_tokenizer.encode(probe)
+    ):
+        raise ValueError(
+            f"speculative_config.model={spec.model!r}: the draft's tokenizer differs from "
+            "the target's (they encode the same text to different ids); a draft model must "
+            "share the target's tokenizer"
+        )
+    return draft
+
+
+def _check_engine_kwargs(engine_kwargs: dict[str, Any]) -> None:
+    """TypeError naming any argument that is not an `EngineConfig` field."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_kwargs) - known)
+    if unknown:
+        raise TypeError(
+            f"LLM() got unknown arguments {unknown}; engine options are {sorted(known)}"
+        )
