@@ -9,7 +9,7 @@ default, side by side in one run). `--warmup` compiles every step shape of the
 engine's default buckets (`EngineConfig(max_model_len=--max_model_len)`) and reports
 their total: the time an engine's warm-up spends compiling.
 
-Lowers and compiles the engine's one-step function (`paxkv.engine.step.MODEL_STEP`) ahead
+Lowers and compiles the engine's one-step function (`paxkv.engine.step.FORWARD`) ahead
 of time on abstract arguments (no weights, no cache allocated) for the preset's shapes
 at several depths, on this machine's backend, and reports per depth: seconds to trace
 and lower, seconds to compile, and the compiled step's temporary memory
@@ -30,7 +30,7 @@ from absl import app, flags
 from flax import nnx
 
 from paxkv.engine.config import EngineConfig
-from paxkv.engine.step import MODEL_STEP, StepBatch
+from paxkv.engine.step import FORWARD, abstract_step_batch
 from paxkv.kv_cache import PagedKVCache
 from paxkv.models import PRESETS
 
@@ -67,13 +67,10 @@ def compile_step(
     graphdef, params = nnx.split(nnx.eval_shape(lambda: _model(config)))
     cache = jax.eval_shape(lambda: PagedKVCache.for_model(config, num_pages, page_size))
     seqs = tokens if seqs is None else seqs
-    batch = jax.eval_shape(lambda: StepBatch.empty(tokens, seqs, pages, page_size))
-    token_src = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    batch, _ = abstract_step_batch(tokens, seqs, pages, page_size)
     prev = jax.ShapeDtypeStruct((tokens,), jnp.int32)
     t0 = time.perf_counter()
-    lowered = MODEL_STEP.trace(
-        graphdef, params, cache, batch, token_src, prev, attention_backend="auto"
-    ).lower()
+    lowered = FORWARD.trace(graphdef, params, cache, batch, prev, attention_backend="auto").lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -26,10 +27,12 @@ class CompileCounter:
         self.fun_names = frozenset(f"jit({name})" for name in fun_names)
         self.count = 0
         self.seconds = 0.0
+        self.lock = threading.Lock()  # programs compile in several threads at once
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        """Credits the compilations that happen in this context (this thread) to self."""
+        """Credits the compilations that happen in this context (this thread) to self;
+        a thread that compiles for it enters its own."""
         token = _ACTIVE.set(self)
         try:
             yield
@@ -47,8 +50,9 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         return
     counter = _ACTIVE.get()
     if counter is not None and kwargs.get("fun_name") in counter.fun_names:
-        counter.count += 1
-        counter.seconds += duration
+        with counter.lock:
+            counter.count += 1
+            counter.seconds += duration
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)

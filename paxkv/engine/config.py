@@ -62,10 +62,9 @@ class EngineConfig:
     )
     warmup_scoring: bool = _field(
         True,
-        "Warm-up also compiles each step shape's variant that scores prompt rows "
-        "(prompt_logprobs, echo with logprobs, score requests): 3 compilations of the "
-        "one-step function per shape, not 2; off: a scoring step compiles its shape "
-        "when first met.",
+        "Warm-up also compiles the sampler of scored prompt rows (prompt_logprobs, echo "
+        "with logprobs, score requests) for each token bucket: a small program of the LM "
+        "head; off: it compiles when first met.",
     )
     seed: int = 0
     watermark: float = 0.01

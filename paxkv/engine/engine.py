@@ -324,17 +324,17 @@ class Engine:
         return stats
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compiles every bucket now, so no request waits for a compilation later.
+        """Compiles the step's programs now, so no request waits for them later.
 
-        `progress(done, total)` is called after each shape (for a progress bar). Each
-        shape compiles with and without penalty histories, so no sampling parameter
-        compiles anything later; and with `EngineConfig.warmup_scoring`, with and
-        without scored prompt rows (`prompt_logprobs`, `echo` with logprobs,
-        `add_score_request`: `HostBatch.score_rows`), so neither do those. Without it, a
-        shape's scoring variant compiles when first met.
+        One program per step shape runs the model (`paxkv.engine.step.forward_step`);
+        beside them, the small samplers of penalties, and with
+        `EngineConfig.warmup_scoring` of scored prompt rows (`prompt_logprobs`, `echo`
+        with logprobs, `add_score_request`), and of speculative proposals
+        (`ModelRunner.warmup`). `progress(done, total)` is called as each program is
+        compiled, or taken from the ones this process compiled already.
         """
         shapes = self._buckets.shapes()
-        logging.info("paxkv: compiling %d step shapes", len(shapes))
+        logging.info("paxkv: %d step shapes: %s", len(shapes), self._buckets)
         self.runner.warmup(shapes, progress, scoring=self.config.warmup_scoring)
 
 

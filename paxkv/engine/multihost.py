@@ -44,8 +44,8 @@ from absl import logging
 
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.sampling import Sampled
-from paxkv.engine.step import MAX_STOP_IDS, StepBatch
-from paxkv.host.batch import HostBatch
+from paxkv.engine.step import MAX_STOP_IDS, abstract_step_batch
+from paxkv.host.batch import HostBatch, history_length
 
 HEADER_WORDS = 256
 MAGIC = 0x70784B56  # "pxKV"
@@ -200,8 +200,8 @@ def max_payload_words(runner: StepRunner, shapes: Sequence[tuple[int, int, int]]
     page_size, groups = runner.config.page_size, runner.kv_groups.num_groups
     most = 0
     for t, s, p in shapes:
-        batch = jax.eval_shape(
-            lambda t=t, s=s, p=p: StepBatch.empty(t, s, p, page_size, groups, t, penalties=True)
+        batch = abstract_step_batch(
+            t, s, p, page_size, groups, history_len=history_length(p, page_size), num_scored=t
         )
         words = sum(x.size for x in jax.tree.leaves(batch)) + 4 * t + 16
         most = max(most, words + s * (MAX_STOP_IDS + 1))

@@ -24,9 +24,10 @@ from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.draft import check_draft_model
 from paxkv.engine.params import ParamSource
+from paxkv.engine.programs import Program, Programs
 from paxkv.engine.sampling import Sampled, Scored, Speculated
-from paxkv.engine.step import DecodeLimits, StepBatch
-from paxkv.host.batch import HostBatch
+from paxkv.engine.step import DecodeLimits, ForwardBatch, StepExtras
+from paxkv.host.batch import HostBatch, history_length
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache
 from paxkv.sharding import shardings
@@ -77,8 +78,9 @@ class StepRunner:
         *,
         scoring: bool = True,
     ) -> None:
-        """Compiles every step a batch of a `(T, S, pages per sequence)` shape can run
-        (`scoring`: those that score prompt rows too)."""
+        """Compiles the programs of every `(T, S, pages per sequence)` shape (`scoring`:
+        the samplers of scored prompt rows too), calling `progress(done, total)` as each
+        program is ready."""
 
     def restore_cache(self) -> bool:
         """After a call that raised: whether the KV cache was lost (donated to a call
@@ -130,6 +132,10 @@ class ModelRunner(StepRunner):
         else:  # committed to its device, as `PlacedModel`'s arrays are
             self._prev_tokens = jax.device_put(self._prev_tokens, self._prev_tokens.sharding)
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
+        self._programs = Programs(self._compiles)
+        # The step batch, placed as the programs were lowered for: replicated on a mesh.
+        self._batch_sharding = shardings.replicated(mesh) if mesh is not None else None
+        self._out_info: dict[str, Any] = {}  # each program's outputs (shapes, shardings)
         self.draft = None
         if draft_model is not None:  # its pages mirror the target's: one block table for both
             draft_groups = KVCacheGroups.for_model(
@@ -169,43 +175,139 @@ class ModelRunner(StepRunner):
         """Seconds those compilations took."""
         return self._compiles.seconds
 
-    def _run_step(self, batch: StepBatch, token_src: jax.Array) -> Sampled:
+    @property
+    def programs_reused(self) -> int:
+        """Programs this runner took from ones the process had compiled already."""
+        return self._programs.loaded
+
+    @property
+    def programs_compiled(self) -> list[tuple[str, tuple]]:
+        """The `(name, shape key)` of each program this runner compiled, in order."""
+        return list(self._programs.compiled)
+
+    # The programs of a step, by name and shape key (`paxkv.engine.programs`).
+
+    def _statics(self) -> dict[str, Any]:
+        return {
+            "attention_backend": self.config.step_attention_backend,
+            "num_logprobs": self.config.max_logprobs,
+        }
+
+    def _batch(self, t: int, s: int, p: int, **sizes: int) -> tuple[ForwardBatch, StepExtras]:
+        page_size, groups = self.config.page_size, self.kv_groups.num_groups
+        return steps.abstract_step_batch(
+            t, s, p, page_size, groups, sharding=self._batch_sharding, **sizes
+        )
+
+    def _forward_program(self, key: tuple[int, int, int]) -> Program:
+        target = self.target
+        forward, _ = self._batch(*key)
+        args = (target.graphdef, target.params, target.cache, forward, self._prev_tokens)
+        return Program("forward", key, steps.FORWARD, args, self._statics())
+
+    def _draft_program(self, key: tuple[int, int, int, int, int]) -> Program:
+        t, s, p, k, h = key
+        draft = self.draft
+        forward, extras = self._batch(t, s, p, history_len=h, num_draft=k)
+        args = (draft.graphdef, draft.params, draft.cache, forward, self._prev_tokens)
+        args += (extras.penalty_history, extras.draft_counts)
+        statics = {"attention_backend": self.config.step_attention_backend, "k": k}
+        return Program("draft", key, steps.DRAFT, args, statics)
+
+    def _loop_program(self, key: tuple[int, int, int, int]) -> Program:
+        t, s, p, h = key
+        target = self.target
+        forward, extras = self._batch(t, s, p, history_len=h)
+        limits = DecodeLimits.abstract(s, self._batch_sharding)
+        args = (target.graphdef, target.params, target.cache, forward, extras.penalty_history)
+        statics = self._statics() | {"num_steps": self.config.num_decode_steps}
+        return Program("loop", key, steps.DECODE_LOOP, (*args, limits), statics)
+
+    def _resample_program(self, key: tuple[int, int, int, int, int, bool]) -> Program:
+        """`key`: (T, or 0 when no row is scored or proposed; S; H; R; k; whether a
+        draft model made the proposals)."""
+        t, s, h, r, k, drafted = key
+        # Its inputs are a forward's outputs (and a draft's): lowered for their shardings.
+        _, last, hidden, _ = self._out_info["forward"]
+        resized = lambda a, *shape: jax.ShapeDtypeStruct(shape, a.dtype, sharding=a.sharding)
+        last = jax.tree.map(lambda a: resized(a, s, *a.shape[1:]), last)
+        hidden = resized(hidden, t, *hidden.shape[1:]) if t else None
+        forward, extras = self._batch(max(t, 1), s, 1, history_len=h, num_scored=r, num_draft=k)
+        proposals, draft_probs = extras.draft_tokens, None
+        if drafted:
+            _, out_proposals, out_probs, _ = self._out_info["draft"]
+            proposals = resized(out_proposals, s, k)
+            draft_probs = resized(out_probs, s, k, self.model_config.vocab_size)
+        args = (self.target.graphdef, self.target.params, last, hidden)
+        args += (forward.sampling_floats, forward.sampling_ints, extras, proposals, draft_probs)
+        statics = {"num_rows": self.config.max_num_seqs, "num_logprobs": self.config.max_logprobs}
+        return Program("resample", key, steps.RESAMPLE, args, statics)
+
+    def _spec(self, name: str, key: tuple) -> Program:
+        return getattr(self, f"_{name}_program")(key)
+
+    def _program(self, name: str, key: tuple) -> Any:
+        """The compiled program `(name, key)`, compiled now if warm-up did not."""
+        compiled = self._programs.get(name, key, lambda: self._spec(name, key))
+        if name not in self._out_info:
+            self._out_info[name] = compiled.out_info
+        return compiled
+
+    def _run_step(self, forward: ForwardBatch, extras: StepExtras) -> Sampled:
         target, draft = self.target, self.draft
-        with self._compiles.counting():
-            sampled, target.cache, draft_cache = steps.MODEL_STEP(
+        t, (s, p) = forward.tokens.shape[0], forward.table.block_tables.shape[-2:]
+        h, r = extras.penalty_history.shape[2], extras.score_rows.shape[0]
+        k = extras.draft_tokens.shape[1]
+        proposals, draft_probs = extras.draft_tokens, None
+        if draft is not None:  # its proposals fill the rows after each sequence's last
+            tokens, out_proposals, out_probs, draft.cache = self._program("draft", (t, s, p, k, h))(
+                draft.graphdef,
+                draft.params,
+                draft.cache,
+                forward,
+                self._prev_tokens,
+                extras.penalty_history,
+                extras.draft_counts,
+            )
+            forward = forward.replace(tokens=tokens)
+            if k:
+                proposals, draft_probs = out_proposals, out_probs
+        sampled, last, hidden, target.cache = self._program("forward", (t, s, p))(
+            target.graphdef, target.params, target.cache, forward, self._prev_tokens
+        )
+        if extras.needed:  # the small sampler of penalties, scored rows or proposals
+            wide = bool(r or k)
+            key = (t if wide else 0, s, h, r, k, draft is not None and k > 0)
+            routing = sampled.routing
+            sampled = self._program("resample", key)(
                 target.graphdef,
                 target.params,
-                target.cache,
-                batch,
-                token_src,
-                self._prev_tokens,
-                *(() if draft is None else (draft.graphdef, draft.params, draft.cache)),
-                attention_backend=self.config.step_attention_backend,
-                num_logprobs=self.config.max_logprobs,
+                last,
+                hidden if wide else None,
+                forward.sampling_floats,
+                forward.sampling_ints,
+                extras,
+                proposals,
+                draft_probs,
             )
-        if draft is not None:
-            draft.cache = draft_cache
+            sampled = sampled.replace(routing=routing)
         self._prev_tokens = sampled.tokens
         return sampled
 
-    def _run_loop(self, batch: StepBatch, limits: DecodeLimits) -> tuple[Sampled, jax.Array]:
+    def _run_loop(
+        self, forward: ForwardBatch, extras: StepExtras, limits: DecodeLimits
+    ) -> tuple[Sampled, jax.Array]:
         target = self.target
-        with self._compiles.counting():
-            sampled, valid, target.cache = steps.DECODE_LOOP(
-                target.graphdef,
-                target.params,
-                target.cache,
-                batch,
-                limits,
-                attention_backend=self.config.step_attention_backend,
-                num_steps=self.config.num_decode_steps,
-                num_logprobs=self.config.max_logprobs,
-            )
+        t, (s, p) = forward.tokens.shape[0], forward.table.block_tables.shape[-2:]
+        key = (t, s, p, extras.penalty_history.shape[2])
+        sampled, valid, target.cache = self._program("loop", key)(
+            target.graphdef, target.params, target.cache, forward, extras.penalty_history, limits
+        )
         return sampled, valid
 
     def dispatch(self, hb: HostBatch) -> Sampled:
         """Moves `hb` to the device in one transfer and dispatches the step."""
-        return self._run_step(*StepBatch.from_host(hb, self.config.page_size))
+        return self._run_step(*steps.step_batch(hb, self.config.page_size, self._batch_sharding))
 
     def fetch(self, handle: Sampled) -> Sampled:
         """Waits for the step and copies its samples to the host (not its routing)."""
@@ -221,9 +323,11 @@ class ModelRunner(StepRunner):
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
     ) -> tuple[Sampled, np.ndarray]:
         """The N-step decode loop on the device (`paxkv.engine.step.DECODE_LOOP`)."""
-        batch, _ = StepBatch.from_host(hb, self.config.page_size)
-        stops = DecodeLimits.from_host(list(stop_ids), list(limits), hb.logits_indices.shape[0])
-        return jax.device_get(self._run_loop(batch, stops))
+        forward, extras = steps.step_batch(hb, self.config.page_size, self._batch_sharding)
+        stops = DecodeLimits.from_host(
+            list(stop_ids), list(limits), hb.logits_indices.shape[0], self._batch_sharding
+        )
+        return jax.device_get(self._run_loop(forward, extras, stops))
 
     def warmup(
         self,
@@ -232,27 +336,48 @@ class ModelRunner(StepRunner):
         *,
         scoring: bool = True,
     ) -> None:
-        """Compiles the one-step function (and the N-step loop) for every shape, each
-        with and without penalty histories, and with `scoring` the variant with scored
-        rows (R = T, with histories: `HostBatch.score_rows`): every variant a step can
-        have; with speculative decoding each of them with and without proposals. The
-        N-step loop runs decode-only batches, which score nothing."""
-        page_size, num_groups = self.config.page_size, self.kv_groups.num_groups
+        """Compiles, for every shape, the step's forward (with a draft model, the draft's
+        part too) and the N-step loop, then the samplers those shapes run most: of
+        penalties per (S, H), and with `scoring` of scored rows and with speculative
+        decoding of proposals per (T, S). A step with a rarer mix (scored rows or
+        proposals and penalties in one step) compiles its sampler, a small program of
+        the LM head, when first met. `progress(done, total)` counts programs."""
+        first, second = self.warmup_programs(shapes, scoring=scoring)
+        total = len(first) + len(second)
+
+        def report(offset: int) -> Callable[[int, int], None] | None:
+            return None if progress is None else lambda done, _: progress(offset + done, total)
+
+        self._programs.compile([self._spec(n, k) for n, k in first], report(0))
+        for name in ("forward", "draft"):  # the samplers are lowered from their outputs
+            keys = [k for n, k in first if n == name]
+            if keys:
+                self._program(name, keys[0])
+        self._programs.compile([self._spec(n, k) for n, k in second], report(len(first)))
+
+    def warmup_programs(
+        self, shapes: Sequence[tuple[int, int, int]], *, scoring: bool = True
+    ) -> tuple[list[tuple[str, tuple]], list[tuple[str, tuple]]]:
+        """What `warmup` compiles, as `(name, key)`s: the model's programs, then the
+        samplers (which are lowered from the forward's outputs)."""
         spec = self.config.speculative_config
-        drafts = (0,) if spec is None else (0, spec.num_speculative_tokens)
-        variants = [(False, 0), (True, 0)]
-        for i, (t, s, p) in enumerate(shapes):
-            for penalties, scored in variants + [(True, t)] * scoring:
-                for k in drafts:
-                    batch = StepBatch.empty(
-                        t, s, p, page_size, num_groups, scored, penalties=penalties, num_draft=k
-                    )
-                    jax.block_until_ready(self._run_step(batch, jnp.full(t, -1, jnp.int32)))
-                if self.config.num_decode_steps > 1 and not scored:
-                    batch = StepBatch.empty(t, s, p, page_size, num_groups, penalties=penalties)
-                    jax.block_until_ready(self._run_loop(batch, DecodeLimits.from_host([], [], s)))
-            if progress is not None:
-                progress(i + 1, len(shapes))
+        k = 0 if spec is None else spec.num_speculative_tokens
+        drafted = self.draft is not None
+        page_size = self.config.page_size
+        first: list[tuple[str, tuple]] = [("forward", (t, s, p)) for t, s, p in shapes]
+        if drafted:
+            first += [("draft", (t, s, p, kk, 0)) for t, s, p in shapes for kk in {0, k}]
+        if self.config.num_decode_steps > 1:
+            for t, s, p in shapes:
+                first += [("loop", (t, s, p, h)) for h in (0, history_length(p, page_size))]
+        second: dict[tuple[str, tuple], None] = {}
+        for t, s, p in shapes:
+            second[("resample", (0, s, history_length(p, page_size), 0, 0, False))] = None
+            if scoring:
+                second[("resample", (t, s, 0, t, 0, False))] = None
+            if k:
+                second[("resample", (t, s, 0, 0, k, drafted))] = None
+        return first, list(second)
 
 
 class PlacedModel:

@@ -1,19 +1,22 @@
 """The compiled steps: one model step, and N decode steps in one call.
 
-`model_step` writes a batch's K/V, attends and samples one token per sequence.
-`decode_loop` runs N decode iterations of the same in a `lax.fori_loop`: the host
+A step is one program per step shape, `forward_step`: it writes a batch's K/V, attends
+and samples one token per sequence. What only some steps need (penalty histories,
+scored prompt rows, speculative verification) runs in a small program right after it,
+`resample_step`, over the hidden states the forward left on the device, so these
+features never multiply the compilations of the model. `decode_loop` runs N decode iterations of the same in a `lax.fori_loop`: the host
 reserves, before the call, the pages the next N tokens of every sequence will need; the
 device feeds each sampled token to the next iteration and advances the lengths itself.
 A sequence that samples a stop token or reaches its token limit is masked out of the
 remaining iterations (its query length drops to 0, so it neither writes nor reads),
-exactly where the host will later see it finish. Both are jitted at module level with
-the cache donated, so engines serving the same model at the same shapes share
-compilations.
+exactly where the host will later see it finish. All are jitted at module level with
+the cache donated, and compiled ahead of time per shape (`paxkv.engine.programs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +26,8 @@ from flax import nnx, struct
 from paxkv.engine.draft import draft_proposals
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
 from paxkv.engine.spec_verify import verify
-from paxkv.host.batch import HostBatch, history_length
+from paxkv.host.batch import HostBatch
+from paxkv.host.sampling_columns import SAMPLING_FLOATS, SAMPLING_INTS
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
 
@@ -32,8 +36,9 @@ MAX_STOP_IDS = 8  # stop + EOS token ids a sequence may have in the multi-step p
 
 
 @struct.dataclass
-class StepBatch:
-    """Everything one compiled step consumes, padded to its bucket shapes."""
+class ForwardBatch:
+    """What the model's forward consumes, padded to a step shape (T, S, P): its one
+    program per shape (`FORWARD`) sees nothing else."""
 
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
@@ -41,81 +46,123 @@ class StepBatch:
     # i32[S]; the packed row of each sequence's last known token (its last row, or the
     # row before its speculative proposals)
     logits_indices: jax.Array
-    sampling: SamplingBatch
+    token_src: jax.Array  # i32[T]; >= 0: the row's token is prev_tokens[token_src]
+    # f32[S, F] and i32[S, I] (`paxkv.host.sampling_columns`): what the plain sampler reads
+    sampling_floats: jax.Array
+    sampling_ints: jax.Array
+
+
+@struct.dataclass
+class StepExtras:
+    """What a step's samplers read beyond the plain sampler's: penalty histories
+    (H > 0), scored prompt rows (R > 0) and speculative proposals (k > 0). Each is
+    empty in most steps; when none is there the forward's own sample is the step's."""
+
+    penalty_history: jax.Array  # i32[3, S, H] (`SamplingBatch.history`)
     # i32[R] each: rows whose prompt logprob is wanted and their target tokens
-    # (`paxkv.host.prompt_scores`); R = 0: none, and the scoring compiles away.
+    # (`paxkv.host.prompt_scores`)
     score_rows: jax.Array
     score_targets: jax.Array
     # Speculative proposals (`ScheduledChunk.num_draft`): sequence s's tokens after its
-    # last known one, which follow it as query rows; k = 0: none, and the verification
-    # compiles away.
+    # last known one, which follow it as query rows.
     draft_tokens: jax.Array  # i32[S, k]
     draft_counts: jax.Array  # i32[S]
 
-    @classmethod
-    def from_host(cls, hb: HostBatch, page_size: int) -> tuple[StepBatch, jax.Array]:
-        """Moves a host batch to the device in one transfer; returns it and its
-        `token_src` (i32[T], see `model_step`)."""
-        names = [f.name for f in dataclasses.fields(hb)]
-        a = dict(zip(names, jax.device_put([getattr(hb, n) for n in names]), strict=True))
-        table = PageTable(
-            block_tables=a["block_tables"],
-            kv_lens=a["kv_lens"],
-            cu_q_lens=a["cu_q_lens"],
-            num_seqs=a["num_seqs"],
-            page_size=page_size,
+    @property
+    def needed(self) -> bool:
+        """Whether any sampler beyond the forward's plain one must run."""
+        return bool(
+            self.penalty_history.shape[2] or self.score_rows.shape[0] or self.draft_tokens.shape[1]
         )
-        sampling = SamplingBatch(a["sampling_floats"], a["sampling_ints"], a["penalty_history"])
-        batch = cls(
-            a["tokens"],
-            a["positions"],
-            table,
-            a["logits_indices"],
-            sampling,
-            a["score_rows"],
-            a["score_targets"],
-            a["draft_tokens"],
-            a["draft_counts"],
-        )
-        return batch, a["token_src"]
 
-    @classmethod
-    def empty(
-        cls,
-        num_tokens: int,
-        num_seqs: int,
-        pages_per_seq: int,
-        page_size: int,
-        num_groups: int = 1,
-        num_scored: int = 0,
-        *,
-        penalties: bool = False,
-        num_draft: int = 0,
-    ) -> StepBatch:
-        """A batch of the given bucket shape with no live sequence (warm-up compiles it);
-        `num_groups` page tables per sequence (KV-cache groups), `num_scored` scored rows;
-        `penalties`: the shape's variant with penalty histories (`SamplingBatch`);
-        `num_draft`: with room for that many speculative tokens per sequence."""
-        groups = () if num_groups == 1 else (num_groups,)
-        history_len = history_length(pages_per_seq, page_size) if penalties else 0
-        table = PageTable(
-            block_tables=jnp.zeros((*groups, num_seqs, pages_per_seq), jnp.int32),
-            kv_lens=jnp.zeros(num_seqs, jnp.int32),
-            cu_q_lens=jnp.zeros(num_seqs + 1, jnp.int32),
-            num_seqs=jnp.zeros(1, jnp.int32),
-            page_size=page_size,
-        )
-        return cls(
-            tokens=jnp.zeros(num_tokens, jnp.int32),
-            positions=jnp.zeros(num_tokens, jnp.int32),
-            table=table,
-            logits_indices=jnp.zeros(num_seqs, jnp.int32),
-            sampling=SamplingBatch.create([], num_seqs, history_len=history_len),
-            score_rows=jnp.zeros(num_scored, jnp.int32),
-            score_targets=jnp.zeros(num_scored, jnp.int32),
-            draft_tokens=jnp.zeros((num_seqs, num_draft), jnp.int32),
-            draft_counts=jnp.zeros(num_seqs, jnp.int32),
-        )
+
+@struct.dataclass
+class LastRows:
+    """What the forward leaves on the device for the samplers: the final hidden states
+    of each sequence's last known row, and of every row (the scored and proposal rows)."""
+
+    hidden: jax.Array  # [S, hidden]
+    tokens: jax.Array  # i32[S]; the token each sequence's last row ran (fed ones too)
+    fed: jax.Array  # bool[S]; the host had not seen it (async scheduling)
+    rows: jax.Array  # i32[S]; the packed row of each (logits_indices)
+
+
+def step_batch(
+    hb: HostBatch, page_size: int, sharding: Any = None
+) -> tuple[ForwardBatch, StepExtras]:
+    """Moves a host batch to the device (replicated over `sharding`'s mesh if given) in
+    one transfer."""
+    names = [f.name for f in dataclasses.fields(hb)]
+    a = dict(zip(names, jax.device_put([getattr(hb, n) for n in names], sharding), strict=True))
+    return _assemble(a, page_size)
+
+
+def abstract_step_batch(
+    num_tokens: int,
+    num_seqs: int,
+    pages_per_seq: int,
+    page_size: int,
+    num_groups: int = 1,
+    *,
+    history_len: int = 0,
+    num_scored: int = 0,
+    num_draft: int = 0,
+    sharding: Any = None,
+) -> tuple[ForwardBatch, StepExtras]:
+    """The shapes and dtypes (`jax.ShapeDtypeStruct`s, no buffers) of the step batch of
+    one shape: what its programs are lowered for."""
+    groups = () if num_groups == 1 else (num_groups,)
+    t, s = num_tokens, num_seqs
+    shapes = {
+        "tokens": (t,),
+        "positions": (t,),
+        "block_tables": (*groups, s, pages_per_seq),
+        "kv_lens": (s,),
+        "cu_q_lens": (s + 1,),
+        "num_seqs": (1,),
+        "logits_indices": (s,),
+        "sampling_floats": (s, len(SAMPLING_FLOATS)),
+        "sampling_ints": (s, len(SAMPLING_INTS)),
+        "penalty_history": (3, s, history_len),
+        "token_src": (t,),
+        "score_rows": (num_scored,),
+        "score_targets": (num_scored,),
+        "draft_tokens": (s, num_draft),
+        "draft_counts": (s,),
+    }
+    dtype = {"sampling_floats": jnp.float32}
+    a = {
+        name: jax.ShapeDtypeStruct(shape, dtype.get(name, jnp.int32), sharding=sharding)
+        for name, shape in shapes.items()
+    }
+    return _assemble(a, page_size)
+
+
+def _assemble(a: dict[str, Any], page_size: int) -> tuple[ForwardBatch, StepExtras]:
+    table = PageTable(
+        block_tables=a["block_tables"],
+        kv_lens=a["kv_lens"],
+        cu_q_lens=a["cu_q_lens"],
+        num_seqs=a["num_seqs"],
+        page_size=page_size,
+    )
+    forward = ForwardBatch(
+        a["tokens"],
+        a["positions"],
+        table,
+        a["logits_indices"],
+        a["token_src"],
+        a["sampling_floats"],
+        a["sampling_ints"],
+    )
+    extras = StepExtras(
+        a["penalty_history"],
+        a["score_rows"],
+        a["score_targets"],
+        a["draft_tokens"],
+        a["draft_counts"],
+    )
+    return forward, extras
 
 
 def forward_logits(
@@ -171,73 +218,93 @@ def forward_sample(
     return sample(logits, sampling, num_logprobs=num_logprobs), kv_cache
 
 
-def model_step(
+def _replicated(x: jax.Array, mesh: Any) -> jax.Array:
+    """`x` replicated over `mesh` (a no-op off a mesh): what any process reads whole."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, shardings.replicated(mesh))
+
+
+def forward_step(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     kv_cache: PagedKVCache,
-    batch: StepBatch,
-    token_src: jax.Array,  # i32[T]; >= 0: take the token from prev_tokens
+    batch: ForwardBatch,
     prev_tokens: jax.Array,  # i32[max_num_seqs]; the previous step's sampled tokens
-    draft_graphdef: nnx.GraphDef | None = None,
-    draft_params: nnx.State | None = None,
-    draft_cache: PagedKVCache | None = None,
     *,
     attention_backend: str,
     num_logprobs: int = 0,
-) -> tuple[Sampled, PagedKVCache, PagedKVCache | None]:
-    """One model step: write the batch's K/V, attend, sample a token per sequence.
+) -> tuple[Sampled, LastRows, jax.Array, PagedKVCache]:
+    """The model over one step: writes the batch's K/V, attends, and samples a token per
+    sequence without penalties. The one program of a step shape.
 
-    Returns the samples padded to `max_num_seqs` rows (row i: the batch's sequence i),
-    so the next step can read its input tokens from them on the device, the cache, and
-    the draft model's cache. A sequence
-    whose last token is fed from `prev_tokens` (async scheduling) has that token, which
-    the host has not seen, counted in its penalty history before it samples.
-    With scored rows (R > 0) the logits of the S sampling rows and the R scored rows are
-    one matmul, and `sampled.scored` holds their prompt logprobs (`score`). With
-    speculative proposals (k > 0) the k rows after each sequence's sampling row join
-    that matmul, and `sampled.spec` holds the verdicts (`paxkv.engine.spec_verify`);
-    `sampled.tokens` then still holds what each sequence's first row sampled. With a
-    draft model (`paxkv.engine.draft`) the draft runs first and its proposals fill
-    those rows.
+    Returns the samples padded to `max_num_seqs` rows (row i: the batch's sequence i), so
+    the next step can read its input tokens from them on the device; the last rows'
+    hidden states (`LastRows`) and every row's (f32[T, hidden]) for the samplers of
+    `resample_step`; and the cache. A row whose `token_src` is >= 0 (async scheduling)
+    runs the token the previous step sampled there, which the host has not seen.
     """
     model = nnx.merge(graphdef, params)
-    fed = prev_tokens[jnp.maximum(token_src, 0)]
-    tokens_in = jnp.where(token_src >= 0, fed, batch.tokens)
-    last = batch.logits_indices
-    sampling = add_to_history(batch.sampling, tokens_in[last], token_src[last] >= 0)
-    num_sampled, k = last.shape[0], batch.draft_tokens.shape[1]
-    # The rows whose logits the step reads: each sequence's last known token, its
-    # proposals' rows after it (speculative steps), and the scored rows.
-    draft_rows = jnp.minimum(last[:, None] + jnp.arange(1, k + 1), tokens_in.shape[0] - 1)
-    proposals, draft_probs = batch.draft_tokens, None
-    if draft_graphdef is not None:
-        proposals, draft_probs, draft_cache = draft_proposals(
-            nnx.merge(draft_graphdef, draft_params),
-            tokens_in,
-            batch.positions,
-            draft_cache,
-            batch.table,
-            last,
-            batch.draft_counts,
-            sampling,
-            k,
-            attention_backend=attention_backend,
-        )
-        valid = jnp.arange(k)[None, :] < batch.draft_counts[:, None]
-        rows = jnp.where(valid, draft_rows, tokens_in.shape[0])
-        tokens_in = tokens_in.at[rows.reshape(-1)].set(proposals.reshape(-1), mode="drop")
+    fed = prev_tokens[jnp.maximum(batch.token_src, 0)]
+    tokens_in = jnp.where(batch.token_src >= 0, fed, batch.tokens)
     # A model that routes experts always returns its routing (no second compiled
     # variant): it stays on the device unless a request asks (`ModelRunner.fetch_routing`).
-    logits, kv_cache, *routing = forward_logits(
-        model,
+    extra = {"return_routing": True} if getattr(model, "routes_experts", False) else {}
+    hidden, kv_cache, *routing = model(
         tokens_in,
         batch.positions,
         kv_cache,
         batch.table,
-        jnp.concatenate([last, draft_rows.reshape(-1), batch.score_rows]),
         attention_backend=attention_backend,
-        return_routing=getattr(model, "routes_experts", False),
+        **extra,
     )
+    last = batch.logits_indices
+    num_seqs = last.shape[0]
+    sampling = SamplingBatch(
+        batch.sampling_floats, batch.sampling_ints, jnp.zeros((3, num_seqs, 0), jnp.int32)
+    )
+    sampled = sample(model.logits(hidden[last]), sampling, num_logprobs=num_logprobs)
+    sampled = sampled.padded(prev_tokens.shape[0])
+    mesh = getattr(model, "mesh", None)
+    if routing:  # replicated on a mesh, so any process reads it whole
+        sampled = sampled.replace(routing=_replicated(routing[0], mesh))
+    # Replicated, like the next step's prev_tokens input.
+    sampled = sampled.replace(tokens=_replicated(sampled.tokens, mesh))
+    rows = LastRows(hidden[last], tokens_in[last], batch.token_src[last] >= 0, last)
+    return sampled, rows, hidden, kv_cache
+
+
+def resample_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    last: LastRows,
+    hidden: jax.Array | None,  # [T, hidden]; None when no row is scored or proposed
+    sampling_floats: jax.Array,  # f32[S, F]
+    sampling_ints: jax.Array,  # i32[S, I]
+    extras: StepExtras,
+    proposals: jax.Array,  # i32[S, k]; the extras' own, or a draft model's
+    draft_probs: jax.Array | None,  # f32[S, k, V]; None: n-gram proposals
+    *,
+    num_rows: int,
+    num_logprobs: int = 0,
+) -> Sampled:
+    """A step's samples when it has extras (`StepExtras`): each sequence's token with
+    its penalties, the scored rows' prompt logprobs (`sampled.scored`), the verdicts on
+    speculative proposals (`sampled.spec`, with `sampled.tokens` what each sequence's
+    first row sampled), padded to `num_rows` rows. A small program of the LM head and
+    the samplers, run right after the step's `forward_step`."""
+    model = nnx.merge(graphdef, params)
+    sampling = SamplingBatch(sampling_floats, sampling_ints, extras.penalty_history)
+    sampling = add_to_history(sampling, last.tokens, last.fed)
+    num_sampled, k = last.rows.shape[0], proposals.shape[1]
+    if hidden is None:
+        logits = model.logits(last.hidden)
+    else:
+        # The rows whose logits are read: each sequence's last known token, its
+        # proposals' rows after it, and the scored rows: one matmul.
+        draft_rows = jnp.minimum(last.rows[:, None] + jnp.arange(1, k + 1), hidden.shape[0] - 1)
+        rows = jnp.concatenate([last.rows, draft_rows.reshape(-1), extras.score_rows])
+        logits = model.logits(hidden[rows])
     sampled = sample(logits[:num_sampled], sampling, num_logprobs=num_logprobs)
     num_spec = num_sampled * (k + 1)
     if k:
@@ -249,34 +316,68 @@ def model_step(
             spec_logits,
             sampling,
             proposals,
-            batch.draft_counts,
+            extras.draft_counts,
             sampled.tokens,
             draft_probs=draft_probs,
             num_logprobs=num_logprobs,
         )
         sampled = sampled.replace(spec=spec)
-    if batch.score_rows.shape[0]:
-        scored = score(logits[num_spec:], batch.score_targets, num_logprobs=num_logprobs)
+    if extras.score_rows.shape[0]:
+        scored = score(logits[num_spec:], extras.score_targets, num_logprobs=num_logprobs)
         sampled = sampled.replace(scored=scored)
-    sampled = sampled.padded(prev_tokens.shape[0])
-    mesh = getattr(model, "mesh", None)
-    if routing:  # replicated on a mesh, so any process reads it whole
-        routing = routing[0]
-        if mesh is not None:
-            routing = jax.lax.with_sharding_constraint(routing, shardings.replicated(mesh))
-        sampled = sampled.replace(routing=routing)
-    if mesh is not None:  # replicated, like the next step's prev_tokens input
-        sampled = sampled.replace(
-            tokens=jax.lax.with_sharding_constraint(sampled.tokens, shardings.replicated(mesh))
-        )
-    return sampled, kv_cache, draft_cache
+    sampled = sampled.padded(num_rows)
+    return sampled.replace(tokens=_replicated(sampled.tokens, getattr(model, "mesh", None)))
 
 
-MODEL_STEP = jax.jit(
-    model_step,
+def draft_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: PagedKVCache,
+    batch: ForwardBatch,
+    prev_tokens: jax.Array,  # i32[max_num_seqs]
+    penalty_history: jax.Array,  # i32[3, S, H]
+    draft_counts: jax.Array,  # i32[S]
+    *,
+    attention_backend: str,
+    k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, PagedKVCache]:
+    """A draft model's part of a step (`paxkv.engine.draft`): it runs the step's tokens
+    and proposes up to k tokens after each sequence's last one. Returns the step's
+    tokens with the proposals in their rows (i32[T], what the target runs), the
+    proposals (i32[S, k]), their draft distributions (f32[S, k, V]) and its cache."""
+    model = nnx.merge(graphdef, params)
+    fed = prev_tokens[jnp.maximum(batch.token_src, 0)]
+    tokens_in = jnp.where(batch.token_src >= 0, fed, batch.tokens)
+    last = batch.logits_indices
+    sampling = SamplingBatch(batch.sampling_floats, batch.sampling_ints, penalty_history)
+    sampling = add_to_history(sampling, tokens_in[last], batch.token_src[last] >= 0)
+    proposals, draft_probs, cache = draft_proposals(
+        model,
+        tokens_in,
+        batch.positions,
+        cache,
+        batch.table,
+        last,
+        draft_counts,
+        sampling,
+        k,
+        attention_backend=attention_backend,
+    )
+    num_rows = tokens_in.shape[0]
+    draft_rows = jnp.minimum(last[:, None] + jnp.arange(1, k + 1), num_rows - 1)
+    valid = jnp.arange(k)[None, :] < draft_counts[:, None]
+    rows = jnp.where(valid, draft_rows, num_rows)
+    tokens_in = tokens_in.at[rows.reshape(-1)].set(proposals.reshape(-1), mode="drop")
+    return tokens_in, proposals, draft_probs, cache
+
+
+FORWARD = jax.jit(
+    forward_step,
     static_argnames=("attention_backend", "num_logprobs"),
-    donate_argnames=("kv_cache", "draft_cache"),
+    donate_argnames=("kv_cache",),
 )
+RESAMPLE = jax.jit(resample_step, static_argnames=("num_rows", "num_logprobs"))
+DRAFT = jax.jit(draft_step, static_argnames=("attention_backend", "k"), donate_argnames=("cache",))
 
 
 @struct.dataclass
@@ -288,7 +389,11 @@ class DecodeLimits:
 
     @classmethod
     def from_host(
-        cls, stops: list[tuple[int, ...]], remaining: list[int], size: int
+        cls,
+        stops: list[tuple[int, ...]],
+        remaining: list[int],
+        size: int,
+        sharding: Any = None,
     ) -> DecodeLimits:
         """Pads each sequence's stop ids (at most `MAX_STOP_IDS`) and token limit to `size` rows."""
         ids = np.full((size, MAX_STOP_IDS), -1, np.int32)
@@ -296,14 +401,23 @@ class DecodeLimits:
             ids[i, : len(s)] = s
         rem = np.zeros(size, np.int32)
         rem[: len(remaining)] = remaining
-        return cls(stop_ids=jnp.asarray(ids), remaining=jnp.asarray(rem))
+        return cls(*jax.device_put((ids, rem), sharding))
+
+    @classmethod
+    def abstract(cls, size: int, sharding: Any = None) -> DecodeLimits:
+        """The shapes and dtypes of `size` rows' limits (what the loop is lowered for)."""
+        return cls(
+            jax.ShapeDtypeStruct((size, MAX_STOP_IDS), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding),
+        )
 
 
 def decode_loop(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     kv_cache: PagedKVCache,
-    batch: StepBatch,  # of a decode-only plan: row s is sequence s
+    batch: ForwardBatch,  # of a decode-only plan: row s is sequence s
+    penalty_history: jax.Array,  # i32[3, S, H]
     limits: DecodeLimits,
     *,
     attention_backend: str,
@@ -314,6 +428,7 @@ def decode_loop(
     valid bool[N, S], kv_cache)`; `valid[i, s]` says sequence s produced token i. Each
     token a sequence samples joins its penalty history before its next iteration."""
     model = nnx.merge(graphdef, params)
+    sampling = SamplingBatch(batch.sampling_floats, batch.sampling_ints, penalty_history)
     table = batch.table
     num_rows = batch.tokens.shape[0]
     num_slots = table.kv_lens.shape[0]
@@ -361,7 +476,7 @@ def decode_loop(
         )
 
     shapes = jax.eval_shape(
-        lambda lg: sample(lg, batch.sampling, num_logprobs=num_logprobs),
+        lambda lg: sample(lg, sampling, num_logprobs=num_logprobs),
         jax.ShapeDtypeStruct((num_slots, model.config.vocab_size), jnp.float32),
     )
     out = jax.tree.map(lambda a: jnp.zeros((num_steps, *a.shape), a.dtype), shapes)
@@ -370,7 +485,7 @@ def decode_loop(
         first_tokens,
         table.kv_lens,
         live,
-        batch.sampling,
+        sampling,
         out,
         jnp.zeros((num_steps, num_slots), bool),
     )
@@ -383,4 +498,5 @@ DECODE_LOOP = jax.jit(
     static_argnames=("attention_backend", "num_steps", "num_logprobs"),
     donate_argnames=("kv_cache",),
 )
-COMPILED_FUNCTIONS = ("model_step", "decode_loop")  # what `CompileCounter` watches
+# What `CompileCounter` watches: the step's programs.
+COMPILED_FUNCTIONS = ("forward_step", "resample_step", "draft_step", "decode_loop")

@@ -154,9 +154,7 @@ class HostBatch:
     token_src: np.ndarray
     # i32[R] each: the packed rows whose prompt logprob is wanted (`score_spans`, in
     # plan order) and their target tokens; padded with row 0 and target 0. R = 0 when
-    # no chunk scores, else R = T (scored rows are some of the step's T rows), and the
-    # step carries penalty histories: each step shape has one scoring variant, which
-    # warm-up compiles (`EngineConfig.warmup_scoring`).
+    # no chunk scores, else R = T (scored rows are some of the step's T rows).
     score_rows: np.ndarray
     score_targets: np.ndarray
     # Speculative proposals: i32[S, k], sequence s's first draft_counts[s] entries are
@@ -184,9 +182,8 @@ def build_host_batch(
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
     in-flight step's output that holds the token the sequence's last row needs (a
     placeholder in the chunk's tokens; the columns carry theirs as `DecodeColumns.src`);
-    `token_src` points there. A step where a sequence with penalties samples, or that
-    scores prompt rows, carries histories of `history_length(P, page_size)` tokens, else
-    of none. A step where a chunk has speculative proposals carries them as
+    `token_src` points there. A step where a sequence with penalties samples carries
+    histories of `history_length(P, page_size)` tokens, else of none. A step where a chunk has speculative proposals carries them as
     `draft_tokens` of width `draft_width` (the most a chunk may have), else of width 0.
     """
     extra = plan.extra
@@ -290,9 +287,7 @@ def build_host_batch(
             histories[i] = seqs[i].penalty_history()
     # Only `extra` chunks score (the columns' decodes do not).
     score_rows, score_targets = _scored_rows(extra, cu[nd:], t_pad)
-    # A step that scores carries histories even with no penalties (rows of id -1 change
-    # nothing), so a shape has three variants, not four.
-    carries = score_rows.size > 0 or any(histories[i] is not None for i in penalised)
+    carries = any(histories[i] is not None for i in penalised)
     if carries or penalised:
         history = penalty_histories(
             histories, s_pad, history_length(p_pad, page_size) if carries else 0

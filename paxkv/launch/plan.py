@@ -34,11 +34,11 @@ from absl import flags
 from paxkv.launch import exit_with_error, list_in_help, run_app
 from paxkv.launch import flags as launch_flags
 from paxkv.launch.setups import ServingSetup
+from paxkv.models.decoder_config import DecoderConfig
 from paxkv.planner import capacity, kv_budget, parameters
 from paxkv.planner.capacity_report import CapacityReport, build_report, format_bytes
 from paxkv.planner.workloads import WORKLOAD_KINDS, Workload
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
-from paxkv.sharding.model_shape import ModelShape
 
 _KV_BUDGET_GIB = flags.DEFINE_float(
     "kv_budget_gib", None, "Bytes for the KV cache, in GiB (instead of --device)."
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> None:
         exit_with_error(problem, status=1)
 
 
-def _budget(model: ModelShape, mesh: MeshShape) -> kv_budget.KVBudget:
+def _budget(model: DecoderConfig, mesh: MeshShape) -> kv_budget.KVBudget:
     weights = parameters.weights_bytes(model, mesh=mesh)  # on each device
     if (_KV_BUDGET_GIB.value is None) == (_DEVICE.value is None):
         raise ValueError(

@@ -1,32 +1,63 @@
 """Models over the paged KV cache: the registered families (`registry.FAMILIES`: Llama,
-Gemma, the mixtures of experts: Mixtral, Qwen3-MoE, gpt-oss), their configs, presets, weights and tokenizers."""
+Gemma, the mixtures of experts: Mixtral, Qwen3-MoE, gpt-oss), their configs, presets, weights and tokenizers.
+
+Names load lazily, so the configs (`decoder_config.DecoderConfig` and each family's)
+import without JAX, for the capacity planner. Any other name imports the registry
+first, as importing the package did: every family's sharding rules are registered.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .family import Family, Model, ModelConfig
-from .gemma import GemmaForCausalLM
-from .gemma_config import GemmaConfig
-from .gpt_oss_config import GptOssConfig
-from .hf_fields import DTYPES
-from .layers import dense_causal_attention
-from .llama import LlamaForCausalLM
-from .llama_config import Llama3RopeScaling, LlamaConfig
-from .moe_config import MoeConfig
-from .moe_decoder import MoeForCausalLM
-from .registry import BYTE_LEVEL_PRESETS, FAMILIES, PRESETS, config_from_hf, init_model
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from .weights import (
-    CONFIG_FILE,
-    ORBAX_PARAMS_DIR,
-    load_hf_checkpoint,
-    read_hf_config,
-    read_json,
-    restore_params,
-    save_hf_checkpoint,
-    save_params,
+if TYPE_CHECKING:
+    from .decoder_config import DecoderConfig
+    from .family import Model
+    from .tokenizer import Tokenizer
+
+# Names by the module that defines them; those of `_WITHOUT_JAX` import no JAX.
+_LAZY = {
+    "DecoderConfig": "decoder_config",
+    "DTYPES": "hf_fields",
+    "GemmaConfig": "gemma_config",
+    "GptOssConfig": "gpt_oss_config",
+    "Llama3RopeScaling": "llama_config",
+    "LlamaConfig": "llama_config",
+    "MoeConfig": "moe_config",
+    "Family": "family",
+    "Model": "family",
+    "ModelConfig": "family",
+    "GemmaForCausalLM": "gemma",
+    "dense_causal_attention": "layers",
+    "LlamaForCausalLM": "llama",
+    "MoeForCausalLM": "moe_decoder",
+    "BYTE_LEVEL_PRESETS": "registry",
+    "FAMILIES": "registry",
+    "PRESETS": "registry",
+    "config_from_hf": "registry",
+    "init_model": "registry",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "CONFIG_FILE": "weights",
+    "ORBAX_PARAMS_DIR": "weights",
+    "load_hf_checkpoint": "weights",
+    "read_hf_config": "weights",
+    "read_json": "weights",
+    "restore_params": "weights",
+    "save_hf_checkpoint": "weights",
+    "save_params": "weights",
+}
+_WITHOUT_JAX = (
+    "decoder_config",
+    "hf_fields",
+    "gemma_config",
+    "gpt_oss_config",
+    "llama_config",
+    "moe_config",
 )
 
 # Trained checkpoints shipped inside the package, by name: `paxkv-train` writes tiny-py,
@@ -36,40 +67,16 @@ CHECKPOINTS = {"tiny-py": os.path.join(os.path.dirname(__file__), "checkpoints",
 # as {"tokenizer_class": "ByteTokenizer"} (the key of Hugging Face's file of this name).
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
-__all__ = [
-    "BYTE_LEVEL_PRESETS",
-    "CHECKPOINTS",
-    "CONFIG_FILE",
-    "DTYPES",
-    "FAMILIES",
-    "ORBAX_PARAMS_DIR",
-    "PRESETS",
-    "TOKENIZER_CONFIG_FILE",
-    "ByteTokenizer",
-    "Family",
-    "GemmaConfig",
-    "GemmaForCausalLM",
-    "GptOssConfig",
-    "HFTokenizer",
-    "Llama3RopeScaling",
-    "LlamaConfig",
-    "LlamaForCausalLM",
-    "Model",
-    "ModelConfig",
-    "MoeConfig",
-    "MoeForCausalLM",
-    "Tokenizer",
-    "config_from_hf",
-    "dense_causal_attention",
-    "init_model",
-    "load_hf_checkpoint",
-    "load_model",
-    "load_tokenizer",
-    "read_hf_config",
-    "restore_params",
-    "save_hf_checkpoint",
-    "save_params",
-]
+__all__ = sorted([*_LAZY, "CHECKPOINTS", "TOKENIZER_CONFIG_FILE", "load_model"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module not in _WITHOUT_JAX:
+        importlib.import_module(f"{__name__}.registry")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def load_model(
@@ -79,7 +86,7 @@ def load_model(
     seed: int = 0,
     mesh: Any = None,
     scan_layers: bool | None = None,
-) -> tuple[ModelConfig, Model, Tokenizer | None]:
+) -> tuple[DecoderConfig, Model, Tokenizer | None]:
     """`(config, model, tokenizer or None)` from a preset name or a local directory.
 
     A preset name gives a random model (`seed`); the byte-level ones (`BYTE_LEVEL_PRESETS`:
@@ -97,6 +104,10 @@ def load_model(
     unreadable tokenizer file, parameters holding NaN or inf; OSError for a file that
     cannot be opened.
     """
+    from .registry import BYTE_LEVEL_PRESETS, PRESETS, init_model
+    from .tokenizer import ByteTokenizer, load_tokenizer
+    from .weights import ORBAX_PARAMS_DIR, load_hf_checkpoint, read_hf_config, restore_params
+
     name = os.fspath(name_or_path)
     overrides = {k: v for k, v in (("dtype", dtype), ("scan_layers", scan_layers)) if v is not None}
     if name in PRESETS:
@@ -131,4 +142,6 @@ def _declares_byte_tokenizer(path: str) -> bool:
     file = os.path.join(path, TOKENIZER_CONFIG_FILE)
     if not os.path.isfile(file):
         return False
+    from .weights import read_json
+
     return read_json(file).get("tokenizer_class") == "ByteTokenizer"

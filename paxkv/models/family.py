@@ -1,63 +1,21 @@
-"""What a model family is: the config and model contracts every family meets, and
-`Family`, the one registry entry (`paxkv.models.registry`) that names its parts."""
+"""What a model family is: the model contract every family meets (its config's is
+`DecoderConfig`, in `decoder_config`), and `Family`, the one registry entry
+(`paxkv.models.registry`) that names its parts."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, Self
+from typing import Any, Protocol
 
 import jax
 
-from paxkv.sharding.model_shape import ModelShape
 from paxkv.sharding.shardings import SplitRule
 
-from . import hf_fields
+from .decoder_config import DecoderConfig
 
-
-class ModelConfig(ModelShape, Protocol):
-    """A family's typed, frozen config: what the engine, the loaders and the planner read.
-
-    Every family's config is a frozen dataclass with these fields, those of `ModelShape`
-    (the dimensions and dtype the planner reads), and its own; `from_hf(c.to_hf()) == c`.
-    """
-
-    max_position_embeddings: int
-    bos_token_id: int | None
-    eos_token_id: int | tuple[int, ...] | None
-    scan_layers: bool
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence ids as a tuple (empty when the model has none)."""
-
-    @property
-    def layer_sliding_windows(self) -> tuple[int | None, ...]:
-        """Each layer's attention window W (None: the whole prefix)."""
-
-    @property
-    def norm_params_per_layer(self) -> int:
-        """Parameters of one layer's norms (the planner counts them)."""
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with `changes` applied (`dataclasses.replace`)."""
-
-    def to_hf(self) -> dict[str, Any]:
-        """The Hugging Face `config.json` dict (`from_hf` reads it back)."""
-
-
-class ConfigBase:
-    """What every family's frozen config derives alike from the fields they share
-    (`ModelConfig`): the EOS ids as a tuple, and `replace`."""
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence ids as a tuple (empty when the model has none)."""
-        return hf_fields.eos_token_ids(self.eos_token_id)
-
-    def replace(self, **changes: Any) -> Self:
-        """A copy with `changes` applied (`dataclasses.replace`)."""
-        return dataclasses.replace(self, **changes)
+# The name the engine and the apps have known a family's config by.
+ModelConfig = DecoderConfig
 
 
 class Model(Protocol):
@@ -68,7 +26,7 @@ class Model(Protocol):
     head, `dense_logits` the dense oracle; `mesh` (static) runs attention per shard.
     """
 
-    config: ModelConfig
+    config: DecoderConfig
     mesh: Any
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
@@ -123,7 +81,7 @@ class Family:
     model_types: tuple[str, ...]
     config_class: type
     model_class: type
-    presets: Mapping[str, ModelConfig]
+    presets: Mapping[str, DecoderConfig]
     byte_level_presets: tuple[str, ...]
     sharding_rules: tuple[SplitRule, ...]
     hf_name: Callable[[tuple], tuple[str, bool]] = hf_name

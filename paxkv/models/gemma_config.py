@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
-from .family import ConfigBase
+from .decoder_config import DecoderConfig
 from .hf_fields import field as _field
 from .hf_fields import positive_or_null
 
@@ -16,9 +16,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer typ
 ACTIVATION = "gelu_pytorch_tanh"  # GeGLU with the tanh-approximate gelu
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmaConfig(ConfigBase):
-    """Shapes and numerics of one Gemma 2 or Gemma 3 text decoder.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmaConfig(DecoderConfig):
+    """Shapes and numerics of one Gemma 2 or Gemma 3 text decoder: the shared fields
+    (`DecoderConfig`, some with Gemma's defaults) and these.
 
     What sets them apart from the Llama family: GeGLU MLPs; RMSNorms that scale by
     `1 + weight`; a norm before and after both attention and the MLP; embeddings
@@ -32,35 +33,24 @@ class GemmaConfig(ConfigBase):
     `1 + weight` too) before RoPE. RoPE: full layers use `rope_theta` with its
     inverse frequencies divided by `rope_scaling_factor` (linear scaling; None is
     1), sliding layers `rope_local_theta` unscaled (Gemma 2: both the same).
+    `scan_layers` scans over the period of `layer_types`.
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     layer_types: tuple[str, ...]
-    sliding_window: int
+    # Required: a bare annotation would inherit the base's default (None).
+    sliding_window: int = dataclasses.field()
     query_pre_attn_scalar: int
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     qk_norm: bool = False
-    rope_theta: float = 10000.0
     rope_scaling_factor: float | None = None
     rope_local_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 8192
-    dtype: str = "bfloat16"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    # As `LlamaConfig.scan_layers`: scanned over the period of `layer_types`.
-    scan_layers: bool = False
 
     def __post_init__(self):
-        hf_fields.check_shared_fields(self)
+        super().__post_init__()
         hf_fields.check_positive(self, "rope_local_theta", "query_pre_attn_scalar")
         check_layer_types(self)
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "rope_scaling_factor"):
@@ -119,7 +109,14 @@ class GemmaConfig(ConfigBase):
             raise ValueError("attention_bias=True is not supported")
         if _field(hf, "use_bidirectional_attention", bool, default=False):
             raise ValueError("use_bidirectional_attention=True is not supported (causal only)")
-        num_layers = _field(hf, "num_hidden_layers", int)
+        shared = cls.shared_from_hf(
+            hf,
+            num_kv_heads=hf_fields.REQUIRED,
+            head_dim=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072 if gemma3 else 8192,
+        )
         attn_cap = positive_or_null(hf, "attn_logit_softcapping", None if gemma3 else 50.0)
         if gemma3 and attn_cap is not None:
             raise ValueError(
@@ -128,14 +125,8 @@ class GemmaConfig(ConfigBase):
             )
         theta, factor, local_theta = (_gemma3_rope if gemma3 else _gemma2_rope)(hf)
         return cls(
-            vocab_size=_field(hf, "vocab_size", int),
-            hidden_size=_field(hf, "hidden_size", int),
-            intermediate_size=_field(hf, "intermediate_size", int),
-            num_layers=num_layers,
-            num_heads=_field(hf, "num_attention_heads", int),
-            num_kv_heads=_field(hf, "num_key_value_heads", int),
-            head_dim=_field(hf, "head_dim", int, default=256),
-            layer_types=_layer_types(hf, num_layers, gemma3),
+            **shared,
+            layer_types=_layer_types(hf, shared["num_layers"], gemma3),
             sliding_window=_field(hf, "sliding_window", int, default=4096),
             query_pre_attn_scalar=_field(hf, "query_pre_attn_scalar", int, default=256),
             attn_logit_softcapping=attn_cap,
@@ -146,14 +137,6 @@ class GemmaConfig(ConfigBase):
             rope_theta=theta,
             rope_scaling_factor=factor,
             rope_local_theta=local_theta,
-            rms_norm_eps=_field(hf, "rms_norm_eps", float, default=1e-6),
-            tie_word_embeddings=_field(hf, "tie_word_embeddings", bool, default=True),
-            max_position_embeddings=_field(
-                hf, "max_position_embeddings", int, default=131072 if gemma3 else 8192
-            ),
-            dtype=hf_fields.dtype(hf),
-            bos_token_id=_field(hf, "bos_token_id", int, default=None, minimum=0),
-            eos_token_id=hf_fields.eos_token_id(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -174,7 +157,7 @@ class GemmaConfig(ConfigBase):
         hf = {
             "model_type": self.model_type,
             "architectures": ["Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM"],
-            **hf_fields.shared_to_hf(self),
+            **super().to_hf(),
             "hidden_activation": ACTIVATION,
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
@@ -214,8 +197,7 @@ def _layer_types(hf: Mapping[str, Any], num_layers: int, gemma3: bool) -> tuple[
 
 def _gemma2_rope(hf: Mapping[str, Any]) -> tuple[float, None, float]:
     """`(theta, None, theta)`: Gemma 2 has one unscaled RoPE for every layer."""
-    rope = dict(_field(hf, "rope_parameters", dict, default={}))
-    rope.update(_field(hf, "rope_scaling", dict, default={}))
+    rope = hf_fields.rope_parameters(hf)
     theta, factor = _rope_of(rope, "rope_parameters", _field(hf, "rope_theta", float, default=None))
     if factor is not None:
         raise ValueError("gemma2 rope_type='linear' is not supported")
@@ -268,9 +250,9 @@ def _rope_of(
 
 def check_layer_types(config: Any) -> None:
     """ValueError showing the value unless `config.layer_types` gives each of its
-    `num_layers` layers `SLIDING` or `FULL` and its `sliding_window` is positive (Gemma
+    `num_layers` layers `SLIDING` or `FULL` and its sliding layers have a window (Gemma
     2/3, gpt-oss); a list becomes a tuple."""
-    if config.sliding_window < 1:
+    if config.sliding_window is None:
         raise ValueError(f"sliding_window={config.sliding_window} must be positive")
     if isinstance(config.layer_types, list):
         object.__setattr__(config, "layer_types", tuple(config.layer_types))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
-from .family import ConfigBase
+from .decoder_config import DecoderConfig
 from .gemma_config import FULL, SLIDING, check_layer_types, windows_by_layer_type
 from .hf_fields import field as _field
 from .moe_config import check_experts
@@ -36,9 +36,10 @@ class YarnRope:
             raise ValueError(f"rope_scaling.{e}") from None
 
 
-@dataclasses.dataclass(frozen=True)
-class GptOssConfig(ConfigBase):
-    """Shapes and numerics of one gpt-oss decoder.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GptOssConfig(DecoderConfig):
+    """Shapes and numerics of one gpt-oss decoder: the shared fields (`DecoderConfig`,
+    some with gpt-oss's defaults) and these.
 
     A mixture of experts (`paxkv.models.moe`, `ExpertForm.gpt_oss`): a router with a
     bias picks `num_experts_per_tok` of `num_experts` experts by logit and weighs them
@@ -52,13 +53,6 @@ class GptOssConfig(ConfigBase):
     plain RoPE of `rope_theta`).
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # of each expert
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     num_experts: int
     num_experts_per_tok: int
     layer_types: tuple[str, ...]
@@ -68,14 +62,8 @@ class GptOssConfig(ConfigBase):
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     attention_bias: bool = True
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
     max_position_embeddings: int = 131072
-    dtype: str = "bfloat16"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
     grouped_matmul: str = "auto"
-    scan_layers: bool = False
 
     model_type = "gpt_oss"
     # The softmax over the top-k logits: the top-k probabilities renormalised.
@@ -83,7 +71,7 @@ class GptOssConfig(ConfigBase):
     attention_sinks = True
 
     def __post_init__(self):
-        hf_fields.check_shared_fields(self)
+        super().__post_init__()
         hf_fields.check_positive(self, "swiglu_limit", "swiglu_alpha")
         check_layer_types(self)
         check_experts(self)
@@ -92,11 +80,6 @@ class GptOssConfig(ConfigBase):
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window W (None: the whole prefix)."""
         return windows_by_layer_type(self)
-
-    @property
-    def norm_params_per_layer(self) -> int:
-        """Parameters of a layer's norms: two RMSNorms."""
-        return 2 * self.hidden_size
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> GptOssConfig:
@@ -119,37 +102,30 @@ class GptOssConfig(ConfigBase):
                 "supported; load bfloat16 weights (transformers dequantizes MXFP4 with "
                 "Mxfp4Config(dequantize=True), then save_pretrained)"
             )
-        rope = dict(_field(hf, "rope_parameters", dict, default={}))
-        rope.update(_field(hf, "rope_scaling", dict, default={}))
-        rope_theta = _field(hf, "rope_theta", float, default=None)
-        if rope_theta is None:
-            rope_theta = _field(rope, "rope_theta", float, default=150000.0, parent="rope_scaling")
-        num_layers = _field(hf, "num_hidden_layers", int, default=36)
-        default_types = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
-        num_heads = _field(hf, "num_attention_heads", int, default=64)
+        shared = cls.shared_from_hf(
+            hf,
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_layers=36,
+            num_heads=64,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+        )
+        default_types = [SLIDING if i % 2 == 0 else FULL for i in range(shared["num_layers"])]
+        rope = hf_fields.rope_parameters(hf)
         return cls(
-            vocab_size=_field(hf, "vocab_size", int, default=201088),
-            hidden_size=_field(hf, "hidden_size", int, default=2880),
-            intermediate_size=_field(hf, "intermediate_size", int, default=2880),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=_field(hf, "num_key_value_heads", int, default=num_heads),
-            head_dim=_field(hf, "head_dim", int, default=64),
+            **shared,
             num_experts=_field(hf, "num_local_experts", int, default=128),
             num_experts_per_tok=_field(hf, "num_experts_per_tok", int, default=4),
             layer_types=tuple(_field(hf, "layer_types", list, default=default_types)),
             sliding_window=_field(hf, "sliding_window", int, default=128),
-            rope_theta=rope_theta,
+            rope_theta=hf_fields.rope_theta(hf, rope, default=150000.0),
             rope_scaling=_parse_yarn(rope),
             swiglu_limit=_field(hf, "swiglu_limit", float, default=7.0),
             swiglu_alpha=_field(hf, "swiglu_alpha", float, default=1.702),
             attention_bias=_field(hf, "attention_bias", bool, default=True),
-            rms_norm_eps=_field(hf, "rms_norm_eps", float, default=1e-5),
-            tie_word_embeddings=_field(hf, "tie_word_embeddings", bool, default=False),
-            max_position_embeddings=_field(hf, "max_position_embeddings", int, default=131072),
-            dtype=hf_fields.dtype(hf),
-            bos_token_id=_field(hf, "bos_token_id", int, default=None, minimum=0),
-            eos_token_id=hf_fields.eos_token_id(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -161,7 +137,7 @@ class GptOssConfig(ConfigBase):
         return {
             "model_type": "gpt_oss",
             "architectures": ["GptOssForCausalLM"],
-            **hf_fields.shared_to_hf(self),
+            **super().to_hf(),
             "num_local_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "layer_types": list(self.layer_types),

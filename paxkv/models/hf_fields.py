@@ -94,17 +94,21 @@ def dtype(hf: Mapping[str, Any]) -> str:
     return value
 
 
-# The sizes every family's config has, each at least 1.
-SIZE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "max_position_embeddings",
-)
+def rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE's parameters as one dict: transformers 5's `rope_parameters`, with
+    transformers 4's `rope_scaling` over them."""
+    rope = dict(field(hf, "rope_parameters", dict, default={}))
+    rope.update(field(hf, "rope_scaling", dict, default={}))
+    return rope
+
+
+def rope_theta(hf: Mapping[str, Any], rope: Mapping[str, Any], default: float) -> float:
+    """The RoPE base: `rope_theta` (transformers 4), else that of `rope`
+    (`rope_parameters`, transformers 5), else `default`."""
+    theta = field(hf, "rope_theta", float, default=None)
+    if theta is None:
+        theta = field(rope, "rope_theta", float, default=default, parent="rope_parameters")
+    return theta
 
 
 def check_positive(config: Any, *names: str) -> None:
@@ -117,59 +121,3 @@ def check_positive(config: Any, *names: str) -> None:
             raise ValueError(f"{name}={value!r} must be a number")
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name}={value} must be a finite number > 0")
-
-
-def check_shared_fields(config: Any) -> None:
-    """The checks every family's frozen config makes on the fields they share (dtype,
-    sizes, heads, head dim, norm epsilon, RoPE base); a list `eos_token_id` becomes a
-    tuple. ValueError showing the value."""
-    if config.dtype not in DTYPES:
-        raise ValueError(f"dtype={config.dtype!r} must be one of {DTYPES}")
-    for name in SIZE_FIELDS:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    check_positive(config, "rms_norm_eps", "rope_theta")
-    if config.num_kv_heads < 1 or config.num_heads % config.num_kv_heads:
-        raise ValueError(
-            f"num_heads={config.num_heads} must be a multiple of num_kv_heads={config.num_kv_heads}"
-        )
-    if config.head_dim % 2:
-        raise ValueError(f"head_dim={config.head_dim} must be even for RoPE")
-    if isinstance(config.eos_token_id, list):
-        object.__setattr__(config, "eos_token_id", tuple(config.eos_token_id))
-
-
-def eos_to_hf(eos: int | tuple[int, ...] | None) -> int | list[int] | None:
-    """`eos_token_id` as `config.json` writes it (a tuple becomes a list)."""
-    return list(eos) if isinstance(eos, tuple) else eos
-
-
-def eos_token_ids(eos: int | tuple[int, ...] | None) -> tuple[int, ...]:
-    """The end-of-sequence ids of a config's `eos_token_id`, as a tuple (empty for None)."""
-    if eos is None:
-        return ()
-    if isinstance(eos, int):
-        return (eos,)
-    return tuple(eos)
-
-
-def shared_to_hf(config: Any) -> dict[str, Any]:
-    """The `config.json` entries of the fields every family writes alike: sizes, heads,
-    norm epsilon, tied embeddings, dtype and the special tokens (`from_hf` reads them
-    back)."""
-    return {
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "max_position_embeddings": config.max_position_embeddings,
-        "torch_dtype": config.dtype,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": eos_to_hf(config.eos_token_id),
-    }

@@ -21,7 +21,7 @@ from flax import nnx
 from paxkv.sharding.shardings import COLUMN, ROW, SplitRule
 
 from . import layer_stack
-from .family import ModelConfig
+from .decoder_config import DecoderConfig
 from .llama_config import Llama3RopeScaling
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for these models
@@ -151,14 +151,14 @@ def dense_causal_attention(
     return jnp.einsum("hqk,khd->qhd", p, v, precision=hi).astype(q.dtype)
 
 
-def matmul_precision(config: ModelConfig) -> jax.lax.Precision:
+def matmul_precision(config: DecoderConfig) -> jax.lax.Precision:
     """HIGHEST for float32 models (the test dtype: exact on TPU and GPU too), else DEFAULT."""
     if config.dtype == "float32":
         return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.DEFAULT
 
 
-def linear(config: ModelConfig, d_in: int, d_out: int, *, bias: bool, rngs) -> nnx.Linear:
+def linear(config: DecoderConfig, d_in: int, d_out: int, *, bias: bool, rngs) -> nnx.Linear:
     """A `[d_in, d_out]` projection in the config's dtype, normal(0.02) initialised."""
     return nnx.Linear(
         d_in,
@@ -178,7 +178,7 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:  # f32, x's shape
     return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
-def embedding(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Embed:
+def embedding(config: DecoderConfig, *, rngs: nnx.Rngs) -> nnx.Embed:
     """The token embedding `[vocab, hidden]`, normal(0.02) initialised."""
     return nnx.Embed(
         config.vocab_size,
@@ -190,7 +190,7 @@ def embedding(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Embed:
     )
 
 
-def lm_head(config: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Linear | None:
+def lm_head(config: DecoderConfig, *, rngs: nnx.Rngs) -> nnx.Linear | None:
     """The output projection, or None when it is tied to the embedding."""
     if config.tie_word_embeddings:
         return None
@@ -225,7 +225,7 @@ class RMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """A gated MLP, `down(act(gate(x)) * up(x))`: SwiGLU (silu) or GeGLU (gelu)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, activation: str = "silu"):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, activation: str = "silu"):
         h, m = config.hidden_size, config.intermediate_size
         self.gate_proj = linear(config, h, m, bias=False, rngs=rngs)
         self.up_proj = linear(config, h, m, bias=False, rngs=rngs)
@@ -250,7 +250,7 @@ class Attention(nnx.Module):
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: DecoderConfig,
         *,
         rngs: nnx.Rngs,
         bias: bool = False,
@@ -338,7 +338,7 @@ class CausalLM(nnx.Module):
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: DecoderConfig,
         make_layer: Callable[[], nnx.Module],
         *,
         norm_class: type = RMSNorm,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
-from .family import ConfigBase
+from .decoder_config import DecoderConfig
 from .hf_fields import field as _field
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,52 +39,21 @@ class Llama3RopeScaling:
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig(ConfigBase):
-    """Shapes and numerics of one decoder-only Llama-family model.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(DecoderConfig):
+    """Shapes and numerics of one decoder-only Llama-family model: the shared fields
+    (`DecoderConfig`) and these.
 
-    `attention_bias` means Qwen2's layout: q/k/v projections with bias, o_proj
-    without. `qk_norm` means Qwen3's: an RMSNorm over the head dim of every q and k
-    head (one weight per projection, shared by its heads), after the projection and
-    before RoPE. `sliding_window=W` lets each token see itself and the W - 1 tokens
-    before it (Mistral); None attends to the whole prefix. `dtype` is the parameter
-    and activation dtype; `scan_layers` how the layers run (`paxkv.models.layer_stack`).
-    `eos_token_id` is an int or a tuple of ints (Llama 3 has
-    several); `eos_token_ids` always gives the tuple.
+    `rope_scaling` is Llama 3.1's stretch of the RoPE frequencies (None: plain RoPE of
+    `rope_theta`). `attention_bias` means Qwen2's layout: q/k/v projections with bias,
+    o_proj without. `qk_norm` means Qwen3's: an RMSNorm over the head dim of every q
+    and k head (one weight per projection, shared by its heads), after the projection
+    and before RoPE. `sliding_window` is Mistral's, on every layer.
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
     rope_scaling: Llama3RopeScaling | None = None
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None
-    max_position_embeddings: int = 4096
-    dtype: str = "bfloat16"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    # How the layers are held and run, not what they compute (not in config.json):
-    # True stacks each parameter over the layers ([L, ...]) and runs them as one
-    # `lax.scan` over a cache stacked the same way, so a step compiles one layer, not L.
-    scan_layers: bool = False
-
-    def __post_init__(self):
-        hf_fields.check_shared_fields(self)
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
-
-    @property
-    def layer_sliding_windows(self) -> tuple[int | None, ...]:
-        """Each layer's attention window W (None: the whole prefix); one for all here."""
-        return (self.sliding_window,) * self.num_layers
 
     @property
     def norm_params_per_layer(self) -> int:
@@ -119,46 +88,25 @@ class LlamaConfig(ConfigBase):
             raise ValueError(
                 f"{model_type} use_sliding_window=True (per-layer windows) is not supported"
             )
-        attention_bias, qk_norm = model_type == "qwen2", model_type == "qwen3"
+        qk_norm = model_type == "qwen3"
         sliding_window = None
         if model_type == "mistral":
             sliding_window = _field(hf, "sliding_window", int, default=None)
-        # transformers >= 5 folds rope_theta and the scaling into `rope_parameters`.
-        rope = dict(_field(hf, "rope_parameters", dict, default={}))
-        rope.update(_field(hf, "rope_scaling", dict, default={}))
-        num_heads = _field(hf, "num_attention_heads", int)
-        hidden_size = _field(hf, "hidden_size", int)
-        # Qwen3's head_dim is its own (128), not hidden_size / heads; transformers'
-        # class default stands in when the file omits it.
-        default_head_dim = 128 if qk_norm else hidden_size // num_heads
-        if hf.get("head_dim") is None and not qk_norm and hidden_size % num_heads:
-            raise ValueError(
-                f"field 'hidden_size'={hidden_size} is not a multiple of "
-                f"num_attention_heads={num_heads}, and there is no head_dim to say the "
-                "heads' width"
-            )
-        rope_theta = _field(hf, "rope_theta", float, default=None)
-        if rope_theta is None:
-            rope_theta = _field(rope, "rope_theta", float, default=10000.0, parent="rope_scaling")
+        rope = hf_fields.rope_parameters(hf)
         return cls(
-            vocab_size=_field(hf, "vocab_size", int),
-            hidden_size=hidden_size,
-            intermediate_size=_field(hf, "intermediate_size", int),
-            num_layers=_field(hf, "num_hidden_layers", int),
-            num_heads=num_heads,
-            num_kv_heads=_field(hf, "num_key_value_heads", int, default=num_heads),
-            head_dim=_field(hf, "head_dim", int, default=default_head_dim),
-            rope_theta=rope_theta,
+            # Qwen3's head_dim is its own (128), not hidden_size / heads; transformers'
+            # class default stands in when the file omits it.
+            **cls.shared_from_hf(
+                hf,
+                head_dim=128 if qk_norm else None,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=4096,
+            ),
+            rope_theta=hf_fields.rope_theta(hf, rope, default=10000.0),
             rope_scaling=_parse_rope_scaling(rope),
-            rms_norm_eps=_field(hf, "rms_norm_eps", float, default=1e-6),
-            tie_word_embeddings=_field(hf, "tie_word_embeddings", bool, default=False),
-            attention_bias=attention_bias,
+            attention_bias=model_type == "qwen2",
             qk_norm=qk_norm,
             sliding_window=sliding_window,
-            max_position_embeddings=_field(hf, "max_position_embeddings", int, default=4096),
-            dtype=hf_fields.dtype(hf),
-            bos_token_id=_field(hf, "bos_token_id", int, default=None, minimum=0),
-            eos_token_id=hf_fields.eos_token_id(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -195,7 +143,7 @@ class LlamaConfig(ConfigBase):
                     "qwen3": "Qwen3ForCausalLM",
                 }[model_type]
             ],
-            **hf_fields.shared_to_hf(self),
+            **super().to_hf(),
             "hidden_act": "silu",
             "rope_theta": self.rope_theta,
             "rope_scaling": None,

@@ -39,7 +39,7 @@ from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MODEL_AXIS
 from paxkv.sharding.shardings import COLUMN, EXPERT, ROW, SplitRule
 
-from .family import ModelConfig
+from .decoder_config import DecoderConfig
 from .layers import INIT_STD, linear, matmul_precision
 from .moe_config import GROUPED_MATMULS
 
@@ -281,7 +281,7 @@ class Experts(nnx.Module):
     """`num_experts` gated MLPs, each projection stacked over the experts (`[E, in, out]`,
     as NNX kernels), named and shaped as `form` says."""
 
-    def __init__(self, config: ModelConfig, form: ExpertForm, *, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, form: ExpertForm, *, rngs: nnx.Rngs):
         e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
         width = i * (2 if len(form.inputs) == 1 else 1)
         init = nnx.initializers.normal(INIT_STD)
@@ -306,7 +306,7 @@ class MoE(nnx.Module):
     weights), `grouped_matmul`, `dtype`.
     """
 
-    def __init__(self, config: ModelConfig, form: ExpertForm, *, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, form: ExpertForm, *, rngs: nnx.Rngs):
         h, e = config.hidden_size, config.num_experts
         setattr(self, form.router, linear(config, h, e, bias=form.router_bias, rngs=rngs))
         self.experts = Experts(config, form, rngs=rngs)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import hf_fields
-from .family import ConfigBase
+from .decoder_config import DecoderConfig
 from .hf_fields import field as _field
 
 HF_MODEL_TYPES = ("mixtral", "qwen3_moe")
@@ -31,9 +31,10 @@ def check_experts(config: Any) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class MoeConfig(ConfigBase):
-    """Shapes and numerics of one Mixtral or Qwen3-MoE decoder.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig(DecoderConfig):
+    """Shapes and numerics of one Mixtral or Qwen3-MoE decoder: the shared fields
+    (`DecoderConfig`, some with these families' defaults) and these.
 
     The Llama-family decoder (`LlamaConfig`) with every layer's MLP replaced by
     `num_experts` gated-MLP experts of `intermediate_size` hidden features each (Hugging
@@ -42,51 +43,29 @@ class MoeConfig(ConfigBase):
     its logits at the top k, renormalised over them when `norm_topk_prob` (always in
     Mixtral). `qk_norm` means Qwen3-MoE's q/k RMSNorms (and its Hugging Face names),
     `sliding_window` Mixtral's window (None: the whole prefix). `grouped_matmul` (not in
-    config.json) is how the experts multiply (`moe.GROUPED_MATMULS`), `scan_layers` how
-    the layers run (`paxkv.models.layer_stack`).
+    config.json) is how the experts multiply (`moe.GROUPED_MATMULS`).
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # of each expert
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     num_experts: int
     num_experts_per_tok: int
     norm_topk_prob: bool = True
     qk_norm: bool = False
     rope_theta: float = 1000000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    sliding_window: int | None = None
     max_position_embeddings: int = 32768
-    dtype: str = "bfloat16"
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
     grouped_matmul: str = "auto"
-    scan_layers: bool = False
 
     # What this decoder shares with gpt-oss's (`MoeForCausalLM` reads both): neither.
     attention_bias = False
     attention_sinks = False
 
     def __post_init__(self):
-        hf_fields.check_shared_fields(self)
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
+        super().__post_init__()
         check_experts(self)
 
     @property
     def model_type(self) -> str:
         """The Hugging Face model type: qwen3_moe with q/k norms, mixtral otherwise."""
         return "qwen3_moe" if self.qk_norm else "mixtral"
-
-    @property
-    def layer_sliding_windows(self) -> tuple[int | None, ...]:
-        """Each layer's attention window W (None: the whole prefix); one for all here."""
-        return (self.sliding_window,) * self.num_layers
 
     @property
     def norm_params_per_layer(self) -> int:
@@ -113,16 +92,10 @@ class MoeConfig(ConfigBase):
             raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU)")
         if _field(hf, "attention_bias", bool, default=False):
             raise ValueError(f"{model_type} attention_bias=True is not supported")
-        rope = dict(_field(hf, "rope_parameters", dict, default={}))
-        rope.update(_field(hf, "rope_scaling", dict, default={}))
+        rope = hf_fields.rope_parameters(hf)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default'")
-        rope_theta = _field(hf, "rope_theta", float, default=None)
-        if rope_theta is None:
-            rope_theta = _field(
-                rope, "rope_theta", float, default=1000000.0, parent="rope_parameters"
-            )
         qwen = model_type == "qwen3_moe"
         if qwen:
             if _field(hf, "use_sliding_window", bool, default=False):
@@ -134,40 +107,23 @@ class MoeConfig(ConfigBase):
                     f"qwen3_moe decoder_sparse_step={step}, mlp_only_layers={dense}: layers "
                     "with a dense MLP are not supported (every layer must be sparse)"
                 )
-        num_heads = _field(hf, "num_attention_heads", int)
-        hidden_size = _field(hf, "hidden_size", int)
-        default_head_dim = 128 if qwen else hidden_size // num_heads
-        if hf.get("head_dim") is None and not qwen and hidden_size % num_heads:
-            raise ValueError(
-                f"field 'hidden_size'={hidden_size} is not a multiple of "
-                f"num_attention_heads={num_heads}, and there is no head_dim to say the "
-                "heads' width"
-            )
         experts_key = "num_experts" if qwen else "num_local_experts"
         if qwen and hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
             experts_key = "num_local_experts"  # as transformers writes it (an attribute map)
         return cls(
-            vocab_size=_field(hf, "vocab_size", int),
-            hidden_size=hidden_size,
-            intermediate_size=_field(
-                hf, "moe_intermediate_size" if qwen else "intermediate_size", int
+            **cls.shared_from_hf(
+                hf,
+                intermediate_size_key="moe_intermediate_size" if qwen else "intermediate_size",
+                head_dim=128 if qwen else None,
+                rms_norm_eps=1e-6 if qwen else 1e-5,
+                max_position_embeddings=32768,
             ),
-            num_layers=_field(hf, "num_hidden_layers", int),
-            num_heads=num_heads,
-            num_kv_heads=_field(hf, "num_key_value_heads", int, default=num_heads),
-            head_dim=_field(hf, "head_dim", int, default=default_head_dim),
             num_experts=_field(hf, experts_key, int),
             num_experts_per_tok=_field(hf, "num_experts_per_tok", int),
             norm_topk_prob=_field(hf, "norm_topk_prob", bool, default=False) if qwen else True,
             qk_norm=qwen,
-            rope_theta=rope_theta,
-            rms_norm_eps=_field(hf, "rms_norm_eps", float, default=1e-6 if qwen else 1e-5),
-            tie_word_embeddings=_field(hf, "tie_word_embeddings", bool, default=False),
+            rope_theta=hf_fields.rope_theta(hf, rope, default=1000000.0),
             sliding_window=None if qwen else _field(hf, "sliding_window", int, default=None),
-            max_position_embeddings=_field(hf, "max_position_embeddings", int, default=32768),
-            dtype=hf_fields.dtype(hf),
-            bos_token_id=_field(hf, "bos_token_id", int, default=None, minimum=0),
-            eos_token_id=hf_fields.eos_token_id(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -185,7 +141,7 @@ class MoeConfig(ConfigBase):
         hf = {
             "model_type": model_type,
             "architectures": [_ARCHITECTURES[model_type]],
-            **hf_fields.shared_to_hf(self),
+            **super().to_hf(),
             "num_local_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "hidden_act": "silu",

@@ -16,7 +16,8 @@ from flax import nnx
 from paxkv.sharding import shardings
 
 from . import gemma, gpt_oss, llama, moe_decoder
-from .family import Family, Model, ModelConfig
+from .decoder_config import DecoderConfig
+from .family import Family, Model
 from .hf_fields import field
 
 FAMILIES: tuple[Family, ...] = (
@@ -51,11 +52,11 @@ for _family in FAMILIES:
     shardings.register_param_rules(_family.config_class, _family.sharding_rules)
 
 # Every preset by name (random weights from `load_model`), and those with byte ids.
-PRESETS: dict[str, ModelConfig] = {n: c for f in FAMILIES for n, c in f.presets.items()}
+PRESETS: dict[str, DecoderConfig] = {n: c for f in FAMILIES for n, c in f.presets.items()}
 BYTE_LEVEL_PRESETS: tuple[str, ...] = tuple(n for f in FAMILIES for n in f.byte_level_presets)
 
 
-def family_of(config: ModelConfig) -> Family:
+def family_of(config: DecoderConfig) -> Family:
     """The family whose config class `config` is; ValueError for an unregistered one."""
     family = _BY_CONFIG.get(type(config))
     if family is None:
@@ -63,12 +64,12 @@ def family_of(config: ModelConfig) -> Family:
     return family
 
 
-def model_class(config: ModelConfig) -> type[Model]:
+def model_class(config: DecoderConfig) -> type[Model]:
     """The NNX model class of `config`'s family."""
     return family_of(config).model_class
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
     """The config of a Hugging Face `config.json` dict, by its `model_type`.
 
     ValueError naming the field, as each family's `from_hf` does, and for a model type
@@ -82,7 +83,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     return _BY_MODEL_TYPE[model_type].config_class.from_hf(hf)
 
 
-def init_model(config: ModelConfig, seed: int = 0, *, mesh: Any = None) -> Model:
+def init_model(config: DecoderConfig, seed: int = 0, *, mesh: Any = None) -> Model:
     """A randomly initialised model (normal(0.02) weights, identity norms, zero biases).
 
     With a `mesh` (`paxkv.sharding`), the weights are initialised under `jit` directly

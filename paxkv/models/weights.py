@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from . import layer_stack
-from .family import EXPERT_INDEX, Model, ModelConfig
+from .decoder_config import DecoderConfig
+from .family import EXPERT_INDEX, Model
 from .registry import config_from_hf, family_of, model_class
 
 CONFIG_FILE = "config.json"
@@ -43,7 +44,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _FLOAT_DTYPE_PREFIXES = ("F", "BF")
 
 
-def _abstract_model(config: ModelConfig):
+def _abstract_model(config: DecoderConfig):
     """`(graphdef, state)` of the model with ShapeDtypeStruct leaves; allocates nothing."""
     cls = model_class(config)
     return nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
@@ -58,7 +59,7 @@ class _Param(NamedTuple):
     var: nnx.Variable
 
 
-def _hf_params(state, config: ModelConfig) -> Iterator[_Param]:
+def _hf_params(state, config: DecoderConfig) -> Iterator[_Param]:
     """Every parameter of `state` (of a model of `config`) with the Hugging Face
     tensors it is made of."""
     hf_name = family_of(config).hf_name
@@ -86,7 +87,7 @@ def read_json(file: str) -> dict[str, Any]:
     return value
 
 
-def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+def read_hf_config(path: str | os.PathLike) -> DecoderConfig:
     """The config (of the family registered for its model type) of checkpoint
     directory `path`'s `config.json`.
 
@@ -184,7 +185,7 @@ def load_hf_checkpoint(
     mesh: Any = None,
     stats: dict[str, int] | None = None,
     scan_layers: bool | None = None,
-) -> tuple[ModelConfig, Model]:
+) -> tuple[DecoderConfig, Model]:
     """Loads a local Hugging Face checkpoint directory (single-file or sharded safetensors).
 
     The parameters are cast to `dtype` (default: the config's `torch_dtype`);
@@ -295,7 +296,7 @@ def _read_slice(f, file: str, name: str):
         raise ValueError(f"{file}: cannot read tensor {name} ({e})") from e
 
 
-def _sharding_of(var: nnx.Variable, path: tuple, config: ModelConfig, mesh: Any):
+def _sharding_of(var: nnx.Variable, path: tuple, config: DecoderConfig, mesh: Any):
     """The NamedSharding of the parameter `var` at NNX `path` on `mesh`."""
     from jax.sharding import NamedSharding
 
@@ -367,7 +368,7 @@ def save_params(model: Model, path: str | os.PathLike) -> None:
         checkpointer.save(os.path.join(path, ORBAX_PARAMS_DIR), state)
 
 
-def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh: Any = None) -> Model:
+def restore_params(config: DecoderConfig, path: str | os.PathLike, *, mesh: Any = None) -> Model:
     """The model whose parameters `save_params` wrote under `path`, in `config.dtype`.
 
     With a `mesh`, each parameter goes from the host straight to its sharding (each

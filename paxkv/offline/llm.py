@@ -107,10 +107,14 @@ class LLM:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        num_shapes = len(self.engine.config.buckets().shapes())
-        bar = tqdm(total=num_shapes, desc="Compiling step shapes", unit="shape")
+        bar = tqdm(desc="Compiling step programs", unit="program")
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
         with bar, logging_above_bars():
-            self.engine.warmup(progress=lambda done, total: bar.update(done - bar.n))
+            self.engine.warmup(progress=progress)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (None when it has none)."""

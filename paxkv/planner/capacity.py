@@ -34,16 +34,16 @@ from typing import Any
 import numpy as np
 
 from paxkv.host.kv_groups import KVCacheGroups
+from paxkv.models.decoder_config import DecoderConfig
 from paxkv.pallas_kernels.layout import cdiv, kv_page_bytes, page_bytes, resolve_kv_cache_dtype
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
-from paxkv.sharding.model_shape import ModelShape
 
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 BLOCK_TABLE_ENTRY_BYTES = 4  # block tables are int32
 
 
 def num_pages_for_budget(
-    model: ModelShape,
+    model: DecoderConfig,
     *,
     kv_budget_bytes: int,
     page_size: int,
@@ -203,7 +203,7 @@ class CapacityPlan:
 
 
 def plan_capacity(
-    model: ModelShape,
+    model: DecoderConfig,
     *,
     kv_budget_bytes: int,
     page_size: int,
@@ -303,7 +303,7 @@ def group_pages_held(
 
 
 def page_size_tradeoff(
-    model: ModelShape, *, page_sizes: tuple[int, ...] = PAGE_SIZES, **kwargs: Any
+    model: DecoderConfig, *, page_sizes: tuple[int, ...] = PAGE_SIZES, **kwargs: Any
 ) -> list[CapacityPlan]:
     """`plan_capacity` at each of `page_sizes` (the other arguments as `plan_capacity`'s)."""
     return [plan_capacity(model, page_size=ps, **kwargs) for ps in page_sizes]

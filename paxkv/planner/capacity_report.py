@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from paxkv.models.decoder_config import DecoderConfig
 from paxkv.pallas_kernels.layout import KV_CACHE_DTYPES
 from paxkv.planner.capacity import CapacityPlan, page_size_tradeoff, plan_capacity
 from paxkv.planner.kv_budget import DEVICE_PLATFORM, GIB, KVBudget
 from paxkv.planner.parameters import active_parameters, expert_parameters, num_parameters
 from paxkv.planner.workloads import Workload
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
-from paxkv.sharding.model_shape import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class CapacityReport:
     """
 
     name: str
-    model: ModelShape
+    model: DecoderConfig
     dtype: str
     budget: KVBudget
     workload: Workload
@@ -218,7 +218,7 @@ class CapacityReport:
 
 
 def build_report(
-    model: ModelShape,
+    model: DecoderConfig,
     *,
     name: str,
     budget: KVBudget,

@@ -1,9 +1,13 @@
 """Parameter counts of a decoder, in all and on each device of a mesh, and the bytes
 of its weights. Plain Python and NumPy, no JAX: every count comes from the config's
-fields (`paxkv.sharding.model_shape.ModelShape`).
+fields (`paxkv.models.decoder_config.DecoderConfig`).
 
 A family whose layers hold other tensors than the shared layers' (`paxkv.models.layers`)
-says so in its config (see `ModelShape`'s optional fields), and
+says so in its config, read here where present: `attention_bias` (q/k/v biases: Qwen2,
+gpt-oss; default False), `attention_sinks` (gpt-oss: an o bias and a sink per query
+head), `num_experts` and `num_experts_per_tok` (a mixture of experts, whose
+`intermediate_size` is each expert's; default a dense MLP), `model_type` "gpt_oss"
+(biased experts and router); and `norm_params_per_layer`.
 `tests/sharding/test_sharding.py::test_plan_counts_the_sharded_parameters` checks the
 counts of every preset against the model's own arrays.
 
@@ -15,34 +19,36 @@ from __future__ import annotations
 
 import numpy as np
 
+from paxkv.models.decoder_config import DecoderConfig
 from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
-from paxkv.sharding.model_shape import ModelShape
 
 
-def num_parameters(model: ModelShape) -> int:
+def num_parameters(model: DecoderConfig) -> int:
     """Parameters of a decoder: embedding, layers, final norm, LM head."""
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_heads * d, model.num_kv_heads * d
     attention = h * q + 2 * h * kv + q * h
     if getattr(model, "attention_bias", False):  # Qwen2: q/k/v biases, none on o_proj
         attention += q + 2 * kv
-    layer = attention + _replicated(model) + _mlp(model) + _router(model) + _norms(model)
+    layer = (
+        attention + _replicated(model) + _mlp(model) + _router(model) + model.norm_params_per_layer
+    )
     embedding = model.vocab_size * h
     lm_head = 0 if model.tie_word_embeddings else model.vocab_size * h
     return embedding + model.num_layers * layer + h + lm_head
 
 
-def _num_experts(model: ModelShape) -> int:
+def _num_experts(model: DecoderConfig) -> int:
     """Experts per layer; 0 for a dense MLP."""
     return getattr(model, "num_experts", 0)
 
 
-def _biased_experts(model: ModelShape) -> bool:
+def _biased_experts(model: DecoderConfig) -> bool:
     """Whether the experts and the router have biases (gpt-oss)."""
     return getattr(model, "model_type", None) == "gpt_oss"
 
 
-def _mlp(model: ModelShape) -> int:
+def _mlp(model: DecoderConfig) -> int:
     """Parameters of one layer's gated MLP, or of all its experts' MLPs (with gpt-oss's
     biases on their gate and up projections; split over a mesh as the experts are)."""
     h, i, e = model.hidden_size, model.intermediate_size, _num_experts(model)
@@ -50,19 +56,19 @@ def _mlp(model: ModelShape) -> int:
     return per_expert * max(e, 1)
 
 
-def _router(model: ModelShape) -> int:
+def _router(model: DecoderConfig) -> int:
     """Parameters of one layer's router (none for a dense MLP), and of the experts'
     down-projection biases (gpt-oss's): replicated on a mesh."""
     e, h = _num_experts(model), model.hidden_size
     return h * e + (e + e * h if _biased_experts(model) else 0)
 
 
-def _expert_out_biases(model: ModelShape) -> int:
+def _expert_out_biases(model: DecoderConfig) -> int:
     """Parameters of one layer's experts' down-projection biases (gpt-oss's)."""
     return _num_experts(model) * model.hidden_size if _biased_experts(model) else 0
 
 
-def _replicated(model: ModelShape) -> int:
+def _replicated(model: DecoderConfig) -> int:
     """Attention parameters of one layer that every device holds: gpt-oss's o bias and
     sinks."""
     if not getattr(model, "attention_sinks", False):
@@ -70,14 +76,14 @@ def _replicated(model: ModelShape) -> int:
     return model.hidden_size + model.num_heads
 
 
-def expert_parameters(model: ModelShape) -> int:
+def expert_parameters(model: DecoderConfig) -> int:
     """Parameters of every layer's experts, biases included (0 for a dense model)."""
     if not _num_experts(model):
         return 0
     return model.num_layers * (_mlp(model) + _expert_out_biases(model))
 
 
-def active_parameters(model: ModelShape) -> int:
+def active_parameters(model: DecoderConfig) -> int:
     """Parameters one token runs through: all of them for a dense model; for a mixture
     of experts, all but the experts its router does not pick (k of E per layer)."""
     e = _num_experts(model)
@@ -87,12 +93,7 @@ def active_parameters(model: ModelShape) -> int:
     return num_parameters(model) - unused
 
 
-def _norms(model: ModelShape) -> int:
-    """Parameters of one layer's norms (replicated on a mesh)."""
-    return getattr(model, "norm_params_per_layer", 2 * model.hidden_size)
-
-
-def num_parameters_per_device(model: ModelShape, mesh: MeshShape) -> int:
+def num_parameters_per_device(model: DecoderConfig, mesh: MeshShape) -> int:
     """Parameters each device of `mesh` holds, by `paxkv.sharding`'s rules.
 
     Attention splits over the model axis by KV head, the MLP by intermediate feature,
@@ -114,12 +115,12 @@ def num_parameters_per_device(model: ModelShape, mesh: MeshShape) -> int:
     vocab = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
     if mesh.splits(model.vocab_size):
         vocab //= m
-    layer = attention + _replicated(model) + mlp + _router(model) + _norms(model)
+    layer = attention + _replicated(model) + mlp + _router(model) + model.norm_params_per_layer
     return vocab + model.num_layers * layer + h
 
 
 def weights_bytes(
-    model: ModelShape, dtype: str | None = None, *, mesh: MeshShape = ONE_DEVICE
+    model: DecoderConfig, dtype: str | None = None, *, mesh: MeshShape = ONE_DEVICE
 ) -> int:
     """Bytes of the parameters in `dtype` (None: the model's) on each device of `mesh`."""
     return num_parameters_per_device(model, mesh) * np.dtype(dtype or model.dtype).itemsize

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 
 import pytest
-from test_detokenizer import _bpe as bpe_tokenizer
+from bpe_tokenizer import bpe_tokenizer
 from test_engine import _engine
 
 from paxkv import LLM, RequestOutputKind, SamplingParams

@@ -203,20 +203,14 @@ def test_the_distribution_test_catches_a_wrong_acceptance_rule(sampled, monkeypa
         return out.replace(num_accepted=counts, tokens=tokens)
 
     monkeypatch.setattr("paxkv.engine.spec_verify.accept", accept_all)
-    # A fresh jit of the step (its own cache), traced with the mutation; the module's
-    # compiled step is restored untouched afterwards (no global cache clearing).
+    # A fresh jit of the sampler that verifies (its own programs), traced with the
+    # mutation; the module's is restored untouched afterwards (no global cache clearing).
     # (A new function object: jit's trace cache is keyed by the function.)
     from paxkv.engine import step as steps
 
-    fresh = functools.wraps(steps.model_step)(lambda *a, **k: steps.model_step(*a, **k))
+    fresh = functools.wraps(steps.resample_step)(lambda *a, **k: steps.resample_step(*a, **k))
     monkeypatch.setattr(
-        steps,
-        "MODEL_STEP",
-        jax.jit(
-            fresh,
-            static_argnames=("attention_backend", "num_logprobs"),
-            donate_argnames=("kv_cache", "draft_cache"),
-        ),
+        steps, "RESAMPLE", jax.jit(fresh, static_argnames=("num_rows", "num_logprobs"))
     )
     seeds = range(10**6, 10**6 + SAMPLES)
     wrong, _ = _sample_tokens(model, SPEC, seeds, prompt, True, proposals)

@@ -420,4 +420,4 @@ def test_bench_bad_input(runs):
     assert "--request_rate=0.0 must be > 0" in _error(results["bench_bad_rate"])
     err = _error(results["bench_too_small"])
     assert "cannot hold one sequence of max_model_len=128: that needs 9 pages" in err
-    assert "unknown config 'nope'" in _error(results["bench_unknown_config"])
+    assert "unknown set-up 'nope'" in _error(results["bench_unknown_config"])

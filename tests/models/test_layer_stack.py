@@ -15,7 +15,7 @@ from flax import nnx
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine
-from paxkv.engine.step import MODEL_STEP, StepBatch
+from paxkv.engine.step import FORWARD, abstract_step_batch
 from paxkv.kv_cache import PagedKVCache
 from paxkv.measure.page_tables import page_table_from_host
 from paxkv.models import (
@@ -171,11 +171,9 @@ def test_checkpoints_load_and_save_in_either_layout(models, tmp_path):
 def _lowered_step(config, num_pages=64):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(config)))
     cache = jax.eval_shape(lambda: PagedKVCache.for_model(config, num_pages, PS))
-    batch = jax.eval_shape(lambda: StepBatch.empty(16, 8, 4, PS))
-    ids = jax.ShapeDtypeStruct((16,), jnp.int32)
-    return MODEL_STEP.trace(
-        graphdef, params, cache, batch, ids, ids, attention_backend="auto"
-    ).lower()
+    batch, _ = abstract_step_batch(16, 8, 4, PS)
+    prev = jax.ShapeDtypeStruct((16,), jnp.int32)
+    return FORWARD.trace(graphdef, params, cache, batch, prev, attention_backend="auto").lower()
 
 
 def test_a_deeper_model_lowers_to_the_same_program():

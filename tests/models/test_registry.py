@@ -11,7 +11,6 @@ import transformers
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-import paxkv.models
 from paxkv.launch import setups as configs
 from paxkv.models import (
     BYTE_LEVEL_PRESETS,
@@ -98,7 +97,7 @@ def test_python_api_resolves_every_preset(name, monkeypatch):
     # here, not the (random) initialisation, which test_each_preset_builds_its_model_class
     # covers.
     built = []
-    monkeypatch.setattr(paxkv.models, "init_model", lambda *a, **k: built.append((a, k)) or name)
+    monkeypatch.setattr(registry, "init_model", lambda *a, **k: built.append((a, k)) or name)
     config, model, tokenizer = load_model(name, seed=5)
     assert config is PRESETS[name] and model == name
     assert built == [((PRESETS[name], 5), {"mesh": None})]
@@ -114,7 +113,7 @@ def test_python_api_resolves_the_shipped_checkpoint():
 def test_unknown_name_is_refused_by_both():
     with pytest.raises(ValueError, match="neither a preset"):
         load_model("llama-9")
-    with pytest.raises(ValueError, match="unknown config 'llama-9'"):
+    with pytest.raises(ValueError, match="unknown set-up 'llama-9'"):
         configs.get_setup("llama-9")
 
 

@@ -67,12 +67,15 @@ def test_warmup_compiles_every_step_shape_with_a_bar(capsys):
     with pytest.raises(TypeError, match="warmup must be a bool, got 1"):
         LLM("tiny", warmup=1)
     llm = LLM("tiny", dtype="float32", max_model_len=48, **SMALL)
-    num_shapes = len(llm.engine.config.buckets().shapes())
+    first, second = llm.engine.runner.warmup_programs(llm.engine.config.buckets().shapes())
+    num_programs = len(first) + len(second)
     err = capsys.readouterr().err
-    assert "Compiling step shapes: 100%" in err and f"{num_shapes}/{num_shapes}" in err
+    assert "Compiling step programs: 100%" in err and f"{num_programs}/{num_programs}" in err
     compiled = llm.engine.num_compilations  # fewer when this process compiled them before
-    # Each shape without penalty histories, with them, and with them and scored rows.
-    assert compiled <= 3 * num_shapes
+    # One forward per shape and the samplers of penalties and scored rows, each once.
+    runner = llm.engine.runner
+    assert compiled <= num_programs
+    assert len(runner.programs_compiled) + runner.programs_reused == num_programs
     long_prompt = {"prompt_token_ids": list(range(40))}  # two chunks, then decode
     llm.generate(["def f(x):", long_prompt], GREEDY, use_tqdm=False)
     penalised = SamplingParams(max_tokens=5, frequency_penalty=0.5, logprobs=3, n=2, seed=1)
@@ -82,7 +85,10 @@ def test_warmup_compiles_every_step_shape_with_a_bar(capsys):
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
     scores = llm.score(["def f(x):", list(range(30))], [" return x", list(range(3, 9))])
     assert [len(s) for s in scores] == [9, 6]
-    assert llm.engine.num_compilations == compiled
+    # Only the sampler of scored rows with penalties (a mix warm-up leaves) compiled since.
+    later = runner.programs_compiled[num_programs - runner.programs_reused :]
+    assert all(name == "resample" and key[2] and key[3] for name, key in later), later
+    assert llm.engine.num_compilations <= compiled + len(later)
 
 
 def test_chat_needs_a_template_or_one_passed(llm):
@@ -132,7 +138,7 @@ def test_chat_checks_everything_before_submitting(llm):
 @pytest.fixture(scope="module")
 def chat_checkpoint(tmp_path_factory):
     """A random tiny model in Hugging Face layout with a BPE tokenizer and Llama 3's template."""
-    from test_chat import LLAMA3, write_tokenizer
+    from chat_checkpoints import LLAMA3, write_tokenizer
 
     path = tmp_path_factory.mktemp("chat_checkpoint")
     save_hf_checkpoint(init_model(TINY.replace(vocab_size=320), seed=3), path)
@@ -143,7 +149,7 @@ def chat_checkpoint(tmp_path_factory):
 def test_chat_equals_generate_on_the_rendered_prompt(chat_checkpoint, capsys):
     pytest.importorskip("jinja2")
     pytest.importorskip("tokenizers")
-    from test_chat import CONVERSATIONS, SYSTEM, USER, transformers_side
+    from chat_checkpoints import CONVERSATIONS, SYSTEM, USER, transformers_side
 
     llm = LLM(str(chat_checkpoint), max_model_len=256, warmup=False, **SMALL)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

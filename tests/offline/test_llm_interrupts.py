@@ -11,7 +11,6 @@ import jax
 import pytest
 
 from paxkv import LLM, SamplingParams
-from paxkv.engine import step as steps
 
 SMALL = dict(num_pages=64, page_size=8, max_num_seqs=4, max_num_batched_tokens=32)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -31,23 +30,30 @@ def expected():
     return [o.outputs[0].token_ids for o in make_llm().generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def interrupt_step(monkeypatch, *, after_calls: int, donate: bool, fn: str = "MODEL_STEP"):
-    """Makes the `after_calls`-th later call of the step function `fn` raise
-    KeyboardInterrupt: after the real call ran (its cache donated, its result dropped)
-    or before it (nothing donated)."""
-    real = getattr(steps, fn)
+def interrupt_step(monkeypatch, runner, *, after_calls: int, donate: bool, program="forward"):
+    """Makes the `after_calls`-th later call of the runner's step program `program`
+    raise KeyboardInterrupt: after the real call ran (its cache donated, its result
+    dropped) or before it (nothing donated)."""
+    real = runner._program
     calls = []
 
-    def step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) < after_calls:
-            return real(*args, **kwargs)
-        monkeypatch.setattr(steps, fn, real)  # once
-        if donate:
-            jax.block_until_ready(real(*args, **kwargs))
-        raise KeyboardInterrupt
+    def compiled_program(name, key):
+        compiled = real(name, key)
+        if name != program:
+            return compiled
 
-    monkeypatch.setattr(steps, fn, step)
+        def call(*args):
+            calls.append(1)
+            if len(calls) < after_calls:
+                return compiled(*args)
+            monkeypatch.setattr(runner, "_program", real)  # once
+            if donate:
+                jax.block_until_ready(compiled(*args))
+            raise KeyboardInterrupt
+
+        return call
+
+    monkeypatch.setattr(runner, "_program", compiled_program)
 
 
 def tokens(outputs):
@@ -57,9 +63,9 @@ def tokens(outputs):
 # One step per call, synchronous or async; and the multi-step decode loop, interrupted
 # in its first call (prefills done, every sequence decoding).
 MODES = {
-    "sync": ({}, "MODEL_STEP", 3),
-    "async": ({"async_scheduling": True}, "MODEL_STEP", 3),
-    "loop": ({"num_decode_steps": 4}, "DECODE_LOOP", 1),
+    "sync": ({}, "forward", 3),
+    "async": ({"async_scheduling": True}, "forward", 3),
+    "loop": ({"num_decode_steps": 4}, "loop", 1),
 }
 
 
@@ -73,7 +79,7 @@ def test_a_step_interrupted_after_donating_the_cache_loses_only_its_requests(
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     assert pool.num_cached > 0  # the shared pages, cached
 
-    interrupt_step(monkeypatch, after_calls=after_calls, donate=True, fn=fn)
+    interrupt_step(monkeypatch, engine.runner, after_calls=after_calls, donate=True, program=fn)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert not any(a.is_deleted() for a in jax.tree.leaves(engine.kv_cache))
@@ -99,7 +105,7 @@ def test_a_step_interrupted_before_the_call_loses_nothing(monkeypatch, expected)
     engine, pool = llm.engine, llm.engine.pool
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     cached = pool.num_cached
-    interrupt_step(monkeypatch, after_calls=2, donate=False)
+    interrupt_step(monkeypatch, engine.runner, after_calls=2, donate=False)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     # The cache was never given away: kept whole, prefix cache included.
@@ -121,7 +127,7 @@ def test_an_interrupt_aborts_only_the_running_requests_of_other_callers(monkeypa
     engine = llm.engine
     engine.add_request("running", PROMPTS[0], GREEDY)
     engine.add_request("waiting", PROMPTS[1], GREEDY)
-    interrupt_step(monkeypatch, after_calls=2, donate=True)
+    interrupt_step(monkeypatch, engine.runner, after_calls=2, donate=True)
     with pytest.raises(KeyboardInterrupt):
         engine.run_until_done()
     final = engine.run_until_done()

@@ -6,6 +6,8 @@ The bytes of a page are `paxkv.pallas_kernels.layout`'s, tested in tests/kernels
 
 import itertools
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -262,3 +264,16 @@ def test_report():
     assert auto["paged_concurrency"] > 10 * auto["contiguous_concurrency"]
     assert [p["page_size"] for p in data["page_size_tradeoff"]["fp8"]] == list(plan.PAGE_SIZES)
     assert data["model"]["num_parameters"] == 8_030_261_248
+
+
+def test_the_planner_and_the_configs_import_no_jax():
+    # The planner counts from a family's config (`DecoderConfig`); neither loads JAX.
+    code = (
+        "import sys; from paxkv.planner import capacity, capacity_report, parameters; "
+        "from paxkv.models import DecoderConfig, GemmaConfig, GptOssConfig, MoeConfig; "
+        "from paxkv.models.llama_config import LLAMA_3_1_8B; "
+        "assert isinstance(LLAMA_3_1_8B, DecoderConfig); "
+        "parameters.num_parameters(LLAMA_3_1_8B); "
+        "assert not {'jax', 'flax'} & set(sys.modules), 'jax imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,8 +8,9 @@ import random
 import time
 
 import pytest
+from bpe_tokenizer import TEXT, bpe_tokenizer
 
-from paxkv.models import ByteTokenizer, HFTokenizer
+from paxkv.models import ByteTokenizer
 from paxkv.text.detokenizer import (
     IncrementalDetokenizer,
     StopStrings,
@@ -17,27 +18,6 @@ from paxkv.text.detokenizer import (
     WindowStream,
     decode_stream,
 )
-
-TEXT = "héllo wörld € 😀 日本語 naïve: ok"
-
-
-def _bpe(text: str = TEXT) -> HFTokenizer:
-    """A byte-level BPE of 300 tokens (specials 0 and 1) trained on `text`, whose
-    tokens split multi-byte characters (as GPT-2's do)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([text] * 4, trainer)
-    return HFTokenizer(tok)
 
 
 class PlainBytes:
@@ -70,7 +50,7 @@ def _streamed(stream, ids) -> str:
     return "".join(stream.step(t) for t in ids) + stream.flush()
 
 
-TOKENIZERS = {"byte": ByteTokenizer, "plain_bytes": PlainBytes, "bpe": _bpe}
+TOKENIZERS = {"byte": ByteTokenizer, "plain_bytes": PlainBytes, "bpe": bpe_tokenizer}
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -89,7 +69,7 @@ def test_streamed_text_is_the_whole_decode(name):
 def test_each_stream_is_the_tokenizers_own_or_a_window():
     assert isinstance(decode_stream(ByteTokenizer()), Utf8Stream)
     assert isinstance(decode_stream(PlainBytes()), WindowStream)
-    assert type(decode_stream(_bpe())).__name__ == "_HFDecodeStream"  # DecodeStream
+    assert type(decode_stream(bpe_tokenizer())).__name__ == "_HFDecodeStream"  # DecodeStream
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
