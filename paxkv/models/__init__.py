@@ -46,7 +46,6 @@ _LAZY = {
     "ORBAX_PARAMS_DIR": "weights",
     "load_hf_checkpoint": "weights",
     "read_hf_config": "weights",
-    "read_json": "weights",
     "restore_params": "weights",
     "save_hf_checkpoint": "weights",
     "save_params": "weights",
