@@ -18,6 +18,7 @@ import jax
 from absl import logging
 from flax import nnx
 
+from paxkv.engine import compile_cache
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
@@ -78,6 +79,7 @@ class Engine:
         runner: Callable[[EngineConfig], StepRunner] | None = None,
         draft_model: nnx.Module | None = None,
     ) -> None:
+        compile_cache.enable()  # the default unless the process chose (`LLM(cache_dir=)`)
         platform = jax.default_backend()
         self.config = config = (config or EngineConfig()).for_backend(platform)
         spec = config.speculative_config
@@ -149,8 +151,14 @@ class Engine:
 
     @property
     def num_compilations(self) -> int:
-        """Compilations of the step functions that this engine's calls triggered."""
+        """Compilations of the step programs that this engine's calls triggered (those
+        loaded from the persistent compilation cache included: `num_cache_loads`)."""
         return self.runner.num_compilations
+
+    @property
+    def num_cache_loads(self) -> int:
+        """Step programs this engine loaded from the persistent compilation cache."""
+        return self.runner.num_cache_loads
 
     # The model runner's state, for introspection (None with another runner).
     kv_cache = property(lambda self: getattr(self.runner, "kv_cache", None))

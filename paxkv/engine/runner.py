@@ -45,6 +45,7 @@ class StepRunner:
 
     model_config: Any
     num_compilations: int = 0
+    num_cache_loads: int = 0
     compile_seconds: float = 0.0
     # `(L, k)` of the routing a model that routes experts returns with every step
     # (`fetch_routing`): its MoE layers and top k. None: the model routes none.
@@ -167,8 +168,14 @@ class ModelRunner(StepRunner):
 
     @property
     def num_compilations(self) -> int:
-        """Compilations of the step functions that this runner's calls triggered."""
+        """Compilations of the step functions that this runner's calls triggered (a
+        program loaded from the persistent compilation cache included)."""
         return self._compiles.count
+
+    @property
+    def num_cache_loads(self) -> int:
+        """Of `num_compilations`, the programs loaded from the persistent cache."""
+        return self._compiles.loaded
 
     @property
     def compile_seconds(self) -> float:

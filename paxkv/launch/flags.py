@@ -135,8 +135,8 @@ HEARTBEAT_TIMEOUT_S = flags.DEFINE_integer(
 COMPILATION_CACHE_DIR = flags.DEFINE_string(
     "compilation_cache_dir",
     None,
-    "Directory of JAX's persistent compilation cache: later runs load the compiled steps "
-    "instead of compiling them.",
+    "Directory of the persistent compilation cache: later runs load the compiled programs "
+    "instead of compiling them; unset: $PAXKV_CACHE_DIR or ~/.cache/paxkv; off: none.",
 )
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
@@ -181,7 +181,9 @@ def init_runtime(*, replicas: bool = False) -> MeshShape | None:
         jax.distributed.initialize(**addresses, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S.value)
     platform.require_platform()  # before anything loads: a missing runtime is named
     if COMPILATION_CACHE_DIR.value is not None:
-        jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR.value)
+        from paxkv.engine import compile_cache
+
+        compile_cache.enable(COMPILATION_CACHE_DIR.value)
     if shape is not None:
         from paxkv.sharding import shardings
 

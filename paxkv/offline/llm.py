@@ -15,7 +15,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from paxkv import models
-from paxkv.engine import Engine, EngineConfig
+from paxkv.engine import Engine, EngineConfig, compile_cache
 from paxkv.host.request import RequestOutput, RequestOutputKind, SamplingParams, check_token_ids
 from paxkv.offline.call_mailboxes import CallMailboxes
 from paxkv.offline.progress import logging_above_bars
@@ -63,6 +63,9 @@ class LLM:
       warmup: compile every step shape now (`Engine.warmup`, with a progress bar on
         stderr), so that no request waits for a compilation later. False defers each
         compilation to the first step of its shape (tests, one-shot scripts).
+      cache_dir: the persistent compilation cache's directory, where a later start
+        loads the compiled programs (`paxkv.engine.compile_cache`); None: this
+        process's, by default `$PAXKV_CACHE_DIR` or `~/.cache/paxkv`; "off": none.
       **engine_kwargs: `EngineConfig` fields that override `config`'s: num_pages,
         page_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_dtype,
         attention_backend, ...
@@ -78,11 +81,16 @@ class LLM:
         scan_layers: bool | None = None,
         config: EngineConfig | None = None,
         warmup: bool = True,
+        cache_dir: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if not isinstance(warmup, bool):
             raise TypeError(f"warmup must be a bool, got {warmup!r}")
+        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+            raise TypeError(f"cache_dir must be a path or 'off', got {cache_dir!r}")
         _check_engine_kwargs(engine_kwargs)  # before any loading
+        if cache_dir is not None:
+            compile_cache.enable(os.fspath(cache_dir))
         # On a mesh the weights are loaded straight into their shardings.
         mesh = mesh if mesh is not None else shardings.default_mesh()
         model_config, module, tokenizer = models.load_model(

@@ -226,6 +226,7 @@ def test_data_parallel_replicas_serve_independently(tiny):
 def test_launch_flags_set_the_default_mesh(served, tiny, tmp_path):
     from absl import flags
 
+    from paxkv.engine import compile_cache
     from paxkv.launch import flags as launch_flags
 
     _, model = tiny
@@ -234,7 +235,7 @@ def test_launch_flags_set_the_default_mesh(served, tiny, tmp_path):
     flags.FLAGS(["app", "--mesh=model:2", f"--compilation_cache_dir={tmp_path}"])
     try:
         assert launch_flags.init_runtime() == MeshShape(model=2)
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+        assert jax.config.jax_compilation_cache_dir == compile_cache.programs_dir(str(tmp_path))
         engine = Engine(model, _config(split.num_pages))  # no mesh given: the flag's
         assert engine.mesh == split.mesh
         assert engine.kv_cache.kv[0].sharding == split.engine.kv_cache.kv[0].sharding
