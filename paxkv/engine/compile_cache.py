@@ -92,7 +92,8 @@ def enable(cache_dir: str | None = None) -> str | None:
         jax.config.update("jax_compilation_cache_dir", path)
         # Every step program is worth keeping: a load takes milliseconds.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
+        if _has_filelock():  # JAX locks a capped cache with it
+            jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
         _reset()
         _enabled = path
         _watch_entry_errors(path)
@@ -108,6 +109,14 @@ def _unusable(path: str) -> str | None:
     except OSError as e:
         return f"{type(e).__name__}: {e.strerror or e}"
     return None
+
+
+def _has_filelock() -> bool:
+    try:
+        import filelock  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _reset() -> None:
