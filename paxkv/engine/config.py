@@ -18,8 +18,12 @@ from paxkv.pallas_kernels.layout import (
 )
 
 
-def _field(default, help: str, *, choices: tuple[str, ...] | None = None):
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def _field(default, help: str, *, choices: tuple[str, ...] | None = None, ints: bool = False):
+    """A field with a launch flag (`paxkv.launch.flags`): its help, its allowed values,
+    or `ints` for a comma-separated list of integers."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "ints": ints}
+    )
 
 
 def _geometric(lo: int, hi: int, growth: int) -> tuple[int, ...]:
@@ -86,9 +90,23 @@ class EngineConfig:
     # Speculative decoding (`paxkv.host.speculative`): a `SpeculativeConfig` or a dict of
     # its fields, as vLLM's `speculative_config`; None: off.
     speculative_config: SpeculativeConfig | None = None
-    token_buckets: tuple[int, ...] | None = None
-    seq_buckets: tuple[int, ...] | None = None
-    page_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = _field(
+        None,
+        "Packed-token sizes a step is padded to, ascending, the last max_num_batched_tokens; "
+        "unset: from 16 growing by bucket_growth. One compiled program per (token, page) pair.",
+        ints=True,
+    )
+    seq_buckets: tuple[int, ...] | None = _field(
+        None,
+        "Sequence counts a step is padded to, ascending; unset: tied to the token bucket.",
+        ints=True,
+    )
+    page_buckets: tuple[int, ...] | None = _field(
+        None,
+        "Pages per sequence a step's block table is padded to, ascending, the last "
+        "max_model_len / page_size; unset: from 8 growing by bucket_growth.",
+        ints=True,
+    )
     bucket_growth: int = 4
 
     def __post_init__(self) -> None:

@@ -331,7 +331,9 @@ class Engine:
             stats.update(self.speculator.stats())
         return stats
 
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def warmup(
+        self, progress: Callable[[int, int], None] | None = None, *, background: bool = False
+    ) -> None:
         """Compiles the step's programs now, so no request waits for them later.
 
         One program per step shape runs the model (`paxkv.engine.step.forward_step`);
@@ -339,11 +341,33 @@ class Engine:
         `EngineConfig.warmup_scoring` of scored prompt rows (`prompt_logprobs`, `echo`
         with logprobs, `add_score_request`), and of speculative proposals
         (`ModelRunner.warmup`). `progress(done, total)` is called as each program is
-        compiled, or taken from the ones this process compiled already.
+        compiled, or taken from the ones this process compiled or the persistent
+        compilation cache holds. With `background`, only the largest shape's programs
+        compile before this returns: the engine serves at once, each step on the
+        smallest compiled shape that holds it, while the others compile in a thread
+        (`compiling`, `wait_compiled`).
         """
         shapes = self._buckets.shapes()
-        logging.info("paxkv: %d step shapes: %s", len(shapes), self._buckets)
-        self.runner.warmup(shapes, progress, scoring=self.config.warmup_scoring)
+        b = self._buckets
+        logging.info(
+            "paxkv: step shapes: tokens %s x pages %s, sequences %s",
+            b.tokens,
+            b.pages,
+            b.seqs or "tied to tokens",
+        )
+        self.runner.warmup(
+            shapes, progress, scoring=self.config.warmup_scoring, background=background
+        )
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a background warm-up is still compiling."""
+        return bool(getattr(self.runner, "compiling", False))
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits until a background warm-up has compiled every program; whether it has."""
+        wait = getattr(self.runner, "wait_compiled", None)
+        return True if wait is None else wait(timeout)
 
 
 def _check_draft(spec: SpeculativeConfig | None, draft_model: nnx.Module | None) -> None:

@@ -285,8 +285,11 @@ class LeaderRunner(StepRunner):
         progress: Callable[[int, int], None] | None,
         *,
         scoring: bool = True,
+        background: bool = False,
     ) -> None:
-        """Every process compiles the channel's messages and the steps of `shapes`."""
+        """Every process compiles the channel's messages and the steps of `shapes`, all
+        before serving (`background` is not taken: every process must run each step at
+        the same shape, whatever it has compiled)."""
         words = max_payload_words(self.runner, shapes)
         table = np.array(shapes, np.int32).reshape(-1, 3)
         self.channel.send(Command.WARMUP, [table, np.array([scoring, words], np.int32)])

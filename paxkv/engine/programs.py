@@ -15,6 +15,7 @@ compilation cache (`paxkv.engine.compile_cache`) a later process loads it instea
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import os
@@ -51,22 +52,38 @@ class Program:
         return (self.fn, tree, avals, tuple(sorted(self.kwargs.items())))
 
 
+def _at_thread_shutdown(callback: Callable[[], None]) -> None:
+    """Runs `callback` when the interpreter starts to exit, before it joins threads
+    (where `concurrent.futures` stops its workers); at `atexit` where that hook is gone."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        register(callback)
+    except (TypeError, RuntimeError):  # no hook, or the interpreter is exiting already
+        atexit.register(callback)
+
+
 def default_compile_threads() -> int:
     """How many programs compile at once: one per core, at most 8."""
     return max(1, min(8, os.cpu_count() or 1))
 
 
 class Programs:
-    """A runner's compiled programs by `(name, key)`, compiled on first need or ahead of
-    time (`compile`), each counted by `counter` when the backend compiles it."""
+    """A runner's compiled programs by `(name, key)`, compiled on first need, ahead of
+    time (`compile`) or in the background (`compile_in_background`), each counted by
+    `counter` when the backend compiles (or loads) it. A program is compiled once: a
+    caller that needs one being compiled waits for it."""
 
     def __init__(self, counter: CompileCounter) -> None:
         self.counter = counter
         self._ready: dict[tuple[str, tuple], Any] = {}
+        self._pending: dict[tuple[str, tuple], concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
         self.loaded = 0  # programs this runner took from the process's compiled ones
         self.compiled: list[tuple[str, tuple]] = []  # and those it compiled, in order
+        self.background: threading.Thread | None = None
 
     def __contains__(self, name_key: tuple[str, tuple]) -> bool:
+        """Whether the program is compiled (ready to run)."""
         return name_key in self._ready
 
     def get(self, name: str, key: tuple, make: Callable[[], Program]) -> Any:
@@ -83,43 +100,102 @@ class Programs:
         progress: Callable[[int, int], None] | None = None,
         *,
         threads: int | None = None,
+        thread_name: str = "paxkv-compile",
     ) -> None:
-        """Compiles `programs` (those not compiled yet), `threads` at once; calls
-        `progress(done, total)` as each is ready."""
+        """Compiles `programs`, `threads` at once (those compiled or being compiled
+        elsewhere are waited for); calls `progress(done, total)` as each is ready."""
         total, done = len(programs), 0
-        todo: list[tuple[Program, Hashable]] = []
+        mine, theirs = [], []
         for p in programs:
-            key = p.cache_key()
-            with _LOCK:
-                compiled = _COMPILED.get(key)
-            if compiled is not None or (p.name, p.key) in self._ready:
-                if compiled is not None:
-                    self._ready[(p.name, p.key)] = compiled
-                    self.loaded += 1
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+            future, claimed = self._claim(p)
+            if claimed:
+                mine.append((p, future))
+            elif future is not None:
+                theirs.append(future)
             else:
-                todo.append((p, key))
-        if not todo:
-            return
-        workers = min(len(todo), threads or default_compile_threads())
-        with concurrent.futures.ThreadPoolExecutor(workers, "paxkv-compile") as pool:
-            futures = {}
-            # Lowering traces Python: one at a time, each handed to a compiling thread.
-            for p, key in todo:
-                lowered = p.fn.lower(*p.args, **p.kwargs)
-                futures[pool.submit(self._compile_one, lowered)] = (p, key)
-            for future in concurrent.futures.as_completed(futures):
-                p, key = futures[future]
-                compiled = future.result()
-                with _LOCK:
-                    compiled = _COMPILED.setdefault(key, compiled)
-                self._ready[(p.name, p.key)] = compiled
-                self.compiled.append((p.name, p.key))
                 done += 1
                 if progress is not None:
                     progress(done, total)
+        workers = max(1, min(len(mine), threads or default_compile_threads()))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name) as pool:
+                jobs = {}
+                for p, future in mine:  # lowering traces Python: one at a time
+                    lowered = p.fn.lower(*p.args, **p.kwargs)
+                    jobs[pool.submit(self._compile_one, lowered)] = (p, future)
+                for job in concurrent.futures.as_completed(jobs):
+                    p, future = jobs[job]
+                    self._finish(p, future, job.result())
+                    done += 1
+                    if progress is not None:
+                        progress(done, total)
+        except BaseException as e:  # what this call claimed and did not compile
+            for p, future in mine:
+                if not future.done():
+                    self._fail(p, future, e)
+            raise
+        for future in theirs:
+            future.result()
+            done += 1
+            if progress is not None:
+                progress(done, total)
+
+    def compile_in_background(self, programs: Sequence[Program], *, threads: int = 1) -> None:
+        """Compiles `programs` in a daemon thread while the engine serves; one that a
+        step needs first is compiled then (or waited for), not twice."""
+
+        stop = threading.Event()
+
+        def run() -> None:
+            for p in programs:
+                if stop.is_set():  # the interpreter is exiting: no new compilation
+                    return
+                if (p.name, p.key) in self._ready:
+                    continue
+                try:
+                    self.compile([p], threads=threads, thread_name="paxkv-background")
+                except Exception:  # a step that needs it compiles it and raises then
+                    continue
+
+        # Not a daemon: XLA must not be torn down under a compilation. At exit the
+        # thread finishes the program it is compiling and starts no other.
+        self.background = threading.Thread(target=run, name="paxkv-background-compile")
+        _at_thread_shutdown(stop.set)
+        self.background.start()
+
+    def _claim(self, p: Program) -> tuple[concurrent.futures.Future | None, bool]:
+        """`(future, True)` when this caller must compile `p` (the process had not);
+        `(future, False)` when another caller is compiling it; `(None, False)` when it is
+        ready."""
+        name_key = (p.name, p.key)
+        with self._lock:
+            if name_key in self._ready:
+                return None, False
+            if name_key in self._pending:
+                return self._pending[name_key], False
+            with _LOCK:
+                compiled = _COMPILED.get(p.cache_key())
+            if compiled is not None:
+                self._ready[name_key] = compiled
+                self.loaded += 1
+                return None, False
+            future = concurrent.futures.Future()
+            self._pending[name_key] = future
+            return future, True
+
+    def _finish(self, p: Program, future: concurrent.futures.Future, compiled: Any) -> None:
+        with _LOCK:
+            compiled = _COMPILED.setdefault(p.cache_key(), compiled)
+        with self._lock:
+            self._ready[(p.name, p.key)] = compiled
+            self.compiled.append((p.name, p.key))
+            del self._pending[(p.name, p.key)]
+        future.set_result(compiled)
+
+    def _fail(self, p: Program, future: concurrent.futures.Future, error: BaseException) -> None:
+        with self._lock:
+            self._pending.pop((p.name, p.key), None)
+        future.set_exception(error)
 
     def _compile_one(self, lowered: Any) -> Any:
         with self.counter.counting():

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from paxkv.engine import step as steps
@@ -24,10 +25,10 @@ from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.draft import check_draft_model
 from paxkv.engine.params import ParamSource
-from paxkv.engine.programs import Program, Programs
+from paxkv.engine.programs import Program, Programs, default_compile_threads
 from paxkv.engine.sampling import Sampled, Scored, Speculated
 from paxkv.engine.step import DecodeLimits, ForwardBatch, StepExtras
-from paxkv.host.batch import HostBatch, history_length
+from paxkv.host.batch import HostBatch, history_length, pad_host_batch
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache
 from paxkv.sharding import shardings
@@ -78,10 +79,12 @@ class StepRunner:
         progress: Callable[[int, int], None] | None,
         *,
         scoring: bool = True,
+        background: bool = False,
     ) -> None:
         """Compiles the programs of every `(T, S, pages per sequence)` shape (`scoring`:
         the samplers of scored prompt rows too), calling `progress(done, total)` as each
-        program is ready."""
+        program is ready; with `background`, those of the largest shape now and the
+        others while the engine serves."""
 
     def restore_cache(self) -> bool:
         """After a call that raised: whether the KV cache was lost (donated to a call
@@ -137,6 +140,9 @@ class ModelRunner(StepRunner):
         # The step batch, placed as the programs were lowered for: replicated on a mesh.
         self._batch_sharding = shardings.replicated(mesh) if mesh is not None else None
         self._out_info: dict[str, Any] = {}  # each program's outputs (shapes, shardings)
+        # With a warm-up in the background: the step shapes, each step run on the
+        # smallest compiled one that holds it.
+        self._shapes: list[tuple[int, int, int]] | None = None
         self.draft = None
         if draft_model is not None:  # its pages mirror the target's: one block table for both
             draft_groups = KVCacheGroups.for_model(
@@ -313,8 +319,39 @@ class ModelRunner(StepRunner):
         return sampled, valid
 
     def dispatch(self, hb: HostBatch) -> Sampled:
-        """Moves `hb` to the device in one transfer and dispatches the step."""
+        """Moves `hb` to the device in one transfer and dispatches the step (on the
+        smallest compiled shape that holds it, while warm-up compiles in the background)."""
+        hb = self._on_compiled_shape(hb, "forward")
         return self._run_step(*steps.step_batch(hb, self.config.page_size, self._batch_sharding))
+
+    def _on_compiled_shape(self, hb: HostBatch, name: str) -> HostBatch:
+        """`hb`, padded to the smallest compiled shape that holds it if its own program
+        (`name`: "forward" or "loop") is still compiling in the background."""
+        if self._shapes is None:
+            return hb
+        t, s, p = hb.tokens.shape[0], hb.logits_indices.shape[0], hb.block_tables.shape[-1]
+        page_size, h, k = (
+            self.config.page_size,
+            hb.penalty_history.shape[2],
+            hb.draft_tokens.shape[1],
+        )
+
+        def ready(shape: tuple[int, int, int]) -> bool:
+            if name == "loop":
+                return (
+                    "loop",
+                    (*shape, history_length(shape[2], page_size) if h else 0),
+                ) in self._programs
+            drafted = self.draft is None or ("draft", (*shape, k, h)) in self._programs
+            return ("forward", shape) in self._programs and drafted
+
+        if ready((t, s, p)):
+            return hb
+        fits = [x for x in self._shapes if x[0] >= t and x[1] >= s and x[2] >= p and ready(x)]
+        if not fits:  # its own program is compiled (or waited for) when it runs
+            return hb
+        best = min(fits, key=lambda x: (x[0], x[2], x[1]))
+        return pad_host_batch(hb, *best, page_size=page_size)
 
     def fetch(self, handle: Sampled) -> Sampled:
         """Waits for the step and copies its samples to the host (not its routing)."""
@@ -330,6 +367,7 @@ class ModelRunner(StepRunner):
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
     ) -> tuple[Sampled, np.ndarray]:
         """The N-step decode loop on the device (`paxkv.engine.step.DECODE_LOOP`)."""
+        hb = self._on_compiled_shape(hb, "loop")
         forward, extras = steps.step_batch(hb, self.config.page_size, self._batch_sharding)
         stops = DecodeLimits.from_host(
             list(stop_ids), list(limits), hb.logits_indices.shape[0], self._batch_sharding
@@ -342,15 +380,33 @@ class ModelRunner(StepRunner):
         progress: Callable[[int, int], None] | None,
         *,
         scoring: bool = True,
+        background: bool = False,
     ) -> None:
         """Compiles, for every shape, the step's forward (with a draft model, the draft's
         part too) and the N-step loop, then the samplers those shapes run most: of
         penalties per (S, H), and with `scoring` of scored rows and with speculative
         decoding of proposals per (T, S). A step with a rarer mix (scored rows or
         proposals and penalties in one step) compiles its sampler, a small program of
-        the LM head, when first met. `progress(done, total)` counts programs."""
+        the LM head, when first met. `progress(done, total)` counts programs.
+
+        With `background`, only the programs of the largest shape (which holds every
+        step) compile now; the others compile in a background thread, smallest shapes
+        first, and until its own is ready a step runs on the smallest compiled shape
+        that holds it (`pad_host_batch`)."""
         first, second = self.warmup_programs(shapes, scoring=scoring)
-        total = len(first) + len(second)
+        if background:
+            top = (max(x[0] for x in shapes), max(x[1] for x in shapes), max(x[2] for x in shapes))
+            now = [(n, k) for n, k in first if k[:3] == top and (n == "forward" or not k[-1])]
+            later = sorted((x for x in first if x not in now), key=lambda x: (x[1], x[0]))
+            first, second = now, later + second
+        total = len(first) + (0 if background else len(second))
+        logging.info(
+            "paxkv: %d step programs for %d shapes: %d now, %d in the background",
+            len(first) + len(second),
+            len(shapes),
+            len(first) if background else len(first) + len(second),
+            len(second) if background else 0,
+        )
 
         def report(offset: int) -> Callable[[int, int], None] | None:
             return None if progress is None else lambda done, _: progress(offset + done, total)
@@ -360,7 +416,26 @@ class ModelRunner(StepRunner):
             keys = [k for n, k in first if n == name]
             if keys:
                 self._program(name, keys[0])
-        self._programs.compile([self._spec(n, k) for n, k in second], report(len(first)))
+        rest = [self._spec(n, k) for n, k in second]
+        if background:
+            self._shapes = list(shapes)
+            threads = max(1, default_compile_threads() - 1)  # a core left for serving
+            self._programs.compile_in_background(rest, threads=threads)
+        else:
+            self._programs.compile(rest, report(len(first)))
+
+    @property
+    def compiling(self) -> bool:
+        """Whether warm-up is still compiling in the background."""
+        thread = self._programs.background
+        return thread is not None and thread.is_alive()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Waits for a background warm-up to finish; whether it has."""
+        thread = self._programs.background
+        if thread is not None:
+            thread.join(timeout)
+        return not self.compiling
 
     def warmup_programs(
         self, shapes: Sequence[tuple[int, int, int]], *, scoring: bool = True

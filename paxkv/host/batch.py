@@ -164,6 +164,61 @@ class HostBatch:
     draft_counts: np.ndarray  # i32[S]
 
 
+def pad_host_batch(
+    hb: HostBatch, num_tokens: int, num_seqs: int, pages_per_seq: int, *, page_size: int
+) -> HostBatch:
+    """`hb` padded to a larger step shape (T, S, P): what the step computes is unchanged.
+
+    Padded rows run token 0 at position 0 and belong to no sequence; padded sequences
+    have no rows, no tokens and the null page, greedy sampling and no penalty; a penalty
+    history grows to `history_length(P, page_size)` with empty slots, scored rows (R = T)
+    with row 0 and target 0. Engines whose warm-up compiles in the background run a
+    step on the smallest compiled shape that holds it (`ModelRunner.dispatch`).
+    """
+    t, s = hb.tokens.shape[0], hb.logits_indices.shape[0]
+    p = hb.block_tables.shape[-1]
+    if (num_tokens, num_seqs, pages_per_seq) == (t, s, p):
+        return hb
+    if num_tokens < t or num_seqs < s or pages_per_seq < p:
+        raise ValueError(
+            f"cannot pad a step of {(t, s, p)=} to {(num_tokens, num_seqs, pages_per_seq)}"
+        )
+    dt, ds, dp = num_tokens - t, num_seqs - s, pages_per_seq - p
+
+    def rows(a: np.ndarray, extra: int, value=0, axis: int = 0) -> np.ndarray:
+        width = [(0, 0)] * a.ndim
+        width[axis] = (0, extra)
+        return np.pad(a, width, constant_values=value)
+
+    tables = rows(rows(hb.block_tables, ds, NULL_PAGE, axis=-2), dp, NULL_PAGE, axis=-1)
+    history = hb.penalty_history
+    if history.shape[2]:
+        grow = history_length(pages_per_seq, page_size) - history.shape[2]
+        ids = rows(rows(history[0], ds, -1), grow, -1, axis=1)
+        counts = rows(rows(history[1:], ds, axis=1), grow, axis=2)
+        history = np.concatenate([ids[None], counts])
+    else:
+        history = np.zeros((3, num_seqs, 0), np.int32)
+    scored = hb.score_rows.shape[0] > 0
+    return HostBatch(
+        tokens=rows(hb.tokens, dt),
+        positions=rows(hb.positions, dt),
+        block_tables=tables,
+        kv_lens=rows(hb.kv_lens, ds),
+        cu_q_lens=rows(hb.cu_q_lens, ds, hb.cu_q_lens[-1]),
+        num_seqs=hb.num_seqs,
+        logits_indices=rows(hb.logits_indices, ds),
+        sampling_floats=np.concatenate([hb.sampling_floats, padding_floats(ds)]),
+        sampling_ints=rows(hb.sampling_ints, ds),
+        penalty_history=history,
+        token_src=rows(hb.token_src, dt, -1),
+        score_rows=rows(hb.score_rows, dt) if scored else hb.score_rows,
+        score_targets=rows(hb.score_targets, dt) if scored else hb.score_targets,
+        draft_tokens=rows(hb.draft_tokens, ds),
+        draft_counts=rows(hb.draft_counts, ds),
+    )
+
+
 def build_host_batch(
     plan: SchedulerOutput,
     *,

@@ -66,6 +66,8 @@ def _define_engine_flags() -> dict[str, flags.FlagHolder]:
         kind = type(f.default) if f.default is not None else int
         if choices:
             holders[f.name] = flags.DEFINE_enum(f.name, None, list(choices), help_text)
+        elif f.metadata.get("ints"):
+            holders[f.name] = flags.DEFINE_list(f.name, None, help_text)
         elif kind is bool:
             holders[f.name] = flags.DEFINE_bool(f.name, None, help_text)
         elif kind is int:
@@ -235,7 +237,11 @@ def serving_setup() -> ServingSetup:
         model = model.replace(dtype=DTYPE.value)
     if SCAN_LAYERS.value is not None:
         model = model.replace(scan_layers=SCAN_LAYERS.value)
-    overrides = {name: f.value for name, f in _ENGINE_FLAGS.items() if f.value is not None}
+    overrides = {
+        name: _flag_ints(name, f.value) if isinstance(f.value, list) else f.value
+        for name, f in _ENGINE_FLAGS.items()
+        if f.value is not None
+    }
     if SPECULATIVE_CONFIG.value is not None:
         overrides["speculative_config"] = speculative_config()
     engine = dataclasses.replace(setup.engine, seed=SEED.value, **overrides)
@@ -245,6 +251,16 @@ def serving_setup() -> ServingSetup:
             f"max_position_embeddings={model.max_position_embeddings}"
         )
     return setup.replace(model=model, engine=engine)
+
+
+def _flag_ints(name: str, values: list[str]) -> tuple[int, ...]:
+    """A list flag's integers; ValueError naming the flag and showing the value."""
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise ValueError(
+            f"--{name}={','.join(values)}: expected integers, e.g. 16,64,256"
+        ) from None
 
 
 def _model_source(setup: ServingSetup) -> str:

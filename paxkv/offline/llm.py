@@ -28,6 +28,10 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 UseTqdm = bool | Callable[..., Any]
 
 
+# `LLM(warmup=...)`: True is "background".
+WARMUP_MODES = (True, False, "background", "full")
+
+
 def default_engine_config(model_config: Any, seed: int = 0) -> EngineConfig:
     """The engine limits a model is served with when none are given: `EngineConfig`'s
     defaults, with `seed` and max_model_len = min(the model's positions,
@@ -60,9 +64,12 @@ class LLM:
         their `--setup` set-up's limits (`paxkv.launch.setups`; tiny-py's are small, for a
         quick warm-up on the CPU); `config=paxkv.launch.setups.get_setup(name).engine`
         serves with those.
-      warmup: compile every step shape now (`Engine.warmup`, with a progress bar on
-        stderr), so that no request waits for a compilation later. False defers each
-        compilation to the first step of its shape (tests, one-shot scripts).
+      warmup: True or "background" (the default): compile the largest step shape's
+        programs now, with a progress bar on stderr, and the others in a background
+        thread while requests run (each step on the smallest compiled shape that holds
+        it); "full": every program before returning, so no request waits for one later
+        (benchmarks); False: none, each compiled when a step first needs it (tests,
+        one-shot scripts). See `Engine.warmup`.
       cache_dir: the persistent compilation cache's directory, where a later start
         loads the compiled programs (`paxkv.engine.compile_cache`); None: this
         process's, by default `$PAXKV_CACHE_DIR` or `~/.cache/paxkv`; "off": none.
@@ -80,12 +87,12 @@ class LLM:
         mesh: Any = None,
         scan_layers: bool | None = None,
         config: EngineConfig | None = None,
-        warmup: bool = True,
+        warmup: bool | str = True,
         cache_dir: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        if not isinstance(warmup, bool):
-            raise TypeError(f"warmup must be a bool, got {warmup!r}")
+        if warmup not in WARMUP_MODES or not isinstance(warmup, bool | str):
+            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
         if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
             raise TypeError(f"cache_dir must be a path or 'off', got {cache_dir!r}")
         _check_engine_kwargs(engine_kwargs)  # before any loading
@@ -112,9 +119,9 @@ class LLM:
         )
         self._tokenizer_config_file = models.TOKENIZER_CONFIG_FILE
         if warmup:
-            self._warm_up()
+            self._warm_up(background=warmup in (True, "background"))
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, *, background: bool) -> None:
         bar = tqdm(desc="Compiling step programs", unit="program")
 
         def progress(done: int, total: int) -> None:
@@ -122,7 +129,7 @@ class LLM:
             bar.update(done - bar.n)
 
         with bar, logging_above_bars():
-            self.engine.warmup(progress=progress)
+            self.engine.warmup(progress=progress, background=background)
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (None when it has none)."""
