@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 from absl import app, flags
 
@@ -41,6 +44,8 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write every run's phases here
 # the README's example settings; llama-3.2-1b: its real shapes, random weights.
 SCENARIOS = {
     "tiny-py": {"model": "tiny-py"},
+    # The same with every program compiled before LLM() returns (the old code's only way).
+    "tiny-py-full": {"model": "tiny-py", "warmup": "full"},
     "readme": {
         "model": "tiny-py",
         "num_pages": 128,
@@ -49,6 +54,7 @@ SCENARIOS = {
         "max_num_batched_tokens": 64,
         "max_model_len": 256,
     },
+    "serve": "serve",  # paxkv-serve up to its first answered completion
     "llama-3.2-1b": {
         "model": "llama-3.2-1b",
         "dtype": "bfloat16",
@@ -113,8 +119,7 @@ print(json.dumps(phases))
 """
 
 
-def run_child(kwargs: dict, cache_dir: str, pythonpath: str | None) -> dict:
-    """One start-up in a fresh process with `cache_dir` as its compilation cache."""
+def _env(cache_dir: str, pythonpath: str | None) -> dict:
     env = {
         k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
     }
@@ -122,6 +127,16 @@ def run_child(kwargs: dict, cache_dir: str, pythonpath: str | None) -> dict:
     # This checkout's code, or the other copy's: run from the cache folder, so the
     # working directory shadows neither.
     env["PYTHONPATH"] = pythonpath or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return env
+
+
+def run_child(kwargs: dict | str, cache_dir: str, pythonpath: str | None) -> dict:
+    """One start-up in a fresh process with `cache_dir` as its compilation cache."""
+    if kwargs == "serve":
+        return run_server(cache_dir, pythonpath)
+    if kwargs.get("warmup") == "full" and pythonpath is not None:
+        kwargs = kwargs | {"warmup": True}  # older code: True compiled everything first
+    env = _env(cache_dir, pythonpath)
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(kwargs)],
         cwd=cache_dir,
@@ -133,6 +148,45 @@ def run_child(kwargs: dict, cache_dir: str, pythonpath: str | None) -> dict:
     if done.returncode:
         raise RuntimeError(f"start-up failed ({kwargs}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_server(cache_dir: str, pythonpath: str | None) -> dict:
+    """`paxkv-serve` (tiny-py) started in a fresh process: seconds until it answers its
+    first completion."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.perf_counter()
+    code = f"import sys; from paxkv.launch.serve import run; sys.argv = ['paxkv-serve', '--port={port}']; run()"
+    server = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=cache_dir,
+        env=_env(cache_dir, pythonpath),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    body = json.dumps(
+        {"model": "tiny-py", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
+    )
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"paxkv-serve exited with {server.returncode}")
+            try:
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    data=body.encode(),
+                    headers={"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(request, timeout=600) as answer:
+                    text = json.loads(answer.read())["choices"][0]["text"]
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        return {"to_first_token_s": time.perf_counter() - start, "text": text}
+    finally:
+        server.terminate()
+        server.wait(120)
 
 
 PHASES = ("import_s", "weights_s", "engine_s", "compile_s", "first_request_s", "to_first_token_s")

@@ -20,16 +20,21 @@ class BatchBuilder:
       scheduler: whose plans, and whose persistent batch holds their rows.
       page_size: tokens per page.
       buckets: the step's declared padded sizes.
-      draft_width: most speculative proposals a chunk may carry (0: none).
+      num_speculative_tokens: most speculative proposals a chunk may carry (0: none).
     """
 
     def __init__(
-        self, scheduler: Scheduler, *, page_size: int, buckets: Buckets, draft_width: int = 0
+        self,
+        scheduler: Scheduler,
+        *,
+        page_size: int,
+        buckets: Buckets,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.page_size = page_size
         self.buckets = buckets
-        self.draft_width = draft_width
+        self.num_speculative_tokens = num_speculative_tokens
 
     def build_batch(
         self, plan: SchedulerOutput, pending: Mapping[int, int] | None = None
@@ -49,7 +54,7 @@ class BatchBuilder:
             buckets=self.buckets,
             rows=self.scheduler.batch_rows,
             pending=pending,
-            draft_width=self.draft_width,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         while True:
             try:

@@ -110,7 +110,7 @@ class Engine:
             self.scheduler,
             page_size=config.page_size,
             buckets=self._buckets,
-            draft_width=spec.num_speculative_tokens if spec is not None else 0,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.metrics = EngineMetrics()
         self.routed_experts = RoutedExperts(self.runner, speculative=spec is not None)

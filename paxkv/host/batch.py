@@ -226,7 +226,7 @@ def build_host_batch(
     buckets: Buckets,
     rows: BatchRows,
     pending: Mapping[int, int] | None = None,
-    draft_width: int = 0,
+    num_speculative_tokens: int = 0,
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
@@ -239,7 +239,7 @@ def build_host_batch(
     placeholder in the chunk's tokens; the columns carry theirs as `DecodeColumns.src`);
     `token_src` points there. A step where a sequence with penalties samples carries
     histories of `history_length(P, page_size)` tokens, else of none. A step where a chunk has speculative proposals carries them as
-    `draft_tokens` of width `draft_width` (the most a chunk may have), else of width 0.
+    `draft_tokens` of width `num_speculative_tokens` (the most a chunk may have), else of width 0.
     """
     extra = plan.extra
     decode = plan.decode
@@ -308,7 +308,7 @@ def build_host_batch(
         num_draft[nd:] = draft_col
         logits_indices[:n] -= num_draft
         padded = ((),) * nd + tokens_col  # `samples_col`, `tokens_col`: extra's alone
-        draft_tokens, draft_counts = _drafts(padded, num_draft, s_pad, draft_width)
+        draft_tokens, draft_counts = _drafts(padded, num_draft, s_pad, num_speculative_tokens)
     else:
         draft_tokens, draft_counts = _constant("no drafts", s_pad)
 

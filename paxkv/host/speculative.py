@@ -189,7 +189,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, token_buckets: tuple[int, ...]) -> None:
         self.config = config
-        self.k = config.num_speculative_tokens
+        self.num_speculative_tokens = config.num_speculative_tokens
         self.token_buckets = token_buckets
         self._seqs: weakref.WeakKeyDictionary[SequenceState, _SeqState] = (
             weakref.WeakKeyDictionary()
@@ -201,8 +201,9 @@ class Speculator:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * self.k  # drafts whose position i was accepted
-        self.drafts_per_position = [0] * self.k  # drafts that proposed position i
+        k = self.num_speculative_tokens
+        self.accepted_per_position = [0] * k  # drafts whose position i was accepted
+        self.drafts_per_position = [0] * k  # drafts that proposed position i
 
     def new_step(self, num_running: int) -> bool:
         """Starts a step's planning; whether sequences may speculate in it."""
@@ -221,7 +222,7 @@ class Speculator:
         """Up to `min(k, max_tokens)` proposed tokens after `seq`'s last one; empty when
         it is paused or the lookup finds nothing. With a draft model, rows for that
         many proposals (zeros: the draft fills them on the device)."""
-        n = min(self.k, max_tokens)
+        n = min(self.num_speculative_tokens, max_tokens)
         if n <= 0:
             return ()
         state = self._seqs.get(seq)
@@ -234,12 +235,13 @@ class Speculator:
             )
             state = self._seqs[seq] = _SeqState(proposer)
             state.accepted, state.rejected = self._accepted, self._rejected
-            if state.depth(self.k, c.min_acceptance) == 0:  # wait for the next probe
+            # Wait for the next probe.
+            if state.depth(self.num_speculative_tokens, c.min_acceptance) == 0:
                 state.paused_until = -(-(self._step + 1) // PAUSE_STEPS) * PAUSE_STEPS
                 state.accepted, state.rejected = c.min_acceptance, 1 - c.min_acceptance
         if self._step < state.paused_until:
             return ()
-        n = min(n, state.depth(self.k, self.config.min_acceptance))
+        n = min(n, state.depth(self.num_speculative_tokens, self.config.min_acceptance))
         if n <= 0:
             return ()
         if state.proposer is None:  # a draft model proposes on the device: rows only
@@ -267,7 +269,8 @@ class Speculator:
         state.accepted = DECAY * state.accepted + num_accepted
         state.rejected = DECAY * state.rejected + rejected
         floor = self.config.min_acceptance
-        if state.depth(self.k, floor) == 0:  # pause, then probe with one proposal
+        # Pause, then probe with one proposal.
+        if state.depth(self.num_speculative_tokens, floor) == 0:
             until = self._step + PAUSE_STEPS * 2 ** min(state.pauses, MAX_PAUSE_DOUBLINGS)
             # Rounded up to a multiple of PAUSE_STEPS: paused sequences probe in the
             # same steps, so most steps have no proposal at all (the cheaper variant).
