@@ -147,7 +147,8 @@ def _classify(words: list[str]) -> list[Command]:
     nested = [c for a in args if a.startswith("--command=") for c in parse_commands(a[10:])]
     if program in SCRIPTS:
         return [Command("script", SCRIPTS[program], args), *nested]
-    if program in PYTHONS and len(args) >= 2 and args[0] == "-m" and args[1].startswith("paxkv"):
+    modules = ("paxkv", "benchmarks.")
+    if program in PYTHONS and len(args) >= 2 and args[0] == "-m" and args[1].startswith(modules):
         return [Command("module", args[1], args[2:]), *nested]
     return [Command("other", program, args), *nested]
 
@@ -155,6 +156,9 @@ def _classify(words: list[str]) -> list[Command]:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # `python -m benchmarks.NAME` runs from a checkout: its root on the path.
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 

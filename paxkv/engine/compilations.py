@@ -11,6 +11,7 @@ whatever other engines or tests compiled before it in the process.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import threading
@@ -29,6 +30,7 @@ class CompileCounter:
     def __init__(self, fun_names: Iterable[str]) -> None:
         self.fun_names = frozenset(f"jit({name})" for name in fun_names)
         self.count = 0  # programs compiled or loaded from the persistent cache
+        self.by_function: collections.Counter[str] = collections.Counter()
         self.loaded = 0  # of them, loaded
         self.seconds = 0.0
         self.lock = threading.Lock()  # programs compile in several threads at once
@@ -62,6 +64,7 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
     if counter is not None and kwargs.get("fun_name") in counter.fun_names:
         with counter.lock:
             counter.count += 1
+            counter.by_function[kwargs["fun_name"]] += 1
             counter.loaded += loaded
             counter.seconds += duration
 

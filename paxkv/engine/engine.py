@@ -326,6 +326,8 @@ class Engine:
             self.scheduler,
             num_compilations=self.num_compilations,
             compile_time_s=self.runner.compile_seconds,
+            num_model_compilations=self.runner.num_model_compilations,
+            compiling=self.compiling,
         )
         if self.speculator is not None:
             stats.update(self.speculator.stats())

@@ -167,7 +167,13 @@ class EngineMetrics:
 
 
 def engine_stats(
-    metrics: EngineMetrics, scheduler: Scheduler, *, num_compilations: int, compile_time_s: float
+    metrics: EngineMetrics,
+    scheduler: Scheduler,
+    *,
+    num_compilations: int,
+    compile_time_s: float,
+    num_model_compilations: int = 0,
+    compiling: bool = False,
 ) -> dict[str, Any]:
     """The run's metrics so far, with vLLM-compatible names where one exists.
 
@@ -209,6 +215,10 @@ def engine_stats(
         "num_steps": m.num_steps,
         "num_decode_loops": m.num_decode_loops,
         "num_compilations": num_compilations,
+        # Of them, the model's programs (not its samplers); and whether a background
+        # warm-up is still compiling.
+        "num_model_compilations": num_model_compilations,
+        "compiling": int(compiling),
         "compile_time_s": compile_time_s,
         "schedule_time_per_step_s": m.schedule_time_s / m.num_steps if m.num_steps else 0.0,
         "host_time_s": host,
@@ -245,6 +255,7 @@ class PrometheusCollector:
         "prefix_cache_queries",
         "prefix_cache_hits",
         "num_compilations",
+        "num_model_compilations",
         "num_steps",
     )
     GAUGES = (
@@ -257,6 +268,7 @@ class PrometheusCollector:
         "kv_token_utilization",
         "host_overhead_fraction",
         "output_tok_per_s",
+        "compiling",
     )
 
     def __init__(self, stats_fn: Callable[[], dict[str, Any]], *, prefix: str = "paxkv") -> None:

@@ -46,6 +46,7 @@ class StepRunner:
 
     model_config: Any
     num_compilations: int = 0
+    num_model_compilations: int = 0
     num_cache_loads: int = 0
     compile_seconds: float = 0.0
     # `(L, k)` of the routing a model that routes experts returns with every step
@@ -182,6 +183,11 @@ class ModelRunner(StepRunner):
     def num_cache_loads(self) -> int:
         """Of `num_compilations`, the programs loaded from the persistent cache."""
         return self._compiles.loaded
+
+    @property
+    def num_model_compilations(self) -> int:
+        """Of `num_compilations`, the programs that run the model (not the samplers)."""
+        return sum(self._compiles.by_function[f"jit({f})"] for f in steps.MODEL_FUNCTIONS)
 
     @property
     def compile_seconds(self) -> float:
@@ -401,7 +407,7 @@ class ModelRunner(StepRunner):
             first, second = now, later + second
         total = len(first) + (0 if background else len(second))
         logging.info(
-            "paxkv: %d step programs for %d shapes: %d now, %d in the background",
+            "paxkv: compiling %d step programs for %d shapes: %d now, %d in the background",
             len(first) + len(second),
             len(shapes),
             len(first) if background else len(first) + len(second),

@@ -498,5 +498,6 @@ DECODE_LOOP = jax.jit(
     static_argnames=("attention_backend", "num_steps", "num_logprobs"),
     donate_argnames=("kv_cache",),
 )
-# What `CompileCounter` watches: the step's programs.
+# What `CompileCounter` watches: the step's programs; of them, those that run the model.
 COMPILED_FUNCTIONS = ("forward_step", "resample_step", "draft_step", "decode_loop")
+MODEL_FUNCTIONS = ("forward_step", "draft_step", "decode_loop")

@@ -84,6 +84,15 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
+    def model_compilations(self, timeout: float = 600) -> float:
+        """The server's compilations of model programs, once its background warm-up has
+        compiled every step shape."""
+        deadline = time.monotonic() + timeout
+        while self.metrics()["paxkv:compiling"]:
+            assert time.monotonic() < deadline, "the background warm-up did not finish"
+            time.sleep(0.2)
+        return self.metrics()["paxkv:num_model_compilations_total"]
+
     def metrics(self) -> dict[str, float]:
         """/metrics as {sample name with labels: value}."""
         text = httpx.get(f"{self.base}/metrics", timeout=10).text

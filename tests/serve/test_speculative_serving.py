@@ -30,7 +30,7 @@ def _ids(tokens):
 @pytest.mark.slow  # a second server warm-up (the 25-minute CI budget); LLM is tested in tests/engine
 def test_speculative_server_equals_plain_decoding(spec_server, llm):
     client = openai.OpenAI(base_url=spec_server.url, api_key="none", max_retries=0, timeout=60)
-    compiled = spec_server.metrics()["paxkv:num_compilations_total"]
+    compiled = spec_server.model_compilations()
     want = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     want = [(o.outputs[0].token_ids, o.outputs[0].text) for o in want]
     resp = client.completions.create(
@@ -62,4 +62,4 @@ def test_speculative_server_equals_plain_decoding(spec_server, llm):
         <= (m["paxkv:spec_decode_num_draft_tokens_total"])
     )
     assert 'paxkv:spec_decode_acceptance_per_position{position="0"}' in m
-    assert m["paxkv:num_compilations_total"] == compiled
+    assert m["paxkv:num_model_compilations_total"] == compiled
