@@ -45,10 +45,11 @@ MOVED = {
     "paxkv.tools.load_bench": "paxkv.measure.load_bench",
     "paxkv.tools.reservations": "paxkv.measure.reservations",
     "paxkv.tools.bench_plot": "paxkv.measure.bench_plot",
-    "paxkv.tools.quality": "paxkv.measure.quality",
-    "paxkv.tools.demo": "paxkv.measure.demo",
+    "paxkv.tools.quality": "paxkv.measure.kv_quality",
+    "paxkv.tools.demo": "paxkv.measure.ragged_batch_demo",
     "paxkv.tools.page_tables": "paxkv.measure.page_tables",
     "paxkv.models.train": "paxkv.models.training",
+    "paxkv.host.plan": "paxkv.host.step_plan",
 }
 _GONE_PACKAGES = {"paxkv.tools"}  # emptied: each module moved on its own
 

@@ -17,9 +17,9 @@ from absl import logging
 from paxkv.engine.metrics import EngineMetrics
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request, RequestRegistry
-from paxkv.host.plan import SchedulerOutput
 from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler
+from paxkv.host.step_plan import SchedulerOutput
 
 
 class Endings:

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from paxkv.engine.sampling import Sampled, sample_result
-from paxkv.host.plan import score_spans
 from paxkv.host.request import FinishReason
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SeqStatus, SequenceState
+from paxkv.host.step_plan import score_spans
 
 
 def record_samples(

@@ -27,7 +27,6 @@ from paxkv.engine.outputs import (
     take,
 )
 from paxkv.engine.validation import check_params, prompt_ids
-from paxkv.host.plan import DecodeColumns
 from paxkv.host.prompt_scores import PromptScores
 from paxkv.host.request import (
     CompletionOutput,
@@ -41,6 +40,7 @@ from paxkv.host.request import (
 )
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.sequence import SequenceState
+from paxkv.host.step_plan import DecodeColumns
 from paxkv.text.detokenizer import StopStrings
 
 

@@ -19,9 +19,9 @@ from paxkv.engine.recording import record_samples
 from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.step import MAX_STOP_IDS
-from paxkv.host.plan import reserve_ahead
 from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
+from paxkv.host.step_plan import reserve_ahead
 
 
 class SyncStepper:

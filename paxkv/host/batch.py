@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.batch_rows import BatchRows
-from paxkv.host.plan import score_spans
 from paxkv.host.sampling_columns import (
     INT_COLUMN,
     ROW_INT_SLICE,
@@ -24,13 +23,14 @@ from paxkv.host.sampling_columns import (
     padding_floats,
     sampling_floats,
 )
+from paxkv.host.step_plan import score_spans
 from paxkv.pallas_kernels.layout import NULL_PAGE, cdiv
 
 __all__ = ["Buckets", "HostBatch", "build_host_batch"]
 
 if TYPE_CHECKING:
-    from paxkv.host.plan import SchedulerOutput
     from paxkv.host.request import SamplingParams
+    from paxkv.host.step_plan import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +233,7 @@ def build_host_batch(
     The block table and the sampling parameters are one gather of the chunks' rows of
     the persistent batch `rows` (a table per KV-cache group when there are several;
     each row cut to the chunk's `num_pages`; with
-    `paxkv.host.plan.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
+    `paxkv.host.step_plan.reserve_ahead`, the pages of the decode steps ahead too); the tokens are
     the plan's snapshot. `pending` (async scheduling) maps `id(seq)` to the row of the
     in-flight step's output that holds the token the sequence's last row needs (a
     placeholder in the chunk's tokens; the columns carry theirs as `DecodeColumns.src`);

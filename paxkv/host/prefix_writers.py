@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from paxkv.host.kv_cache_manager import KVCacheManager, register_decodes
-from paxkv.host.plan import SchedulerOutput
 from paxkv.host.sequence import SequenceState
+from paxkv.host.step_plan import SchedulerOutput
 
 
 class PrefixWriters:

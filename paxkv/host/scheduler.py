@@ -9,7 +9,7 @@ priority, then latest arrival) frees its pages and goes back to the front of the
 waiting queue, and later re-prefills its prompt plus the tokens it had generated, so
 its output continues exactly.
 
-`schedule` returns a `SchedulerOutput` (`paxkv.host.plan`), a snapshot of the step.
+`schedule` returns a `SchedulerOutput` (`paxkv.host.step_plan`), a snapshot of the step.
 Pages it registers in the prefix cache while planning are shared within the step
 (`paxkv.host.prefix_writers`).
 """
@@ -26,7 +26,6 @@ from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.host.kv_usage import kv_usage
 from paxkv.host.page_pool import PagePool
-from paxkv.host.plan import ScheduledChunk, SchedulerOutput
 from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
 from paxkv.host.request import SamplingParams
@@ -34,6 +33,7 @@ from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.host.speculative import Speculator, add_proposals, record_verified
 from paxkv.host.steady_decode import SteadyDecoder
+from paxkv.host.step_plan import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 

@@ -39,9 +39,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from paxkv.host.ngram_proposer import NgramProposer
-from paxkv.host.plan import ScheduledChunk
 from paxkv.host.request import FinishReason, check_bool, check_float, check_int
 from paxkv.host.sequence import SequenceState
+from paxkv.host.step_plan import ScheduledChunk
 from paxkv.pallas_kernels.layout import cdiv
 
 if TYPE_CHECKING:

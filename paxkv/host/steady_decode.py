@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes
-from paxkv.host.plan import DecodeColumns, Scheduled, SchedulerOutput, rows_among, stop_tokens
 from paxkv.host.request import FinishReason
 from paxkv.host.sequence import SeqStatus, SequenceState
+from paxkv.host.step_plan import DecodeColumns, Scheduled, SchedulerOutput, rows_among, stop_tokens
 
 if TYPE_CHECKING:
     from paxkv.host.scheduler import Scheduler

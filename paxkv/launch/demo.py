@@ -2,7 +2,7 @@
 
     paxkv-demo [--num_seqs=32] [--max_model_len=4096] [--page_size=16] [--seed=0]
 
-Runs `paxkv.measure.demo.run_demo` on the platform's attention backend (the "xla" loop on
+Runs `paxkv.measure.ragged_batch_demo.run_demo` on the platform's attention backend (the "xla" loop on
 the CPU) and prints its report. Its flags are its own: it builds no engine, so it
 reads none of the serving flags of `paxkv.launch.flags`.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from absl import flags
 
 from paxkv.launch import define_seed, exit_with_error, platform, run_app
-from paxkv.measure.demo import format_result, run_demo
+from paxkv.measure.ragged_batch_demo import format_result, run_demo
 from paxkv.pallas_kernels.dispatch import BACKENDS
 
 _NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences in the ragged batch.")

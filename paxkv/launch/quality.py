@@ -4,7 +4,7 @@
     paxkv-quality --num_windows=256 --json_out=quality.json
 
 Reports, per `--kv_cache_dtypes`, the held-out perplexity teacher-forced through the
-paged cache and the greedy agreement with the "auto" cache (see `paxkv.measure.quality`), as a
+paged cache and the greedy agreement with the "auto" cache (see `paxkv.measure.kv_quality`), as a
 Markdown table; `--json_out` also writes every number.
 """
 
@@ -17,7 +17,7 @@ from absl import flags
 from tqdm import tqdm
 
 from paxkv.launch import exit_with_error, list_in_help, platform, run_app
-from paxkv.measure import quality
+from paxkv.measure import kv_quality as quality
 from paxkv.models import load_model
 from paxkv.models.training import load_corpus, stdlib_root
 from paxkv.offline.progress import logging_above_bars

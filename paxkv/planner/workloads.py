@@ -59,7 +59,7 @@ class LengthDistribution:
 # median ~172 tokens (capped at max_model_len / 2 there), outputs of median ~122.
 SHAREGPT_PROMPT_LENS = LengthDistribution(median=math.exp(5.15), sigma=1.0, lo=4, rounding="down")
 SHAREGPT_OUTPUT_LENS = LengthDistribution(median=math.exp(4.8), sigma=0.9, lo=2, rounding="down")
-# The CPU demo's ragged batch (paxkv.measure.demo): prompts of median ~200 tokens.
+# The CPU demo's ragged batch (paxkv.measure.ragged_batch_demo): prompts of median ~200 tokens.
 DEMO_PROMPT_LENS = LengthDistribution(median=math.exp(5.3), sigma=1.0, rounding="down")
 
 

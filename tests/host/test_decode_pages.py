@@ -7,9 +7,9 @@ import pytest
 
 from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes, register_decodes
 from paxkv.host.page_pool import PagePool
-from paxkv.host.plan import rows_among
 from paxkv.host.request import SamplingParams
 from paxkv.host.sequence import SequenceState
+from paxkv.host.step_plan import rows_among
 
 PS = 4
 

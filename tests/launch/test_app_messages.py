@@ -55,7 +55,7 @@ def test_demo_on_a_device_not_here_is_one_error_line():
     assert (
         error == "error: backend='tpu' needs a TPU; this platform is 'cpu' (auto runs 'xla' here)"
     )
-    from paxkv.measure.demo import run_demo
+    from paxkv.measure.ragged_batch_demo import run_demo
 
     with pytest.raises(ValueError, match="backend='gpu' needs a GPU; this platform is 'cpu'"):
         run_demo(num_seqs=2, max_model_len=64, backend="gpu")

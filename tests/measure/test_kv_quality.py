@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from paxkv.measure import quality
+from paxkv.measure import kv_quality as quality
 from paxkv.models import load_model
 from paxkv.models import training as train
 

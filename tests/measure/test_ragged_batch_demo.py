@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from paxkv.measure.demo import format_result, run_demo
+from paxkv.measure.ragged_batch_demo import format_result, run_demo
 from paxkv.pallas_kernels.layout import cdiv
 
 
