@@ -16,7 +16,10 @@ import pytest
 
 # A start: LLM(...) with small limits, one greedy request; its outputs and counts.
 _START = r"""
-import json, sys
+import json, resource, signal, sys
+if sys.argv[2:] == ["full"]:  # a disk that takes no more than 4 KiB a file
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 from paxkv import LLM, SamplingParams
 cache_dir = None if sys.argv[1] == "default" else sys.argv[1]
 llm = LLM("tiny", dtype="float32", num_pages=64, page_size=8, max_num_seqs=4,
@@ -40,8 +43,8 @@ def _env(**extra):
     return env
 
 
-def _start(cache_dir, *, env=None, wait=True):
-    command = [sys.executable, "-c", _START, str(cache_dir)]
+def _start(cache_dir, *, env=None, wait=True, full=False):
+    command = [sys.executable, "-c", _START, str(cache_dir), *(["full"] if full else [])]
     if not wait:
         return subprocess.Popen(
             command, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -115,6 +118,16 @@ def test_corrupt_entries_are_one_warning_and_compiled_again(cold, tmp_path):
     assert result["loads"] < result["compilations"]
     warnings = _cache_warnings(stderr)
     assert len(warnings) == 1 and "cannot be read or written" in warnings[0], stderr[-2000:]
+
+
+def test_a_full_disk_is_one_warning_and_a_cold_start(cold, tmp_path):
+    first, _, _ = cold
+    result, stderr = _start(tmp_path / "full", full=True)
+    assert result["tokens"] == first["tokens"] and result["loads"] == 0
+    warnings = _cache_warnings(stderr)
+    assert len(warnings) == 1 and "cannot be read or written" in warnings[0], stderr[-2000:]
+    again, _ = _start(tmp_path / "full")  # nothing it half wrote is read as a program
+    assert again["tokens"] == first["tokens"]
 
 
 def test_another_versions_entries_are_never_read(cold, tmp_path):
