@@ -66,7 +66,10 @@ def _bounded_memory_maps():
     if used > limit // 2:
         import jax
 
+        from paxkv.engine import programs
+
         jax.clear_caches()
+        programs.clear_compiled()
         gc.collect()
 
 

@@ -33,6 +33,13 @@ _COMPILED: dict[Hashable, Any] = {}
 _LOCK = threading.Lock()
 
 
+def clear_compiled() -> None:
+    """Forgets the process's compiled programs (as `jax.clear_caches` forgets JAX's):
+    engines keep the ones they hold; a new engine compiles (or loads) its own."""
+    with _LOCK:
+        _COMPILED.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program to compile: `fn` (jitted) lowered for `args` (arrays or

@@ -36,6 +36,15 @@ def metrics(base: str) -> dict[str, float]:
     return samples
 
 
+def warm_metrics(base: str, timeout: float = 600) -> dict[str, float]:
+    """`metrics` once the server's background warm-up has compiled every step shape."""
+    deadline = time.monotonic() + timeout
+    while (samples := metrics(base)).get("paxkv:compiling"):
+        assert time.monotonic() < deadline, "the background warm-up did not finish"
+        time.sleep(0.2)
+    return samples
+
+
 def serve_argv(port: int, *flags: str) -> list[str]:
     """`paxkv-serve` of `MODEL` and `ENGINE` in float32 on 127.0.0.1:`port`, and `flags`."""
     return [
