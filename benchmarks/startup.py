@@ -104,7 +104,8 @@ start = time.perf_counter()
 llm = LLM(**kwargs)
 phases["llm_s"] = time.perf_counter() - start
 first = time.perf_counter()
-out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+prompt = "def f(x):" if llm.get_tokenizer() is not None else {"prompt_token_ids": [1, 2, 3]}
+out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 phases["first_request_s"] = time.perf_counter() - first
 phases["to_first_token_s"] = time.perf_counter() - t0
 phases["xla_compiles"] = counts["compiles"]

@@ -344,7 +344,7 @@ class Engine:
         with logprobs, `add_score_request`), and of speculative proposals
         (`ModelRunner.warmup`). `progress(done, total)` is called as each program is
         compiled, or taken from the ones this process compiled or the persistent
-        compilation cache holds. With `background`, only the largest shape's programs
+        compilation cache holds. With `background`, only the largest and smallest shapes' programs
         compile before this returns: the engine serves at once, each step on the
         smallest compiled shape that holds it, while the others compile in a thread
         (`compiling`, `wait_compiled`).

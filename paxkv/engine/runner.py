@@ -396,13 +396,17 @@ class ModelRunner(StepRunner):
         the LM head, when first met. `progress(done, total)` counts programs.
 
         With `background`, only the programs of the largest shape (which holds every
-        step) compile now; the others compile in a background thread, smallest shapes
-        first, and until its own is ready a step runs on the smallest compiled shape
-        that holds it (`pad_host_batch`)."""
+        step) and of the smallest compile now; the others compile in a background
+        thread, smallest shapes first, and until its own is ready a step runs on the
+        smallest compiled shape that holds it (`pad_host_batch`)."""
         first, second = self.warmup_programs(shapes, scoring=scoring)
         if background:
+            # The largest shape holds every step; the smallest runs short requests and
+            # decodes without the largest's padding (on a slow device, a padded decode of
+            # a large model costs seconds a step).
             top = (max(x[0] for x in shapes), max(x[1] for x in shapes), max(x[2] for x in shapes))
-            now = [(n, k) for n, k in first if k[:3] == top and (n == "forward" or not k[-1])]
+            serving = {top, min(shapes)}
+            now = [(n, k) for n, k in first if k[:3] in serving and (n == "forward" or not k[-1])]
             later = sorted((x for x in first if x not in now), key=lambda x: (x[1], x[0]))
             first, second = now, later + second
         total = len(first) + (0 if background else len(second))
