@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import threading
@@ -69,6 +70,13 @@ def _at_thread_shutdown(callback: Callable[[], None]) -> None:
         atexit.register(callback)
 
 
+def _lower_priority() -> None:
+    """Makes the calling thread yield the CPU to the engine's steps (Linux: a thread's
+    nice value is its own); a no-op where that is refused."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
+
+
 def default_compile_threads() -> int:
     """How many programs compile at once: one per core, at most 8."""
     return max(1, min(8, os.cpu_count() or 1))
@@ -108,6 +116,7 @@ class Programs:
         *,
         threads: int | None = None,
         thread_name: str = "paxkv-compile",
+        initializer: Callable[[], None] | None = None,
     ) -> None:
         """Compiles `programs`, `threads` at once (those compiled or being compiled
         elsewhere are waited for); calls `progress(done, total)` as each is ready."""
@@ -125,7 +134,9 @@ class Programs:
                     progress(done, total)
         workers = max(1, min(len(mine), threads or default_compile_threads()))
         try:
-            with concurrent.futures.ThreadPoolExecutor(workers, thread_name) as pool:
+            with concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name, initializer=initializer
+            ) as pool:
                 jobs = {}
                 for p, future in mine:  # lowering traces Python: one at a time
                     lowered = p.fn.lower(*p.args, **p.kwargs)
@@ -154,13 +165,19 @@ class Programs:
         stop = threading.Event()
 
         def run() -> None:
+            _lower_priority()
             for p in programs:
                 if stop.is_set():  # the interpreter is exiting: no new compilation
                     return
                 if (p.name, p.key) in self._ready:
                     continue
                 try:
-                    self.compile([p], threads=threads, thread_name="paxkv-background")
+                    self.compile(
+                        [p],
+                        threads=threads,
+                        thread_name="paxkv-background",
+                        initializer=_lower_priority,
+                    )
                 except Exception:  # a step that needs it compiles it and raises then
                     continue
 
