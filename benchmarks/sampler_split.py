@@ -20,6 +20,8 @@ import sys
 
 from absl import app, flags
 
+from benchmarks.side_by_side import child_env
+
 _BEFORE = flags.DEFINE_string("before", None, "An installed copy of other code (PYTHONPATH).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per code, alternated.")
 
@@ -43,10 +45,7 @@ print(json.dumps(out))
 
 
 def _run(pythonpath: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = pythonpath or root
-    env["PAXKV_CACHE_DIR"] = "off"
+    env = child_env("off", pythonpath)
     warmup = "True" if pythonpath else "full"  # the older code's True compiled everything
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, warmup],

@@ -31,6 +31,8 @@ import urllib.request
 
 from absl import app, flags
 
+from benchmarks.side_by_side import child_env
+
 _SCENARIOS = flags.DEFINE_list(
     "scenarios", ["tiny-py", "readme"], "Which start-ups to measure (see SCENARIOS)."
 )
@@ -120,24 +122,13 @@ print(json.dumps(phases))
 """
 
 
-def _env(cache_dir: str, pythonpath: str | None) -> dict:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
-    }
-    env["PAXKV_CACHE_DIR"] = cache_dir
-    # This checkout's code, or the other copy's: run from the cache folder, so the
-    # working directory shadows neither.
-    env["PYTHONPATH"] = pythonpath or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return env
-
-
 def run_child(kwargs: dict | str, cache_dir: str, pythonpath: str | None) -> dict:
     """One start-up in a fresh process with `cache_dir` as its compilation cache."""
     if kwargs == "serve":
         return run_server(cache_dir, pythonpath)
     if kwargs.get("warmup") == "full" and pythonpath is not None:
         kwargs = kwargs | {"warmup": True}  # older code: True compiled everything first
-    env = _env(cache_dir, pythonpath)
+    env = child_env(cache_dir, pythonpath)
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(kwargs)],
         cwd=cache_dir,
@@ -162,7 +153,7 @@ def run_server(cache_dir: str, pythonpath: str | None) -> dict:
     server = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=cache_dir,
-        env=_env(cache_dir, pythonpath),
+        env=child_env(cache_dir, pythonpath),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
