@@ -79,13 +79,12 @@ class EngineConfig:
     num_decode_steps: int | None = _field(
         None,
         "Decode steps per compiled call (`paxkv.engine.step.decode_loop`) when every "
-        "scheduled sequence decodes; unset: 8 on accelerators, 1 on CPU or with "
-        "speculative decoding.",
+        "scheduled sequence decodes without speculative proposals; unset: 8 on "
+        "accelerators, 1 on CPU, with async scheduling or with speculative decoding.",
     )
     async_scheduling: bool = _field(
         False,
-        "Schedule step k+1 while the device runs step k (`paxkv.engine.pipeline`; needs "
-        "num_decode_steps=1).",
+        "Schedule step k+1 while the device runs step k (`paxkv.engine.stepper`).",
     )
     # Speculative decoding (`paxkv.host.speculative`): a `SpeculativeConfig` or a dict of
     # its fields, as vLLM's `speculative_config`; None: off.
@@ -154,22 +153,12 @@ class EngineConfig:
             check_int("num_decode_steps", self.num_decode_steps, lo=1)
         spec = SpeculativeConfig.of(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
-        if spec is not None and self.async_scheduling:
+        if spec is not None and spec.method == "ngram" and self.async_scheduling:
             raise ValueError(
-                "speculative_config cannot be used with async_scheduling=True: a step's "
-                "proposals come from the tokens the step before accepted, which the host "
-                "must have read before it plans the step"
-            )
-        if spec is not None and (self.num_decode_steps or 1) > 1:
-            raise ValueError(
-                f"speculative_config cannot be used with num_decode_steps="
-                f"{self.num_decode_steps}: a speculative step already emits up to "
-                f"{spec.num_speculative_tokens + 1} tokens per sequence; set num_decode_steps=1"
-            )
-        if self.async_scheduling and (self.num_decode_steps or 1) > 1:
-            raise ValueError(
-                f"async_scheduling runs one decode step per call: set num_decode_steps=1, "
-                f"not {self.num_decode_steps}"
+                "speculative_config method 'ngram' cannot be used with async_scheduling=True: "
+                "its proposals are looked up on the host in the tokens the step before "
+                "accepted, which async scheduling has not read when it plans the next step; "
+                "use method 'draft_model' (proposed on the device) or async_scheduling=False"
             )
 
     def check_serves(self, model_config: Any, platform: str) -> None:

@@ -19,6 +19,7 @@ from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import PLACEHOLDER_TOKEN, SequenceState
 from paxkv.host.step_plan import SchedulerOutput
 
 
@@ -43,7 +44,6 @@ class Endings:
         self.scheduler = scheduler
         self.metrics = metrics
         self.tokenizer = tokenizer
-        self.pipeline: Any = None  # the async pipeline, told to forget ended sequences
         self._pending: list[RequestOutput] = []  # reported by the next step
 
     @property
@@ -62,8 +62,8 @@ class Endings:
         if req is None:
             return None
         self.scheduler.abort(req.seqs)
-        if self.pipeline is not None:
-            self.pipeline.forget(req.seqs)
+        for seq in req.seqs:  # placeholders of a step in flight: its outputs end before
+            drop_placeholders(seq)
         try:
             out = req.output(self.tokenizer)
         except Exception:  # what failed may be the output itself: report the bare tokens
@@ -108,23 +108,23 @@ class Endings:
             self._finished(req)
         return StepOutputs(outputs, deltas)
 
-    def after_failed_step(self, error: BaseException, *, cache_lost: bool) -> None:
+    def after_failed_step(
+        self, error: BaseException, *, cache_lost: bool, in_flight_lost: bool
+    ) -> None:
         """Keeps the engine usable after a step raised `error`. A sync step's host state
         is as before it, and it runs again, unless the device's KV cache was lost
         (`cache_lost`: donated to the call that raised; the runner made an empty one):
         then every request with KV in it is aborted (the next step reports them with
         why), its pages go back to the pool, and the prefix cache is emptied. With async
-        scheduling the in-flight step's tokens are lost too: the running requests are
-        aborted either way. Waiting requests hold no KV and go on."""
-        if not cache_lost and self.pipeline is None:
+        scheduling (`in_flight_lost`) the in-flight step's tokens are lost too: the
+        running requests are aborted either way. Waiting requests hold no KV and go on."""
+        if not cache_lost and not in_flight_lost:
             return
         what = "the KV cache" if cache_lost else "the step in flight"
         message = f"{what} was lost: a step raised {type(error).__name__}"
         logging.error("paxkv: %s; aborting the running requests", message)
         for rid in dict.fromkeys(seq.request_id for seq in self.scheduler.running):
             self.end(rid, message)
-        if self.pipeline is not None:
-            self.pipeline.inflight = None  # its sequences are all aborted
         if cache_lost:
             self.scheduler.kv_cache_manager.pool.uncache_all()
 
@@ -140,3 +140,13 @@ class Endings:
     def _finished(self, req: Request) -> None:
         for seq in req.seqs:
             self.metrics.on_finish(seq)
+
+
+def drop_placeholders(seq: SequenceState) -> None:
+    """Cuts seq's outputs before the placeholders of a step in flight (async
+    scheduling): an ended sequence's outputs end at its last real token."""
+    out = seq.output_token_ids
+    real = len(out)
+    while real and out[real - 1] == PLACEHOLDER_TOKEN:
+        real -= 1
+    seq.truncate_outputs(real)

@@ -24,11 +24,10 @@ from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
 from paxkv.engine.metrics import EngineMetrics, engine_stats
 from paxkv.engine.outputs import StepOutputs
-from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import Request, RequestRegistry
 from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import ModelRunner, StepRunner
-from paxkv.engine.sync_step import SyncStepper
+from paxkv.engine.stepper import Stepper
 from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.page_pool import PagePool
 from paxkv.host.request import RequestOutput, SamplingParams
@@ -96,7 +95,11 @@ class Engine:
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self.pool = PagePool(config.num_pages)
         self._buckets = config.buckets()
-        self.speculator = Speculator(spec, self._buckets.tokens) if spec is not None else None
+        self.speculator = (
+            Speculator(spec, self._buckets.tokens, optimistic=config.async_scheduling)
+            if spec is not None
+            else None
+        )
         self.scheduler = _scheduler(config, self.pool, reservation, self.runner, self.speculator)
         self.requests = RequestRegistry(
             self.scheduler,
@@ -114,35 +117,22 @@ class Engine:
         )
         self.metrics = EngineMetrics()
         self.routed_experts = RoutedExperts(self.runner, speculative=spec is not None)
-        self.endings = endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
-        self._stepper = SyncStepper(
+        self.endings = Endings(self.requests, self.scheduler, self.metrics, tokenizer)
+        self._stepper = Stepper(
             *(self.runner, self.scheduler, self.batch_builder),
-            report=endings.report,
-            report_decode=endings.report_decode,
+            endings=self.endings,
             metrics=self.metrics,
             eos_token_ids=self.eos_token_ids,
+            depth=1 if config.async_scheduling else 0,
             num_decode_steps=config.num_decode_steps,
             routed_experts=self.routed_experts,
         )
-        self._pipeline = (
-            AsyncPipeline(
-                *(self.runner, self.scheduler, self.batch_builder),
-                report=self.endings.report,
-                report_decode=self.endings.report_decode,
-                on_tokens=self.metrics.on_tokens,
-                eos_token_ids=self.eos_token_ids,
-                routed_experts=self.routed_experts,
-            )
-            if config.async_scheduling
-            else None
-        )
-        self.endings.pipeline = self._pipeline
         self.paused = False  # `pause`: `step` then does nothing
         self._weights = WeightUpdater(
             self.runner,
             self.scheduler,
             self.requests,
-            self._pipeline,
+            self._stepper,
             end_request=self.endings.end,
             step=self.step,
             has_unfinished=self.has_unfinished,
@@ -260,11 +250,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, or ended but not yet reported by `step`."""
-        return (
-            self.scheduler.has_unfinished()
-            or self.endings.pending
-            or (self._pipeline is not None and self._pipeline.busy)
-        )
+        return self.scheduler.has_unfinished() or self.endings.pending or self._stepper.busy
 
     def run_until_done(self) -> dict[str, RequestOutput]:
         """Steps until every request has ended; returns each one's last output by id:
@@ -300,17 +286,18 @@ class Engine:
         self.endings.end_failed()
         plan = self.scheduler.prune(plan)
         t_sched = time.perf_counter()
-        if not plan.num_chunks and (self._pipeline is None or not self._pipeline.busy):
+        if not plan.num_chunks and not self._stepper.busy:
             if self.scheduler.has_unfinished() and not self.endings.pending:
                 raise RuntimeError("the scheduler made no progress with requests pending")
             return self.routed_experts.attach(StepOutputs(self.endings.take()))
         try:
-            if self._pipeline is not None:
-                outputs, t1, t2 = self._pipeline.step(plan)
-            else:
-                outputs, t1, t2 = self._stepper.step(plan)
+            outputs, t1, t2 = self._stepper.step(plan)
         except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
-            self.endings.after_failed_step(e, cache_lost=self.runner.restore_cache())
+            in_flight_lost = self._stepper.depth > 0
+            self._stepper.lose_in_flight()
+            self.endings.after_failed_step(
+                e, cache_lost=self.runner.restore_cache(), in_flight_lost=in_flight_lost
+            )
             raise
         self.endings.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)

@@ -271,13 +271,18 @@ class LeaderRunner(StepRunner):
 
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
-    ) -> tuple[Sampled, np.ndarray]:
-        """Sends `hb` with the loop's stop ids and limits, then runs the loop."""
+    ) -> Any:
+        """Sends `hb` with the loop's stop ids and limits, then dispatches the loop."""
         with self._busy():
             self.channel.send(
                 Command.LOOP, [*host_batch_arrays(hb), *_loop_arrays(stop_ids, limits)]
             )
             return self.runner.decode_loop(hb, stop_ids, limits)
+
+    def fetch_loop(self, handle: Any) -> tuple[Sampled, np.ndarray]:
+        """`runner.fetch_loop`: process 0 reads the (replicated) samples."""
+        with self._busy():
+            return self.runner.fetch_loop(handle)
 
     def warmup(
         self,

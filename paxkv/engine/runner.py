@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -68,10 +67,14 @@ class StepRunner:
 
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
-    ) -> tuple[Sampled, np.ndarray]:
-        """Runs `num_decode_steps` decode iterations of a decode-only batch (see
-        `paxkv.engine.step.decode_loop`): samples with arrays [N, S, ...] and
-        `valid` bool[N, S], on the host."""
+    ) -> Any:
+        """Starts `num_decode_steps` decode iterations of a decode-only batch (see
+        `paxkv.engine.step.decode_loop`); returns a handle for `fetch_loop`."""
+        raise NotImplementedError
+
+    def fetch_loop(self, handle: Any) -> tuple[Sampled, np.ndarray]:
+        """The samples of a dispatched decode loop on the host: arrays [N, S, ...], and
+        `valid` bool[N, S]."""
         raise NotImplementedError
 
     def warmup(
@@ -131,11 +134,13 @@ class ModelRunner(StepRunner):
         # Which layers share a page table (one group unless the model mixes windows).
         self.kv_groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
         self.target = PlacedModel(model, config, self.kv_groups, mesh)
-        self._prev_tokens = jnp.zeros(config.max_num_seqs, jnp.int32)
+        # What the last step left the next (`paxkv.engine.step.Carried`).
+        carried = steps.Carried.zeros(config.max_num_seqs)
         if mesh is not None:  # as the step returns it, so warm-up compiles the real signature
-            self._prev_tokens = jax.device_put(self._prev_tokens, shardings.replicated(mesh))
+            self._carried = jax.device_put(carried, shardings.replicated(mesh))
         else:  # committed to its device, as `PlacedModel`'s arrays are
-            self._prev_tokens = jax.device_put(self._prev_tokens, self._prev_tokens.sharding)
+            self._carried = jax.device_put(carried, carried.tokens.sharding)
+        self._no_rejections = self._carried.rejected
         self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
         self._programs = Programs(self._compiles)
         # The step batch, placed as the programs were lowered for: replicated on a mesh.
@@ -221,14 +226,14 @@ class ModelRunner(StepRunner):
     def _forward_program(self, key: tuple[int, int, int]) -> Program:
         target = self.target
         forward, _ = self._batch(*key)
-        args = (target.graphdef, target.params, target.cache, forward, self._prev_tokens)
+        args = (target.graphdef, target.params, target.cache, forward, self._carried)
         return Program("forward", key, steps.FORWARD, args, self._statics())
 
     def _draft_program(self, key: tuple[int, int, int, int, int]) -> Program:
         t, s, p, k, h = key
         draft = self.draft
         forward, extras = self._batch(t, s, p, history_len=h, num_draft=k)
-        args = (draft.graphdef, draft.params, draft.cache, forward, self._prev_tokens)
+        args = (draft.graphdef, draft.params, draft.cache, forward, self._carried)
         args += (extras.penalty_history, extras.draft_counts)
         statics = {"attention_backend": self.config.step_attention_backend, "k": k}
         return Program("draft", key, steps.DRAFT, args, statics)
@@ -238,7 +243,8 @@ class ModelRunner(StepRunner):
         target = self.target
         forward, extras = self._batch(t, s, p, history_len=h)
         limits = DecodeLimits.abstract(s, self._batch_sharding)
-        args = (target.graphdef, target.params, target.cache, forward, extras.penalty_history)
+        args = (target.graphdef, target.params, target.cache, forward, self._carried)
+        args += (extras.penalty_history,)
         statics = self._statics() | {"num_steps": self.config.num_decode_steps}
         return Program("loop", key, steps.DECODE_LOOP, (*args, limits), statics)
 
@@ -284,7 +290,7 @@ class ModelRunner(StepRunner):
                 draft.params,
                 draft.cache,
                 forward,
-                self._prev_tokens,
+                self._carried,
                 extras.penalty_history,
                 extras.draft_counts,
             )
@@ -292,13 +298,14 @@ class ModelRunner(StepRunner):
             if k:
                 proposals, draft_probs = out_proposals, out_probs
         sampled, last, hidden, target.cache = self._program("forward", (t, s, p))(
-            target.graphdef, target.params, target.cache, forward, self._prev_tokens
+            target.graphdef, target.params, target.cache, forward, self._carried
         )
+        carried = steps.Carried(sampled.tokens, self._no_rejections)
         if extras.needed:  # the small sampler of penalties, scored rows or proposals
             wide = bool(r or k)
             key = (t if wide else 0, s, h, r, k, draft is not None and k > 0)
             routing = sampled.routing
-            sampled = self._program("resample", key)(
+            sampled, carried = self._program("resample", key)(
                 target.graphdef,
                 target.params,
                 last,
@@ -310,7 +317,7 @@ class ModelRunner(StepRunner):
                 draft_probs,
             )
             sampled = sampled.replace(routing=routing)
-        self._prev_tokens = sampled.tokens
+        self._carried = carried
         return sampled
 
     def _run_loop(
@@ -319,8 +326,14 @@ class ModelRunner(StepRunner):
         target = self.target
         t, (s, p) = forward.tokens.shape[0], forward.table.block_tables.shape[-2:]
         key = (t, s, p, extras.penalty_history.shape[2])
-        sampled, valid, target.cache = self._program("loop", key)(
-            target.graphdef, target.params, target.cache, forward, extras.penalty_history, limits
+        sampled, valid, self._carried, target.cache = self._program("loop", key)(
+            target.graphdef,
+            target.params,
+            target.cache,
+            forward,
+            self._carried,
+            extras.penalty_history,
+            limits,
         )
         return sampled, valid
 
@@ -371,14 +384,18 @@ class ModelRunner(StepRunner):
 
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
-    ) -> tuple[Sampled, np.ndarray]:
-        """The N-step decode loop on the device (`paxkv.engine.step.DECODE_LOOP`)."""
+    ) -> tuple[Sampled, jax.Array]:
+        """Dispatches the N-step decode loop on the device (`paxkv.engine.step.DECODE_LOOP`)."""
         hb = self._on_compiled_shape(hb, "loop")
         forward, extras = steps.step_batch(hb, self.config.page_size, self._batch_sharding)
         stops = DecodeLimits.from_host(
             list(stop_ids), list(limits), hb.logits_indices.shape[0], self._batch_sharding
         )
-        return jax.device_get(self._run_loop(forward, extras, stops))
+        return self._run_loop(forward, extras, stops)
+
+    def fetch_loop(self, handle: tuple[Sampled, jax.Array]) -> tuple[Sampled, np.ndarray]:
+        """Waits for the loop and copies its samples to the host."""
+        return jax.device_get(handle)
 
     def warmup(
         self,
@@ -560,7 +577,9 @@ class FakeRunner(StepRunner):
             max_position_embeddings=max_position_embeddings,
         )
         self.config = config
+        # What the last step left the next (`paxkv.engine.step.Carried`), on the host.
         self._prev = np.zeros(config.max_num_seqs, np.int32)
+        self._rejected = np.zeros(config.max_num_seqs, np.int32)
 
     def _samples(self, tokens: np.ndarray, rows: int) -> Sampled:
         k = self.config.max_logprobs
@@ -576,17 +595,30 @@ class FakeRunner(StepRunner):
             ranks=np.ones(rows, np.int32),
         )
 
+    def _carried(self, hb: HostBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's last known token, with the previous step's in place where it
+        was fed (`token_src`), and how far back its positions move: the proposals the
+        previous step rejected of it (`paxkv.engine.step.with_carried`)."""
+        n = int(hb.num_seqs[0])
+        src = hb.token_src[hb.logits_indices[:n]]
+        fed = src >= 0
+        inputs = np.where(fed, self._prev[np.maximum(src, 0)], hb.tokens[hb.logits_indices[:n]])
+        return inputs, np.where(fed, self._rejected[np.maximum(src, 0)], 0)
+
     def dispatch(self, hb: HostBatch) -> Sampled:
         """Computes the step's tokens on the host."""
-        n = int(hb.num_seqs[0])
-        last = hb.logits_indices[:n]
-        src = hb.token_src[last]
-        inputs = np.where(src >= 0, self._prev[np.maximum(src, 0)], hb.tokens[last])
-        out = fake_token(inputs, hb.positions[last], self.model_config.vocab_size)
+        last = hb.logits_indices[: int(hb.num_seqs[0])]
+        inputs, shift = self._carried(hb)
+        out = fake_token(inputs, hb.positions[last] - shift, self.model_config.vocab_size)
         sampled = self._samples(out, self.config.max_num_seqs)
-        self._prev = sampled.tokens
+        self._prev, self._rejected = sampled.tokens, np.zeros_like(self._rejected)
         if hb.draft_tokens.shape[1]:
-            sampled = sampled.replace(spec=self._verify(hb, out))
+            spec = self._verify(hb, out, shift)
+            sampled = sampled.replace(spec=spec)
+            self._prev = spec.tokens[np.arange(len(spec.tokens)), spec.num_accepted]
+            self._rejected = np.zeros_like(self._rejected)
+            self._rejected[: len(hb.draft_counts)] = hb.draft_counts
+            self._rejected -= spec.num_accepted
         if hb.score_rows.shape[0]:
             scored = self._samples(hb.score_targets, hb.score_rows.shape[0])
             sampled = sampled.replace(
@@ -594,7 +626,7 @@ class FakeRunner(StepRunner):
             )
         return sampled
 
-    def _verify(self, hb: HostBatch, first: np.ndarray) -> Speculated:
+    def _verify(self, hb: HostBatch, first: np.ndarray, shift: np.ndarray) -> Speculated:
         """The greedy verdict on each sequence's proposals: it accepts them while each
         equals the fake token after the row before it, then emits the fake token."""
         rows, k = self.config.max_num_seqs, hb.draft_tokens.shape[1]
@@ -607,7 +639,7 @@ class FakeRunner(StepRunner):
             # The target's token after each of the rows row .. row + count.
             target = fake_token(
                 hb.tokens[row : row + count + 1],
-                hb.positions[row : row + count + 1],
+                hb.positions[row : row + count + 1] - shift[s],
                 self.model_config.vocab_size,
             )
             target[0] = first[s]
@@ -638,8 +670,9 @@ class FakeRunner(StepRunner):
         n = int(hb.num_seqs[0])
         size = hb.logits_indices.shape[0]
         steps_n = self.config.num_decode_steps
-        current = hb.tokens[hb.logits_indices[:n]].astype(np.int32)
-        positions = hb.kv_lens[:n].astype(np.int64) - 1
+        current, shift = self._carried(hb)
+        current = current.astype(np.int32)
+        positions = hb.kv_lens[:n].astype(np.int64) - 1 - shift
         active = np.ones(n, bool)
         tokens = np.full((steps_n, size), -1, np.int32)
         valid = np.zeros((steps_n, size), bool)
@@ -657,4 +690,11 @@ class FakeRunner(StepRunner):
         per_step = [self._samples(tokens[i, :n], size) for i in range(steps_n)]
         stacked = jax.tree.map(lambda *a: np.stack(a), *per_step)
         stacked = stacked.replace(tokens=tokens)
+        self._prev = np.zeros_like(self._prev)
+        self._prev[:n] = current
+        self._rejected = np.zeros_like(self._rejected)
         return stacked, valid
+
+    def fetch_loop(self, handle: tuple[Sampled, np.ndarray]) -> tuple[Sampled, np.ndarray]:
+        """The loop's samples themselves (on the host already)."""
+        return handle

@@ -27,11 +27,10 @@ from paxkv.engine.draft import draft_proposals
 from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
 from paxkv.engine.spec_verify import verify
 from paxkv.host.batch import HostBatch
-from paxkv.host.sampling_columns import SAMPLING_FLOATS, SAMPLING_INTS
+from paxkv.host.sampling_columns import INT_COLUMN, SAMPLING_FLOATS, SAMPLING_INTS
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.sharding import shardings
 
-PLACEHOLDER_TOKEN = -1  # async scheduling: a sampled token the host has not read yet
 MAX_STOP_IDS = 8  # stop + EOS token ids a sequence may have in the multi-step path
 
 
@@ -50,6 +49,56 @@ class ForwardBatch:
     # f32[S, F] and i32[S, I] (`paxkv.host.sampling_columns`): what the plain sampler reads
     sampling_floats: jax.Array
     sampling_ints: jax.Array
+
+
+@struct.dataclass
+class Carried:
+    """What a step leaves on the device for the step after it, which the host planned
+    before reading this one (async scheduling): the token each of its rows sampled last
+    (row s: the step's sequence s; with speculative proposals, the target's token after
+    the accepted ones; after N decode iterations, the last), and how many of row s's
+    proposals it rejected: the positions the next step was planned with (as if every
+    proposal were accepted) that its sequence does not have."""
+
+    tokens: jax.Array  # i32[max_num_seqs]
+    rejected: jax.Array  # i32[max_num_seqs]
+
+    @classmethod
+    def zeros(cls, size: int) -> Carried:
+        """What the first step reads: nothing sampled, nothing rejected."""
+        return cls(jnp.zeros(size, jnp.int32), jnp.zeros(size, jnp.int32))
+
+
+def _replace(a: jax.Array, new: jax.Array) -> jax.Array:
+    """`new` (i32[n]) in `a`'s first rows (i32[m], m >= n), the rest kept."""
+    return a.at[: new.shape[0]].set(new)
+
+
+def with_carried(batch: ForwardBatch, carried: Carried) -> ForwardBatch:
+    """`batch` as the previous step left it to run: each row whose `token_src` is >= 0
+    runs the token the previous step sampled there, and each sequence whose last known
+    token is such a row is moved back by the proposals the previous step rejected of
+    it (its positions, cache length and sampling counter), which the host planned it
+    without knowing."""
+    src = batch.token_src
+    tokens = jnp.where(src >= 0, carried.tokens[jnp.maximum(src, 0)], batch.tokens)
+    table = batch.table
+    num_rows, num_seqs = tokens.shape[0], batch.logits_indices.shape[0]
+    seq_src = src[batch.logits_indices]  # i32[S]: the previous row of each one's last token
+    live = jnp.arange(num_seqs) < table.num_seqs[0]
+    shift = jnp.where(live & (seq_src >= 0), carried.rejected[jnp.maximum(seq_src, 0)], 0)
+    # Each packed row's sequence (rows past the last sequence's belong to none).
+    row_seq = jnp.searchsorted(table.cu_q_lens[1:], jnp.arange(num_rows), side="right")
+    in_seq = jnp.arange(num_rows) < table.cu_q_lens[table.num_seqs[0]]
+    row_shift = jnp.where(in_seq, shift[jnp.minimum(row_seq, num_seqs - 1)], 0)
+    counter = INT_COLUMN["counter"]
+    ints = batch.sampling_ints.at[:, counter].add(-shift)
+    return batch.replace(
+        tokens=tokens,
+        positions=batch.positions - row_shift,
+        table=table.replace(kv_lens=table.kv_lens - shift),
+        sampling_ints=ints,
+    )
 
 
 @struct.dataclass
@@ -230,7 +279,7 @@ def forward_step(
     params: nnx.State,
     kv_cache: PagedKVCache,
     batch: ForwardBatch,
-    prev_tokens: jax.Array,  # i32[max_num_seqs]; the previous step's sampled tokens
+    carried: Carried,  # of the previous step
     *,
     attention_backend: str,
     num_logprobs: int = 0,
@@ -242,11 +291,12 @@ def forward_step(
     the next step can read its input tokens from them on the device; the last rows'
     hidden states (`LastRows`) and every row's (f32[T, hidden]) for the samplers of
     `resample_step`; and the cache. A row whose `token_src` is >= 0 (async scheduling)
-    runs the token the previous step sampled there, which the host has not seen.
+    runs the token the previous step sampled there, which the host has not seen
+    (`with_carried`).
     """
     model = nnx.merge(graphdef, params)
-    fed = prev_tokens[jnp.maximum(batch.token_src, 0)]
-    tokens_in = jnp.where(batch.token_src >= 0, fed, batch.tokens)
+    batch = with_carried(batch, carried)
+    tokens_in = batch.tokens
     # A model that routes experts always returns its routing (no second compiled
     # variant): it stays on the device unless a request asks (`ModelRunner.fetch_routing`).
     extra = {"return_routing": True} if getattr(model, "routes_experts", False) else {}
@@ -264,7 +314,7 @@ def forward_step(
         batch.sampling_floats, batch.sampling_ints, jnp.zeros((3, num_seqs, 0), jnp.int32)
     )
     sampled = sample(model.logits(hidden[last]), sampling, num_logprobs=num_logprobs)
-    sampled = sampled.padded(prev_tokens.shape[0])
+    sampled = sampled.padded(carried.tokens.shape[0])
     mesh = getattr(model, "mesh", None)
     if routing:  # replicated on a mesh, so any process reads it whole
         sampled = sampled.replace(routing=_replicated(routing[0], mesh))
@@ -287,12 +337,13 @@ def resample_step(
     *,
     num_rows: int,
     num_logprobs: int = 0,
-) -> Sampled:
+) -> tuple[Sampled, Carried]:
     """A step's samples when it has extras (`StepExtras`): each sequence's token with
     its penalties, the scored rows' prompt logprobs (`sampled.scored`), the verdicts on
     speculative proposals (`sampled.spec`, with `sampled.tokens` what each sequence's
-    first row sampled), padded to `num_rows` rows. A small program of the LM head and
-    the samplers, run right after the step's `forward_step`."""
+    first row sampled), padded to `num_rows` rows, and what the step leaves the next
+    (`Carried`). A small program of the LM head and the samplers, run right after the
+    step's `forward_step`."""
     model = nnx.merge(graphdef, params)
     sampling = SamplingBatch(sampling_floats, sampling_ints, extras.penalty_history)
     sampling = add_to_history(sampling, last.tokens, last.fed)
@@ -326,7 +377,14 @@ def resample_step(
         scored = score(logits[num_spec:], extras.score_targets, num_logprobs=num_logprobs)
         sampled = sampled.replace(scored=scored)
     sampled = sampled.padded(num_rows)
-    return sampled.replace(tokens=_replicated(sampled.tokens, getattr(model, "mesh", None)))
+    mesh = getattr(model, "mesh", None)
+    sampled = sampled.replace(tokens=_replicated(sampled.tokens, mesh))
+    last_tokens, rejected = sampled.tokens, jnp.zeros(num_rows, jnp.int32)
+    if k:  # the target's token after each sequence's accepted proposals
+        spec = sampled.spec
+        last_tokens = jnp.take_along_axis(spec.tokens, spec.num_accepted[:, None], axis=1)[:, 0]
+        rejected = _replace(rejected, extras.draft_counts) - spec.num_accepted
+    return sampled, Carried(_replicated(last_tokens, mesh), _replicated(rejected, mesh))
 
 
 def draft_step(
@@ -334,7 +392,7 @@ def draft_step(
     params: nnx.State,
     cache: PagedKVCache,
     batch: ForwardBatch,
-    prev_tokens: jax.Array,  # i32[max_num_seqs]
+    carried: Carried,  # of the previous step
     penalty_history: jax.Array,  # i32[3, S, H]
     draft_counts: jax.Array,  # i32[S]
     *,
@@ -346,8 +404,8 @@ def draft_step(
     tokens with the proposals in their rows (i32[T], what the target runs), the
     proposals (i32[S, k]), their draft distributions (f32[S, k, V]) and its cache."""
     model = nnx.merge(graphdef, params)
-    fed = prev_tokens[jnp.maximum(batch.token_src, 0)]
-    tokens_in = jnp.where(batch.token_src >= 0, fed, batch.tokens)
+    batch = with_carried(batch, carried)
+    tokens_in = batch.tokens
     last = batch.logits_indices
     sampling = SamplingBatch(batch.sampling_floats, batch.sampling_ints, penalty_history)
     sampling = add_to_history(sampling, tokens_in[last], batch.token_src[last] >= 0)
@@ -417,17 +475,22 @@ def decode_loop(
     params: nnx.State,
     kv_cache: PagedKVCache,
     batch: ForwardBatch,  # of a decode-only plan: row s is sequence s
+    carried: Carried,  # of the previous step
     penalty_history: jax.Array,  # i32[3, S, H]
     limits: DecodeLimits,
     *,
     attention_backend: str,
     num_steps: int,
     num_logprobs: int = 0,
-) -> tuple[Sampled, jax.Array, PagedKVCache]:
+) -> tuple[Sampled, jax.Array, Carried, PagedKVCache]:
     """Runs `num_steps` decode iterations. Returns `(samples with arrays [N, S, ...],
-    valid bool[N, S], kv_cache)`; `valid[i, s]` says sequence s produced token i. Each
-    token a sequence samples joins its penalty history before its next iteration."""
+    valid bool[N, S], what it leaves the next step, kv_cache)`; `valid[i, s]` says
+    sequence s produced token i. Each token a sequence samples joins its penalty
+    history before its next iteration; a token fed from the previous step (async
+    scheduling) before the first."""
     model = nnx.merge(graphdef, params)
+    fed = batch.token_src[batch.logits_indices] >= 0
+    batch = with_carried(batch, carried)
     sampling = SamplingBatch(batch.sampling_floats, batch.sampling_ints, penalty_history)
     table = batch.table
     num_rows = batch.tokens.shape[0]
@@ -485,12 +548,17 @@ def decode_loop(
         first_tokens,
         table.kv_lens,
         live,
-        sampling,
+        add_to_history(sampling, first_tokens, fed & live),
         out,
         jnp.zeros((num_steps, num_slots), bool),
     )
-    kv_cache, _, _, _, _, out, valid = jax.lax.fori_loop(0, num_steps, body, carry)
-    return out, valid, kv_cache
+    kv_cache, last, _, _, _, out, valid = jax.lax.fori_loop(0, num_steps, body, carry)
+    mesh = getattr(model, "mesh", None)
+    left = Carried(
+        _replicated(_replace(jnp.zeros_like(carried.tokens), last), mesh),
+        jnp.zeros_like(carried.rejected),
+    )
+    return out, valid, left, kv_cache
 
 
 DECODE_LOOP = jax.jit(

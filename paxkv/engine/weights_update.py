@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from paxkv.engine.params import prepare_params
-from paxkv.engine.pipeline import AsyncPipeline
 from paxkv.engine.requests import RequestRegistry
 from paxkv.engine.runner import StepRunner
+from paxkv.engine.stepper import Stepper
 from paxkv.host.request import RequestOutput
-from paxkv.host.scheduler import Scheduler, SchedulerOutput
+from paxkv.host.scheduler import Scheduler
 
 # What happens to the requests in flight when new weights arrive:
 #   "wait": no new request is admitted; those already admitted (a completion scheduled
@@ -45,7 +45,7 @@ class WeightUpdater:
       runner: holds the parameters (`param_source`, `params`).
       scheduler: preempts for "recompute" and holds the queue "wait" holds back.
       requests: the engine's requests, told each new version.
-      pipeline: the async pipeline, drained first (None without async scheduling).
+      stepper: the engine's stepping loop, whose step in flight is read first.
       end_request: aborts a request with a reason (`Endings.end`).
       step: runs one engine step ("wait" steps until the started requests finish).
       has_unfinished: whether the engine has requests left.
@@ -57,7 +57,7 @@ class WeightUpdater:
         runner: StepRunner,
         scheduler: Scheduler,
         requests: RequestRegistry,
-        pipeline: AsyncPipeline | None,
+        stepper: Stepper,
         *,
         end_request: Callable[[str, str], object],
         step: Callable[[], list[RequestOutput]],
@@ -67,7 +67,7 @@ class WeightUpdater:
         self.runner = runner
         self.scheduler = scheduler
         self.requests = requests
-        self.pipeline = pipeline
+        self.stepper = stepper
         self.end_request = end_request
         self.step = step
         self.has_unfinished = has_unfinished
@@ -97,7 +97,7 @@ class WeightUpdater:
         self.updating = True
         reported: list[RequestOutput] = []
         try:
-            reported += self._drain_pipeline()
+            reported += self.stepper.drain()  # the step in flight ran under the old weights
             if policy == "wait":
                 reported += self._finish_in_flight()
             elif policy == "abort":
@@ -116,14 +116,6 @@ class WeightUpdater:
             self.updating = False
             self.defer(reported)  # the next `step` reports them
         return self.version
-
-    def _drain_pipeline(self) -> list[RequestOutput]:
-        """Resolves the async pipeline's step in flight (it ran under the old weights)."""
-        pipeline = self.pipeline
-        if pipeline is None or not pipeline.busy:
-            return []
-        outputs, _, _ = pipeline.step(SchedulerOutput((), ()))
-        return outputs
 
     def _finish_in_flight(self) -> list[RequestOutput]:
         """Steps until the started requests have finished, the others held back in the

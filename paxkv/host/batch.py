@@ -353,9 +353,10 @@ def build_host_batch(
     if decode is not None:  # the columns' rows are their first nd packed rows
         token_src[:nd] = decode.src
     if pending is not None:
-        for i in range(nd, n):  # a chunk whose last token is in flight
-            if samples_col[i - nd] and tokens_col[i - nd][-1] < 0:
-                token_src[cu[i + 1] - 1] = pending[id(seqs[i])]
+        for i in range(nd, n):  # a chunk whose last known token is in flight
+            j = i - nd
+            if samples_col[j] and tokens_col[j][-1 - draft_col[j]] < 0:
+                token_src[logits_indices[i]] = pending[id(seqs[i])]
     return HostBatch(
         tokens,
         positions,

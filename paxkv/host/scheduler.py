@@ -28,10 +28,10 @@ from paxkv.host.kv_usage import kv_usage
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
-from paxkv.host.request import SamplingParams
+from paxkv.host.request import FinishReason, SamplingParams
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
-from paxkv.host.speculative import Speculator, add_proposals, record_verified
+from paxkv.host.speculative import Speculator, add_proposals, record_proposed, record_verified
 from paxkv.host.steady_decode import SteadyDecoder
 from paxkv.host.step_plan import ScheduledChunk, SchedulerOutput
 
@@ -291,7 +291,9 @@ class Scheduler(SequenceQueues):
         `sampled` holds `(token, logprob)` or `(token, logprob, top_logprobs)` for each
         chunk in `output.chunks` that samples, and None for the others; for a chunk with
         speculative proposals, a list of them: its accepted proposals, then the target's
-        token. Pages held only for rejected proposals go back to the pool. With
+        token (pages held only for rejected proposals go back to the pool), or
+        placeholders for all of them (async scheduling: recorded as accepted until
+        `resolve_verified`). With
         `steady`, `output` is the `extra` of a plan whose decodes the steady decode
         recorded (`SteadyDecoder.record`), which keeps its columns. `in_flight`: the tokens
         are placeholders of `output`, dispatched and not read yet (async scheduling).
@@ -307,7 +309,8 @@ class Scheduler(SequenceQueues):
                 continue  # aborted while the step ran
             try:
                 if chunk.num_draft and result is not None:
-                    reason = record_verified(
+                    record = record_proposed if result[0][0] < 0 else record_verified
+                    reason = record(
                         self.speculator, kv, chunk, result, eos_token_ids, self.max_model_len, now
                     )
                     if reason is None:
@@ -332,6 +335,45 @@ class Scheduler(SequenceQueues):
         if not steady:
             self.steady.after_update(eos_token_ids, output if in_flight else None)
         return finished
+
+    def resolve_verified(
+        self,
+        seq: SequenceState,
+        index: int,
+        num_proposed: int,
+        emitted: list[tuple],
+        eos_token_ids: tuple[int, ...],
+        now: float,
+    ) -> int:
+        """Puts the verdict on `num_proposed` proposals of `seq` in place of the
+        placeholders `update` recorded for them as accepted, from output `index` on:
+        `emitted` as `update` takes a verified chunk's. Drops the placeholders of the
+        rejected ones and moves seq's computed tokens back by them (its pages stay until
+        `release_rejected`: the step in flight after it may write them); ends seq at a
+        stop token, as `resolve` does. Returns how many were rejected."""
+        self.speculator.on_verified(seq, num_proposed, len(emitted) - 1)
+        if seq.finish_reason is FinishReason.ABORT:
+            return 0
+        rejected = num_proposed + 1 - len(emitted)
+        if rejected:
+            seq.truncate_outputs(index + len(emitted))
+            if seq.status is SeqStatus.RUNNING:
+                seq.num_computed_tokens -= rejected
+        for j, r in enumerate(emitted):
+            top = r[2] if len(r) > 2 else None
+            if seq.resolve_output(index + j, r[0], r[1], top, eos_token_ids, now):
+                self._end_stopped(seq, now)
+                break
+        return rejected if seq.status is SeqStatus.RUNNING else 0
+
+    def release_rejected(self, seqs: Iterable[SequenceState]) -> None:
+        """Gives back the pages running `seqs` hold beyond their tokens: those taken
+        for proposals their verdicts rejected (`resolve_verified`), once no step in
+        flight writes them."""
+        kv = self.kv_cache_manager
+        for seq in seqs:
+            if seq.status is SeqStatus.RUNNING:
+                kv.trim(seq, seq.num_tokens)
 
     # Metrics.
 

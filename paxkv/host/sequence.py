@@ -12,6 +12,9 @@ from paxkv.host.request import FinishReason, SamplingParams
 TopLogprobs = tuple[tuple[int, ...], tuple[float, ...], int]
 
 
+PLACEHOLDER_TOKEN = -1  # async scheduling: a sampled token the host has not read yet
+
+
 class SeqStatus(enum.Enum):
     """Where a sequence is: queued, holding pages and running, or ended."""
 

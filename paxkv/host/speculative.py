@@ -185,10 +185,17 @@ class Speculator:
     Args:
       config: the settings.
       token_buckets: the step's token buckets (`paxkv.host.batch.Buckets.tokens`).
+      optimistic: proposals are recorded as accepted before their verdict is read
+        (async scheduling, `record_proposed`): a sequence then proposes at most its
+        remaining tokens - 2, and none with penalties (its history on the device would
+        miss the accepted tokens the host has not read).
     """
 
-    def __init__(self, config: SpeculativeConfig, token_buckets: tuple[int, ...]) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, token_buckets: tuple[int, ...], *, optimistic: bool = False
+    ) -> None:
         self.config = config
+        self.optimistic = optimistic
         self.num_speculative_tokens = config.num_speculative_tokens
         self.token_buckets = token_buckets
         self._seqs: weakref.WeakKeyDictionary[SequenceState, _SeqState] = (
@@ -222,8 +229,8 @@ class Speculator:
         """Up to `min(k, max_tokens)` proposed tokens after `seq`'s last one; empty when
         it is paused or the lookup finds nothing. With a draft model, rows for that
         many proposals (zeros: the draft fills them on the device)."""
-        n = min(self.num_speculative_tokens, max_tokens)
-        if n <= 0:
+        n = min(self.num_speculative_tokens, max_tokens - self.optimistic)
+        if n <= 0 or (self.optimistic and seq.penalised):
             return ()
         state = self._seqs.get(seq)
         if state is None:
@@ -356,6 +363,31 @@ def add_proposals(
         )
         used += len(drafts)
     return used
+
+
+def record_proposed(
+    speculator: Speculator,
+    kv: KVCacheManager,
+    chunk: ScheduledChunk,
+    placeholders: list[tuple],
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+    now: float,
+) -> FinishReason | None:
+    """Records a speculative chunk dispatched with its verdict unknown (async
+    scheduling) as if every proposal were accepted: its cache holds its last known
+    token and the proposals, and its outputs take `placeholders` (one per proposal and
+    one for the target's token) until `Scheduler.resolve_verified`. Proposals stop two
+    tokens short of the sequence's limits then (`Speculator.optimistic`), so this never
+    ends a sequence that a rejection would continue."""
+    seq = chunk.seq
+    seq.num_computed_tokens = chunk.end
+    reason = None
+    for r in placeholders:
+        reason = seq.record_sample(r[0], r[1], None, eos_token_ids, max_model_len, now)
+        if reason is not None:
+            break
+    return reason
 
 
 def record_verified(

@@ -9,7 +9,7 @@ from engine_configs import PAGE_SIZE, small_config
 
 from paxkv import LLM, SamplingParams
 from paxkv.engine import Engine
-from paxkv.engine.step import PLACEHOLDER_TOKEN as PLACEHOLDER
+from paxkv.host.sequence import PLACEHOLDER_TOKEN as PLACEHOLDER
 
 PS = PAGE_SIZE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_engine import _engine, _run
 
 from paxkv import SamplingParams
-from paxkv.engine import pipeline as pipeline_module
+from paxkv.engine import stepper as stepper_module
 from paxkv.engine import recording as recording_module
 from paxkv.engine.requests import Request
 from paxkv.host import admission as admission_module
@@ -65,7 +65,7 @@ def _install(monkeypatch, faults):
         wrap(module, "chunk_tokens", "schedule", lambda seq, budget, page_size: seq.request_id)
     wrap(SequenceState, "append_output", "record", lambda seq, *a: seq.request_id)
     wrap(Request, "output", "output", lambda req, *a, **kw: req.request_id)
-    for module in (recording_module, pipeline_module):
+    for module in (recording_module, stepper_module):
         wrap(module, "sample_result", "sample", lambda samples, row, seq: seq.request_id)
     # The batch layout: a penalised request's token history (every other one has one).
     wrap(SequenceState, "penalty_history", "layout", lambda seq: seq.request_id)

@@ -16,7 +16,7 @@ from test_engine import _engine
 
 from paxkv import LLM, RequestOutputKind, SamplingParams
 from paxkv.engine.requests import RequestRegistry
-from paxkv.engine.step import PLACEHOLDER_TOKEN as PLACEHOLDER
+from paxkv.host.sequence import PLACEHOLDER_TOKEN as PLACEHOLDER
 from paxkv.host.page_pool import PagePool
 from paxkv.host.scheduler import Scheduler
 from paxkv.models import ByteTokenizer, HFTokenizer
