@@ -235,6 +235,8 @@ class Stepper:
         n = self.num_decode_steps
         if n <= 1 or any(c.num_tokens != 1 or not c.samples for c in plan.chunks):
             return plan, OneStep()
+        if any(c.seq.num_unverified for c in plan.chunks):
+            return plan, OneStep()  # its token limits depend on a verdict not read yet
         if self.routed_experts is not None and self.routed_experts.wants(plan):
             return plan, OneStep()  # the decode loop returns no routing
         eos = self.eos_token_ids

@@ -152,9 +152,15 @@ class Scheduler(SequenceQueues):
         # Decodes (one token left to compute) first, then prefill chunks; each in order of
         # precedence, which `self.running` keeps.
         prefills = []
+        # Async speculation: a sequence whose proposals are in flight unverified, one
+        # token from its limit as if all were accepted, waits for the verdict (a
+        # placeholder now would end it, which a rejection would not).
+        unsure = self.speculator is not None and self.speculator.optimistic
         for seq in self.running[n:]:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted to make room for a sequence before it
+            if unsure and seq.num_unverified and seq.remaining_tokens(self.max_model_len) <= 1:
+                continue
             outputs = seq.output_token_ids
             end = seq.num_computed_tokens + 1
             if end != seq.num_prompt + len(outputs):
@@ -352,6 +358,7 @@ class Scheduler(SequenceQueues):
         `release_rejected`: the step in flight after it may write them); ends seq at a
         stop token, as `resolve` does. Returns how many were rejected."""
         self.speculator.on_verified(seq, num_proposed, len(emitted) - 1)
+        seq.num_unverified = 0
         if seq.finish_reason is FinishReason.ABORT:
             return 0
         rejected = num_proposed + 1 - len(emitted)

@@ -52,6 +52,9 @@ class SequenceState:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Speculative proposals recorded as accepted before their verdict was read (async
+    # scheduling, `record_proposed`): its length may be that much shorter.
+    num_unverified: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

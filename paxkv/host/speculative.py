@@ -382,6 +382,7 @@ def record_proposed(
     ends a sequence that a rejection would continue."""
     seq = chunk.seq
     seq.num_computed_tokens = chunk.end
+    seq.num_unverified = chunk.num_draft
     reason = None
     for r in placeholders:
         reason = seq.record_sample(r[0], r[1], None, eos_token_ids, max_model_len, now)
