@@ -17,9 +17,11 @@ Each variant's engine is warmed up (nothing compiles later: checked) and runs it
 workload once untimed, then `--runs` timed passes alternated across variants; reported: output tokens per second
 (median wall, and the calling thread's CPU time per token), and the ratio to "off".
 Greedy outputs of every variant are checked equal to "off" (they must be). With
-`--draft_model` the code workload also runs a draft-model row (k = 4); its default,
-tiny-py itself, costs as much as the target, so that row shows the target's forward
-passes per token, not a speed-up.
+`--draft_model` the code workload also runs a draft-model row (k = 4), and it and
+"off" again with async scheduling (the host plans step k+1 while step k runs; proposals
+are recorded as accepted and rejections undone on the device); its default, tiny-py
+itself, costs as much as the target, so that row shows the target's forward passes per
+token, not a speed-up.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ CODE_PROMPTS = (
 )
 
 
-def _engine(model: Any, tokenizer: Any, spec: dict | None, draft: Any = None) -> Any:
+def _engine(
+    model: Any, tokenizer: Any, spec: dict | None, draft: Any = None, async_: bool = False
+) -> Any:
     from paxkv.engine import Engine, EngineConfig
 
     config = EngineConfig(
@@ -67,6 +71,7 @@ def _engine(model: Any, tokenizer: Any, spec: dict | None, draft: Any = None) ->
         page_buckets=(16,),
         log_stats_interval_s=0,
         speculative_config=spec,
+        async_scheduling=async_,
     )
     return Engine(model, config, tokenizer=tokenizer, draft_model=draft)
 
@@ -135,6 +140,9 @@ def measure(
         if draft is not None and name == "code":
             spec = _spec(4, method="draft_model", model="(object)")
             variants["draft k=4"] = (spec, draft)
+            # Async scheduling beside each (n-gram proposals need the sync host).
+            variants["off, async"] = (None, None, True)
+            variants["draft k=4, async"] = (spec, draft, True)
         engines = {v: _engine(model, tokenizer, *args) for v, args in variants.items()}
         for e in engines.values():
             e.warmup()
@@ -207,13 +215,13 @@ def main(argv: list[str]) -> None:
         f"max_tokens={_MAX_TOKENS.value} runs={_RUNS.value} "
         f"load before/after={load:.2f}/{os.getloadavg()[0]:.2f}"
     )
-    head = f"{'workload':<8}{'variant':<12}{'tok/s':>8}{'vs off':>8}{'cpu us/tok':>11}"
+    head = f"{'workload':<8}{'variant':<18}{'tok/s':>8}{'vs off':>8}{'cpu us/tok':>11}"
     print(head + f"{'passes/tok':>11}{'accepted len':>13}{'accept rate':>12}")
     for name, rows in r.items():
         for v, row in rows.items():
             mal, rate = row["mean_accepted_length"], row["acceptance_rate"]
             print(
-                f"{name:<8}{v:<12}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}"
+                f"{name:<8}{v:<18}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}"
                 f"{row['cpu_us_per_token']:>11.0f}{row['forward_passes_per_token']:>11.3f}"
                 f"{'-' if mal is None else f'{mal:.2f}':>13}"
                 f"{'-' if rate is None else f'{rate:.2f}':>12}"

@@ -35,7 +35,7 @@ class SequenceQueues:
         # those since the steady decode last took them (`SteadyDecoder.plan`): what it
         # drops from its columns without asking each sequence.
         self.num_departures = 0
-        self.departed_rows: list[int] = []
+        self._departed_rows: list[int] = []
 
     def add(self, seq: SequenceState) -> None:
         """Queues a validated sequence (see `check_fits`). With prefix caching its
@@ -45,6 +45,16 @@ class SequenceQueues:
         if cache.enabled:
             cache.prompt_keys(seq)
         self.waiting.append(seq)
+
+    def take_departed_rows(self) -> list[int]:
+        """The persistent-batch rows of the running sequences that ended since the last
+        call (what the steady decode drops from its columns); forgets them."""
+        rows, self._departed_rows = self._departed_rows, []
+        return rows
+
+    def departed_rows(self) -> list[int]:
+        """The rows `take_departed_rows` would take, left in place."""
+        return self._departed_rows
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -67,15 +77,16 @@ class SequenceQueues:
         if seq.finish_reason is FinishReason.ABORT:
             return
         if seq.resolve_output(index, token, logprob, top, eos_token_ids, now):
-            self._end_stopped(seq, now)
+            self.end_stopped(seq, now)
 
     def _depart(self, seq: SequenceState) -> None:
         """Notes that running `seq` ends now (before its pages and row are freed)."""
         self.num_departures += 1
         with contextlib.suppress(KeyError):  # KeyError: it holds no row
-            self.departed_rows.append(self.kv_cache_manager.row(seq))
+            self._departed_rows.append(self.kv_cache_manager.row(seq))
 
-    def _finish(self, seq: SequenceState, reason: FinishReason, now: float) -> None:
+    def finish(self, seq: SequenceState, reason: FinishReason, now: float) -> None:
+        """Ends running or waiting `seq` at time `now` with `reason` and frees its pages."""
         if seq.status is SeqStatus.RUNNING:
             self._depart(seq)
         self.kv_cache_manager.free(seq)
@@ -95,15 +106,15 @@ class SequenceQueues:
         if seq.finish_reason is FinishReason.ABORT:
             return
         seq.truncate_outputs(num_output_tokens)
-        self._end_stopped(seq, time.monotonic())
+        self.end_stopped(seq, time.monotonic())
 
-    def _end_stopped(self, seq: SequenceState, now: float) -> None:
+    def end_stopped(self, seq: SequenceState, now: float) -> None:
         """Ends `seq`, whose outputs end at a stop, with reason "stop" (one that already
         ended keeps its pages freed and takes the reason)."""
         if seq.status is SeqStatus.FINISHED:
             seq.finish_reason = FinishReason.STOP
         else:
-            self._finish(seq, FinishReason.STOP, now)
+            self.finish(seq, FinishReason.STOP, now)
 
     def fail(self, seq: SequenceState, error: BaseException | str) -> None:
         """Ends `seq` (finish reason "abort") because something tied to it failed, frees
@@ -135,4 +146,4 @@ class SequenceQueues:
         now = time.monotonic()
         for seq in seqs:
             if seq.status is not SeqStatus.FINISHED:
-                self._finish(seq, FinishReason.ABORT, now)
+                self.finish(seq, FinishReason.ABORT, now)

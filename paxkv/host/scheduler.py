@@ -103,8 +103,14 @@ class Scheduler(SequenceQueues):
         self.peak_running = 0
         self._writers = PrefixWriters(self.kv_cache_manager)
         self.speculator = speculator
-        self.steady_decode = steady_decode and speculator is None
-        self.steady = SteadyDecoder(self)  # plans and records a steady batch
+        # Plans and records a batch in which every running sequence decodes as columns.
+        self.steady = SteadyDecoder(
+            self,
+            self._writers.register_decodes,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enabled=steady_decode and speculator is None,
+        )
 
     @property
     def batch_rows(self) -> BatchRows:
@@ -336,7 +342,7 @@ class Scheduler(SequenceQueues):
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
                 continue
-            self._finish(seq, reason, now)
+            self.finish(seq, reason, now)
             finished.append(seq)
         if not steady:
             self.steady.after_update(eos_token_ids, output if in_flight else None)
@@ -369,7 +375,7 @@ class Scheduler(SequenceQueues):
         for j, r in enumerate(emitted):
             top = r[2] if len(r) > 2 else None
             if seq.resolve_output(index + j, r[0], r[1], top, eos_token_ids, now):
-                self._end_stopped(seq, now)
+                self.end_stopped(seq, now)
                 break
         return rejected if seq.status is SeqStatus.RUNNING else 0
 

@@ -90,26 +90,27 @@ class SequenceState:
             self.logprobs.append(logprob)
             self.top_logprobs.append(top)
         if self.penalised:
-            self._count(token, 1)
+            self.count_output(token, 1)
 
     def set_output(
         self, index: int, token: int, logprob: float, top: TopLogprobs | None = None
     ) -> None:
         """Puts the real token at output `index` (in place of a placeholder)."""
-        self._count(self.output_token_ids[index], -1)
+        self.count_output(self.output_token_ids[index], -1)
         self.output_token_ids[index] = token
         if self.track_top:
             self.logprobs[index] = logprob
             self.top_logprobs[index] = top
-        self._count(token, 1)
+        self.count_output(token, 1)
 
     def truncate_outputs(self, n: int) -> None:
         """Keeps the first `n` output tokens."""
         for token in self.output_token_ids[n:]:
-            self._count(token, -1)
+            self.count_output(token, -1)
         del self.output_token_ids[n:], self.logprobs[n:], self.top_logprobs[n:]
 
-    def _count(self, token: int, delta: int) -> None:
+    def count_output(self, token: int, delta: int = 1) -> None:
+        """Counts `delta` more of output `token` for penalties (placeholders not)."""
         if token < 0 or not self.params.has_penalties:
             return
         count = self.output_counts.get(token, 0) + delta

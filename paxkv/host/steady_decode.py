@@ -29,17 +29,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes
+from paxkv.host.queues import SequenceQueues
 from paxkv.host.request import FinishReason
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.host.step_plan import DecodeColumns, Scheduled, SchedulerOutput, rows_among, stop_tokens
-
-if TYPE_CHECKING:
-    from paxkv.host.scheduler import Scheduler
 
 # Stop tokens per sequence kept in the columns; a sequence with more keeps the general path.
 MAX_STEADY_STOPS = 16
@@ -242,7 +239,7 @@ class SteadyDecode:
         if self.num_penalised:
             for i in np.flatnonzero(self.penalised).tolist():
                 if alive[i]:
-                    seqs[i]._count(tokens[i], 1)
+                    seqs[i].count_output(tokens[i])
         i32 = self.i32 + _NEXT_OUTPUT  # the columns one step on: counters + 1
         counters = i32[:, 0]
         over = counters >= self.max_outputs
@@ -300,11 +297,28 @@ class SteadyDecoder:
     path (`after_update`), plans from them (`plan`) and records into them (`record`).
 
     Args:
-      scheduler: whose running batch (its `steady_decode` switches this on and off).
+      queues: the running sequences (and how they end).
+      register: caches the pages the given decodes fill, shared within the step
+        (`PrefixWriters.register_decodes`).
+      max_model_len: the longest sequence.
+      max_num_batched_tokens: the step's token budget (more decodes: no columns).
+      enabled: whether it plans and records at all (`enabled` may change later).
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(
+        self,
+        queues: SequenceQueues,
+        register: Callable[[list[SequenceState], list[int]], None],
+        *,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        enabled: bool = True,
+    ) -> None:
+        self.queues = queues
+        self.register = register
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enabled = enabled
         self.columns: SteadyDecode | None = None
         # Async scheduling: `id(seq)` to its row in the in-flight step's output, for the
         # sequences outside the columns that sampled there (`decodes_steadily`).
@@ -323,7 +337,7 @@ class SteadyDecoder:
         one that does not."""
         out = []
         pending = self.pending
-        for seq in self.scheduler.running[start:]:
+        for seq in self.queues.running[start:]:
             if not decodes_steadily(seq, eos_token_ids, pending):
                 break
             out.append(seq)
@@ -335,24 +349,24 @@ class SteadyDecoder:
         """Makes the columns of the leading decoding sequences (after the general path
         recorded a step; `in_flight`: a step dispatched with its tokens unknown, whose
         placeholders it recorded)."""
-        s = self.scheduler
+        s = self.queues
         kv = s.kv_cache_manager
-        if not s.steady_decode or kv.sliding:
+        if not self.enabled or kv.sliding:
             return
         if in_flight is not None:
             self.pending = {id(c.seq): i for i, c in enumerate(in_flight.chunks) if c.samples}
-        s.departed_rows = []  # the new columns hold only running sequences
+        s.take_departed_rows()  # the new columns hold only running sequences
         seqs = self._leading(0, eos_token_ids)
         if seqs:
             self.columns = self._columns(seqs, eos_token_ids)
 
     def _columns(self, seqs: list[SequenceState], eos_token_ids: tuple[int, ...]) -> SteadyDecode:
         """New columns of `seqs` (each `decodes_steadily`)."""
-        s = self.scheduler
+        s = self.queues
         return SteadyDecode(
             seqs,
             s.kv_cache_manager,
-            max_model_len=s.max_model_len,
+            max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
             version=s.version,
             pending=self.pending,
@@ -365,15 +379,15 @@ class SteadyDecoder:
         from now on) when the general path must plan the whole step: no columns, a
         change they cannot absorb, more of them than the token budget, or a page that
         could not be had."""
-        steady, s = self.columns, self.scheduler
+        steady, s = self.columns, self.queues
         # The rows of the sequences that ended since the last plan, taken.
-        gone, s.departed_rows = s.departed_rows, []
+        gone = s.take_departed_rows()
         self._departures = s.num_departures
         if steady is None:
             return None, Scheduled(())
         running = s.running
         if (
-            not s.steady_decode
+            not self.enabled
             or steady.version != s.version
             or steady.plan is not None  # its last plan was never recorded
         ):
@@ -390,12 +404,12 @@ class SteadyDecoder:
             n = len(steady.seqs)
         if (
             not n
-            or n > s.max_num_batched_tokens
+            or n > self.max_num_batched_tokens
             or running[:n] != list(steady.seqs)  # still the leading sequences
         ):
             self.columns = None
             return None, Scheduled(())
-        decode = steady.plan_next(s.kv_cache_manager, s._writers.register_decodes)
+        decode = steady.plan_next(s.kv_cache_manager, self.register)
         if decode is None:
             self.columns = None
             return None, Scheduled(())
@@ -408,7 +422,7 @@ class SteadyDecoder:
     def unchanged(self, plan: SchedulerOutput) -> bool:
         """Whether `plan` is the columns' current plan and no sequence was preempted or
         stopped running since it started: then `plan.running()` is `plan`."""
-        steady, s = self.columns, self.scheduler
+        steady, s = self.columns, self.queues
         return (
             steady is not None
             and steady.plan is plan
@@ -419,7 +433,7 @@ class SteadyDecoder:
     def _dead(self, steady: SteadyDecode) -> np.ndarray | None:
         """bool[n]: the columns' sequences that stopped running since the plan started
         (their rows among the departed ones); None when none did."""
-        gone = self.scheduler.departed_rows
+        gone = self.queues.departed_rows()
         return rows_among(steady.rows, gone) if gone else None
 
     def record(
@@ -433,7 +447,7 @@ class SteadyDecoder:
         token's gap since its sequence's previous one; None (recording nothing) when
         `plan` is not the columns' current plan: the caller records it all with
         `Scheduler.update`."""
-        steady, s = self.columns, self.scheduler
+        steady, s = self.columns, self.queues
         if (
             steady is None
             or steady.plan is not plan
@@ -444,14 +458,14 @@ class SteadyDecoder:
         now = time.monotonic()
         ended, gaps = steady.record(tokens, now, self._dead(steady))
         for seq, reason in ended:
-            s._finish(seq, reason, now)
+            s.finish(seq, reason, now)
         self._recorded = (plan, s.num_departures, s.version, steady.gone)
         return [seq for seq, _ in ended], gaps
 
     def gone(self, plan: SchedulerOutput) -> np.ndarray | None:
         """bool[n]: which of `plan`'s columns stopped running in its step or while it
         ran, if `record` recorded it and none left or was preempted since; else None."""
-        r, s = self._recorded, self.scheduler
+        r, s = self._recorded, self.queues
         if r is None or r[0] is not plan or r[1] != s.num_departures or r[2] != s.version:
             return None
         return r[3]
@@ -462,12 +476,12 @@ class SteadyDecoder:
         reach their output limit, and notes the rows of its `extra` chunks that sample.
         False (recording nothing) when `plan` is not the columns' current plan: the
         caller records it all with `Scheduler.update`."""
-        steady, s = self.columns, self.scheduler
+        steady, s = self.columns, self.queues
         if steady is None or steady.plan is not plan or steady.version != s.version:
             return False
         now = time.monotonic()
         for seq in steady.advance(placeholder, self._dead(steady)):
-            s._finish(seq, FinishReason.LENGTH, now)
+            s.finish(seq, FinishReason.LENGTH, now)
         n = plan.num_decode
         self.pending = {id(c.seq): n + j for j, c in enumerate(plan.extra) if c.samples}
         return True
@@ -489,12 +503,12 @@ class SteadyDecoder:
             gaps.append(now - seq.last_token_time)  # its previous token's, as resolved
             seq.last_token_time = now
             if seq.penalised:
-                seq._count(token, 1)
+                seq.count_output(token)
             took.append(True)
         stop = stop_tokens(decode.stops, np.array(tokens, np.int64))
         stop &= np.array(took)
         for i in np.flatnonzero(stop).tolist():
             seq = decode.seqs[i]
             seq.truncate_outputs(int(decode.counters[i]) + 1)
-            self.scheduler._end_stopped(seq, now)
+            self.queues.end_stopped(seq, now)
         return gaps

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from test_engine import _engine, _run
 
 from paxkv import SamplingParams
-from paxkv.engine import stepper as stepper_module
 from paxkv.engine import recording as recording_module
+from paxkv.engine import stepper as stepper_module
 from paxkv.engine.requests import Request
 from paxkv.host import admission as admission_module
 from paxkv.host import batch as batch_module

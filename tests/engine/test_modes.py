@@ -39,7 +39,10 @@ def models():
     keys = jax.random.split(jax.random.key(7), len(leaves))
     noisy = jax.tree.unflatten(
         jax.tree.structure(params),
-        [x + 0.2 * x.std() * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)],
+        [
+            x + 0.2 * x.std() * jax.random.normal(k, x.shape)
+            for x, k in zip(leaves, keys, strict=True)
+        ],
     )
     nnx.update(draft, noisy)
     return config, model, draft
@@ -116,5 +119,5 @@ def test_seeded_samples_equal_across_sync_async_and_loops(models):
 
 
 def test_the_refusal_names_the_way_out():
-    with pytest.raises(ValueError, match="use method 'draft_model'.*or async_scheduling=False"):
+    with pytest.raises(ValueError, match=r"use method .draft_model. .*or async_scheduling=False"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)

@@ -16,9 +16,9 @@ from test_engine import _engine
 
 from paxkv import LLM, RequestOutputKind, SamplingParams
 from paxkv.engine.requests import RequestRegistry
-from paxkv.host.sequence import PLACEHOLDER_TOKEN as PLACEHOLDER
 from paxkv.host.page_pool import PagePool
 from paxkv.host.scheduler import Scheduler
+from paxkv.host.sequence import PLACEHOLDER_TOKEN as PLACEHOLDER
 from paxkv.models import ByteTokenizer, HFTokenizer
 
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind

@@ -45,7 +45,7 @@ def _engine(steady: bool, num_pages: int, tokenizer, async_scheduling: bool = Fa
         tokenizer=tokenizer,
         runner=lambda c: FakeRunner(VOCAB, c, eos_token_ids=(EOS,)),
     )
-    engine.scheduler.steady_decode = steady
+    engine.scheduler.steady.enabled = steady
     return engine
 
 
