@@ -9,7 +9,7 @@ default, side by side in one run). `--warmup` compiles every step shape of the
 engine's default buckets (`EngineConfig(max_model_len=--max_model_len)`) and reports
 their total: the time an engine's warm-up spends compiling.
 
-Lowers and compiles the engine's one-step function (`paxkv.engine.step.FORWARD`) ahead
+Lowers and compiles the engine's one-step function (`paxkv.engine.device.step.FORWARD`) ahead
 of time on abstract arguments (no weights, no cache allocated) for the preset's shapes
 at several depths, on this machine's backend, and reports per depth: seconds to trace
 and lower, seconds to compile, and the compiled step's temporary memory
@@ -30,7 +30,7 @@ from absl import app, flags
 from flax import nnx
 
 from paxkv.engine.config import EngineConfig
-from paxkv.engine.step import FORWARD, abstract_step_batch
+from paxkv.engine.device.step import FORWARD, abstract_step_batch
 from paxkv.kv_cache import PagedKVCache
 from paxkv.models import PRESETS
 

@@ -50,6 +50,11 @@ MOVED = {
     "paxkv.tools.page_tables": "paxkv.measure.page_tables",
     "paxkv.models.train": "paxkv.models.training",
     "paxkv.host.plan": "paxkv.host.step_plan",
+    "paxkv.engine.step": "paxkv.engine.device.step",
+    "paxkv.engine.sampling": "paxkv.engine.device.sampling",
+    "paxkv.engine.spec_verify": "paxkv.engine.device.verification",
+    "paxkv.engine.spec_accept": "paxkv.engine.device.acceptance",
+    "paxkv.engine.draft": "paxkv.engine.device.draft",
 }
 _GONE_PACKAGES = {"paxkv.tools"}  # emptied: each module moved on its own
 

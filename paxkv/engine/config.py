@@ -78,7 +78,7 @@ class EngineConfig:
     # where host and "device" share cores (and with async scheduling).
     num_decode_steps: int | None = _field(
         None,
-        "Decode steps per compiled call (`paxkv.engine.step.decode_loop`) when every "
+        "Decode steps per compiled call (`paxkv.engine.device.step.decode_loop`) when every "
         "scheduled sequence decodes without speculative proposals; unset: 8 on "
         "accelerators, 1 on CPU, with async scheduling or with speculative decoding.",
     )

@@ -3,7 +3,7 @@
 The host schedules (`paxkv.host.scheduler`), lays out the step batch (tokens,
 positions, page table, sampling parameters) as int32/float32 arrays padded to a small
 declared set of bucket shapes (`paxkv.host.batch`), and calls one jitted function with
-the KV cache donated (`paxkv.engine.step`). A long run therefore compiles each bucket
+the KV cache donated (`paxkv.engine.device.step`). A long run therefore compiles each bucket
 once; `Engine.num_compilations` counts what this engine compiled, and a test asserts
 that it stays flat after warm-up.
 """
@@ -64,7 +64,7 @@ class Engine:
         without a model or a device.
       draft_model: the draft model when `config.speculative_config` has method
         "draft_model": an NNX causal LM like `model`, with its vocabulary
-        (`paxkv.engine.draft`).
+        (`paxkv.engine.device.draft`).
     """
 
     def __init__(
@@ -325,7 +325,7 @@ class Engine:
     ) -> None:
         """Compiles the step's programs now, so no request waits for them later.
 
-        One program per step shape runs the model (`paxkv.engine.step.forward_step`);
+        One program per step shape runs the model (`paxkv.engine.device.step.forward_step`);
         beside them, the small samplers of penalties, and with
         `EngineConfig.warmup_scoring` of scored prompt rows (`prompt_logprobs`, `echo`
         with logprobs, `add_score_request`), and of speculative proposals

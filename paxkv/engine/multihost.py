@@ -42,9 +42,9 @@ import jax
 import numpy as np
 from absl import logging
 
+from paxkv.engine.device.sampling import Sampled
+from paxkv.engine.device.step import MAX_STOP_IDS, abstract_step_batch
 from paxkv.engine.runner import StepRunner
-from paxkv.engine.sampling import Sampled
-from paxkv.engine.step import MAX_STOP_IDS, abstract_step_batch
 from paxkv.host.batch import HostBatch, history_length
 
 HEADER_WORDS = 256

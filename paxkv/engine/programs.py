@@ -1,6 +1,6 @@
 """The step's programs, compiled ahead of time: lowered from shapes, compiled in parallel.
 
-A program is one jitted function of `paxkv.engine.step` lowered for one shape. It is
+A program is one jitted function of `paxkv.engine.device.step` lowered for one shape. It is
 lowered from `jax.ShapeDtypeStruct`s for the step batch (no buffer is allocated for
 it, so warm-up cannot run out of memory at a large batch) and the engine's own weights,
 cache and previous tokens, then compiled; several compile at once in threads (XLA

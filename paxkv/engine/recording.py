@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paxkv.engine.sampling import Sampled, sample_result
+from paxkv.engine.device.sampling import Sampled, sample_result
 from paxkv.host.request import FinishReason
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import SeqStatus, SequenceState

@@ -1,7 +1,7 @@
 """The seam between the engine's host path and the compiled step.
 
 The engine lays out each step as a `HostBatch` (NumPy) and hands it to a step runner.
-`ModelRunner` runs the jitted model (`paxkv.engine.step`) on the device: it owns the
+`ModelRunner` runs the jitted model (`paxkv.engine.device.step`) on the device: it owns the
 weights, the KV cache and the previous step's sampled tokens. `FakeRunner` returns
 deterministic tokens computed on the host without touching a device, so everything
 else of the engine (scheduling, batch layout, outputs, metrics) can be tested and
@@ -19,14 +19,14 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from paxkv.engine import step as steps
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
-from paxkv.engine.draft import check_draft_model
+from paxkv.engine.device import step as steps
+from paxkv.engine.device.draft import check_draft_model
+from paxkv.engine.device.sampling import Sampled, Scored, Speculated
+from paxkv.engine.device.step import DecodeLimits, ForwardBatch, StepExtras
 from paxkv.engine.params import ParamSource
 from paxkv.engine.programs import Program, Programs, default_compile_threads
-from paxkv.engine.sampling import Sampled, Scored, Speculated
-from paxkv.engine.step import DecodeLimits, ForwardBatch, StepExtras
 from paxkv.host.batch import HostBatch, history_length, pad_host_batch
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache
@@ -69,7 +69,7 @@ class StepRunner:
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
     ) -> Any:
         """Starts `num_decode_steps` decode iterations of a decode-only batch (see
-        `paxkv.engine.step.decode_loop`); returns a handle for `fetch_loop`."""
+        `paxkv.engine.device.step.decode_loop`); returns a handle for `fetch_loop`."""
         raise NotImplementedError
 
     def fetch_loop(self, handle: Any) -> tuple[Sampled, np.ndarray]:
@@ -104,7 +104,7 @@ class ModelRunner(StepRunner):
       config: the engine's settings, `num_decode_steps` decided.
       mesh: a `jax.sharding.Mesh` of one replica, or None for one device.
       draft_model: the draft model of speculative decoding's "draft_model" method
-        (`paxkv.engine.draft`), with its own cache over the same pages; None: none.
+        (`paxkv.engine.device.draft`), with its own cache over the same pages; None: none.
     """
 
     def __init__(
@@ -134,7 +134,7 @@ class ModelRunner(StepRunner):
         # Which layers share a page table (one group unless the model mixes windows).
         self.kv_groups = KVCacheGroups.for_model(mc, hybrid=config.hybrid_kv_cache)
         self.target = PlacedModel(model, config, self.kv_groups, mesh)
-        # What the last step left the next (`paxkv.engine.step.Carried`).
+        # What the last step left the next (`paxkv.engine.device.step.Carried`).
         carried = steps.Carried.zeros(config.max_num_seqs)
         if mesh is not None:  # as the step returns it, so warm-up compiles the real signature
             self._carried = jax.device_put(carried, shardings.replicated(mesh))
@@ -385,7 +385,7 @@ class ModelRunner(StepRunner):
     def decode_loop(
         self, hb: HostBatch, stop_ids: Sequence[tuple[int, ...]], limits: Sequence[int]
     ) -> tuple[Sampled, jax.Array]:
-        """Dispatches the N-step decode loop on the device (`paxkv.engine.step.DECODE_LOOP`)."""
+        """Dispatches the N-step decode loop on the device (`paxkv.engine.device.step.DECODE_LOOP`)."""
         hb = self._on_compiled_shape(hb, "loop")
         forward, extras = steps.step_batch(hb, self.config.page_size, self._batch_sharding)
         stops = DecodeLimits.from_host(
@@ -577,7 +577,7 @@ class FakeRunner(StepRunner):
             max_position_embeddings=max_position_embeddings,
         )
         self.config = config
-        # What the last step left the next (`paxkv.engine.step.Carried`), on the host.
+        # What the last step left the next (`paxkv.engine.device.step.Carried`), on the host.
         self._prev = np.zeros(config.max_num_seqs, np.int32)
         self._rejected = np.zeros(config.max_num_seqs, np.int32)
 
@@ -598,7 +598,7 @@ class FakeRunner(StepRunner):
     def _carried(self, hb: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """Each sequence's last known token, with the previous step's in place where it
         was fed (`token_src`), and how far back its positions move: the proposals the
-        previous step rejected of it (`paxkv.engine.step.with_carried`)."""
+        previous step rejected of it (`paxkv.engine.device.step.with_carried`)."""
         n = int(hb.num_seqs[0])
         src = hb.token_src[hb.logits_indices[:n]]
         fed = src >= 0

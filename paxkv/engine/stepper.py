@@ -6,7 +6,7 @@ launches step k+1 before reading step k, so the host plans while the device runs
 
 A step launched ahead records placeholders (`PLACEHOLDER_TOKEN`) for the tokens it
 samples: lengths advance at once (so max_tokens finishes are known), and the step
-after it reads the real tokens on the device (`paxkv.engine.step.Carried`). Reading
+after it reads the real tokens on the device (`paxkv.engine.device.step.Carried`). Reading
 the step puts them in place, ending the sequences that sampled a stop token (their
 work in the step after is discarded). A page freed meanwhile is only reused by steps
 launched later, which the device runs in order.
@@ -32,13 +32,13 @@ from typing import Any
 import jax
 
 from paxkv.engine.batch_builder import BatchBuilder
+from paxkv.engine.device.sampling import Sampled, sample_result
+from paxkv.engine.device.step import MAX_STOP_IDS
 from paxkv.engine.endings import Endings
 from paxkv.engine.metrics import EngineMetrics
 from paxkv.engine.recording import record_samples, record_scores, verified_results
 from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import StepRunner
-from paxkv.engine.sampling import Sampled, sample_result
-from paxkv.engine.step import MAX_STOP_IDS
 from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import PLACEHOLDER_TOKEN, SequenceState

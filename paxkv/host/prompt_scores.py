@@ -5,7 +5,7 @@ log-probability of its prompt token at every position p >= `first` given the tok
 before it: the model's output at row p - 1, read against target token p. A step that
 computes positions [start, end) of the sequence therefore scores rows
 `max(start, first - 1) .. min(end, num_prompt - 1)`, and the device gathers the target
-logprob, its rank and the top-k there (`paxkv.engine.sampling.score`); full-vocabulary
+logprob, its rank and the top-k there (`paxkv.engine.device.sampling.score`); full-vocabulary
 logits never reach the host.
 """
 

@@ -2,7 +2,7 @@
 
 A step's sampling parameters travel as `floats f32[S, len(SAMPLING_FLOATS)]` and
 `ints i32[S, len(SAMPLING_INTS)]`, one row per sequence (`paxkv.host.batch`,
-`paxkv.engine.sampling.SamplingBatch`). Every reader and writer picks a column through
+`paxkv.engine.device.sampling.SamplingBatch`). Every reader and writer picks a column through
 `FLOAT_COLUMN` / `INT_COLUMN`, so the order is written down here only.
 """
 

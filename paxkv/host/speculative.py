@@ -12,7 +12,7 @@ they are shared evenly among the decodes that have proposals. Speculation never
 preempts, never delays a prefill or an admission, and never proposes past the
 sequence's `max_tokens` or `max_model_len` (at most `remaining - 1` proposals, so the
 emitted tokens, at most proposals + 1, fit).
-The step verifies them (`paxkv.engine.spec_verify`) and the scheduler keeps what it
+The step verifies them (`paxkv.engine.device.verification`) and the scheduler keeps what it
 accepts (`Scheduler.update`), giving back pages held only for rejected positions.
 
 How far a sequence speculates (the adaptive rule): it estimates the probability α
@@ -61,7 +61,7 @@ class SpeculativeConfig:
 
     Args:
       method: "ngram" (prompt lookup: no extra model) or "draft_model" (a smaller
-        model with the target's tokenizer, `paxkv.engine.draft`).
+        model with the target's tokenizer, `paxkv.engine.device.draft`).
       num_speculative_tokens: most tokens proposed per sequence per step (k), 1..16.
       prompt_lookup_min / prompt_lookup_max: the shortest and longest suffix matched
         (`NgramProposer`); one unset takes the other's value, both unset: 2 and 5.

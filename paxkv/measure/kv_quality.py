@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.step import forward_logits
+from paxkv.engine.device.step import forward_logits
 from paxkv.host.request import SamplingParams
 from paxkv.kv_cache import PagedKVCache, PageTable
 from paxkv.models.training import spaced_windows

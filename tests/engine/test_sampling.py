@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, apply_penalties, sample
+from paxkv.engine.device.sampling import (
+    Sampled,
+    SamplingBatch,
+    add_to_history,
+    apply_penalties,
+    sample,
+)
 from paxkv.host.request import SamplingParams
 
 V = 12

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from paxkv.engine import spec_accept
-from paxkv.engine.spec_accept import PAD_TOKEN, accept
+from paxkv.engine.device import acceptance as spec_accept
+from paxkv.engine.device.acceptance import PAD_TOKEN, accept
 
 V = 5
 DRAWS = 20000

@@ -14,7 +14,7 @@ from scipy import stats
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine import spec_accept as spec_accept_module
+from paxkv.engine.device import acceptance as spec_accept_module
 from paxkv.engine.runner import FakeRunner
 from paxkv.models import load_model
 
@@ -202,11 +202,11 @@ def test_the_distribution_test_catches_a_wrong_acceptance_rule(sampled, monkeypa
         tokens = jnp.where(slots == counts[:, None], last[:, None], tokens).astype(jnp.int32)
         return out.replace(num_accepted=counts, tokens=tokens)
 
-    monkeypatch.setattr("paxkv.engine.spec_verify.accept", accept_all)
+    monkeypatch.setattr("paxkv.engine.device.verification.accept", accept_all)
     # A fresh jit of the sampler that verifies (its own programs), traced with the
     # mutation; the module's is restored untouched afterwards (no global cache clearing).
     # (A new function object: jit's trace cache is keyed by the function.)
-    from paxkv.engine import step as steps
+    from paxkv.engine.device import step as steps
 
     fresh = functools.wraps(steps.resample_step)(lambda *a, **k: steps.resample_step(*a, **k))
     monkeypatch.setattr(

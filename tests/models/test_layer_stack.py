@@ -15,7 +15,7 @@ from flax import nnx
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine
-from paxkv.engine.step import FORWARD, abstract_step_batch
+from paxkv.engine.device.step import FORWARD, abstract_step_batch
 from paxkv.kv_cache import PagedKVCache
 from paxkv.measure.page_tables import page_table_from_host
 from paxkv.models import (

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paxkv.engine.sampling import SamplingBatch, add_to_history, sampling_keys, target_probs
+from paxkv.engine.device.sampling import SamplingBatch, add_to_history, sampling_keys, target_probs
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache, PageTable
 

@@ -87,7 +87,7 @@ class Scored:
 
 @struct.dataclass
 class Speculated:
-    """A speculative step's verdicts (`paxkv.engine.spec_verify`): sequence s emits
+    """A speculative step's verdicts (`paxkv.engine.device.verification`): sequence s emits
     `tokens[s, :num_accepted[s] + 1]`, its accepted proposals and one token of the
     target's, and `scores` reports each under the target's raw distribution."""
 

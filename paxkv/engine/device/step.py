@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from paxkv.engine.draft import draft_proposals
-from paxkv.engine.sampling import Sampled, SamplingBatch, add_to_history, sample, score
-from paxkv.engine.spec_verify import verify
+from paxkv.engine.device.draft import draft_proposals
+from paxkv.engine.device.sampling import Sampled, SamplingBatch, add_to_history, sample, score
+from paxkv.engine.device.verification import verify
 from paxkv.host.batch import HostBatch
 from paxkv.host.sampling_columns import INT_COLUMN, SAMPLING_FLOATS, SAMPLING_INTS
 from paxkv.kv_cache import PagedKVCache, PageTable
@@ -399,7 +399,7 @@ def draft_step(
     attention_backend: str,
     k: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, PagedKVCache]:
-    """A draft model's part of a step (`paxkv.engine.draft`): it runs the step's tokens
+    """A draft model's part of a step (`paxkv.engine.device.draft`): it runs the step's tokens
     and proposes up to k tokens after each sequence's last one. Returns the step's
     tokens with the proposals in their rows (i32[T], what the target runs), the
     proposals (i32[S, k]), their draft distributions (f32[S, k, V]) and its cache."""

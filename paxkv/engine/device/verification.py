@@ -4,8 +4,8 @@ proposals, from the logits of its 1 + k query rows.
 Sequence s of a speculative step runs its last known token and `counts[s]` proposed
 tokens as consecutive query rows; row j's logits are the target's next-token scores
 after the first j proposals. Each position's distribution is the sampler's own
-(`paxkv.engine.sampling.target_probs`: penalties, with the proposals before it counted
-as generated, temperature and truncation), so `paxkv.engine.spec_accept.accept` emits
+(`paxkv.engine.device.sampling.target_probs`: penalties, with the proposals before it counted
+as generated, temperature and truncation), so `paxkv.engine.device.acceptance.accept` emits
 tokens distributed exactly as plain sampling would. A sequence with no proposal keeps
 the token `sample` drew for it, so speculation changes nothing for it.
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paxkv.engine.sampling import (
+from paxkv.engine.device.acceptance import Accepted, accept
+from paxkv.engine.device.sampling import (
     SamplingBatch,
     Speculated,
     add_to_history,
@@ -24,7 +25,6 @@ from paxkv.engine.sampling import (
     score,
     target_probs,
 )
-from paxkv.engine.spec_accept import Accepted, accept
 
 
 def verify(

@@ -1,6 +1,6 @@
 """The acceptance rule of speculative decoding, batched over ragged proposals.
 
-`paxkv.engine.spec_verify` applies it to a step's target scores.
+`paxkv.engine.device.verification` applies it to a step's target scores.
 
 Sequence s proposes `counts[s] <= k` tokens (padded to k). The target model scored
 them: `target_probs[s, j]` is its next-token distribution after the sequence's tokens
