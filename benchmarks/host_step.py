@@ -286,7 +286,7 @@ def _replay(
         setattr(steady, name, clock.wrap("record", getattr(steady, name)))
     engine.requests.report = clock.wrap("outputs", engine.requests.report)
     engine.requests.report_decode = clock.wrap("outputs", engine.requests.report_decode)
-    for name in ("dispatch", "fetch", "decode_loop"):
+    for name in ("dispatch", "fetch", "decode_loop", "fetch_loop"):
         setattr(engine.runner, name, clock.wrap("runner", getattr(engine.runner, name)))
 
     requests = sorted(trace["requests"], key=lambda r: r["arrival_step"])

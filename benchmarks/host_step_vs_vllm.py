@@ -56,7 +56,7 @@ def _load() -> str:
 
 
 def _run(python: str, module: str, args: list[str], out: str) -> dict[str, Any]:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.setdefault("JAX_PLATFORMS", "cpu")

@@ -6,7 +6,7 @@ The tiny model on the CPU with `--num_seqs` sequences decoding together (short
 prompts, `--max_tokens` each). For each N it reports the host-overhead fraction
 (host time, during which the device waits, over host + device time per step) and the
 output tok/s of the decode phase, each the median of `--repeats` alternated runs, and
-the same for N=1 with async scheduling (the host one step ahead of the device; with
+the same for N=1 and the largest N with async scheduling (the host one step ahead of the device; with
 overlap, "host overhead" is the host time the device is not already queued for).
 """
 
@@ -79,8 +79,9 @@ def main(argv: list[str]) -> None:
     prompts = [
         rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(4, 32, _NUM_SEQS.value)
     ]
-    # (N, overlap): async scheduling runs one decode step per call.
-    settings = [(int(s), False) for s in _STEPS.value] + [(1, True)]
+    # (N, overlap): each N synchronous, then 1 and the largest N with async scheduling.
+    largest = max(int(s) for s in _STEPS.value)
+    settings = [(int(s), False) for s in _STEPS.value] + [(1, True), (largest, True)]
     runs = {k: [] for k in settings}
     for _ in range(_REPEATS.value):
         for n, overlap in settings:

@@ -29,7 +29,13 @@ def record_samples(
     steady decode's columns an f64 array (NaN for those None)."""
     if plan.decode is not None and valid is None:  # the steady decode's columns first
         n = plan.num_decode
-        recorded = scheduler.steady.record(plan, samples.tokens[:n], eos_token_ids)
+        seqs = plan.decode.seqs
+        recorded = scheduler.steady.record(
+            plan,
+            samples.tokens[:n],
+            eos_token_ids,
+            lambda i: sample_result(samples, i, seqs[i])[1:],
+        )
         if recorded is not None:
             gaps = recorded[1]  # f64[taken], no first tokens among them
             if plan.extra:

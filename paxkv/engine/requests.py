@@ -270,6 +270,7 @@ class RequestRegistry:
         # and the last columns' list it found whole (every request a delta one).
         self._attached_version = 0
         self._attached_whole: list | None = None
+        self._apart: np.ndarray | None = None  # `report_decode`'s, of `_attached_whole`
 
     def unfinished(self) -> list[Request]:
         """The unfinished requests, in the order they were submitted."""
@@ -413,21 +414,18 @@ class RequestRegistry:
     def report_decode(
         self, decode: DecodeColumns, gone: np.ndarray | None = None
     ) -> tuple[DecodeDeltas | None, list[str]]:
-        """The outputs of a steady decode step (`DecodeColumns`): one `DecodeDeltas` for
-        its requests that took their token and go on, and the ids of the others
-        (ended in the step), to `report`. None for the deltas when a request of the
-        batch needs more than a delta of one token (`Request.deferred`, one
-        completion, DELTA, no weight update since it arrived): `report` them all.
-        `gone` (bool[n], `SteadyDecoder.gone`) tells which sequences ended; None:
-        each one's finish reason does."""
+        """The outputs of a step's decodes (`DecodeColumns`): one `DecodeDeltas` for the
+        requests that took their token and go on and whose output is such a delta
+        (`Request.deferred`, one completion, DELTA, no weight update since it arrived),
+        and the ids of the others (ended in the step, or needing more), to `report`.
+        `gone` (bool[n], `SteadyDecoder.gone`) tells which sequences ended; None: each
+        one's finish reason does."""
         attached = decode.attached  # (request, its progress) of each, kept by the columns
         if self._attached_version != self.weight_version:  # looked up anew under new weights
             attached[:] = [None] * len(attached)
             self._attached_version = self.weight_version
             self._attached_whole = None
         if attached is not self._attached_whole:  # the columns changed: fill in who joined
-            if attached.count(_NOT_DELTA):
-                return None, list(decode.request_ids)
             missing = attached.count(None)
             i = len(attached)
             while missing:  # from the end, where the columns append those that join
@@ -436,20 +434,27 @@ class RequestRegistry:
                     missing -= 1
                     r = self._delta_request(decode.request_ids[i])
                     attached[i] = _NOT_DELTA if r is None else (r, r.progress[0])
-                    if r is None:
-                        return None, list(decode.request_ids)
             self._attached_whole = attached
+            # bool[n]: those reported one by one (None: none).
+            self._apart = (
+                np.fromiter(map(operator.is_, attached, itertools.repeat(_NOT_DELTA)), bool)
+                if attached.count(_NOT_DELTA)
+                else None
+            )
         if gone is None:
             reasons = list(map(_FINISH_REASON, decode.seqs))
             if reasons.count(None) != len(reasons):
                 gone = np.fromiter(
                     map(operator.is_not, reasons, itertools.repeat(None)), bool, len(reasons)
                 )
+        others, apart = gone, self._apart
+        if apart is not None:
+            others = apart if gone is None else apart | gone
         counters = decode.counters
         ended: list[int] = []
-        if gone is not None and gone.any():  # some ended: only the others take deltas
-            going = ~gone
-            ended = np.flatnonzero(gone).tolist()
+        if others is not None and others.any():  # only the others take deltas
+            going = ~others
+            ended = np.flatnonzero(others).tolist()
             attached = list(itertools.compress(attached, going.tolist()))
             counters = counters[going]
         deltas = DecodeDeltas.take(attached, counters, self.weight_version) if attached else None

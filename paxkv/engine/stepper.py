@@ -349,7 +349,12 @@ class Stepper:
         decode = plan.decode if inflight.columns else None
         if decode is not None:
             n = len(decode.seqs)
-            gaps += self.scheduler.steady.resolve(decode, results[0][0].tokens[:n].tolist())
+            sampled = results[0][0]
+            gaps += self.scheduler.steady.resolve(
+                decode,
+                sampled.tokens[:n].tolist(),
+                lambda i: sample_result(sampled, i, decode.seqs[i])[1:],
+            )
         rejected: dict[int, tuple[SequenceState, int]] = {}
         for seq, i, row, index, count in inflight.placeholders:
             if index >= len(seq.output_token_ids):

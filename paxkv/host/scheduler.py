@@ -20,6 +20,8 @@ import bisect
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from paxkv.host.admission import Admission, chunk_tokens
 from paxkv.host.batch_rows import BatchRows
 from paxkv.host.kv_cache_manager import KVCacheManager
@@ -32,8 +34,8 @@ from paxkv.host.request import FinishReason, SamplingParams
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.host.speculative import Speculator, add_proposals, record_proposed, record_verified
-from paxkv.host.steady_decode import SteadyDecoder
-from paxkv.host.step_plan import ScheduledChunk, SchedulerOutput
+from paxkv.host.steady_decode import SteadyDecoder, decodes
+from paxkv.host.step_plan import DecodeColumns, ScheduledChunk, SchedulerOutput
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
@@ -56,9 +58,6 @@ class Scheduler(SequenceQueues):
       kv_groups: the KV-cache groups (`paxkv.host.kv_groups`; default: one global group).
       speculator: gives decodes speculative proposals out of each step's spare budget
         (`paxkv.host.speculative`); None: no speculation.
-      steady_decode: plan and record a batch in which every running sequence decodes
-        over columns (`paxkv.host.steady_decode`); the same plans either way. Off with
-        a speculator (multi-step decoding records the general way).
     """
 
     def __init__(
@@ -74,7 +73,6 @@ class Scheduler(SequenceQueues):
         reservation: PagedReservation | None = None,
         kv_groups: KVCacheGroups | None = None,
         speculator: Speculator | None = None,
-        steady_decode: bool = True,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
@@ -103,13 +101,15 @@ class Scheduler(SequenceQueues):
         self.peak_running = 0
         self._writers = PrefixWriters(self.kv_cache_manager)
         self.speculator = speculator
-        # Plans and records a batch in which every running sequence decodes as columns.
+        self._prefilling: list[SequenceState] = []  # running, not decoding: in precedence order
+        self._preempted_now: list[SequenceState] = []  # by the plan being made
+        # Every running sequence that decodes, as columns the plans are made from.
         self.steady = SteadyDecoder(
             self,
             self._writers.register_decodes,
+            self._grow_decodes,
             max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enabled=steady_decode and speculator is None,
+            rebuild_each_step=speculator is not None,
         )
 
     @property
@@ -143,57 +143,33 @@ class Scheduler(SequenceQueues):
             self._preempt(seq)
 
     def schedule(self) -> SchedulerOutput:
-        """Plans the next step and reserves its pages. Call `update` with its results."""
+        """Plans the next step and reserves its pages. Call `update` with its results.
+
+        Every running sequence that decodes is planned from the running decodes'
+        columns (`paxkv.host.steady_decode`); chunks are made for the others (prefill)
+        and for the sequences admitted, in order of precedence, then out of the budget
+        left, speculative proposals turn some decodes into chunks."""
         self._writers.new_plan()
-        # The leading decodes from the steady decode's columns (None: none), then the
-        # other running sequences' chunks the general way.
-        decode, scheduled = self.steady.plan()
+        self._preempted_now = preempted = []
+        now = time.monotonic()
+        steady = self.steady
+        # The sequences being prefilled; those that started decoding join the decodes.
+        prefills, joiners = [], []
+        for seq in self._prefilling:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # ended or preempted (admitted again later)
+            if decodes(seq, steady.pending):
+                joiners.append(seq)
+            else:
+                prefills.append(seq)
+        self._prefilling = prefills[:]
+        decode, scheduled = steady.plan(joiners, self._waits)
         n = len(decode.seqs) if decode is not None else 0
         budget = self.max_num_batched_tokens - n
         chunks: list[ScheduledChunk] = []
-        preempted: list[SequenceState] = []
-        now = time.monotonic()
-        ps = self.page_size
-        kv = self.kv_cache_manager
-        # Decodes (one token left to compute) first, then prefill chunks; each in order of
-        # precedence, which `self.running` keeps.
-        prefills = []
-        # Async speculation: a sequence whose proposals are in flight unverified, one
-        # token from its limit as if all were accepted, waits for the verdict (a
-        # placeholder now would end it, which a rejection would not).
-        unsure = self.speculator is not None and self.speculator.optimistic
-        for seq in self.running[n:]:
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted to make room for a sequence before it
-            if unsure and seq.num_unverified and seq.remaining_tokens(self.max_model_len) <= 1:
-                continue
-            outputs = seq.output_token_ids
-            end = seq.num_computed_tokens + 1
-            if end != seq.num_prompt + len(outputs):
-                prefills.append(seq)
-                continue
-            if budget == 0:
-                continue
-            try:
-                row = kv.decode_row(seq, end) if outputs else None
-                if row is not None:  # the common decode: no new page
-                    chunk = ScheduledChunk(
-                        seq, end - 1, 1, True, (outputs[-1],), row, -(-end // ps), len(outputs)
-                    )
-                else:
-                    chunk = self._schedule_running(seq, budget, scheduled, preempted)
-                if chunk is None:
-                    continue
-                self._writers.register(seq, end)
-            except Exception as e:  # isolated: only seq fails
-                self.fail(seq, e)
-                continue
-            chunks.append(chunk)
-            scheduled.add(id(seq))
-            budget -= 1
         for seq in prefills:
             if budget == 0 or seq.status is not SeqStatus.RUNNING:
-                continue
+                continue  # preempted to make room for a sequence before it
             try:
                 chunk = self._schedule_running(seq, budget, scheduled, preempted)
                 if chunk is not None:
@@ -224,14 +200,67 @@ class Scheduler(SequenceQueues):
                 self.fail(seq, e)
         self.peak_running = max(self.peak_running, len(self.running))
         spec = self.speculator
-        if spec is not None and budget > 0 and spec.new_step(len(self.running)):
-            spare = spec.spare_tokens(self.max_num_batched_tokens - budget, budget)
-            add_proposals(chunks, spare, spec, kv, max_model_len=self.max_model_len, fail=self.fail)
+        if spec is not None and decode is not None:
+            if budget > 0 and spec.new_step(len(self.running)):
+                spare = spec.spare_tokens(self.max_num_batched_tokens - budget, budget)
+                decode, drafted = self._propose(decode, spare)
+                chunks[:0] = drafted
+            # Recorded as chunks (`update`): proposals change what a decode holds.
+            return SchedulerOutput(tuple(chunks), tuple(preempted), decode=decode)
         if decode is None:
             return SchedulerOutput(tuple(chunks), tuple(preempted), version=self.version)
         plan = SchedulerOutput(tuple(chunks), tuple(preempted), decode=decode)
-        self.steady.planned(plan)
+        steady.planned(plan)
         return plan
+
+    def _propose(
+        self, decode: DecodeColumns, spare: int
+    ) -> tuple[DecodeColumns | None, list[ScheduledChunk]]:
+        """Gives decodes proposals out of `spare` tokens (`add_proposals`); returns the
+        decodes left without and the chunks of those with (their token and proposals)."""
+        proposed = list(decode.chunks())
+        add_proposals(
+            proposed,
+            spare,
+            self.speculator,
+            self.kv_cache_manager,
+            max_model_len=self.max_model_len,
+            fail=self.fail,
+        )
+        plain = [not c.num_draft for c in proposed]
+        if all(plain):
+            return decode, []
+        drafted = [c for c in proposed if c.num_draft]
+        return decode.kept(np.array(plain, bool)), drafted
+
+    def _waits(self, seq: SequenceState) -> bool:
+        """Whether running decode `seq` sits this step out: its proposals are in flight
+        unverified (async speculation) and, as if all were accepted, it is one token
+        from its limit (a placeholder now would end it, which a rejection would not)."""
+        return bool(seq.num_unverified) and seq.remaining_tokens(self.max_model_len) <= 1
+
+    def _grow_decodes(self, seqs: list[SequenceState], ends: list[int]) -> None:
+        """Gives each running decode `seqs[i]` the pages for its first `ends[i]` tokens,
+        in order, making room by preemption as `_schedule_running` does; one whose work
+        raises fails alone."""
+        kv = self.kv_cache_manager
+        for seq, end in zip(seqs, ends, strict=True):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted to make room for one before it
+            try:
+                while kv.needs_pages(seq, end) and not kv.allocate(seq, end):
+                    victims = (
+                        [s for s in self.running if s is not seq] if kv.can_grow(seq, end) else []
+                    )
+                    victim = max(victims, key=SequenceState.precedence) if victims else seq
+                    if victim.precedence() < seq.precedence():
+                        victim = seq
+                    self._preempt(victim)
+                    self._preempted_now.append(victim)
+                    if victim is seq:
+                        break
+            except Exception as e:  # isolated: only seq fails
+                self.fail(seq, e)
 
     def _schedule_running(
         self,
@@ -285,6 +314,7 @@ class Scheduler(SequenceQueues):
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         bisect.insort(self.running, seq, key=SequenceState.precedence)
+        bisect.insort(self._prefilling, seq, key=SequenceState.precedence)
         return self._chunk_of(seq, n)
 
     # Results.

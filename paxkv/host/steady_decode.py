@@ -1,27 +1,25 @@
-"""The steady decode: the running sequences that decode, kept as columns across steps
-and planned and recorded by array operations. No JAX.
+"""The running decodes: every running sequence whose next step is a decode, kept as
+columns across steps, planned and recorded by array operations. No JAX.
 
 Most running sequences decode one token per step, step after step. The scheduler
-keeps the leading run of them (in running order: the first `n` running sequences,
-all decoding) as NumPy columns: rows, cache lengths, output counters, last tokens,
-output limits, stop tokens. Each step advances the columns with a few array
-operations; Python runs only for what changes: a sequence whose next token needs a
-new page or fills one (one step in `page_size`), one that ends (dropped from the
-columns at the next plan), one that starts decoding right after them (appended).
-The rest of the step (the other running sequences' chunks, admissions) is planned
-the general way after the columns, exactly as the general path would order it: the
-columns are the first sequences of the running list, and all of them decode.
+plans every decode of a step from these NumPy columns (rows of the persistent batch,
+cache lengths, output counters, last tokens, output limits, stop tokens), and makes
+chunks only for the sequences being prefilled and those admitted. Each step advances
+the columns with a few array operations; Python runs only for what changes: a
+sequence whose next token needs a new page (making room by preemption, as for a
+chunk) or fills one (one step in `page_size`), one that ends (dropped at the next
+plan), one whose prefill completed (appended), and those that keep logprobs (their
+logprobs taken one by one).
 
 With async scheduling the columns' last tokens are placeholders of the step in
 flight (`src`: each one's row in that step's output, where the device reads it);
 `advance` records a dispatched plan's placeholders, `resolve` the real tokens when
 the step is read, ending those that sampled a stop token.
 
-What the columns cannot absorb (a preemption, an admission ahead of them, a plan not
-recorded) drops them; the general path plans and records until the next `update`
-makes new ones. Sequences needing more keep to the general path (they end the leading
-run): top logprobs, prompt scores, many stop tokens; so do sliding windows,
-speculative proposals and multi-step decoding.
+A step whose decodes are recorded another way (speculative proposals, whose chunks
+change what a decode holds; an N-step loop; a plan pruned after a failure) leaves the
+columns unable to tell what their sequences hold: the next plan makes them again from
+the running list (with speculation, every plan does).
 """
 
 from __future__ import annotations
@@ -36,10 +34,15 @@ from paxkv.host.kv_cache_manager import KVCacheManager, allocate_decodes
 from paxkv.host.queues import SequenceQueues
 from paxkv.host.request import FinishReason
 from paxkv.host.sequence import SeqStatus, SequenceState
-from paxkv.host.step_plan import DecodeColumns, Scheduled, SchedulerOutput, rows_among, stop_tokens
+from paxkv.host.step_plan import (
+    DecodeColumns,
+    Scheduled,
+    SchedulerOutput,
+    all_running,
+    rows_among,
+    stop_tokens,
+)
 
-# Stop tokens per sequence kept in the columns; a sequence with more keeps the general path.
-MAX_STEADY_STOPS = 16
 # The packed integer columns of `SteadyDecode` (`i64`, `i32`), in order.
 I64 = ("rows", "ends", "caps", "registered", "max_outputs")
 I32 = ("counters", "tokens", "src")
@@ -48,20 +51,16 @@ _NEXT_END = np.array([0, 1, 0, 0, 0], np.int64)  # a step: cache length + 1
 _NEXT_OUTPUT = np.array([1, 0, 0], np.int32)  # and output counter + 1
 
 
-def decodes_steadily(
-    seq: SequenceState, eos_token_ids: tuple[int, ...], pending: Mapping[int, int]
-) -> bool:
-    """Whether `seq`'s next step is a decode the columns can hold; `pending`: `id(seq)`
-    to its row in the in-flight step's output, if its last token is a placeholder."""
+def decodes(seq: SequenceState, pending: Mapping[int, int]) -> bool:
+    """Whether `seq`'s next step is a decode: running, every token but its last in the
+    cache, and that last one an output the host knows or the in-flight step holds
+    (`pending`: `id(seq)` to its row in that step's output, async scheduling)."""
+    out = seq.output_token_ids
     return (
         seq.status is _RUNNING
-        and seq.num_computed_tokens + 1 == seq.num_tokens
-        and bool(seq.output_token_ids)
-        and (seq.output_token_ids[-1] >= 0 or id(seq) in pending)
-        and not seq.track_top
-        and seq.prompt_scores is None
-        and seq.params.max_tokens > 0
-        and len(seq.stop_set(eos_token_ids)) <= MAX_STEADY_STOPS
+        and seq.num_computed_tokens + 1 == seq.num_prompt + len(out)
+        and bool(out)
+        and (out[-1] >= 0 or id(seq) in pending)
     )
 
 
@@ -69,13 +68,13 @@ class SteadyDecode:
     """The columns of the leading decoding sequences of a running batch.
 
     Args:
-      seqs: the sequences, in running order (each `decodes_steadily`).
+      seqs: the sequences (each `decodes`).
       kv: their pages.
       max_model_len: the longest sequence.
       eos_token_ids: the model's EOS ids the stop columns were made with.
       version: the scheduler's `SequenceQueues.version` they hold for.
       pending: `id(seq)` to its row in the in-flight step's output, for each sequence
-        whose last token is a placeholder (see `decodes_steadily`).
+        whose last token is a placeholder (see `decodes`).
     """
 
     def __init__(
@@ -129,11 +128,14 @@ class SteadyDecode:
         penalised = [s.penalised for s in seqs]
         self.penalised = np.array(penalised, bool)
         self.num_penalised = sum(penalised)  # 0: `record` counts no tokens
+        tracked = [s.track_top for s in seqs]  # keep logprobs and top logprobs
+        self.track = np.array(tracked, bool)
+        self.num_tracked = sum(tracked)
         self.last_times = np.array([s.last_token_time for s in seqs], np.float64)
         self.plan: SchedulerOutput | None = None  # planned, not yet recorded
         self.gone: np.ndarray | None = None  # bool[n]: `record`'s, of the step it recorded
 
-    _ARRAYS = ("i64", "i32", "stop_table", "penalised", "last_times")
+    _ARRAYS = ("i64", "i32", "stop_table", "penalised", "track", "last_times")
 
     # The columns by name (views: the arrays are replaced, never written, once a plan
     # holds them; only caps and registered are written in place).
@@ -156,6 +158,8 @@ class SteadyDecode:
             setattr(self, name, getattr(self, name)[mask])
         if self.num_penalised:
             self.num_penalised = int(self.penalised.sum())
+        if self.num_tracked:
+            self.num_tracked = int(self.track.sum())
 
     def extend(self, more: SteadyDecode) -> None:
         """Appends the columns of `more` (the sequences right after these)."""
@@ -174,56 +178,90 @@ class SteadyDecode:
         for name in self._ARRAYS:
             setattr(self, name, np.concatenate([getattr(self, name), getattr(more, name)]))
         self.num_penalised += more.num_penalised
+        self.num_tracked += more.num_tracked
 
     def plan_next(
-        self, kv: KVCacheManager, register: Callable[[list[SequenceState], list[int]], None]
+        self,
+        kv: KVCacheManager,
+        register: Callable[[list[SequenceState], list[int]], None],
+        grow: Callable[[list[SequenceState], list[int]], None],
+        fail: Callable[[SequenceState, BaseException], None],
     ) -> DecodeColumns | None:
-        """The next step's decodes. Allocates the pages of the sequences whose token
-        starts a new one and registers (`register(seqs, ends)`) the pages that fill;
-        None when a page cannot be had (the general path then preempts) or the work of
-        a sequence raised (the general path then fails that sequence alone), keeping
-        what it allocated."""
-        ends = self.ends
-        seqs = self.seqs
-        try:
-            grow = np.flatnonzero(ends > self.caps)
-            if grow.size:
-                growing = [seqs[i] for i in grow.tolist()]
-                granted = allocate_decodes(kv, growing, ends[grow].tolist())
-                self.i64[grow[:granted], 2] = [
-                    kv.num_pages(seq) * self.page_size for seq in growing[:granted]
-                ]
-                if granted < len(growing):
-                    return None
-            if self.caching:
-                filled = np.flatnonzero(ends // self.page_size > self.registered)
-                if filled.size:
-                    filling = [seqs[i] for i in filled.tolist()]
-                    register(filling, ends[filled].tolist())
-                    self.i64[filled, 3] = [kv.num_keys(seq) for seq in filling]
-        except Exception:  # the general path plans the step and isolates the fault
+        """The next step's decodes (None: none left). Window groups let go of the pages
+        a decode no longer reads; the sequences whose token starts a new page get it
+        (`allocate_decodes`, or else `grow(seqs, ends)`, which makes room by preemption
+        and fails a sequence whose work raises); the pages that fill are registered
+        (`register(seqs, ends)`, one by one if that raises, `fail`ing the sequence whose
+        registration raises).
+        The sequences that stopped running meanwhile (preempted, failed) leave."""
+        ps = self.page_size
+        if kv.sliding:
+            for seq, end in zip(self.seqs, self.ends.tolist(), strict=True):
+                kv.slide(seq, end - 1)
+        grow_at = np.flatnonzero(self.ends > self.caps)
+        if grow_at.size:
+            growing = [self.seqs[i] for i in grow_at.tolist()]
+            wanted = self.ends[grow_at].tolist()
+            try:
+                granted = allocate_decodes(kv, growing, wanted)
+            except Exception:  # `grow` retries each and isolates the fault
+                granted = 0
+            if granted < len(growing):
+                grow(growing[granted:], wanted[granted:])
+            self.i64[grow_at, 2] = [kv.num_pages(seq) * ps for seq in growing]
+            self._keep_running()
+        if self.caching and len(self.seqs):
+            filled = np.flatnonzero(self.ends // ps > self.registered)
+            if filled.size:
+                filling = [self.seqs[i] for i in filled.tolist()]
+                ends = self.ends[filled].tolist()
+                try:
+                    register(filling, ends)
+                except Exception:
+                    for seq, end in zip(filling, ends, strict=True):
+                        try:
+                            register([seq], [end])
+                        except Exception as e:  # isolated: only seq fails
+                            fail(seq, e)
+                    self._keep_running()
+                    filled = np.flatnonzero(self.ends // ps > self.registered)
+                    filling = [self.seqs[i] for i in filled.tolist()]
+                self.i64[filled, 3] = [kv.num_keys(seq) for seq in filling]
+        if not len(self.seqs):
             return None
-        num_pages = -(-ends // self.page_size)
+        ends = self.ends
         return DecodeColumns(
-            seqs,
+            self.seqs,
             self.request_ids,
             self.rows,
             ends,
-            num_pages,
+            -(-ends // ps),
             self.counters,
             self.tokens,
             self.src,
             self.stop_table,
             self.attached,
+            track=self.track if self.num_tracked else None,
         )
 
+    def _keep_running(self) -> None:
+        """Drops the sequences that stopped running (a C loop when none did)."""
+        if not all_running(self.seqs):
+            self.keep(np.array([seq.status is _RUNNING for seq in self.seqs], bool))
+
     def record(
-        self, toks: np.ndarray, now: float, dead: np.ndarray | None
+        self,
+        toks: np.ndarray,
+        now: float,
+        dead: np.ndarray | None,
+        tops: Callable[[int], tuple] | None = None,
+        fail: Callable[[SequenceState, BaseException], None] | None = None,
     ) -> tuple[list[tuple[SequenceState, FinishReason]], np.ndarray]:
         """Appends the planned step's tokens (`toks`, i32[n]) to their sequences (cache
-        length, penalty counts, token time; no logprobs, `decodes_steadily`) and advances
-        the columns; one that ended while the step ran (True in `dead`, bool[n], or
-        None) takes nothing. Returns those that end, with why (stop token, else length:
+        length, penalty counts, token time, and for those keeping logprobs `tops(i)`:
+        `(logprob, top logprobs)` of row i) and advances the columns; one that ended
+        while the step ran (True in `dead`, bool[n], or None) takes nothing; one whose
+        `tops` raises is `fail`ed alone. Returns those that end, with why (stop token, else length:
         the caller finishes them), and each token's gap since its previous (f64[taken])."""
         seqs = self.seqs
         ends = self.ends
@@ -240,6 +278,19 @@ class SteadyDecode:
             for i in np.flatnonzero(self.penalised).tolist():
                 if alive[i]:
                     seqs[i].count_output(tokens[i])
+        failed = []
+        if self.num_tracked:
+            for i in np.flatnonzero(self.track).tolist():
+                if alive[i]:
+                    try:
+                        logprob, top = tops(i)
+                    except Exception as e:  # isolated: only this sequence fails
+                        logprob, top = 0.0, None
+                        failed.append((seqs[i], e))
+                    seqs[i].logprobs.append(logprob)
+                    seqs[i].top_logprobs.append(top)
+        for seq, e in failed:
+            fail(seq, e)
         i32 = self.i32 + _NEXT_OUTPUT  # the columns one step on: counters + 1
         counters = i32[:, 0]
         over = counters >= self.max_outputs
@@ -252,6 +303,7 @@ class SteadyDecode:
         ended = [
             (seqs[i], FinishReason.STOP if stop is not None and stop[i] else FinishReason.LENGTH)
             for i in np.flatnonzero(over).tolist()
+            if seqs[i].status is _RUNNING  # not failed
         ]
         gaps = now - self.last_times
         if not every:
@@ -276,6 +328,11 @@ class SteadyDecode:
             if live:
                 seq.output_token_ids.append(placeholder)
                 seq.num_computed_tokens = end
+        if self.num_tracked:  # their logprobs arrive with the token (`resolve`)
+            for i in np.flatnonzero(self.track).tolist():
+                if alive[i]:
+                    seqs[i].logprobs.append(0.0)
+                    seqs[i].top_logprobs.append(None)
         i32 = self.i32 + _NEXT_OUTPUT
         over = i32[:, 0] >= self.max_outputs
         if not every:
@@ -293,131 +350,133 @@ class SteadyDecode:
 
 
 class SteadyDecoder:
-    """A scheduler's steady decode: makes the columns after an `update` of the general
-    path (`after_update`), plans from them (`plan`) and records into them (`record`).
+    """A scheduler's running decodes: every running sequence whose next step is a
+    decode, as columns (`SteadyDecode`) that each plan is made from (`plan`) and that
+    record the steps made with them (`record`, `advance` and `resolve`).
+
+    The columns persist across steps and change by what changed: sequences that ended
+    leave, those whose prefill completed join (`plan`'s `joiners`). When they cannot
+    tell what their sequences hold (a plan recorded another way: speculative proposals,
+    an N-step loop, a weight update's preemptions), they are made again from the
+    running list at the next plan (`drop`); with `rebuild_each_step` (speculation:
+    proposals change a decode's tokens every step) always.
 
     Args:
       queues: the running sequences (and how they end).
       register: caches the pages the given decodes fill, shared within the step
         (`PrefixWriters.register_decodes`).
+      grow: gives the given decodes the pages for their next token, preempting others
+        to make room (`Scheduler`).
       max_model_len: the longest sequence.
-      max_num_batched_tokens: the step's token budget (more decodes: no columns).
-      enabled: whether it plans and records at all (`enabled` may change later).
+      rebuild_each_step: make the columns from the running list at every plan.
     """
 
     def __init__(
         self,
         queues: SequenceQueues,
         register: Callable[[list[SequenceState], list[int]], None],
+        grow: Callable[[list[SequenceState], list[int]], None],
         *,
         max_model_len: int,
-        max_num_batched_tokens: int,
-        enabled: bool = True,
+        rebuild_each_step: bool = False,
     ) -> None:
         self.queues = queues
         self.register = register
+        self.grow = grow
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enabled = enabled
+        self.rebuild_each_step = rebuild_each_step
+        self.eos_token_ids: tuple[int, ...] = ()  # the last `update`'s
         self.columns: SteadyDecode | None = None
         # Async scheduling: `id(seq)` to its row in the in-flight step's output, for the
-        # sequences outside the columns that sampled there (`decodes_steadily`).
+        # sequences whose last token is a placeholder of a chunk that sampled there.
         self.pending: dict[int, int] = {}
+        self._pending_decodes: tuple[SequenceState, ...] = ()  # and the columns' (rows 0..)
         # The scheduler's departures when the last plan started (`unchanged`).
         self._departures = -1
         self._recorded: tuple | None = None  # `record`'s plan, departures, version, gone
 
     def drop(self) -> None:
-        """Forgets the columns (the general path plans and records)."""
+        """Forgets the columns: the next plan makes them from the running list."""
         self.columns = None
-        self.pending = {}
-
-    def _leading(self, start: int, eos_token_ids: tuple[int, ...]) -> list[SequenceState]:
-        """The running sequences from `start` on that decode steadily, up to the first
-        one that does not."""
-        out = []
-        pending = self.pending
-        for seq in self.queues.running[start:]:
-            if not decodes_steadily(seq, eos_token_ids, pending):
-                break
-            out.append(seq)
-        return out
 
     def after_update(
         self, eos_token_ids: tuple[int, ...], in_flight: SchedulerOutput | None = None
     ) -> None:
-        """Makes the columns of the leading decoding sequences (after the general path
-        recorded a step; `in_flight`: a step dispatched with its tokens unknown, whose
-        placeholders it recorded)."""
-        s = self.queues
-        kv = s.kv_cache_manager
-        if not self.enabled or kv.sliding:
-            return
+        """After a plan was recorded another way (`Scheduler.update` of all its chunks):
+        the columns are made again at the next plan (`in_flight`: a step dispatched
+        with its tokens unknown, whose placeholders the next plan reads on the device)."""
+        self.eos_token_ids = eos_token_ids
         if in_flight is not None:
             self.pending = {id(c.seq): i for i, c in enumerate(in_flight.chunks) if c.samples}
-        s.take_departed_rows()  # the new columns hold only running sequences
-        seqs = self._leading(0, eos_token_ids)
-        if seqs:
-            self.columns = self._columns(seqs, eos_token_ids)
+            self._pending_decodes = ()
+        self.columns = None
 
-    def _columns(self, seqs: list[SequenceState], eos_token_ids: tuple[int, ...]) -> SteadyDecode:
-        """New columns of `seqs` (each `decodes_steadily`)."""
+    def _all_pending(self) -> dict[int, int]:
+        """`pending`, and the rows of the in-flight step's decodes if it was made with
+        the columns (built only when the columns are made again)."""
+        if not self._pending_decodes:
+            return self.pending
+        rows = {id(seq): i for i, seq in enumerate(self._pending_decodes)}
+        return rows | self.pending
+
+    def _columns(self, seqs: list[SequenceState], pending: Mapping[int, int]) -> SteadyDecode:
+        """New columns of `seqs` (each `decodes` with `pending`)."""
         s = self.queues
         return SteadyDecode(
             seqs,
             s.kv_cache_manager,
             max_model_len=self.max_model_len,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=self.eos_token_ids,
             version=s.version,
-            pending=self.pending,
+            pending=pending,
         )
 
-    def plan(self) -> tuple[DecodeColumns | None, Scheduled]:
-        """The decodes of the next plan from the columns, after dropping the sequences
-        that ended and appending those that started decoding right after them; and the
-        set of scheduled sequences to go on with. None for the decodes (and no columns
-        from now on) when the general path must plan the whole step: no columns, a
-        change they cannot absorb, more of them than the token budget, or a page that
-        could not be had."""
+    def plan(
+        self, joiners: Sequence[SequenceState], skip: Callable[[SequenceState], bool] | None
+    ) -> tuple[DecodeColumns | None, Scheduled]:
+        """The decodes of the next plan: every running sequence that decodes, after
+        dropping from the columns those that ended and appending `joiners` (running
+        sequences that started decoding since the last plan); made from the running
+        list when the columns are gone, stale (a preemption since, their last plan not
+        recorded) or `rebuild_each_step`, without those `skip` says wait a step. Gives
+        the decodes their pages (preempting to make room) and registers the pages they
+        fill. Returns them (None: no decode) and the set of scheduled sequences to go
+        on with."""
         steady, s = self.columns, self.queues
-        # The rows of the sequences that ended since the last plan, taken.
         gone = s.take_departed_rows()
         self._departures = s.num_departures
-        if steady is None:
-            return None, Scheduled(())
-        running = s.running
         if (
-            not self.enabled
+            steady is None
+            or self.rebuild_each_step
             or steady.version != s.version
             or steady.plan is not None  # its last plan was never recorded
+            or steady.eos_token_ids != self.eos_token_ids
         ):
-            self.columns = None
-            return None, Scheduled(())
-        if gone:
-            dead = rows_among(steady.rows, gone)
-            if dead.any():
-                steady.keep(~dead)
-        n = len(steady.seqs)
-        more = self._leading(n, steady.eos_token_ids) if len(running) > n else []
-        if more:
-            steady.extend(self._columns(more, steady.eos_token_ids))
-            n = len(steady.seqs)
-        if (
-            not n
-            or n > self.max_num_batched_tokens
-            or running[:n] != list(steady.seqs)  # still the leading sequences
-        ):
-            self.columns = None
-            return None, Scheduled(())
-        decode = steady.plan_next(s.kv_cache_manager, self.register)
+            pending = self._all_pending()
+            seqs = [
+                seq
+                for seq in s.running
+                if decodes(seq, pending) and (skip is None or not skip(seq))
+            ]
+            steady = self.columns = self._columns(seqs, pending)
+        else:
+            if gone:
+                dead = rows_among(steady.rows, gone)
+                if dead.any():
+                    steady.keep(~dead)
+            if joiners:
+                steady.extend(self._columns(list(joiners), self.pending))
+        decode = steady.plan_next(s.kv_cache_manager, self.register, self.grow, s.fail)
+        steady.version = s.version  # its preemptions are absorbed: those preempted left
         if decode is None:
-            self.columns = None
             return None, Scheduled(())
         return decode, Scheduled(decode.seqs)
 
     def planned(self, plan: SchedulerOutput) -> None:
-        """The plan made with the columns' decodes (which `record` will record)."""
+        """The plan made with the columns' decodes, all of them (which `record` will
+        record); preemptions while it was made took none of them."""
         self.columns.plan = plan
+        self.columns.version = self.queues.version
 
     def unchanged(self, plan: SchedulerOutput) -> bool:
         """Whether `plan` is the columns' current plan and no sequence was preempted or
@@ -441,9 +500,11 @@ class SteadyDecoder:
         plan: SchedulerOutput,
         tokens: np.ndarray,
         eos_token_ids: tuple[int, ...],
+        tops: Callable[[int], tuple] | None = None,
     ) -> tuple[list[SequenceState], np.ndarray] | None:
         """Records the decodes of a plan made with the columns: the `tokens` (i32[n])
-        each of them sampled; finishes the sequences that end. Returns those and each
+        each of them sampled (with `tops(i)`, `(logprob, top logprobs)` of decode i, for
+        those keeping logprobs); finishes the sequences that end. Returns those and each
         token's gap since its sequence's previous one; None (recording nothing) when
         `plan` is not the columns' current plan: the caller records it all with
         `Scheduler.update`."""
@@ -456,7 +517,8 @@ class SteadyDecoder:
         ):
             return None
         now = time.monotonic()
-        ended, gaps = steady.record(tokens, now, self._dead(steady))
+        self.eos_token_ids = eos_token_ids
+        ended, gaps = steady.record(tokens, now, self._dead(steady), tops, s.fail)
         for seq, reason in ended:
             s.finish(seq, reason, now)
         self._recorded = (plan, s.num_departures, s.version, steady.gone)
@@ -484,14 +546,21 @@ class SteadyDecoder:
             s.finish(seq, FinishReason.LENGTH, now)
         n = plan.num_decode
         self.pending = {id(c.seq): n + j for j, c in enumerate(plan.extra) if c.samples}
+        self._pending_decodes = plan.decode.seqs  # rows 0 .. n - 1 (`_all_pending`)
         return True
 
-    def resolve(self, decode: DecodeColumns, tokens: list[int]) -> list[float]:
+    def resolve(
+        self,
+        decode: DecodeColumns,
+        tokens: list[int],
+        tops: Callable[[int], tuple] | None = None,
+    ) -> list[float]:
         """Puts the tokens a step made with the columns sampled (`tokens`: one per
-        decode) in place of their placeholders, and ends the sequences whose
-        token is a stop token there (reason "stop", as `SequenceQueues.resolve`). A
-        sequence aborted, or ended at an earlier token, takes none. Returns, for each
-        token taken, the time since its sequence's previous one."""
+        decode; `tops(i)`: decode i's `(logprob, top logprobs)`, for those keeping them)
+        in place of their placeholders, and ends the sequences whose token is a stop
+        token there (reason "stop", as `SequenceQueues.resolve`). A sequence aborted, or
+        ended at an earlier token, takes none. Returns, for each token taken, the time
+        since its sequence's previous one."""
         now = time.monotonic()
         took, gaps = [], []
         for seq, index, token in zip(decode.seqs, decode.counters.tolist(), tokens, strict=True):
@@ -505,6 +574,15 @@ class SteadyDecoder:
             if seq.penalised:
                 seq.count_output(token)
             took.append(True)
+        if decode.track is not None:
+            for i in np.flatnonzero(decode.track).tolist():
+                if took[i]:
+                    seq, index = decode.seqs[i], int(decode.counters[i])
+                    try:
+                        seq.logprobs[index], seq.top_logprobs[index] = tops(i)
+                    except Exception as e:  # isolated: only this sequence fails
+                        self.queues.fail(seq, e)
+                        took[i] = False
         stop = stop_tokens(decode.stops, np.array(tokens, np.int64))
         stop &= np.array(took)
         for i in np.flatnonzero(stop).tolist():

@@ -10,6 +10,7 @@ sequences afterwards.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -82,9 +83,10 @@ class ScheduledChunk(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DecodeColumns:
-    """A decode-only plan as columns (`Scheduler`'s steady decode): sequence i computes
-    one token, its last, at position `ends[i] - 1`, and samples the next. Made by a few
-    NumPy operations per step for the whole batch, with no object per sequence."""
+    """The decodes of a plan as columns (`Scheduler`'s running decodes): sequence i
+    computes one token, its last, at position `ends[i] - 1`, and samples the next. Made
+    by a few NumPy operations per step for the whole batch, with no object per
+    sequence."""
 
     seqs: tuple[SequenceState, ...]
     request_ids: list[str]  # of each sequence
@@ -101,6 +103,27 @@ class DecodeColumns:
     # it sets it): the columns' own list, which follows them as sequences leave and
     # join, so the engine finds it again without a lookup per sequence.
     attached: list = dataclasses.field(default_factory=list)
+    # bool[n]: those that keep logprobs and top logprobs (None: none does).
+    track: np.ndarray | None = None
+
+    def kept(self, mask: np.ndarray) -> DecodeColumns | None:
+        """The decodes where `mask` (bool[n]) is True (None: none)."""
+        if not mask.any():
+            return None
+        keep = mask.tolist()
+        return DecodeColumns(
+            tuple(itertools.compress(self.seqs, keep)),
+            list(itertools.compress(self.request_ids, keep)),
+            self.rows[mask],
+            self.ends[mask],
+            self.num_pages[mask],
+            self.counters[mask],
+            self.tokens[mask],
+            self.src[mask],
+            self.stops[mask],
+            list(itertools.compress(self.attached, keep)),
+            track=None if self.track is None else self.track[mask],
+        )
 
     def chunks(self) -> tuple[ScheduledChunk, ...]:
         """The same plan as chunks."""

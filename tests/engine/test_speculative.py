@@ -285,13 +285,19 @@ def _decoding(spec, n, **config):
     return engine, engine.scheduler.schedule()
 
 
+def _drafts(plan):
+    """Each chunk's proposals, in the order its requests arrived (a plan holds the
+    decodes with proposals after the others)."""
+    return [c.num_draft for c in sorted(plan.chunks, key=lambda c: c.seq.arrival_time)]
+
+
 def test_speculation_uses_only_spare_budget_and_free_pages():
     # Proposals come after every other chunk, from the budget left, shared evenly: 8
     # decodes in a 12-token step leave 4 proposal tokens, one each for the first four.
     engine, plan = _decoding(SPEC, 8, max_num_batched_tokens=12, token_buckets=(12,))
-    assert [c.num_draft for c in plan.chunks] == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert _drafts(plan) == [1, 1, 1, 1, 0, 0, 0, 0]
     assert plan.num_tokens == 12
-    first = plan.chunks[0]
+    first = next(c for c in plan.chunks if c.seq.request_id == "0")
     assert first.num_pages == -(-first.end // PAGE_SIZE)
     assert first.token_ids == (first.token_ids[0], 7)
     for i in range(8):
@@ -302,12 +308,12 @@ def test_speculation_uses_only_spare_budget_and_free_pages():
     # bucket, and proposals would make it a 12-token step, unless allowed to.
     buckets = dict(max_num_batched_tokens=12, token_buckets=(8, 12))
     _, plan = _decoding(SPEC, 8, **buckets)
-    assert [c.num_draft for c in plan.chunks] == [0] * 8
+    assert _drafts(plan) == [0] * 8
     _, plan = _decoding(SPEC | {"grow_token_bucket": True}, 8, **buckets)
-    assert [c.num_draft for c in plan.chunks] == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert _drafts(plan) == [1, 1, 1, 1, 0, 0, 0, 0]
     # 2 decodes in a 16-token bucket: 14 spare, at most k = 4 each.
     _, plan = _decoding(SPEC, 2)
-    assert [c.num_draft for c in plan.chunks] == [4, 4]
+    assert _drafts(plan) == [4, 4]
     # A full pool: decodes run, proposals that need a new page do not.
     engine = _fake_engine(SPEC, num_pages=5)  # 4 usable pages
     engine.speculator.propose = lambda seq, n: (7,) * min(n, 4)
@@ -318,7 +324,7 @@ def test_speculation_uses_only_spare_budget_and_free_pages():
     plan = engine.scheduler.schedule()
     # a holds 2 pages (its 15 tokens), b one (8 tokens): a's proposals take the one
     # free page, and b's, which would need another, are not made.
-    assert [c.num_draft for c in plan.chunks] == [4, 0]
+    assert _drafts(plan) == [4, 0]
     assert engine.pool.num_free == 0
 
 
