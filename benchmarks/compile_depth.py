@@ -30,7 +30,7 @@ from absl import app, flags
 from flax import nnx
 
 from paxkv.engine.config import EngineConfig
-from paxkv.engine.device.step import FORWARD, abstract_step_batch
+from paxkv.engine.device.step import FORWARD, Carried, abstract_step_batch
 from paxkv.kv_cache import PagedKVCache
 from paxkv.models import PRESETS
 
@@ -69,8 +69,10 @@ def compile_step(
     seqs = tokens if seqs is None else seqs
     batch, _ = abstract_step_batch(tokens, seqs, pages, page_size)
     prev = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    carried = Carried(prev, prev)
     t0 = time.perf_counter()
-    lowered = FORWARD.trace(graphdef, params, cache, batch, prev, attention_backend="auto").lower()
+    lowered = FORWARD.trace(graphdef, params, cache, batch, carried, attention_backend="auto")
+    lowered = lowered.lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()

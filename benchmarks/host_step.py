@@ -281,9 +281,9 @@ def _replay(
     engine_layout = builder.build_batch
     builder.build_batch = clock.wrap("layout", layout)
     engine.scheduler.update = clock.wrap("record", engine.scheduler.update)
-    steady = engine.scheduler.steady
+    decodes = engine.scheduler.decodes
     for name in ("record", "advance", "resolve"):  # the latter two: async scheduling
-        setattr(steady, name, clock.wrap("record", getattr(steady, name)))
+        setattr(decodes, name, clock.wrap("record", getattr(decodes, name)))
     engine.requests.report = clock.wrap("outputs", engine.requests.report)
     engine.requests.report_decode = clock.wrap("outputs", engine.requests.report_decode)
     for name in ("dispatch", "fetch", "decode_loop", "fetch_loop"):

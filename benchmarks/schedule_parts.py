@@ -2,7 +2,7 @@
 
 Runs `benchmarks.host_step` (same flags) with the scheduler's inner pieces timed
 on the thread's CPU clock, and prints, for the steps planned with `--max_num_seqs`
-sequences running, the median of each piece per step: the steady decode's plan
+sequences running, the median of each piece per step: the running decodes' plan
 (dropping ended sequences, appending new ones, the page work of the sequences whose
 token starts or fills a page) and the admissions.
 
@@ -21,18 +21,18 @@ from typing import Any
 from absl import app
 
 from benchmarks import host_step
-from paxkv.host import steady_decode
+from paxkv.host import running_decodes
 from paxkv.host.prefix_writers import PrefixWriters
+from paxkv.host.running_decodes import RunningColumns, RunningDecodes
 from paxkv.host.scheduler import Scheduler
-from paxkv.host.steady_decode import SteadyDecode, SteadyDecoder
 
 # (owner, attribute, what it is): timed each call, nested pieces inside outer ones.
 PIECES: tuple[tuple[Any, str, str], ...] = (
-    (SteadyDecoder, "plan", "steady decode: plan"),
-    (SteadyDecode, "keep", "  drop ended sequences"),
-    (SteadyDecode, "extend", "  append new decodes"),
-    (SteadyDecode, "plan_next", "  page work"),
-    (steady_decode, "allocate_decodes", "    new pages"),
+    (RunningDecodes, "plan", "running decodes: plan"),
+    (RunningColumns, "keep", "  drop ended sequences"),
+    (RunningColumns, "extend", "  append new decodes"),
+    (RunningColumns, "plan_next", "  page work"),
+    (running_decodes, "allocate_decodes", "    new pages"),
     (PrefixWriters, "register_decodes", "    filled pages' keys"),
     (Scheduler, "_admit", "admissions"),
     (PrefixWriters, "register", "  their pages' keys"),

@@ -55,6 +55,7 @@ MOVED = {
     "paxkv.engine.spec_verify": "paxkv.engine.device.verification",
     "paxkv.engine.spec_accept": "paxkv.engine.device.acceptance",
     "paxkv.engine.draft": "paxkv.engine.device.draft",
+    "paxkv.host.steady_decode": "paxkv.host.running_decodes",
 }
 _GONE_PACKAGES = {"paxkv.tools"}  # emptied: each module moved on its own
 

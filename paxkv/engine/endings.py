@@ -94,12 +94,12 @@ class Endings:
     def report_decode(
         self, plan: SchedulerOutput, extra: Iterable[str] | None = None
     ) -> StepOutputs:
-        """`report` of the requests of a plan made with the steady decode's columns: one
+        """`report` of the requests of a plan made with the running decodes' columns: one
         batch of deltas for the columns' requests that go on
         (`RequestRegistry.report_decode`), the others one by one: those of `extra`
         (None: the plan's other chunks that sample)."""
         self.end_failed()
-        deltas, others = self.requests.report_decode(plan.decode, self.scheduler.steady.gone(plan))
+        deltas, others = self.requests.report_decode(plan.decode, self.scheduler.decodes.gone(plan))
         if extra is None:
             extra = [c.seq.request_id for c in plan.extra if c.samples]
         others += extra

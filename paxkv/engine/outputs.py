@@ -341,7 +341,7 @@ def _snapshot_one(req: Request) -> DeferredOutput | None:
 
 
 class DecodeDeltas:
-    """The delta outputs of a steady decode step, for requests of one completion that
+    """The delta outputs of a decode step, for requests of one completion that
     each got one token and none of which ended: the requests (with their progress),
     and their outputs before the step (`counters`); one object for the whole batch,
     each request's `RequestOutput` built when read (`StepOutputs`).
@@ -393,7 +393,7 @@ class StepOutputs(Sequence[RequestOutput]):
     """The outputs of one `Engine.step`, a sequence of `RequestOutput`s built as they
     are read (`DeferredOutput`, `DecodeDeltas`): indexing or iterating builds them
     (once each). Read a request's outputs in step order. Within a step, the order of
-    requests carries no meaning (after a steady decode step, those that ended come
+    requests carries no meaning (after a decode step, those that ended come
     first, then the batch of deltas).
 
     A front end that routes outputs to readers on other threads uses `handles`, which

@@ -26,11 +26,11 @@ def record_samples(
     read fails alone. Returns, per token produced, the time since the sequence's previous
     token (None for its first, and for the tokens after the first that one speculative
     step produced for a sequence: they arrive together): a list, or for a plan with the
-    steady decode's columns an f64 array (NaN for those None)."""
-    if plan.decode is not None and valid is None:  # the steady decode's columns first
+    running decodes' columns an f64 array (NaN for those None)."""
+    if plan.decode is not None and valid is None:  # the running decodes' columns first
         n = plan.num_decode
         seqs = plan.decode.seqs
-        recorded = scheduler.steady.record(
+        recorded = scheduler.decodes.record(
             plan,
             samples.tokens[:n],
             eos_token_ids,
@@ -53,10 +53,10 @@ def _record(
     samples: Sampled,
     valid: Sequence[bool] | None,
     eos_token_ids: tuple[int, ...],
-    steady: bool,
+    decodes_recorded: bool,
 ) -> list[float | None]:
-    """`record_samples` the general way (`steady`: the `extra` of a plan whose decodes
-    the steady decode recorded, `Scheduler.update`)."""
+    """`record_samples` the general way (`decodes_recorded`: the `extra` of a plan whose decodes
+    the running decodes recorded, `Scheduler.update`)."""
     if valid is None:
         record_scores(plan, samples)
     tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
@@ -81,7 +81,7 @@ def _record(
                 result = (tokens[i], logprobs[i])
         sampled.append(result)
     was_running = [c.seq.status is running for c in plan.chunks] if valid is not None else None
-    scheduler.update(plan, sampled, eos_token_ids=eos_token_ids, steady=steady)
+    scheduler.update(plan, sampled, eos_token_ids=eos_token_ids, decodes_recorded=decodes_recorded)
     if was_running is not None:  # the loop and the host must agree on who ran
         for c, ran, got in zip(plan.chunks, was_running, sampled, strict=True):
             aborted = c.seq.finish_reason is FinishReason.ABORT  # failed or aborted

@@ -418,7 +418,7 @@ class RequestRegistry:
         requests that took their token and go on and whose output is such a delta
         (`Request.deferred`, one completion, DELTA, no weight update since it arrived),
         and the ids of the others (ended in the step, or needing more), to `report`.
-        `gone` (bool[n], `SteadyDecoder.gone`) tells which sequences ended; None: each
+        `gone` (bool[n], `RunningDecodes.gone`) tells which sequences ended; None: each
         one's finish reason does."""
         attached = decode.attached  # (request, its progress) of each, kept by the columns
         if self._attached_version != self.weight_version:  # looked up anew under new weights

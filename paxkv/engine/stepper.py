@@ -109,7 +109,7 @@ class InFlight:
     """A launched step whose tokens the host has not read, and its placeholders: per
     entry `(seq, iteration, row, index, count)`, seq's outputs `index ..
     index + count - 1` are placeholders for what row `row` of iteration `iteration`
-    emits (count > 1: a proposal run recorded as accepted). With `columns`, the steady
+    emits (count > 1: a proposal run recorded as accepted). With `columns`, the running
     decode recorded the plan's `decode` (rows 0 to n - 1), which it resolves."""
 
     launched: Launched
@@ -220,7 +220,7 @@ class Stepper:
         t2 = time.perf_counter()
         self.inflight = None
         if launched is None:
-            self.scheduler.steady.drop()  # its rows would name a step no longer in flight
+            self.scheduler.decodes.drop()  # its rows would name a step no longer in flight
             self.scheduler.release_rejected(seq for seq, _ in rejected.values())
         else:
             self.inflight = self._record_placeholders(launched, rejected)
@@ -285,13 +285,13 @@ class Stepper:
     ) -> InFlight:
         """Records launched `plan` with placeholders for the tokens it samples (each
         chunk moved back by the proposals the step before it rejected, `rejected`:
-        `id(seq)` to seq and their number). The steady decode records its columns' decodes;
+        `id(seq)` to seq and their number). The running decodes record its columns' decodes;
         `Scheduler.update` the rest (all of it when the plan was not made with the
         columns)."""
         s = self.scheduler
         plan, strategy = launched.plan, launched.strategy
         n = plan.num_decode
-        columns = n > 0 and not rejected and s.steady.advance(plan, PLACEHOLDER_TOKEN)
+        columns = n > 0 and not rejected and s.decodes.advance(plan, PLACEHOLDER_TOKEN)
         general = SchedulerOutput(plan.extra, ()) if columns else plan
         offset = n if columns else 0
         chunks = general.chunks
@@ -317,7 +317,7 @@ class Stepper:
                 SchedulerOutput(step, ()),
                 sampled,
                 eos_token_ids=self.eos_token_ids,
-                steady=columns,
+                decodes_recorded=columns,
                 in_flight=i == strategy.num_steps - 1,
             )
             placeholders += [
@@ -350,7 +350,7 @@ class Stepper:
         if decode is not None:
             n = len(decode.seqs)
             sampled = results[0][0]
-            gaps += self.scheduler.steady.resolve(
+            gaps += self.scheduler.decodes.resolve(
                 decode,
                 sampled.tokens[:n].tolist(),
                 lambda i: sample_result(sampled, i, decode.seqs[i])[1:],

@@ -258,7 +258,7 @@ def build_host_batch(
         q_x = np.array(q_col, np.int32)
         ends_x = np.array(start_col, np.int64) + q_x
         pages_x = np.array(pages_col, np.int64)
-        # The columns' pages are their lengths' by construction (`SteadyDecode.plan_next`).
+        # The columns' pages are their lengths' by construction (`RunningColumns.plan_next`).
         short = cdiv(ends_x, page_size) > pages_x
         if short.any():
             s = nd + int(np.argmax(short))

@@ -341,7 +341,7 @@ def allocate_decodes(kv: KVCacheManager, seqs: Sequence[SequenceState], ends: li
     """`kv.allocate(seqs[i], ends[i])` for each in order, up to the first that cannot;
     returns how many were granted (the rest hold nothing more). When each takes exactly
     one more page (one group, no windows, the policy letting all grow and the pool
-    holding them all: the steady decode's sequences whose token starts a page), the
+    holding them all: the running decodes' sequences whose token starts a page), the
     pages come from one pool call and one write of the persistent batch."""
     held = list(map(kv._seqs.get, seqs))
     if not kv.sliding and kv.num_groups == 1 and held.count(None) == 0:

@@ -268,7 +268,7 @@ class PrefixCache:
     ) -> list[int | None]:
         """`register(seqs[i], helds[i], ends[i])` for each decode that caches one page,
         the one its token `ends[i]` fills, past its prompt's full pages and past its
-        first, in one group (the steady decode's filled pages, one decode in
+        first, in one group (the running decodes' filled pages, one decode in
         `page_size` each step): in one pass, each key as `page_keys` makes it. Returns
         per decode the page it cached (`NULL_PAGE`: its table holds none there), or
         None where those conditions do not hold (nothing registered for it: the caller

@@ -27,12 +27,12 @@ class SequenceQueues:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self._failed: list[tuple[SequenceState, str]] = []
-        # Changes when a running sequence is preempted: what the steady decode's columns
+        # Changes when a running sequence is preempted: what the running decodes' columns
         # cannot absorb (an ended sequence they drop, a resolved placeholder they read
         # from the device).
         self.version = 0
         # Running sequences that ended: how many ever, and the persistent-batch rows of
-        # those since the steady decode last took them (`SteadyDecoder.plan`): what it
+        # those since the running decodes last took them (`RunningDecodes.plan`): what it
         # drops from its columns without asking each sequence.
         self.num_departures = 0
         self._departed_rows: list[int] = []
@@ -48,7 +48,7 @@ class SequenceQueues:
 
     def take_departed_rows(self) -> list[int]:
         """The persistent-batch rows of the running sequences that ended since the last
-        call (what the steady decode drops from its columns); forgets them."""
+        call (what the running decodes drop from their columns); forgets them."""
         rows, self._departed_rows = self._departed_rows, []
         return rows
 

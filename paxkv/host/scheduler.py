@@ -32,9 +32,9 @@ from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
 from paxkv.host.request import FinishReason, SamplingParams
 from paxkv.host.reservation import PagedReservation
+from paxkv.host.running_decodes import RunningDecodes, is_decoding
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.host.speculative import Speculator, add_proposals, record_proposed, record_verified
-from paxkv.host.steady_decode import SteadyDecoder, decodes
 from paxkv.host.step_plan import DecodeColumns, ScheduledChunk, SchedulerOutput
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
@@ -104,7 +104,7 @@ class Scheduler(SequenceQueues):
         self._prefilling: list[SequenceState] = []  # running, not decoding: in precedence order
         self._preempted_now: list[SequenceState] = []  # by the plan being made
         # Every running sequence that decodes, as columns the plans are made from.
-        self.steady = SteadyDecoder(
+        self.decodes = RunningDecodes(
             self,
             self._writers.register_decodes,
             self._grow_decodes,
@@ -146,24 +146,24 @@ class Scheduler(SequenceQueues):
         """Plans the next step and reserves its pages. Call `update` with its results.
 
         Every running sequence that decodes is planned from the running decodes'
-        columns (`paxkv.host.steady_decode`); chunks are made for the others (prefill)
+        columns (`paxkv.host.running_decodes`); chunks are made for the others (prefill)
         and for the sequences admitted, in order of precedence, then out of the budget
         left, speculative proposals turn some decodes into chunks."""
         self._writers.new_plan()
         self._preempted_now = preempted = []
         now = time.monotonic()
-        steady = self.steady
+        decodes = self.decodes
         # The sequences being prefilled; those that started decoding join the decodes.
         prefills, joiners = [], []
         for seq in self._prefilling:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # ended or preempted (admitted again later)
-            if decodes(seq, steady.pending):
+            if is_decoding(seq, decodes.pending):
                 joiners.append(seq)
             else:
                 prefills.append(seq)
         self._prefilling = prefills[:]
-        decode, scheduled = steady.plan(joiners, self._waits)
+        decode, scheduled = decodes.plan(joiners, self._waits)
         n = len(decode.seqs) if decode is not None else 0
         budget = self.max_num_batched_tokens - n
         chunks: list[ScheduledChunk] = []
@@ -210,7 +210,7 @@ class Scheduler(SequenceQueues):
         if decode is None:
             return SchedulerOutput(tuple(chunks), tuple(preempted), version=self.version)
         plan = SchedulerOutput(tuple(chunks), tuple(preempted), decode=decode)
-        steady.planned(plan)
+        decodes.planned(plan)
         return plan
 
     def _propose(
@@ -302,7 +302,7 @@ class Scheduler(SequenceQueues):
         """`plan` without the chunks of sequences that ended since it was made (failed
         or aborted), and without those that read pages such a chunk was to write (they
         fail too: the prefix they share was never computed)."""
-        return plan if self.steady.unchanged(plan) else self._writers.prune(plan, self.fail)
+        return plan if self.decodes.unchanged(plan) else self._writers.prune(plan, self.fail)
 
     def _admit(self, seq: SequenceState, budget: int, now: float) -> ScheduledChunk | None:
         """Admits the first waiting sequence with its first chunk, or None if it must wait."""
@@ -325,7 +325,7 @@ class Scheduler(SequenceQueues):
         sampled: Iterable[tuple[int, float] | None],
         *,
         eos_token_ids: tuple[int, ...] = (),
-        steady: bool = False,
+        decodes_recorded: bool = False,
         in_flight: bool = False,
     ) -> list[SequenceState]:
         """Records a step's results and returns the sequences it finished.
@@ -335,16 +335,17 @@ class Scheduler(SequenceQueues):
         speculative proposals, a list of them: its accepted proposals, then the target's
         token (pages held only for rejected proposals go back to the pool), or
         placeholders for all of them (async scheduling: recorded as accepted until
-        `resolve_verified`). With
-        `steady`, `output` is the `extra` of a plan whose decodes the steady decode
-        recorded (`SteadyDecoder.record`), which keeps its columns. `in_flight`: the tokens
-        are placeholders of `output`, dispatched and not read yet (async scheduling).
+        `resolve_verified`). With `decodes_recorded`, `output` is the `extra` of a plan
+        whose decodes the running decodes recorded (`RunningDecodes.record`), which keep
+        their columns; else the columns are made again at the next plan. `in_flight`:
+        the tokens are placeholders of `output`, dispatched and not read yet (async
+        scheduling).
         """
         now = time.monotonic()
         finished = []
         kv = self.kv_cache_manager
-        if not steady:
-            self.steady.drop()
+        if not decodes_recorded:
+            self.decodes.drop()
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -374,8 +375,8 @@ class Scheduler(SequenceQueues):
                 continue
             self.finish(seq, reason, now)
             finished.append(seq)
-        if not steady:
-            self.steady.after_update(eos_token_ids, output if in_flight else None)
+        if not decodes_recorded:
+            self.decodes.after_update(eos_token_ids, output if in_flight else None)
         return finished
 
     def resolve_verified(

@@ -65,7 +65,7 @@ class SequenceState:
     _prompt_set: frozenset[int] | None = dataclasses.field(default=None, repr=False)
     # `(salt, keys of its full prompt pages)`, kept by the prefix cache (`keys_of`).
     prompt_keys: tuple | None = dataclasses.field(default=None, repr=False)
-    # Slots, not a __dict__: the steady decode writes a few fields of every running
+    # Slots, not a __dict__: the running decodes write a few fields of every running
     # sequence each step, and slots keep those writes and the objects small.
     num_prompt: int = dataclasses.field(init=False, repr=False)
     track_top: bool = dataclasses.field(init=False, repr=False)

@@ -144,7 +144,7 @@ class DecodeColumns:
 class SchedulerOutput:
     """The plan of one step: chunks in batch order, and who was preempted to make room.
 
-    A plan made with the steady decode's columns holds its leading decodes as `decode`
+    A plan made with the running decodes' columns holds its leading decodes as `decode`
     (`DecodeColumns`) and the chunks after them as `extra`; its `chunks` (all of them)
     are then made only if someone asks. `version` is the scheduler's
     `SequenceQueues.version` when it was made (-1: not recorded).

@@ -59,8 +59,10 @@ def test_schedule_parts_time_the_pieces_inside_schedule_and_restore_them():
     assert Scheduler.schedule is schedule  # every piece put back
     m = schedule_parts.medians(steps, running=8)
     assert m["steps"] > 0
-    plan, page_work = m["steady decode: plan"], m["  page work"]
+    plan, page_work = m["running decodes: plan"], m["  page work"]
     assert 0 < page_work <= plan <= m["schedule"]
     for _, parts in steps:  # nested pieces never exceed the call they are inside
-        assert parts.get("  page work", 0) <= parts.get("steady decode: plan", 0)
-        assert parts.get("steady decode: plan", 0) + parts.get("admissions", 0) <= parts["schedule"]
+        assert parts.get("  page work", 0) <= parts.get("running decodes: plan", 0)
+        assert (
+            parts.get("running decodes: plan", 0) + parts.get("admissions", 0) <= parts["schedule"]
+        )

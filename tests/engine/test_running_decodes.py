@@ -1,4 +1,4 @@
-"""The running decodes (`paxkv.host.steady_decode`) and deferred outputs
+"""The running decodes (`paxkv.host.running_decodes`) and deferred outputs
 (`paxkv.engine.outputs`) against an independent oracle: the fake model's tokens
 computed by a plain loop per request, over workloads whose decodes keep changing
 (arrivals, stop tokens, length limits, aborts, preemption, shared prefixes, penalties,
@@ -160,8 +160,8 @@ def test_running_decodes_give_the_oracles_tokens(seed, num_pages, async_scheduli
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_steady_steps_make_no_chunk_and_no_output_object(async_scheduling):
-    """A steady decode step plans as columns (no `ScheduledChunk`) and reports one batch
+def test_decode_steps_make_no_chunk_and_no_output_object(async_scheduling):
+    """A decode step plans as columns (no `ScheduledChunk`) and reports one batch
     of deltas (no output object) until someone reads it; with async scheduling too."""
     engine = _engine(256, None, async_scheduling)
     params = SamplingParams(
@@ -173,9 +173,9 @@ def test_steady_steps_make_no_chunk_and_no_output_object(async_scheduling):
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     outs = [engine.step() for _ in range(10)]
-    steady = [p for p in plans if p.decode is not None]
-    assert len(steady) >= 8
-    assert all(p._chunks is None for p in steady)  # never made into chunks
+    columns = [p for p in plans if p.decode is not None]
+    assert len(columns) >= 8
+    assert all(p._chunks is None for p in columns)  # never made into chunks
     last = outs[-1]
     assert isinstance(last, StepOutputs) and last._deltas is not None and not last._items
     assert not last._built  # nothing built yet
@@ -226,7 +226,7 @@ def test_step_outputs_behave_like_a_list():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_fault_in_a_steady_step_fails_only_its_request(async_scheduling):
+def test_a_fault_in_a_decode_step_fails_only_its_request(async_scheduling):
     """An allocation that raises while the columns plan (the batched growth of several
     sequences, then a page for one of them on the general path) fails that request
     alone; the others finish."""

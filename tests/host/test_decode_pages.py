@@ -1,4 +1,4 @@
-"""The steady decode's page work for many decodes at once against `KVCacheManager`'s
+"""The running decodes' page work for many decodes at once against `KVCacheManager`'s
 one sequence at a time: `allocate_decodes` (the same pages, rows and failures) and
 `register_decodes` (the same prefix keys and cached pages)."""
 

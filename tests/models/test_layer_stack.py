@@ -15,7 +15,7 @@ from flax import nnx
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine
-from paxkv.engine.device.step import FORWARD, abstract_step_batch
+from paxkv.engine.device.step import FORWARD, Carried, abstract_step_batch
 from paxkv.kv_cache import PagedKVCache
 from paxkv.measure.page_tables import page_table_from_host
 from paxkv.models import (
@@ -173,7 +173,8 @@ def _lowered_step(config, num_pages=64):
     cache = jax.eval_shape(lambda: PagedKVCache.for_model(config, num_pages, PS))
     batch, _ = abstract_step_batch(16, 8, 4, PS)
     prev = jax.ShapeDtypeStruct((16,), jnp.int32)
-    return FORWARD.trace(graphdef, params, cache, batch, prev, attention_backend="auto").lower()
+    carried = Carried(prev, prev)
+    return FORWARD.trace(graphdef, params, cache, batch, carried, attention_backend="auto").lower()
 
 
 def test_a_deeper_model_lowers_to_the_same_program():

@@ -43,7 +43,7 @@ from paxkv.host.step_plan import (
     stop_tokens,
 )
 
-# The packed integer columns of `SteadyDecode` (`i64`, `i32`), in order.
+# The packed integer columns of `RunningColumns` (`i64`, `i32`), in order.
 I64 = ("rows", "ends", "caps", "registered", "max_outputs")
 I32 = ("counters", "tokens", "src")
 _RUNNING = SeqStatus.RUNNING
@@ -51,7 +51,7 @@ _NEXT_END = np.array([0, 1, 0, 0, 0], np.int64)  # a step: cache length + 1
 _NEXT_OUTPUT = np.array([1, 0, 0], np.int32)  # and output counter + 1
 
 
-def decodes(seq: SequenceState, pending: Mapping[int, int]) -> bool:
+def is_decoding(seq: SequenceState, pending: Mapping[int, int]) -> bool:
     """Whether `seq`'s next step is a decode: running, every token but its last in the
     cache, and that last one an output the host knows or the in-flight step holds
     (`pending`: `id(seq)` to its row in that step's output, async scheduling)."""
@@ -64,11 +64,11 @@ def decodes(seq: SequenceState, pending: Mapping[int, int]) -> bool:
     )
 
 
-class SteadyDecode:
+class RunningColumns:
     """The columns of the leading decoding sequences of a running batch.
 
     Args:
-      seqs: the sequences (each `decodes`).
+      seqs: the sequences (each `is_decoding`).
       kv: their pages.
       max_model_len: the longest sequence.
       eos_token_ids: the model's EOS ids the stop columns were made with.
@@ -161,7 +161,7 @@ class SteadyDecode:
         if self.num_tracked:
             self.num_tracked = int(self.track.sum())
 
-    def extend(self, more: SteadyDecode) -> None:
+    def extend(self, more: RunningColumns) -> None:
         """Appends the columns of `more` (the sequences right after these)."""
         # New objects: a plan in flight (async scheduling) holds the old ones.
         self.seqs += more.seqs
@@ -349,9 +349,9 @@ class SteadyDecode:
         self.plan = None
 
 
-class SteadyDecoder:
+class RunningDecodes:
     """A scheduler's running decodes: every running sequence whose next step is a
-    decode, as columns (`SteadyDecode`) that each plan is made from (`plan`) and that
+    decode, as columns (`RunningColumns`) that each plan is made from (`plan`) and that
     record the steps made with them (`record`, `advance` and `resolve`).
 
     The columns persist across steps and change by what changed: sequences that ended
@@ -386,7 +386,7 @@ class SteadyDecoder:
         self.max_model_len = max_model_len
         self.rebuild_each_step = rebuild_each_step
         self.eos_token_ids: tuple[int, ...] = ()  # the last `update`'s
-        self.columns: SteadyDecode | None = None
+        self.columns: RunningColumns | None = None
         # Async scheduling: `id(seq)` to its row in the in-flight step's output, for the
         # sequences whose last token is a placeholder of a chunk that sampled there.
         self.pending: dict[int, int] = {}
@@ -419,10 +419,10 @@ class SteadyDecoder:
         rows = {id(seq): i for i, seq in enumerate(self._pending_decodes)}
         return rows | self.pending
 
-    def _columns(self, seqs: list[SequenceState], pending: Mapping[int, int]) -> SteadyDecode:
-        """New columns of `seqs` (each `decodes` with `pending`)."""
+    def _columns(self, seqs: list[SequenceState], pending: Mapping[int, int]) -> RunningColumns:
+        """New columns of `seqs` (each `is_decoding` with `pending`)."""
         s = self.queues
-        return SteadyDecode(
+        return RunningColumns(
             seqs,
             s.kv_cache_manager,
             max_model_len=self.max_model_len,
@@ -442,32 +442,32 @@ class SteadyDecoder:
         the decodes their pages (preempting to make room) and registers the pages they
         fill. Returns them (None: no decode) and the set of scheduled sequences to go
         on with."""
-        steady, s = self.columns, self.queues
+        columns, s = self.columns, self.queues
         gone = s.take_departed_rows()
         self._departures = s.num_departures
         if (
-            steady is None
+            columns is None
             or self.rebuild_each_step
-            or steady.version != s.version
-            or steady.plan is not None  # its last plan was never recorded
-            or steady.eos_token_ids != self.eos_token_ids
+            or columns.version != s.version
+            or columns.plan is not None  # its last plan was never recorded
+            or columns.eos_token_ids != self.eos_token_ids
         ):
             pending = self._all_pending()
             seqs = [
                 seq
                 for seq in s.running
-                if decodes(seq, pending) and (skip is None or not skip(seq))
+                if is_decoding(seq, pending) and (skip is None or not skip(seq))
             ]
-            steady = self.columns = self._columns(seqs, pending)
+            columns = self.columns = self._columns(seqs, pending)
         else:
             if gone:
-                dead = rows_among(steady.rows, gone)
+                dead = rows_among(columns.rows, gone)
                 if dead.any():
-                    steady.keep(~dead)
+                    columns.keep(~dead)
             if joiners:
-                steady.extend(self._columns(list(joiners), self.pending))
-        decode = steady.plan_next(s.kv_cache_manager, self.register, self.grow, s.fail)
-        steady.version = s.version  # its preemptions are absorbed: those preempted left
+                columns.extend(self._columns(list(joiners), self.pending))
+        decode = columns.plan_next(s.kv_cache_manager, self.register, self.grow, s.fail)
+        columns.version = s.version  # its preemptions are absorbed: those preempted left
         if decode is None:
             return None, Scheduled(())
         return decode, Scheduled(decode.seqs)
@@ -481,19 +481,19 @@ class SteadyDecoder:
     def unchanged(self, plan: SchedulerOutput) -> bool:
         """Whether `plan` is the columns' current plan and no sequence was preempted or
         stopped running since it started: then `plan.running()` is `plan`."""
-        steady, s = self.columns, self.queues
+        columns, s = self.columns, self.queues
         return (
-            steady is not None
-            and steady.plan is plan
-            and steady.version == s.version
+            columns is not None
+            and columns.plan is plan
+            and columns.version == s.version
             and s.num_departures == self._departures
         )
 
-    def _dead(self, steady: SteadyDecode) -> np.ndarray | None:
+    def _dead(self, columns: RunningColumns) -> np.ndarray | None:
         """bool[n]: the columns' sequences that stopped running since the plan started
         (their rows among the departed ones); None when none did."""
         gone = self.queues.departed_rows()
-        return rows_among(steady.rows, gone) if gone else None
+        return rows_among(columns.rows, gone) if gone else None
 
     def record(
         self,
@@ -508,20 +508,20 @@ class SteadyDecoder:
         token's gap since its sequence's previous one; None (recording nothing) when
         `plan` is not the columns' current plan: the caller records it all with
         `Scheduler.update`."""
-        steady, s = self.columns, self.queues
+        columns, s = self.columns, self.queues
         if (
-            steady is None
-            or steady.plan is not plan
-            or steady.version != s.version
-            or steady.eos_token_ids != eos_token_ids
+            columns is None
+            or columns.plan is not plan
+            or columns.version != s.version
+            or columns.eos_token_ids != eos_token_ids
         ):
             return None
         now = time.monotonic()
         self.eos_token_ids = eos_token_ids
-        ended, gaps = steady.record(tokens, now, self._dead(steady), tops, s.fail)
+        ended, gaps = columns.record(tokens, now, self._dead(columns), tops, s.fail)
         for seq, reason in ended:
             s.finish(seq, reason, now)
-        self._recorded = (plan, s.num_departures, s.version, steady.gone)
+        self._recorded = (plan, s.num_departures, s.version, columns.gone)
         return [seq for seq, _ in ended], gaps
 
     def gone(self, plan: SchedulerOutput) -> np.ndarray | None:
@@ -534,15 +534,15 @@ class SteadyDecoder:
 
     def advance(self, plan: SchedulerOutput, placeholder: int) -> bool:
         """Records the decodes of a dispatched plan made with the columns with their
-        tokens unknown (async scheduling; `SteadyDecode.advance`), finishing those that
+        tokens unknown (async scheduling; `RunningColumns.advance`), finishing those that
         reach their output limit, and notes the rows of its `extra` chunks that sample.
         False (recording nothing) when `plan` is not the columns' current plan: the
         caller records it all with `Scheduler.update`."""
-        steady, s = self.columns, self.queues
-        if steady is None or steady.plan is not plan or steady.version != s.version:
+        columns, s = self.columns, self.queues
+        if columns is None or columns.plan is not plan or columns.version != s.version:
             return False
         now = time.monotonic()
-        for seq in steady.advance(placeholder, self._dead(steady)):
+        for seq in columns.advance(placeholder, self._dead(columns)):
             s.finish(seq, FinishReason.LENGTH, now)
         n = plan.num_decode
         self.pending = {id(c.seq): n + j for j, c in enumerate(plan.extra) if c.samples}
