@@ -55,8 +55,9 @@ def _record(
     eos_token_ids: tuple[int, ...],
     decodes_recorded: bool,
 ) -> list[float | None]:
-    """`record_samples` the general way (`decodes_recorded`: the `extra` of a plan whose decodes
-    the running decodes recorded, `Scheduler.update`)."""
+    """`record_samples` with `Scheduler.update` (`decodes_recorded`: `plan` is the
+    `extra` of a plan whose decodes the running decodes recorded; else their columns
+    are made again at the next plan)."""
     if valid is None:
         record_scores(plan, samples)
     tokens, logprobs = samples.tokens.tolist(), samples.logprobs.tolist()
@@ -81,7 +82,9 @@ def _record(
                 result = (tokens[i], logprobs[i])
         sampled.append(result)
     was_running = [c.seq.status is running for c in plan.chunks] if valid is not None else None
-    scheduler.update(plan, sampled, eos_token_ids=eos_token_ids, decodes_recorded=decodes_recorded)
+    scheduler.update(plan, sampled, eos_token_ids=eos_token_ids)
+    if not decodes_recorded:
+        scheduler.decodes.after_update(eos_token_ids)
     if was_running is not None:  # the loop and the host must agree on who ran
         for c, ran, got in zip(plan.chunks, was_running, sampled, strict=True):
             aborted = c.seq.finish_reason is FinishReason.ABORT  # failed or aborted

@@ -313,18 +313,14 @@ class Stepper:
                 for j, c in enumerate(step)
             ]
             counts = [len(c.seq.output_token_ids) for c in step]
-            s.update(
-                SchedulerOutput(step, ()),
-                sampled,
-                eos_token_ids=self.eos_token_ids,
-                decodes_recorded=columns,
-                in_flight=i == strategy.num_steps - 1,
-            )
+            s.update(SchedulerOutput(step, ()), sampled, eos_token_ids=self.eos_token_ids)
             placeholders += [
                 (c.seq, i, offset + j, counts[j], added)
                 for j, c in enumerate(step)
                 if (added := len(c.seq.output_token_ids) - counts[j]) > 0
             ]
+        if not columns:  # the next plan reads this one's tokens on the device
+            s.decodes.after_update(self.eos_token_ids, SchedulerOutput(step, ()))
         if rejected:
             s.release_rejected(seq for seq, _ in rejected.values())
         return InFlight(launched, tuple(placeholders), columns)

@@ -206,10 +206,11 @@ class RunningColumns:
                 granted = allocate_decodes(kv, growing, wanted)
             except Exception:  # `grow` retries each and isolates the fault
                 granted = 0
-            if granted < len(growing):
+            self.i64[grow_at[:granted], 2] = [kv.num_pages(seq) * ps for seq in growing[:granted]]
+            if granted < len(growing):  # room made by preemption, or a fault isolated
                 grow(growing[granted:], wanted[granted:])
-            self.i64[grow_at, 2] = [kv.num_pages(seq) * ps for seq in growing]
-            self._keep_running()
+                self.i64[grow_at, 2] = [kv.num_pages(seq) * ps for seq in growing]
+                self._keep_running()
         if self.caching and len(self.seqs):
             filled = np.flatnonzero(self.ends // ps > self.registered)
             if filled.size:

@@ -325,8 +325,6 @@ class Scheduler(SequenceQueues):
         sampled: Iterable[tuple[int, float] | None],
         *,
         eos_token_ids: tuple[int, ...] = (),
-        decodes_recorded: bool = False,
-        in_flight: bool = False,
     ) -> list[SequenceState]:
         """Records a step's results and returns the sequences it finished.
 
@@ -335,17 +333,13 @@ class Scheduler(SequenceQueues):
         speculative proposals, a list of them: its accepted proposals, then the target's
         token (pages held only for rejected proposals go back to the pool), or
         placeholders for all of them (async scheduling: recorded as accepted until
-        `resolve_verified`). With `decodes_recorded`, `output` is the `extra` of a plan
-        whose decodes the running decodes recorded (`RunningDecodes.record`), which keep
-        their columns; else the columns are made again at the next plan. `in_flight`:
-        the tokens are placeholders of `output`, dispatched and not read yet (async
-        scheduling).
+        `resolve_verified`). The running decodes record their own (`RunningDecodes`):
+        a plan's decodes recorded here instead leave its columns to be made again at
+        the next plan (`RunningDecodes.after_update`).
         """
         now = time.monotonic()
         finished = []
         kv = self.kv_cache_manager
-        if not decodes_recorded:
-            self.decodes.drop()
         for chunk, result in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -375,8 +369,6 @@ class Scheduler(SequenceQueues):
                 continue
             self.finish(seq, reason, now)
             finished.append(seq)
-        if not decodes_recorded:
-            self.decodes.after_update(eos_token_ids, output if in_flight else None)
         return finished
 
     def resolve_verified(
