@@ -215,13 +215,13 @@ def main(argv: list[str]) -> None:
         f"max_tokens={_MAX_TOKENS.value} runs={_RUNS.value} "
         f"load before/after={load:.2f}/{os.getloadavg()[0]:.2f}"
     )
-    head = f"{'workload':<8}{'variant':<18}{'tok/s':>8}{'vs off':>8}{'cpu us/tok':>11}"
+    head = f"{'workload':<10}{'variant':<18}{'tok/s':>8}{'vs off':>8}{'cpu us/tok':>11}"
     print(head + f"{'passes/tok':>11}{'accepted len':>13}{'accept rate':>12}")
     for name, rows in r.items():
         for v, row in rows.items():
             mal, rate = row["mean_accepted_length"], row["acceptance_rate"]
             print(
-                f"{name:<8}{v:<18}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}"
+                f"{name:<10}{v:<18}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}"
                 f"{row['cpu_us_per_token']:>11.0f}{row['forward_passes_per_token']:>11.3f}"
                 f"{'-' if mal is None else f'{mal:.2f}':>13}"
                 f"{'-' if rate is None else f'{rate:.2f}':>12}"
