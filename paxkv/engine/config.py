@@ -52,6 +52,9 @@ class EngineConfig:
     max_logprobs: int = _field(
         20, "Most top logprobs a request may ask for (SamplingParams.logprobs), as in vLLM."
     )
+    # Most completions one request may ask for (SamplingParams.n); paxkv-serve sets it
+    # from its --max_n, its limit at the door.
+    max_n: int = 128
     hybrid_kv_cache: bool = _field(
         True,
         "For models with sliding-window layers: a page table per layer group, window "
@@ -114,6 +117,7 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, lo=1)
         check_int("seed", self.seed, lo=0, hi=MAX_SEED)
         check_int("max_logprobs", self.max_logprobs, lo=0)
+        check_int("max_n", self.max_n, lo=1)
         check_int("bucket_growth", self.bucket_growth, lo=2)
         if not valid_page_size(self.page_size):
             raise ValueError(

@@ -108,6 +108,7 @@ class Engine:
             tokenizer=tokenizer,
             seed=config.seed,
             max_logprobs=config.max_logprobs,
+            max_n=config.max_n,
         )
         self.batch_builder = BatchBuilder(
             self.scheduler,

@@ -245,6 +245,7 @@ class RequestRegistry:
       tokenizer: optional, with `encode(str) -> list[int]`; string prompts need it.
       seed: draws the sampling seeds of requests that give none.
       max_logprobs: the most `SamplingParams.logprobs` a request may ask for.
+      max_n: the most completions (`SamplingParams.n`) a request may ask for.
     """
 
     def __init__(
@@ -256,12 +257,14 @@ class RequestRegistry:
         tokenizer: Any = None,
         seed: int = 0,
         max_logprobs: int = 20,
+        max_n: int = 128,
     ) -> None:
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
+        self.max_n = max_n
         self._requests: dict[str, Request] = {}
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -488,7 +491,7 @@ class RequestRegistry:
         why not (`paxkv.engine.validation`)."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        check_params(request_id, params, self.tokenizer, self.max_logprobs)
+        check_params(request_id, params, self.tokenizer, self.max_logprobs, self.max_n)
         text, ids = prompt_ids(
             request_id, prompt, self.tokenizer, self.vocab_size, self.max_model_len
         )

@@ -10,10 +10,15 @@ from paxkv.host.request import SamplingParams, normalize_prompt
 
 
 def check_params(
-    request_id: str, params: SamplingParams, tokenizer: Any, max_logprobs: int
+    request_id: str, params: SamplingParams, tokenizer: Any, max_logprobs: int, max_n: int = 128
 ) -> None:
-    """ValueError unless `params` can be served: stop strings need a tokenizer, and
-    `logprobs` / `prompt_logprobs` are at most `max_logprobs`."""
+    """ValueError unless `params` can be served: stop strings need a tokenizer,
+    `logprobs` / `prompt_logprobs` are at most `max_logprobs`, and `n` at most `max_n`."""
+    if params.n > max_n:
+        raise ValueError(
+            f"request {request_id!r}: SamplingParams.n={params.n} exceeds the engine's "
+            f"max_n={max_n} (EngineConfig.max_n)"
+        )
     if params.stop and tokenizer is None:
         raise ValueError(
             f"request {request_id!r}: stop strings (SamplingParams.stop={list(params.stop)!r}) "

@@ -125,6 +125,9 @@ class SpeculativeConfig:
                         f"not {self.method!r}: leave it unset"
                     )
             return
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:  # the value given, named as given
+                check_int(f"speculative_config.{name}", value, lo=1)
         if lo is None and hi is None:
             lo, hi = 2, 5
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)

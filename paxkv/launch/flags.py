@@ -20,6 +20,7 @@ from absl import flags, logging
 
 from paxkv.engine.config import EngineConfig
 from paxkv.host.request import INT32_MAX
+from paxkv.host.speculative import SpeculativeConfig
 from paxkv.launch import define_seed, json_object, platform
 from paxkv.launch.setups import NAMES, ServingSetup, get_setup
 from paxkv.models import CONFIG_FILE, DTYPES, ModelConfig, read_hf_config
@@ -91,9 +92,17 @@ SPECULATIVE_CONFIG = flags.DEFINE_string(
 
 
 def speculative_config() -> dict | None:
-    """`--speculative_config` parsed (None when unset); ValueError naming the flag."""
+    """`--speculative_config` parsed and checked (None when unset); ValueError naming the
+    flag and what is wrong, a value of the wrong type included."""
     text = SPECULATIVE_CONFIG.value
-    return None if text is None else json_object(text, "--speculative_config")
+    if text is None:
+        return None
+    value = json_object(text, "--speculative_config")
+    try:
+        SpeculativeConfig.of(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--speculative_config: {e}") from None
+    return value
 
 
 # The runtime: devices, hosts, compilation cache.

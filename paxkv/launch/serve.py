@@ -111,6 +111,7 @@ def main(argv: list[str]) -> None:
         if role != "follower" and sock is None:
             sock = bind(_HOST.value, _PORT.value)
         setup = launch_flags.serving_setup()
+        setup = setup.replace(engine=dataclasses.replace(setup.engine, max_n=_MAX_N.value))
         platform.announce("paxkv-serve", setup.engine.attention_backend)
         if role == "follower":  # no server here: run process 0's steps until it stops
             multihost.follow_and_exit(launch_flags.build_llm(setup))

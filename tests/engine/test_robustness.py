@@ -195,3 +195,26 @@ def test_settings_checked_against_the_model_and_platform(tiny):
         ValueError, match=r"attention_backend='tpu' needs a TPU; this platform is 'cpu'"
     ):
         _engine(model, attention_backend="tpu")
+
+
+def test_n_is_bounded_by_the_engine_at_once():
+    """`n` past `EngineConfig.max_n` (128 by default, as the server's limit) is refused
+    at submit, before any completion is made; a smaller limit is a setting."""
+
+    from paxkv.engine import Engine, EngineConfig
+    from paxkv.engine.runner import FakeRunner
+
+    engine = Engine(None, EngineConfig(), runner=lambda c: FakeRunner(64, c))
+    with pytest.raises(
+        ValueError, match=r"SamplingParams\.n=1000000 exceeds the engine's max_n=128"
+    ):
+        engine.add_request("huge", {"prompt_token_ids": [1, 2]}, SamplingParams(n=10**6))
+    assert not engine.has_unfinished()
+    small = Engine(None, EngineConfig(max_n=2), runner=lambda c: FakeRunner(64, c))
+    with pytest.raises(ValueError, match=r"n=3 exceeds the engine's max_n=2"):
+        small.add_request("three", {"prompt_token_ids": [1]}, SamplingParams(n=3, max_tokens=2))
+    small.add_request("two", {"prompt_token_ids": [1]}, SamplingParams(n=2, max_tokens=2))
+    out = small.run_until_done()["two"]
+    assert len(out.outputs) == 2
+    with pytest.raises(ValueError, match="max_n=0"):
+        EngineConfig(max_n=0)

@@ -72,6 +72,23 @@ REJECTED = [
         ["--speculative_config=[4]"],
         "error: --speculative_config: expected a JSON object, got list: '[4]'",
     ),
+    # A value of the wrong type is one error line too, naming the field it was given for.
+    (
+        "generate",
+        ['--speculative_config={"num_speculative_tokens": 4.0}'],
+        "error: --speculative_config: speculative_config.num_speculative_tokens must be an "
+        "integer, got 4.0",
+    ),
+    (
+        "serve",
+        ['--speculative_config={"num_speculative_tokens": 1e400}'],
+        "speculative_config.num_speculative_tokens must be an integer, got inf",
+    ),
+    (
+        "generate",
+        ['--speculative_config={"prompt_lookup_max": true}'],
+        "speculative_config.prompt_lookup_max must be an integer, got True",
+    ),
 ]
 
 
