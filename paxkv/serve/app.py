@@ -198,8 +198,16 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
     return endpoint
 
 
+class _AsciiJSON(JSONResponse):
+    """A JSON response escaped to ASCII: an error body echoes what the client sent,
+    which may hold lone surrogates (valid JSON, not encodable as UTF-8)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return _AsciiJSON(e.body(), status_code=e.status)
 
 
 async def _json_body(request: Request, limits: protocol.Limits) -> dict[str, Any]:

@@ -196,6 +196,8 @@ BAD_REQUESTS = [
     ("completions", "{not json", 400, None, "not valid JSON"),
     ("completions", "[1, 2]", 400, None, "JSON object"),
     ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    # A lone surrogate (valid JSON, not encodable as UTF-8) echoed in the message.
+    ("completions", '{"prompt": "x", "model": "a\\ud800"}', 404, "model", "a\ud800"),
     ("completions", {"max_tokens": 4}, 400, "prompt", "prompt is required"),
     ("completions", {"prompt": 3}, 400, "prompt", "prompt must be"),
     ("completions", {"prompt": []}, 400, "prompt", "prompt must be"),
