@@ -359,6 +359,7 @@ class RequestRegistry:
         names the field: an id outside the vocabulary, or a completion past max_model_len."""
         prompt = check_token_ids("prompt_token_ids", prompt_token_ids, lo=None)
         completion = check_token_ids("completion_token_ids", completion_token_ids, lo=None)
+        check_int("top_logprobs", top_logprobs, lo=0)
         if not prompt:
             raise ValueError("prompt_token_ids is empty: the first token has no logprob")
         vocab = self.vocab_size

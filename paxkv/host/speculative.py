@@ -61,7 +61,8 @@ class SpeculativeConfig:
 
     Args:
       method: "ngram" (prompt lookup: no extra model) or "draft_model" (a smaller
-        model with the target's tokenizer, `paxkv.engine.device.draft`).
+        model with the target's tokenizer, `paxkv.engine.device.draft`); unset:
+        "draft_model" when `model` is given, else "ngram" (as vLLM infers it).
       num_speculative_tokens: most tokens proposed per sequence per step (k), 1..16.
       prompt_lookup_min / prompt_lookup_max: the shortest and longest suffix matched
         (`NgramProposer`); one unset takes the other's value, both unset: 2 and 5.
@@ -77,7 +78,7 @@ class SpeculativeConfig:
         "draft_model" only; `LLM` loads it, an `Engine` takes the model object).
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -87,6 +88,8 @@ class SpeculativeConfig:
     model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method={self.method!r} must be one of {METHODS}")
         if self.method == "draft_model" and not isinstance(self.model, str):

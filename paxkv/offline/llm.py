@@ -421,6 +421,11 @@ def read_params(path: str, model_config: Any, mesh: Any = None) -> Any:
     `model_config` (dtype and how layers are held aside)."""
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a checkpoint directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"{path!r} is not a checkpoint directory: it holds no config.json (the model's "
+            "architecture, written beside the weights)"
+        )
     mine = model_config
     theirs = models.read_hf_config(path).replace(dtype=mine.dtype, scan_layers=mine.scan_layers)
     if theirs != mine:

@@ -232,3 +232,15 @@ def test_llm_score_pairs_strings_and_ids(tiny):
     with pytest.raises(ValueError, match=r"pair 1: completion_token_ids\[0\]"):
         llm.score([prompt, prompt], [comps[0], [config.vocab_size]])
     assert not llm.engine.has_unfinished()  # the valid pair before it was withdrawn
+
+
+def test_a_bad_top_logprobs_names_itself():
+    from paxkv.engine import EngineConfig
+    from paxkv.engine.runner import FakeRunner
+
+    engine = Engine(None, EngineConfig(), runner=lambda c: FakeRunner(64, c))
+    with pytest.raises(TypeError, match="top_logprobs must be an integer, got None"):
+        engine.add_score_request(None, [1, 2], [3], top_logprobs=None)
+    with pytest.raises(ValueError, match="top_logprobs=-1"):
+        engine.add_score_request(None, [1, 2], [3], top_logprobs=-1)
+    assert not engine.has_unfinished()

@@ -230,7 +230,11 @@ def test_bad_speculative_configs_are_refused():
     with pytest.raises(ValueError, match="needs model="):
         EngineConfig(speculative_config={"method": "draft_model"})
     with pytest.raises(ValueError, match="needs method='draft_model'"):
-        EngineConfig(speculative_config={"model": "tiny"})
+        EngineConfig(speculative_config={"method": "ngram", "model": "tiny"})
+    # A model and no method is a draft model, as vLLM infers it.
+    inferred = EngineConfig(speculative_config={"model": "tiny", "num_speculative_tokens": 3})
+    assert inferred.speculative_config.method == "draft_model"
+    assert EngineConfig(speculative_config={}).speculative_config.method == "ngram"
     with pytest.raises(ValueError, match="method='eagle'"):
         EngineConfig(speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="prompt_lookup_min=4 exceeds"):

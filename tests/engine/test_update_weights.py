@@ -234,4 +234,9 @@ def test_llm_update_weights_from_a_checkpoint(tiny, new_weights, tmp_path):
     save_hf_checkpoint(other, tmp_path / "other")
     with pytest.raises(ValueError, match="another architecture"):
         llm.update_weights(tmp_path / "other")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        ValueError, match=r"'.*empty' is not a checkpoint directory: .*config\.json"
+    ):
+        llm.update_weights(str(tmp_path / "empty"))
     assert llm.engine.weight_version == 1
