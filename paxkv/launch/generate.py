@@ -52,7 +52,10 @@ def main(argv: list[str]) -> None:
         platform.announce("paxkv-generate", setup.engine.attention_backend)
         prompts = list(_PROMPT.value)
         if _PROMPTS_FILE.value is not None:
-            prompts += read_prompts(_PROMPTS_FILE.value)
+            try:
+                prompts += read_prompts(_PROMPTS_FILE.value)
+            except OSError as e:
+                raise ValueError(f"--prompts_file={_PROMPTS_FILE.value}: {e.strerror}") from None
         elif not prompts:
             prompts = list(DEFAULT_PROMPTS)
         params = SamplingParams(

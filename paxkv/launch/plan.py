@@ -43,12 +43,12 @@ from paxkv.sharding.mesh_shape import ONE_DEVICE, MeshShape
 _KV_BUDGET_GIB = flags.DEFINE_float(
     "kv_budget_gib", None, "Bytes for the KV cache, in GiB (instead of --device)."
 )
-_DEVICE = flags.DEFINE_enum(
+_DEVICE = flags.DEFINE_string(
     "device",
     None,
-    list(kv_budget.DEVICE_HBM_GIB),
-    "Accelerator whose memory, less the weights, holds the KV cache (instead of --kv_budget_gib).",
-    case_sensitive=False,
+    f"Accelerator whose memory, less the weights, holds the KV cache (instead of "
+    f"--kv_budget_gib): one of {', '.join(kv_budget.DEVICE_HBM_GIB)}, any case; a TPU "
+    "slice name (v5e-8) names its chip, whose memory each device has.",
 )
 _KV_FRACTION = flags.DEFINE_float(
     "kv_fraction", 0.9, "With --device: the share of the memory left after the weights for KV."
@@ -112,9 +112,12 @@ def _budget(model: DecoderConfig, mesh: MeshShape) -> kv_budget.KVBudget:
             f"pass exactly one of --kv_budget_gib=<GiB> or --device=<{'|'.join(kv_budget.DEVICE_HBM_GIB)}>"
         )
     if _DEVICE.value is not None:
-        return kv_budget.KVBudget.on_device(
-            _DEVICE.value, weights_bytes=weights, kv_fraction=_KV_FRACTION.value
-        )
+        try:
+            return kv_budget.KVBudget.on_device(
+                _DEVICE.value, weights_bytes=weights, kv_fraction=_KV_FRACTION.value
+            )
+        except ValueError as e:
+            raise ValueError(f"--device={_DEVICE.value}: {e}") from None
     if not _KV_BUDGET_GIB.value > 0:
         raise ValueError(f"--kv_budget_gib={_KV_BUDGET_GIB.value} must be positive")
     return kv_budget.KVBudget.given(

@@ -30,6 +30,13 @@ DEVICE_PLATFORM: dict[str, str] = {
 }
 
 
+def device_of(name: str) -> str:
+    """The chip of a device name: a TPU slice name (`v5e-8`, `v6e-16`: the chip and
+    how many) names its chip; any other name is itself."""
+    chip, dash, count = name.partition("-")
+    return chip if dash and count.isdigit() and chip.lower().startswith("v") else name
+
+
 @dataclasses.dataclass(frozen=True)
 class KVBudget:
     """Bytes for the KV cache, and where they come from.
@@ -49,8 +56,13 @@ class KVBudget:
         """`kv_fraction` of what `device` (a `DEVICE_HBM_GIB` name, any case) has left
         after `weights_bytes`."""
         names = {name.lower(): name for name in DEVICE_HBM_GIB}
-        if device.lower() not in names:
-            raise ValueError(f"device={device!r} is not one of {sorted(DEVICE_HBM_GIB)}")
+        chip = device_of(device)
+        if chip.lower() not in names:
+            raise ValueError(
+                f"device={device!r} is not one of {sorted(DEVICE_HBM_GIB)} (a TPU slice name "
+                "such as v5e-8 names its chip)"
+            )
+        device = chip
         if not 0 < kv_fraction <= 1:
             raise ValueError(f"kv_fraction={kv_fraction} must be in (0, 1]")
         device = names[device.lower()]

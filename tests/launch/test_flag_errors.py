@@ -72,6 +72,11 @@ REJECTED = [
         ["--speculative_config=[4]"],
         "error: --speculative_config: expected a JSON object, got list: '[4]'",
     ),
+    (
+        "generate",
+        ["--prompts_file=/nonexistent/prompts.txt"],
+        "error: --prompts_file=/nonexistent/prompts.txt: No such file or directory",
+    ),
     # A value of the wrong type is one error line too, naming the field it was given for.
     (
         "generate",

@@ -196,6 +196,12 @@ def test_device_budget():
         kv_budget.KVBudget.on_device("v5e", weights_bytes=2 * w, kv_fraction=0.9)
     with pytest.raises(ValueError, match="kv_fraction"):
         kv_budget.KVBudget.on_device("H100", weights_bytes=w, kv_fraction=0.0)
+    # A TPU slice name, as users write it, names its chip (each device's memory).
+    v6e = kv_budget.KVBudget.on_device("v6e", weights_bytes=w, kv_fraction=0.9)
+    assert kv_budget.KVBudget.on_device("v6e-8", weights_bytes=w, kv_fraction=0.9) == v6e
+    assert kv_budget.device_of("V5E-16") == "V5E" and kv_budget.device_of("H100") == "H100"
+    with pytest.raises(ValueError, match="'v4-8' is not one of"):
+        kv_budget.KVBudget.on_device("v4-8", weights_bytes=w, kv_fraction=0.9)
     with pytest.raises(ValueError, match="must be positive"):
         kv_budget.KVBudget.given(0, weights_bytes=w)
 
