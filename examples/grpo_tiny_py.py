@@ -37,6 +37,7 @@ from absl import app, flags
 from flax import nnx
 
 from paxkv import Engine, EngineConfig, SamplingParams
+from paxkv.launch.platform import quiet_backend_probes
 from paxkv.models import load_model
 
 PROMPTS = (
@@ -304,5 +305,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    quiet_backend_probes()  # no "Unable to initialize backend 'tpu'" on a CPU machine
     define_flags()
     app.run(main)

@@ -36,6 +36,13 @@ RUNTIMES = {
 _ALIASES = {"gpu": ("cuda", "rocm")}  # JAX's own platform aliases
 
 
+def quiet_backend_probes() -> None:
+    """Quiets JAX's INFO record of each platform it tried and could not start ("Unable to
+    initialize backend 'tpu'" on a CPU-only machine): for scripts that run under absl's
+    INFO logging and say what runs themselves."""
+    std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+
+
 def require_platform() -> str:
     """JAX's default platform ("cpu", "gpu", "tpu"), its backends started.
 
@@ -45,7 +52,7 @@ def require_platform() -> str:
     (a CPU-only machine logs "Unable to initialize backend 'tpu'" on every run); the
     line of `describe_runtime` says what runs.
     """
-    std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+    quiet_backend_probes()
     try:
         jax.devices()
     except (RuntimeError, AssertionError) as e:  # AssertionError: no platform requested is here
