@@ -10,6 +10,7 @@ that it stays flat after warm-up.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -129,6 +130,7 @@ class Engine:
             routed_experts=self.routed_experts,
         )
         self.paused = False  # `pause`: `step` then does nothing
+        self._resumed = threading.Condition()  # `wait_resumed` waits on it
         self._weights = WeightUpdater(
             self.runner,
             self.scheduler,
@@ -164,12 +166,22 @@ class Engine:
 
     def pause(self) -> None:
         """Stops scheduling between steps: `step` returns [] and runs nothing until
-        `resume`. Requests can still be added and aborted, and weights updated."""
-        self.paused = True
+        `resume`. Requests can still be added and aborted, and weights updated. A loop
+        that steps the engine waits in `wait_resumed`, not spinning."""
+        with self._resumed:
+            self.paused = True
 
     def resume(self) -> None:
-        """Restarts the scheduling `pause` stopped."""
-        self.paused = False
+        """Restarts the scheduling `pause` stopped, waking those in `wait_resumed`."""
+        with self._resumed:
+            self.paused = False
+            self._resumed.notify_all()
+
+    def wait_resumed(self, timeout: float | None = None) -> bool:
+        """Blocks, without using the CPU, while the engine is paused, until `resume` or
+        `timeout` seconds (None: no limit); returns whether it is running."""
+        with self._resumed:
+            return self._resumed.wait_for(lambda: not self.paused, timeout)
 
     def update_weights(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> int:
         """Replaces the model's parameters in place, without a recompilation; returns the

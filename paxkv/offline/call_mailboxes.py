@@ -20,10 +20,13 @@ class CallMailboxes:
 
     Args:
       engine: the `paxkv.Engine` whose `step` outputs are routed.
+      pause_timeout_s: how long a call waits while the engine is paused before it
+        raises TimeoutError (None: until `Engine.resume`).
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, pause_timeout_s: float | None = None) -> None:
         self.engine = engine
+        self.pause_timeout_s = pause_timeout_s
         self._inbox: dict[str, collections.deque[RequestOutput]] = {}  # a queue per call
         self._stepping = False
         self._deferred_aborts: list[str] = []
@@ -66,7 +69,14 @@ class CallMailboxes:
 
     def step(self) -> None:
         """Runs one engine step and files each output for the call that waits for its
-        request; outputs no call waits for (an ended call's) are dropped."""
+        request; outputs no call waits for (an ended call's) are dropped. While the
+        engine is paused it waits for `resume` first, without spinning (TimeoutError
+        after `pause_timeout_s`)."""
+        if self.engine.paused and not self.engine.wait_resumed(self.pause_timeout_s):
+            raise TimeoutError(
+                f"the engine stayed paused for pause_timeout_s={self.pause_timeout_s}: "
+                "resume() it, or abort the requests"
+            )
         if not self.engine.has_unfinished():
             raise RuntimeError(
                 "requests of this call are unfinished but the engine has none: were their "

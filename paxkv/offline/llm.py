@@ -16,7 +16,13 @@ from tqdm import tqdm
 
 from paxkv import models
 from paxkv.engine import Engine, EngineConfig, compile_cache
-from paxkv.host.request import RequestOutput, RequestOutputKind, SamplingParams, check_token_ids
+from paxkv.host.request import (
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    check_float,
+    check_token_ids,
+)
 from paxkv.offline.call_mailboxes import CallMailboxes
 from paxkv.offline.progress import logging_above_bars
 from paxkv.sharding import shardings
@@ -73,6 +79,9 @@ class LLM:
       cache_dir: the persistent compilation cache's directory, where a later start
         loads the compiled programs (`paxkv.engine.compile_cache`); None: this
         process's, by default `$PAXKV_CACHE_DIR` or `~/.cache/paxkv`; "off": none.
+      pause_timeout_s: how long a running `generate` or stream waits while the engine
+        is paused (`engine.pause()`, from another thread) before it raises
+        TimeoutError; None: until `engine.resume()`. It waits without using the CPU.
       **engine_kwargs: `EngineConfig` fields that override `config`'s: num_pages,
         page_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_dtype,
         attention_backend, ...
@@ -89,10 +98,13 @@ class LLM:
         config: EngineConfig | None = None,
         warmup: bool | str = True,
         cache_dir: str | None = None,
+        pause_timeout_s: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if warmup not in WARMUP_MODES or not isinstance(warmup, bool | str):
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
+        if pause_timeout_s is not None and check_float("pause_timeout_s", pause_timeout_s) < 0:
+            raise ValueError(f"pause_timeout_s={pause_timeout_s} must be >= 0 (None: no limit)")
         if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
             raise TypeError(f"cache_dir must be a path or 'off', got {cache_dir!r}")
         _check_engine_kwargs(engine_kwargs)  # before any loading
@@ -109,7 +121,7 @@ class LLM:
         self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
         # Each live call's outputs, kept for it while another call steps the engine.
-        self._router = CallMailboxes(self.engine)
+        self._router = CallMailboxes(self.engine, pause_timeout_s)
         # Where `chat` finds the chat template: the checkpoint's directory (none for presets).
         name = os.fspath(model)
         self._checkpoint_dir = (
