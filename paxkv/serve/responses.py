@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from paxkv.host.request import CompletionOutput, Logprob, RequestOutput
+from paxkv.text.detokenizer import WindowStream
 
 
 class Choices:
@@ -157,14 +158,18 @@ class Choices:
             text = self._decode(list(ids))
         if out.prompt_logprobs is None:
             return text, []
+        # Each token's text as the prompt's text has it: a character split over several
+        # tokens (a UTF-8 byte each) is the text of the token that completes it, the
+        # others' empty; so the tokens' texts make the text, and offsets stay inside it.
+        names = _token_texts(ids, self._decode) if self._decode is not None else None
         entries, offset = [], 0
-        for token, top in zip(ids, out.prompt_logprobs, strict=True):
+        for i, (token, top) in enumerate(zip(ids, out.prompt_logprobs, strict=True)):
+            shown = Logprob(0.0, decoded_token=None if names is None else names[i])
             if top is None:  # nothing before it (vLLM: None; OpenAI: null)
-                first = None if self._decode is None else self._decode([token])
-                name = self._token(token, Logprob(0.0, decoded_token=first))
+                name = self._token(token, shown)
                 entry = {"token": name, "logprob": None, "top": None, "offset": offset}
             else:
-                name = self._token(token, top[token])
+                name = self._token(token, shown if names is not None else top[token])
                 entry = {
                     "token": name,
                     "logprob": top[token].logprob,
@@ -216,6 +221,16 @@ class Choices:
                 )
             self._offsets[i] += len(text)
         return entries
+
+
+def _token_texts(ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[str]:
+    """The text each of `ids` adds to their decoded text, in order (`WindowStream`):
+    "" for a token whose character the next ones complete."""
+    stream = WindowStream(decode)
+    texts = [stream.step(t) for t in ids]
+    if texts:
+        texts[-1] += stream.flush()
+    return texts
 
 
 def _merge(entries: list[dict[str, Any]]) -> dict[str, list[Any]]:

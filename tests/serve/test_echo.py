@@ -105,3 +105,20 @@ def test_echo_without_logprobs_echoes_text(server):
     (choice,) = response["choices"]
     assert choice["text"].startswith("x = 1") and choice["logprobs"] is None
     assert len(choice["text"]) > len("x = 1") or choice["finish_reason"] == "stop"
+
+
+def test_echo_of_characters_split_over_tokens(server, llm):
+    """A character of several UTF-8 bytes, one token each: the tokens' texts make the
+    echoed text (the completing token carries the character, the others ""), and the
+    offsets stay inside it."""
+    prompt = "x = 'é' + '日本'"
+    ids = llm.get_tokenizer().encode(prompt)
+    assert len(ids) > len(llm.get_tokenizer().encode("x = 'e' + 'ab'"))  # bytes split
+    response = _post(server, {"prompt": prompt, "max_tokens": 0, "logprobs": 1, "echo": True})
+    (choice,) = response["choices"]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt
+    assert "".join(lp["tokens"]) == prompt and "\ufffd" not in "".join(lp["tokens"])
+    offsets = lp["text_offset"]
+    assert offsets == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+    assert max(offsets) <= len(prompt)
