@@ -6,10 +6,20 @@ declared set of bucket shapes (`paxkv.host.batch`), and calls one jitted functio
 the KV cache donated (`paxkv.engine.device.step`). A long run therefore compiles each bucket
 once; `Engine.num_compilations` counts what this engine compiled, and a test asserts
 that it stays flat after warm-up.
+
+Threads: an engine may be called from several threads. Every call that changes it
+(`add_request`, `add_score_request`, `abort`, `step`, `update_weights`'s install, and
+`stats`, which reads it whole) holds `Engine.lock`, a re-entrant lock, so one caller
+changes it at a time; hold the lock to make several calls one. `update_weights`
+prepares the new parameters before taking it, and then handles the requests in flight
+as its policy says on the calling thread, stepping the engine itself for "wait": the
+outputs of those steps are reported by the next `step`, whoever calls it. `pause` and
+`resume` take no lock: a loop that steps a paused engine waits in `wait_resumed`.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +46,17 @@ from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.speculative import SpeculativeConfig, Speculator
 from paxkv.sharding import shardings
+
+
+def _locked(method: Callable) -> Callable:
+    """`method` run holding the engine's lock (one caller changes it at a time)."""
+
+    @functools.wraps(method)
+    def locked(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class Engine:
@@ -131,6 +152,8 @@ class Engine:
         )
         self.paused = False  # `pause`: `step` then does nothing
         self._resumed = threading.Condition()  # `wait_resumed` waits on it
+        # Held by every call that changes the engine (module docstring, "Threads").
+        self.lock = threading.RLock()
         self._weights = WeightUpdater(
             self.runner,
             self.scheduler,
@@ -194,10 +217,13 @@ class Engine:
         ("wait", "abort", "recompute") decides the requests in flight, and the prefix
         cache forgets older weights' pages: see `paxkv.engine.weights_update`.
         """
-        return self._weights.update(weights, policy=policy, copy=copy, paused=self.paused)
+        new = self._weights.prepare(weights, policy=policy, copy=copy)  # no lock: the slow part
+        with self.lock:
+            return self._weights.install(new, policy, paused=self.paused)
 
     # Requests.
 
+    @_locked
     def add_request(
         self,
         request_id: str | None,
@@ -236,6 +262,7 @@ class Engine:
             self.scheduler.add(seq)
         return req.request_id
 
+    @_locked
     def add_score_request(
         self,
         request_id: str | None,
@@ -255,6 +282,7 @@ class Engine:
         )
         return self._queue(req)
 
+    @_locked
     def abort(self, request_id: str) -> None:
         """Ends a request now (finish reason "abort") and frees every page it holds; the
         next `step` reports it. An unknown or already finished id is a no-op, as in vLLM."""
@@ -283,6 +311,7 @@ class Engine:
 
     # Stepping.
 
+    @_locked
     def step(self) -> StepOutputs:
         """Runs one step; returns the outputs of the requests it advanced or finished, as
         each request's `output_kind` asks (the whole completion so far, the new part
@@ -319,6 +348,7 @@ class Engine:
 
     # Introspection.
 
+    @_locked
     def stats(self) -> dict[str, Any]:
         """The run's metrics so far (see `paxkv.engine.metrics.engine_stats`)."""
         stats = engine_stats(

@@ -75,19 +75,29 @@ class WeightUpdater:
         self.version = 0
         self.updating = False
 
-    def update(
-        self, weights: Any, *, policy: str = "wait", copy: bool = True, paused: bool = False
-    ) -> int:
-        """Installs `weights` (see `Engine.update_weights`); returns the new version."""
+    def prepare(self, weights: Any, *, policy: str = "wait", copy: bool = True) -> Any:
+        """`weights` checked and placed as the runner's parameters (see
+        `Engine.update_weights`), touching nothing of the engine: what `install` takes."""
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
-        if self.updating:
-            raise ValueError("another update_weights is running: one update at a time")
         runner = self.runner
         source = getattr(runner, "param_source", None)
         if source is None:
             raise ValueError(f"{type(runner).__name__} holds no weights to update")
-        new_params = prepare_params(runner.params, source, weights, copy=copy)
+        return prepare_params(runner.params, source, weights, copy=copy)
+
+    def update(
+        self, weights: Any, *, policy: str = "wait", copy: bool = True, paused: bool = False
+    ) -> int:
+        """Installs `weights` (see `Engine.update_weights`); returns the new version."""
+        return self.install(self.prepare(weights, policy=policy, copy=copy), policy, paused)
+
+    def install(self, new_params: Any, policy: str, paused: bool = False) -> int:
+        """Installs parameters from `prepare`, handling the requests in flight as
+        `policy` says; returns the new version."""
+        runner = self.runner
+        if self.updating:
+            raise ValueError("another update_weights is running: one update at a time")
         if paused and policy == "wait" and _started(self.requests):
             raise ValueError(
                 "update_weights(policy='wait') on a paused engine with requests in flight "

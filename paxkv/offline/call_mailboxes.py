@@ -9,6 +9,7 @@ requests' outputs, and a call that ends early aborts its unfinished requests.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ class CallMailboxes:
     def __init__(self, engine: Any, pause_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.pause_timeout_s = pause_timeout_s
+        self._lock = threading.Lock()  # one call steps at a time; the others wait
         self._inbox: dict[str, collections.deque[RequestOutput]] = {}  # a queue per call
         self._stepping = False
         self._deferred_aborts: list[str] = []
@@ -48,7 +50,7 @@ class CallMailboxes:
             bar.start(len(ids))
             while unfinished:
                 if not box:
-                    self.step()
+                    self.step(box)
                     continue
                 out = box.popleft()
                 bar.advanced(out, delta=out.request_id in deltas)
@@ -64,19 +66,28 @@ class CallMailboxes:
                 self._inbox.pop(rid, None)
             for rid in unfinished:
                 self.abort(rid)
-            if closed and unfinished and not self._stepping:
-                self.step()  # reports, and so forgets, the aborted requests
+            if closed and unfinished and not self._stepping and not self.engine.paused:
+                self.step(report_only=True)  # reports, and so forgets, the aborted requests
 
-    def step(self) -> None:
+    def step(self, waiting: collections.deque | None = None, *, report_only: bool = False) -> None:
         """Runs one engine step and files each output for the call that waits for its
         request; outputs no call waits for (an ended call's) are dropped. While the
         engine is paused it waits for `resume` first, without spinning (TimeoutError
-        after `pause_timeout_s`)."""
+        after `pause_timeout_s`). Calls on several threads step one at a time; one
+        whose box (`waiting`) another's step filled meanwhile does not step. With
+        `report_only` (aborted requests to report) it steps only if the engine still has
+        something to report: another thread's step may have reported them."""
         if self.engine.paused and not self.engine.wait_resumed(self.pause_timeout_s):
             raise TimeoutError(
                 f"the engine stayed paused for pause_timeout_s={self.pause_timeout_s}: "
                 "resume() it, or abort the requests"
             )
+        with self._lock, self.engine.lock:
+            if waiting or (report_only and not self.engine.has_unfinished()):
+                return
+            self._step()
+
+    def _step(self) -> None:
         if not self.engine.has_unfinished():
             raise RuntimeError(
                 "requests of this call are unfinished but the engine has none: were their "

@@ -280,7 +280,7 @@ class LLM:
             except (TypeError, ValueError) as e:
                 for queued in ids[:i]:
                     self.engine.abort(queued)
-                self.engine.step()  # reports, and so forgets, the aborted requests
+                self._router.step()  # reports, and so forgets, the aborted requests
                 raise type(e)(f"pair {i}: {e}") from None
         outs = self._router.outputs(ids, _Progress(use_tqdm), set())
         final = {out.request_id: out.scores for out in outs if out.finished}
