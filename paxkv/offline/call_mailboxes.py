@@ -33,17 +33,37 @@ class CallMailboxes:
         self._stepping = False
         self._deferred_aborts: list[str] = []
 
-    def outputs(self, ids: list[str], bar: Any, deltas: set[str]) -> Iterator[RequestOutput]:
+    def open(self, ids: list[str]) -> collections.deque[RequestOutput]:
+        """A box for the outputs of requests `ids`, filed from now on: open it before
+        the requests are submitted, so no step on another thread reports one first."""
+        box: collections.deque[RequestOutput] = collections.deque()
+        for rid in ids:
+            self._inbox[rid] = box
+        return box
+
+    def close(self, ids: list[str]) -> None:
+        """Stops filing the outputs of requests `ids` (a box opened for requests that
+        were not all submitted)."""
+        for rid in ids:
+            self._inbox.pop(rid, None)
+
+    def outputs(
+        self,
+        ids: list[str],
+        bar: Any,
+        deltas: set[str],
+        box: collections.deque[RequestOutput] | None = None,
+    ) -> Iterator[RequestOutput]:
         """Yields the outputs of requests `ids`, and of no others, in the order the
         engine reports them, until each has finished; counts them on `bar` (`deltas`: the
         ids whose outputs are deltas). Steps the engine while it has none of them to
         yield: other calls' outputs reported meanwhile are kept for those calls. However
         it ends early (closed, garbage-collected, or an exception, KeyboardInterrupt
         included) it aborts its unfinished requests; once closed it steps once more to
-        report them, unless it is closed inside a step."""
-        box: collections.deque[RequestOutput] = collections.deque()
-        for rid in ids:
-            self._inbox[rid] = box
+        report them, unless it is closed inside a step. `box`: the one `open` made for
+        them (None: opened now)."""
+        if box is None:
+            box = self.open(ids)
         unfinished = dict.fromkeys(ids)
         closed = False
         try:

@@ -238,13 +238,13 @@ class LLM:
         is off by default here: the caller sees progress already.
         """
         bar = _Progress(use_tqdm)
-        ids, params = self._submit(prompts, sampling_params, what="prompt")
+        ids, params, box = self._submit(prompts, sampling_params, what="prompt")
         deltas = {
             rid
             for rid, p in zip(ids, params, strict=True)
             if p.output_kind is RequestOutputKind.DELTA
         }
-        yield from self._router.outputs(ids, bar, deltas)
+        yield from self._router.outputs(ids, bar, deltas, box)
 
     def score(
         self,
@@ -274,15 +274,17 @@ class LLM:
             for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
         ]
         ids = [str(next(self._request_ids)) for _ in pairs]
+        box = self._router.open(ids)
         for i, (rid, (p, c)) in enumerate(zip(ids, pairs, strict=True)):
             try:
                 self.engine.add_score_request(rid, p, c)
             except (TypeError, ValueError) as e:
+                self._router.close(ids)
                 for queued in ids[:i]:
                     self.engine.abort(queued)
-                self._router.step()  # reports, and so forgets, the aborted requests
+                self._router.step(report_only=True)  # reports, and so forgets, the aborted
                 raise type(e)(f"pair {i}: {e}") from None
-        outs = self._router.outputs(ids, _Progress(use_tqdm), set())
+        outs = self._router.outputs(ids, _Progress(use_tqdm), set(), box)
         final = {out.request_id: out.scores for out in outs if out.finished}
         return [final[i] for i in ids]
 
@@ -318,11 +320,13 @@ class LLM:
         self, prompts: Prompts, sampling_params: Params, use_tqdm: UseTqdm, *, what: str
     ) -> list[RequestOutput]:
         bar = _Progress(use_tqdm)
-        ids, _ = self._submit(
+        ids, _, box = self._submit(
             prompts, sampling_params, what=what, output_kind=RequestOutputKind.FINAL_ONLY
         )
         final = {
-            out.request_id: out for out in self._router.outputs(ids, bar, set()) if out.finished
+            out.request_id: out
+            for out in self._router.outputs(ids, bar, set(), box)
+            if out.finished
         }
         return [final[i] for i in ids]
 
@@ -333,10 +337,11 @@ class LLM:
         *,
         what: str,
         output_kind: RequestOutputKind | None = None,
-    ) -> tuple[list[str], list[SamplingParams]]:
+    ) -> tuple[list[str], list[SamplingParams], Any]:
         """Validates every prompt (errors name `what` and its index), then queues them
-        all; returns their ids and params. `output_kind` replaces the params' own (on
-        copies: the caller's are not changed)."""
+        all; returns their ids, params and the box their outputs are filed in from the
+        start (`CallMailboxes.open`). `output_kind` replaces the params' own (on copies:
+        the caller's are not changed)."""
         if self.engine.paused:
             raise RuntimeError("the engine is paused: engine.resume() it first")
         if isinstance(prompts, (str, dict)):
@@ -361,9 +366,14 @@ class LLM:
                 if p.output_kind is not output_kind
             }
             params = [copies.get(id(p), p) for p in params]
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            self.engine.add_request(rid, prompt, p)
-        return ids, params
+        box = self._router.open(ids)
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                self.engine.add_request(rid, prompt, p)
+        except BaseException:
+            self._router.close(ids)
+            raise
+        return ids, params, box
 
 
 class _Progress:

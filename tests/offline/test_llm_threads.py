@@ -150,3 +150,21 @@ def test_rollouts_weight_syncs_and_pauses_from_four_threads(setup, seed):
             assert tokens == expected[versions[out.weight_versions[0]]][i], (i, out)
             checked += 1
     assert checked > 0
+
+
+def test_outputs_reported_before_a_call_reads_them_are_kept(setup, monkeypatch):
+    """Another thread's step may run between a call's submission and its first read:
+    the outputs it reports for the call are filed for it, not dropped."""
+    llm, weights, expected = setup
+    llm.update_weights(weights[1.0])
+    add = llm.engine.add_request
+
+    def add_then_another_step(*args, **kwargs):
+        rid = add(*args, **kwargs)
+        llm._router.step()  # what a concurrent call's step does at this moment
+        return rid
+
+    monkeypatch.setattr(llm.engine, "add_request", add_then_another_step)
+    tokens = [t for o in llm.generate_stream(PROMPTS[:1], STREAM) for t in o.outputs[0].token_ids]
+    assert tokens == expected[1.0][0]
+    assert llm.engine.pool.num_in_use == 0
