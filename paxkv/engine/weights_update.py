@@ -86,12 +86,6 @@ class WeightUpdater:
             raise ValueError(f"{type(runner).__name__} holds no weights to update")
         return prepare_params(runner.params, source, weights, copy=copy)
 
-    def update(
-        self, weights: Any, *, policy: str = "wait", copy: bool = True, paused: bool = False
-    ) -> int:
-        """Installs `weights` (see `Engine.update_weights`); returns the new version."""
-        return self.install(self.prepare(weights, policy=policy, copy=copy), policy, paused)
-
     def install(self, new_params: Any, policy: str, paused: bool = False) -> int:
         """Installs parameters from `prepare`, handling the requests in flight as
         `policy` says; returns the new version."""
