@@ -21,9 +21,11 @@ tokens.
 Failure: a process that dies breaks the next collective (gloo: connection reset), so
 the step raises on every other process; a process that hangs, or one whose death
 leaves a collective waiting, stops process 0's call: `LeaderRunner.busy_s` tells a
-watchdog how long the call in flight has run (`paxkv.serve.multihost`). A process that
-stops sending heartbeats to the coordinator ends every process after
-`heartbeat_timeout_seconds` of `jax.distributed.initialize`. `update_weights` is not
+watchdog how long the call in flight has run, and an idle process 0 sends `PING`s to
+find out (`paxkv.serve.multihost`). A process that stops sending heartbeats to the
+coordinator ends every process after `heartbeat_timeout_seconds` of
+`jax.distributed.initialize`, by SIGABRT: the watchdog acts before.
+`initialize_distributed` bounds the wait for the job to form. `update_weights` is not
 carried: process 0's runner refuses it with a ValueError that says why
 (`LeaderRunner.param_source`).
 """
@@ -33,10 +35,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import os
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -56,6 +61,56 @@ DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_), np.dtype
 MIN_PAYLOAD_WORDS = 1 << 10
 
 
+def initialize_distributed(
+    *,
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    heartbeat_timeout_s: int,
+    init_timeout_s: float,
+    on_timeout: Callable[[int, str], Any] | None = None,
+) -> None:
+    """`jax.distributed.initialize`, bounded: when the job has not formed within
+    `init_timeout_s` (the coordinator does not answer, or a process never registers),
+    this process ends with status 1 and a line saying what it waited for
+    (`on_timeout(status, message)`; default `exit_now`). JAX's own deadline, set past
+    it, would end the process with SIGABRT and a C++ stack trace."""
+    joined = threading.Event()
+    where = coordinator_address or "the detected coordinator address"
+    me = "?" if process_id is None else process_id
+
+    def watch() -> None:
+        if not joined.wait(init_timeout_s):
+            (on_timeout or exit_now)(
+                1,
+                f"paxkv: process {me} could not join the jax.distributed job at {where} "
+                f"within --distributed_init_timeout_s={init_timeout_s:g}: is every process "
+                "started, with the same --coordinator_address and --num_processes?",
+            )
+
+    threading.Thread(target=watch, name="paxkv-distributed-init", daemon=True).start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+            initialization_timeout=int(init_timeout_s) + 60,
+        )
+    finally:
+        joined.set()
+
+
+def exit_now(status: int, message: str) -> NoReturn:
+    """Ends the process with `status` after writing `message` to stderr, skipping JAX's
+    shutdown barrier (which would wait for processes that are gone)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.write(2, f"{message}\n".encode())
+    os._exit(status)
+
+
 class Command(enum.IntEnum):
     """What process 0 asks the others to do."""
 
@@ -64,6 +119,7 @@ class Command(enum.IntEnum):
     WARMUP = 3  # compile: shapes i32[n, 3], scoring i32[1], payload words i32[1]
     RESTORE = 4  # a step raised: restore the cache (`StepRunner.restore_cache`)
     STOP = 5  # end `follow`
+    PING = 6  # nothing: process 0 idle checks that every process still answers
 
 
 class InputMismatch(RuntimeError):
@@ -235,6 +291,7 @@ class LeaderRunner(StepRunner):
         self.mesh = getattr(runner, "mesh", None)
         self.routing_shape = runner.routing_shape
         self._busy_since: float | None = None  # time.monotonic() at the call's start
+        self._idle_since = time.monotonic()  # at the last call's end
 
     def busy_s(self) -> float:
         """Seconds the call in flight (a message and its device call) has run; 0 when
@@ -242,12 +299,18 @@ class LeaderRunner(StepRunner):
         since = self._busy_since
         return 0.0 if since is None else time.monotonic() - since
 
+    def idle_s(self) -> float:
+        """Seconds since the last call ended; 0 while one is in flight. Safe from any
+        thread."""
+        return 0.0 if self._busy_since is not None else time.monotonic() - self._idle_since
+
     @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:
         self._busy_since = time.monotonic()
         try:
             yield
         finally:
+            self._idle_since = time.monotonic()
             self._busy_since = None
 
     num_compilations = property(lambda self: self.runner.num_compilations)
@@ -307,6 +370,13 @@ class LeaderRunner(StepRunner):
             self.channel.send(Command.RESTORE)
             return self.runner.restore_cache()
 
+    def ping(self) -> None:
+        """Sends a message that does nothing: it raises (the runtime's error) when a
+        process has died, and waits (`busy_s` grows) while one hangs. Under the lock of
+        the engine that steps this runner."""
+        with self._busy():
+            self.channel.send(Command.PING)
+
     def stop(self) -> None:
         """Ends the other processes' `follow`."""
         with self._busy():
@@ -347,6 +417,7 @@ def follow(runner: StepRunner, channel: Channel) -> int:
             runner.warmup(shapes, None, scoring=bool(scoring))
         elif command is Command.RESTORE:
             runner.restore_cache()
+        # PING: nothing to do; receiving it was the point
 
 
 def process_role(mesh: Any) -> str:

@@ -143,6 +143,13 @@ HEARTBEAT_TIMEOUT_S = flags.DEFINE_integer(
     "every process (a process that hangs); jax.distributed's default.",
     lower_bound=1,
 )
+DISTRIBUTED_INIT_TIMEOUT_S = flags.DEFINE_integer(
+    "distributed_init_timeout_s",
+    300,
+    "With --jax_distributed: seconds to wait for the job to form (the coordinator answering, "
+    "every process registered); past it the process exits 1 saying what it waited for.",
+    lower_bound=1,
+)
 COMPILATION_CACHE_DIR = flags.DEFINE_string(
     "compilation_cache_dir",
     None,
@@ -186,10 +193,14 @@ def init_runtime(*, replicas: bool = False) -> MeshShape | None:
         raise ValueError(
             f"{', '.join(given)} only {'apply' if len(given) > 1 else 'applies'} with --jax_distributed"
         )
-    import jax
-
     if JAX_DISTRIBUTED.value:
-        jax.distributed.initialize(**addresses, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S.value)
+        from paxkv.engine import multihost
+
+        multihost.initialize_distributed(
+            **addresses,
+            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S.value,
+            init_timeout_s=DISTRIBUTED_INIT_TIMEOUT_S.value,
+        )
     platform.require_platform()  # before anything loads: a missing runtime is named
     if COMPILATION_CACHE_DIR.value is not None:
         from paxkv.engine import compile_cache

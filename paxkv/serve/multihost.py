@@ -12,9 +12,6 @@ died or hangs), process 0 answers the requests in flight with 503 and exits 1
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +21,7 @@ import jax
 from absl import logging
 
 from paxkv.engine import Engine, multihost
-from paxkv.engine.multihost import Channel
+from paxkv.engine.multihost import Channel, exit_now
 
 __all__ = [
     "Channel",
@@ -83,6 +80,7 @@ def exit_when_failed(
     engine: Engine,
     *,
     stall_s: float,
+    ping_every_s: float | None = None,
     grace_s: float = 2.0,
     on_exit: Callable[[int, str], Any] | None = None,
 ) -> None:
@@ -90,16 +88,33 @@ def exit_when_failed(
     503 first (a replica without all its processes cannot serve again).
 
     It fails when a step raises (a collective broke: `front`, a `ReplicaSet`, fails its
-    requests), or when a device call of `engine` (whose runner is a
+    requests); when a device call of `engine` (whose runner is a
     `multihost.LeaderRunner`) has run `stall_s` seconds (a process died without breaking
     the collective, or hangs: the requests are failed here, the stepping thread being
-    stuck). Then it exits `grace_s` later, time for the 503 events to reach the clients
+    stuck); and, while nothing is served, when a `ping` sent after `ping_every_s` idle
+    seconds (default: a tenth of `stall_s`, at most 5 s) raises or stalls, so that a
+    process lost while idle is found before JAX's heartbeat check aborts this one.
+    Then it exits `grace_s` later, time for the 503 events to reach the clients
     (`on_exit(status, message)`; default `exit_now`). Set `stall_s` below the heartbeat
-    timeout, after which JAX ends the process with the connections cut, and above any
-    step's time.
+    timeout and above any step's time.
     """
     runner = engine.runner
     on_exit = on_exit or exit_now
+    ping_every_s = min(5.0, stall_s / 10) if ping_every_s is None else ping_every_s
+
+    def ping() -> None:
+        while not front.failed:
+            time.sleep(max(0.05, ping_every_s - runner.idle_s()))
+            if runner.idle_s() < ping_every_s:
+                continue
+            try:
+                with engine.lock:  # one caller of the runner at a time: the engine's rule
+                    if runner.idle_s() >= ping_every_s:
+                        runner.ping()
+            except Exception as e:
+                logging.error("paxkv-serve: the replica's processes do not answer: %s", e)
+                front.fail_stuck(f"the replica's processes stopped answering: {e}")
+                return
 
     def watch() -> None:
         while not front.failed:
@@ -113,13 +128,5 @@ def exit_when_failed(
         time.sleep(grace_s)
         on_exit(1, "paxkv-serve: the replica's processes stopped answering (see above); exiting")
 
+    threading.Thread(target=ping, name="paxkv-replica-ping", daemon=True).start()
     threading.Thread(target=watch, name="paxkv-failure-watch", daemon=True).start()
-
-
-def exit_now(status: int, message: str) -> NoReturn:
-    """Ends the process with `status` after writing `message` to stderr."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os.write(2, f"{message}\n".encode())
-    os._exit(status)

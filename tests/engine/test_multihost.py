@@ -95,6 +95,7 @@ def run_pair(config, work, damage=None):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     outputs = engine.run_until_done()
     if "error" not in result:
+        leader_runner.ping()  # what an idle server sends: the follower runs nothing
         leader_runner.stop()
     thread.join(timeout=30)
     return leader_runner.runner.calls, follower_runner.calls, result.get("error"), outputs

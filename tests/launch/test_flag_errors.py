@@ -151,3 +151,30 @@ def test_serve_checks_its_address_before_loading_the_model():
     assert _error_line(result) == (
         f"error: cannot listen on --host=127.0.0.1 --port={port}: Address already in use"
     )
+
+
+@pytest.mark.parametrize("process_id", [0, 1], ids=["waits_for_others", "no_coordinator"])
+def test_a_job_that_never_forms_ends_in_the_stated_time_with_one_line(process_id):
+    # Process 1 finds no coordinator; process 0 (the coordinator) sees no process 1. JAX's
+    # own deadline would abort with SIGABRT and a C++ stack trace.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [
+        "paxkv.launch.generate",
+        "--prompt=x",
+        "--jax_distributed",
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+        f"--process_id={process_id}",
+        "--distributed_init_timeout_s=3",
+    ]
+    result = _run(argv, timeout=60)
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"paxkv: process {process_id} could not join the jax.distributed job at "
+        f"127.0.0.1:{port} within --distributed_init_timeout_s=3: is every process "
+        "started, with the same --coordinator_address and --num_processes?"
+    ), result.stderr[-3000:]
+    assert "Check failure" not in result.stderr, result.stderr[-3000:]

@@ -21,8 +21,9 @@ HEARTBEAT_S = 10
 STALL_S = HEARTBEAT_S / 2
 
 
-def start_job() -> ServeProcesses:
-    """paxkv-serve as two processes of 4 devices each serving one `model:8` replica."""
+def start_job(heartbeat_s: int | None = HEARTBEAT_S) -> ServeProcesses:
+    """paxkv-serve as two processes of 4 devices each serving one `model:8` replica
+    (`heartbeat_s` None: the default heartbeat timeout)."""
     coordinator, port = free_port(), free_port()
     argvs = [
         serve_argv(
@@ -32,7 +33,7 @@ def start_job() -> ServeProcesses:
             "--num_processes=2",
             f"--process_id={i}",
             "--mesh=model:8",
-            f"--heartbeat_timeout_s={HEARTBEAT_S}",
+            *([f"--heartbeat_timeout_s={heartbeat_s}"] if heartbeat_s else []),
         )
         for i in range(2)
     ]
@@ -121,6 +122,26 @@ def test_killing_process_1_mid_stream_ends_the_stream_with_503_and_process_0():
         out = job.output(0)
         assert code == 1, (code, out[-3000:])
         assert elapsed < STALL_S + 5, elapsed  # the stall bound, 2 s of grace, the poll
+        assert "stopped answering" in out, out[-3000:]
+    finally:
+        job.kill()
+
+
+@pytest.mark.slow  # two processes started and one killed: a minute
+def test_killing_process_1_while_idle_ends_process_0_at_the_default_flags():
+    # Nothing in flight to break: process 0's pings (every 5 s idle at the default
+    # heartbeat timeout of 100 s) find the loss, long before JAX's heartbeat check would
+    # abort it (SIGABRT after about 90 s, /health answering 200 until then).
+    job = start_job(heartbeat_s=None)
+    try:
+        time.sleep(2)
+        job.procs[1].kill()
+        t_kill = time.monotonic()
+        code = job.procs[0].wait(timeout=120)
+        elapsed = time.monotonic() - t_kill
+        out = job.output(0)
+        assert code == 1, (code, out[-3000:])
+        assert elapsed < 5 + 2 + 3, elapsed  # a ping's interval, the grace, slack
         assert "stopped answering" in out, out[-3000:]
     finally:
         job.kill()

@@ -2,9 +2,13 @@
 without breaking the collective, or hangs), served in this process over HTTP: process
 0's watchdog (`paxkv.serve.multihost.exit_when_failed`) ends the stream in flight with
 a 503 error event and `data: [DONE]` once the call has waited its bound, a request sent
-then is answered 503, and the process is told to exit 1 after the grace period.
-(Two real processes, one killed: tests/multidevice/test_multihost_serving.py, -m slow.)"""
+then is answered 503, and the process is told to exit 1 after the grace period. While
+nothing is served, the watchdog's pings find a process that died (the collective
+raises) or hangs (it waits) the same way, before JAX's heartbeat check would abort the
+process. (Two real processes, one killed: tests/multidevice/test_multihost_serving.py,
+-m slow.)"""
 
+import contextlib
 import json
 import queue
 import threading
@@ -26,28 +30,42 @@ STALL_S = 1.0
 GRACE_S = 0.5
 
 
+PING_S = 0.2
+
+
 class Collective:
     """Process 0's broadcast to processes that answer until `stuck` is set; then it
-    waits, as a collective whose peer is gone may, until `release` (then it raises)."""
+    waits, as a collective whose peer is gone may, until `release` (then it raises), or
+    with `broken` set raises at once (gloo: connection reset by the dead peer). Counts
+    the PING headers it sent."""
 
     def __init__(self) -> None:
         self.stuck = threading.Event()
+        self.broken = threading.Event()
         self.release = threading.Event()
+        self.pings = 0
 
     def __call__(self, x):
+        if self.broken.is_set():
+            raise RuntimeError("Connection reset by peer")
         if self.stuck.is_set():
             self.release.wait()
             raise RuntimeError("the collective broke")
+        if len(x) == mh.HEADER_WORDS and x[0] == mh.MAGIC and x[1] == mh.Command.PING:
+            self.pings += 1
         return np.array(x)
 
 
-def test_a_stuck_device_call_ends_the_stream_with_503_and_exits_1():
+@contextlib.contextmanager
+def leader_server(collective: Collective):
+    """Process 0's server over `collective`, its watchdog on (stall `STALL_S`, pings after
+    `PING_S` idle, grace `GRACE_S`): (its base URL, the queue of the watchdog's exits as
+    (status, message, time))."""
     from paxkv.serve import multihost
     from paxkv.serve.app import ServerState, bind, build_app
     from paxkv.serve.replicas import ReplicaSet
     from paxkv.text import chat
 
-    collective = Collective()
     engine = Engine(
         None, CONFIG, runner=lambda c: mh.LeaderRunner(FakeRunner(256, c), mh.Channel(collective))
     )
@@ -65,17 +83,27 @@ def test_a_stuck_device_call_ends_the_stream_with_503_and_exits_1():
         front,
         engine,
         stall_s=STALL_S,
+        ping_every_s=PING_S,
         grace_s=GRACE_S,
         on_exit=lambda status, message: exits.put((status, message, time.monotonic())),
     )
     sock = bind("127.0.0.1", 0)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         while not server.started:
             time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", exits
+    finally:
+        collective.release.set()  # the stepping thread's call raises; shutdown can join it
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_a_stuck_device_call_ends_the_stream_with_503_and_exits_1():
+    collective = Collective()
+    with leader_server(collective) as (base, exits):
         body = {"prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
@@ -99,7 +127,27 @@ def test_a_stuck_device_call_ends_the_stream_with_503_and_exits_1():
         status, message, t_exit = exits.get(timeout=10)
         assert status == 1 and "stopped answering" in message
         assert STALL_S + GRACE_S <= t_exit - t_stuck < STALL_S + GRACE_S + 2.0
-    finally:
-        collective.release.set()  # the stepping thread's call raises; shutdown can join it
-        server.should_exit = True
-        thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("failure", ["broken", "stuck"])
+def test_a_process_lost_while_idle_is_found_by_a_ping_and_the_server_exits_1(failure):
+    collective = Collective()
+    with leader_server(collective) as (base, exits):
+        deadline = time.monotonic() + 10
+        while collective.pings < 2:  # idle: pings go out, and answered they change nothing
+            assert time.monotonic() < deadline, "no ping was sent"
+            time.sleep(0.05)
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        assert exits.empty()
+        getattr(collective, failure).set()
+        t_lost = time.monotonic()
+        status, message, t_exit = exits.get(timeout=10)
+        assert status == 1 and "stopped answering" in message
+        # Found by the next ping (at most PING_S away) at once when it raises, or when it
+        # has waited STALL_S; then the grace period.
+        bound = PING_S + (0 if failure == "broken" else STALL_S) + GRACE_S
+        assert t_exit - t_lost < bound + 1.5, t_exit - t_lost
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 503
+        body = {"prompt": [1, 2, 3], "max_tokens": 4}
+        again = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert again.status_code == 503, again.text
