@@ -129,6 +129,33 @@ def test_bad_trees_change_nothing(tiny):
     assert _tokens(_run(engine, tag="b")) == before
 
 
+def _pointers(tree) -> set[int]:
+    return {x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_device_arrays_in_place_are_copied_or_held_and_checked_either_way(tiny, new_weights, copy):
+    # A trainer's arrays, already in the engine's shardings: copied and checked in one
+    # program (copy=True), or held as they are and checked (copy=False).
+    _, model, _ = tiny
+    params, expected = new_weights
+    engine = Engine(model, small_config(64))
+    on_device = jax.device_put(params, jax.devices()[0])
+    nan = jax.tree.map(lambda x: x, on_device)
+    nan["layers"][1]["mlp"]["up_proj"]["kernel"] = on_device["layers"][1]["mlp"]["up_proj"][
+        "kernel"
+    ].at[3, 4].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.kernel holds non-finite"):
+        engine.update_weights(nan, copy=copy)
+    assert engine.weight_version == 0
+    engine.update_weights(on_device, copy=copy)
+    held = _pointers(on_device) & _pointers(nnx.state(engine.runner.params, nnx.Param))
+    assert len(held) == (0 if copy else len(jax.tree.leaves(on_device)))
+    if copy:  # the engine's weights are its own: the trainer may delete or donate its arrays
+        jax.tree.map(lambda x: x.delete(), on_device)
+    assert _tokens(_run(engine)) == expected
+
+
 def test_scanned_model_takes_stacked_and_per_layer_trees(tiny):
     _, model, _ = tiny
     params = _perturbed(model)  # per layer: the tiny preset holds its layers one by one
