@@ -142,9 +142,9 @@ def test_device_arrays_in_place_are_copied_or_held_and_checked_either_way(tiny, 
     engine = Engine(model, small_config(64))
     on_device = jax.device_put(params, jax.devices()[0])
     nan = jax.tree.map(lambda x: x, on_device)
-    nan["layers"][1]["mlp"]["up_proj"]["kernel"] = on_device["layers"][1]["mlp"]["up_proj"][
-        "kernel"
-    ].at[3, 4].set(jnp.nan)
+    nan["layers"][1]["mlp"]["up_proj"]["kernel"] = (
+        on_device["layers"][1]["mlp"]["up_proj"]["kernel"].at[3, 4].set(jnp.nan)
+    )
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.kernel holds non-finite"):
         engine.update_weights(nan, copy=copy)
     assert engine.weight_version == 0
