@@ -320,9 +320,10 @@ class CompletionOutput:
     """One completion of a request (`RequestOutput.outputs[i]`).
 
     With `SamplingParams.logprobs=k`, `logprobs[i]` maps token ids to their `Logprob` at
-    output position i: the k most likely and the chosen token `token_ids[i]`; and
-    `cumulative_logprob` is the sum of the chosen tokens' log-probabilities (of all the
-    tokens so far, in delta outputs too). Both are None without it.
+    output position i: the k most likely and the chosen token `token_ids[i]`; the chosen
+    tokens' log-probabilities alone are `token_logprobs` (a list) and `logprobs_array`
+    (f32[len(token_ids)], what an RL trainer takes); and `cumulative_logprob` is their sum
+    (of all the tokens so far, in delta outputs too). All are None without it.
 
     In a delta output (`RequestOutputKind.DELTA`) `token_ids`, `text` and `logprobs`
     hold only what is new since the previous output. `stop_reason` says which stop
@@ -359,6 +360,15 @@ class CompletionOutput:
             return None
         return [d[t].logprob for d, t in zip(self.logprobs, self.token_ids, strict=True)]
 
+    @property
+    def logprobs_array(self) -> np.ndarray | None:
+        """f32[len(token_ids)]: `token_logprobs` as an array, entry i the log-probability
+        of `token_ids[i]` (the engine's values are f32, so exactly those of `logprobs`);
+        None without `SamplingParams.logprobs`. A delta output's holds its new tokens
+        only: a completion's deltas concatenate to its cumulative array."""
+        chosen = self.token_logprobs
+        return None if chosen is None else np.array(chosen, np.float32)
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -387,9 +397,11 @@ class RequestOutput:
     # With `SamplingParams.prompt_logprobs` (once the prefill has run): per prompt
     # position, None for the first (and, for a score request, for the prompt before
     # the scored completion), then {token id: Logprob} holding the actual token and
-    # the top-k. `scores` holds the actual tokens' logprobs of the scored positions
-    # alone (f32[num scored]: every position after the first, or a score request's
-    # completion tokens, `Engine.add_score_request`).
+    # the top-k. `scores` is its array form: the actual tokens' logprobs of the scored
+    # positions alone, which are the last ones, f32[num scored] (every position after
+    # the first, f32[len(prompt_token_ids) - 1]; or a score request's completion
+    # tokens, `Engine.add_score_request`). In a delta output both come once, in the
+    # first output after the prefill.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     scores: np.ndarray | None = None
 
