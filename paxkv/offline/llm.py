@@ -117,18 +117,74 @@ class LLM:
         )
         config = _engine_config(config or default_engine_config(model_config, seed), engine_kwargs)
         draft = _draft_model(models, config, tokenizer, dtype=dtype, seed=seed, mesh=mesh)
-        self.engine = Engine(module, config, tokenizer=tokenizer, mesh=mesh, draft_model=draft)
-        self._model_config = model_config  # what checkpoints for `update_weights` must match
-        self._request_ids = itertools.count()
-        # Each live call's outputs, kept for it while another call steps the engine.
-        self._router = CallMailboxes(self.engine, pause_timeout_s)
         # Where `chat` finds the chat template: the checkpoint's directory (none for presets).
         name = os.fspath(model)
-        self._checkpoint_dir = (
+        checkpoint_dir = (
             None
             if name in models.PRESETS
             else models.CHECKPOINTS.get(name, name if os.path.isdir(name) else None)
         )
+        self._start(
+            Engine(module, config, tokenizer=tokenizer, mesh=mesh, draft_model=draft),
+            model_config,
+            checkpoint_dir=checkpoint_dir,
+            warmup=warmup,
+            pause_timeout_s=pause_timeout_s,
+        )
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nnx.Module,
+        *,
+        tokenizer: Any = None,
+        mesh: Any = None,
+        config: EngineConfig | None = None,
+        warmup: bool | str = True,
+        cache_dir: str | None = None,
+        pause_timeout_s: float | None = None,
+        **engine_kwargs: Any,
+    ) -> LLM:
+        """An `LLM` serving `model`, an NNX causal LM already built (e.g.
+        `paxkv.models.init_model(config)` holding a trainer's weights; see `Engine` for
+        what it must offer), with `tokenizer` (`encode`, `decode`; None: token ids only).
+        The engine holds `model`'s arrays as they are, placed on `mesh` (None: one
+        device); the other arguments are `LLM`'s."""
+        if warmup not in WARMUP_MODES or not isinstance(warmup, bool | str):
+            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
+        _check_engine_kwargs(engine_kwargs)
+        if cache_dir is not None:
+            compile_cache.enable(os.fspath(cache_dir))
+        mesh = mesh if mesh is not None else shardings.default_mesh()
+        model_config = model.config
+        config = _engine_config(config or default_engine_config(model_config), engine_kwargs)
+        llm = cls.__new__(cls)
+        llm._start(
+            Engine(model, config, tokenizer=tokenizer, mesh=mesh),
+            model_config,
+            checkpoint_dir=None,
+            warmup=warmup,
+            pause_timeout_s=pause_timeout_s,
+        )
+        return llm
+
+    def _start(
+        self,
+        engine: Engine,
+        model_config: Any,
+        *,
+        checkpoint_dir: str | None,
+        warmup: bool | str,
+        pause_timeout_s: float | None,
+    ) -> None:
+        if pause_timeout_s is not None and check_float("pause_timeout_s", pause_timeout_s) < 0:
+            raise ValueError(f"pause_timeout_s={pause_timeout_s} must be >= 0 (None: no limit)")
+        self.engine = engine
+        self._model_config = model_config  # what checkpoints for `update_weights` must match
+        self._request_ids = itertools.count()
+        # Each live call's outputs, kept for it while another call steps the engine.
+        self._router = CallMailboxes(self.engine, pause_timeout_s)
+        self._checkpoint_dir = checkpoint_dir
         self._tokenizer_config_file = models.TOKENIZER_CONFIG_FILE
         if warmup:
             self._warm_up(background=warmup in (True, "background"))
@@ -303,6 +359,17 @@ class LLM:
             weights = read_params(os.fspath(weights), self._model_config, self.engine.mesh)
             copy = False  # the loaded arrays are the engine's alone
         return self.engine.update_weights(weights, policy=policy, copy=copy)
+
+    def get_weights(self) -> dict[str, Any]:
+        """The parameters the engine steps with, as a nested dict in the model's layout
+        (`nnx.to_pure_dict(nnx.state(model, nnx.Param))`'s), without a copy: each leaf
+        is the engine's own array, so read it (a trainer's reference forward, a
+        checkpoint) but never delete or donate it. After `update_weights` the dict holds
+        the old arrays: call again. On a mesh whose model axis exceeds the KV heads the
+        K/V projections come as the engine holds them, repeated."""
+        params = self.engine.runner.params
+        kept = [(p, v) for p, v in nnx.to_flat_state(params) if isinstance(v, nnx.Param)]
+        return nnx.to_pure_dict(nnx.from_flat_state(kept))
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters (see `Engine.stats`)."""
