@@ -29,7 +29,7 @@ import jax
 from absl import logging
 from flax import nnx
 
-from paxkv.engine import compile_cache
+from paxkv.engine import compile_cache, sleep
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
@@ -150,7 +150,8 @@ class Engine:
             num_decode_steps=config.num_decode_steps,
             routed_experts=self.routed_experts,
         )
-        self.paused = False  # `pause`: `step` then does nothing
+        self._paused = False  # `pause`: `step` then does nothing
+        self._asleep: sleep.Asleep | None = None  # `sleep`: the same, its memory freed
         self._resumed = threading.Condition()  # `wait_resumed` waits on it
         # Held by every call that changes the engine (module docstring, "Threads").
         self.lock = threading.RLock()
@@ -187,18 +188,69 @@ class Engine:
         """How many times `update_weights` has installed new weights (0: the model's)."""
         return self._weights.version
 
+    @property
+    def paused(self) -> bool:
+        """Whether `step` runs nothing: paused (`pause`) or asleep (`sleep`)."""
+        return self._paused or self._asleep is not None
+
+    @property
+    def asleep(self) -> int:
+        """The level of the `sleep` the engine is in; 0 when awake."""
+        return 0 if self._asleep is None else self._asleep.level
+
     def pause(self) -> None:
         """Stops scheduling between steps: `step` returns [] and runs nothing until
         `resume`. Requests can still be added and aborted, and weights updated. A loop
         that steps the engine waits in `wait_resumed`, not spinning."""
         with self._resumed:
-            self.paused = True
+            self._paused = True
 
     def resume(self) -> None:
         """Restarts the scheduling `pause` stopped, waking those in `wait_resumed`."""
         with self._resumed:
-            self.paused = False
+            self._paused = False
             self._resumed.notify_all()
+
+    @_locked
+    def sleep(
+        self, level: int = 1, *, weights: str = "host", requests: str = "wait"
+    ) -> dict[str, float]:
+        """Frees the engine's device memory until `wake_up` (`paxkv.engine.sleep`):
+        level 1 the KV pool (the prefix cache forgotten), level 2 the parameters too,
+        copied to host memory (`weights="host"`) or dropped (`"drop"`: `update_weights`
+        before waking). Running sequences are preempted (they recompute after waking);
+        requests submitted while asleep wait for the wake-up, or with
+        `requests="refuse"` are refused. Returns {"released_bytes", "seconds"}.
+        ValueError, changing nothing, for a bad argument or an engine already asleep."""
+        sleep.check(level, weights, requests)
+        if self._asleep is not None:
+            raise ValueError(f"the engine is asleep already (level {self.asleep}): wake_up() first")
+        timer = sleep.Timer()
+        self.endings.defer(self._stepper.drain())  # the step in flight, reported next step
+        self.scheduler.preempt_all()
+        self.scheduler.kv_cache_manager.prefix_cache.forget_all()
+        freed, host = self.runner.release(weights if level == 2 else None)
+        self._asleep = sleep.Asleep(
+            level, weights if level == 2 else None, requests, host, released_bytes=freed
+        )
+        logging.info("paxkv: asleep (level %d): %.1f MiB released", level, freed / 2**20)
+        return {"released_bytes": freed, "seconds": timer.seconds()}
+
+    @_locked
+    def wake_up(self) -> dict[str, float]:
+        """Places back what `sleep` freed, in the same shardings (nothing recompiles),
+        and resumes stepping; returns {"restored_bytes", "seconds"}. ValueError, the
+        engine staying asleep, when `sleep(level=2, weights="drop")` dropped weights no
+        `update_weights` replaced; a no-op when awake."""
+        if self._asleep is None:
+            return {"restored_bytes": 0, "seconds": 0.0}
+        timer = sleep.Timer()
+        placed = self.runner.restore(self._asleep.host_params)
+        with self._resumed:
+            self._asleep = None
+            self._resumed.notify_all()
+        logging.info("paxkv: awake: %.1f MiB placed", placed / 2**20)
+        return {"restored_bytes": placed, "seconds": timer.seconds()}
 
     def wait_resumed(self, timeout: float | None = None) -> bool:
         """Blocks, without using the CPU, while the engine is paused, until `resume` or
@@ -240,6 +292,7 @@ class Engine:
         different `cache_salt` never share prefix-cache pages. An id may be used again
         once its request's final output was reported (an aborted one's: by `step`).
         """
+        self.check_accepting()
         if self.endings.is_pending(request_id):
             raise ValueError(
                 f"request_id={request_id!r} was aborted and its final output is not yet "
@@ -254,6 +307,15 @@ class Engine:
             cache_salt=self.routed_experts.cache_salt(request_id, params, cache_salt),
         )
         return self._queue(self.routed_experts.add(req))
+
+    def check_accepting(self) -> None:
+        """Raises `EngineAsleep` while the engine sleeps refusing requests
+        (`sleep(requests="refuse")`); nothing otherwise."""
+        if self._asleep is not None and self._asleep.requests == "refuse":
+            raise sleep.EngineAsleep(
+                f"the engine is asleep (sleep(level={self.asleep}, requests='refuse')): "
+                "requests are refused until wake_up()"
+            )
 
     def _queue(self, req: Request) -> str:
         self.metrics.on_arrival(req.arrival_time)
@@ -276,6 +338,7 @@ class Engine:
         id. Its output (nothing generated, finish reason "length") has `scores`, each
         completion token's logprob (f32[len(completion)]); the prompt part may come from
         the prefix cache. ValueError rejects it (`RequestRegistry.create_score`)."""
+        self.check_accepting()
         ids = (prompt_token_ids, completion_token_ids)
         req = self.requests.create_score(
             request_id, *ids, top_logprobs=top_logprobs, priority=priority
@@ -301,7 +364,10 @@ class Engine:
         The dict is in the order the requests ended (aborted ones included).
         """
         if self.paused and self.has_unfinished():
-            raise RuntimeError("the engine is paused: resume() it before running it")
+            raise RuntimeError(
+                f"the engine is {'asleep' if self.asleep else 'paused'}: "
+                f"{'wake_up' if self.asleep else 'resume'}() it before running it"
+            )
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

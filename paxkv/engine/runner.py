@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from paxkv.engine import sleep
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.device import step as steps
@@ -94,6 +95,17 @@ class StepRunner:
         """After a call that raised: whether the KV cache was lost (donated to a call
         whose result never came back), in which case a new, empty one replaces it."""
         return False
+
+    def release(self, weights: str | None) -> tuple[int, Any]:
+        """Frees the device memory of the KV cache and, with `weights` ("host": copied
+        to host memory first; "drop"), of the parameters (`paxkv.engine.sleep`); the
+        bytes freed and the host copy for `restore`. Here: nothing to free."""
+        return 0, None
+
+    def restore(self, host: Any) -> int:
+        """Places back what `release` freed (the parameters from `host` unless new ones
+        came since), in the same shardings; the bytes placed."""
+        return 0
 
 
 class ModelRunner(StepRunner):
@@ -177,6 +189,30 @@ class ModelRunner(StepRunner):
         Whether it did."""
         lost = self.draft is not None and self.draft.restore_cache()
         return self.target.restore_cache() or lost
+
+    def release(self, weights: str | None) -> tuple[int, Any]:
+        """The caches (the draft model's too) freed, and with `weights` the target's
+        parameters (`StepRunner.release`)."""
+        freed = sleep.release_arrays(self.target.cache)
+        if self.draft is not None:
+            freed += sleep.release_arrays(self.draft.cache)
+        host = None
+        if weights is not None:
+            self.target.params, host, params_freed = sleep.offload_params(
+                self.target.params, keep=weights == "host"
+            )
+            freed += params_freed()
+        return freed, host
+
+    def restore(self, host: Any) -> int:
+        """The parameters, then new empty caches, in their shardings (`StepRunner.restore`);
+        raises ValueError, placing nothing, for weights dropped and not replaced."""
+        self.target.params, placed = sleep.restore_params(self.target.params, host)
+        self.restore_cache()
+        placed += sum(a.nbytes for a in jax.tree.leaves(self.target.cache))
+        if self.draft is not None:
+            placed += sum(a.nbytes for a in jax.tree.leaves(self.draft.cache))
+        return placed
 
     @property
     def num_compilations(self) -> int:

@@ -45,9 +45,10 @@ def prompt_ids(
         if tokenizer is None:
             raise ValueError(
                 "a string prompt needs a tokenizer, and the engine has none: pass "
-                "Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir)) (LLM "
-                "reads a checkpoint's tokenizer.json with the tokenizers package: pip "
-                "install -e '.[tokenizers]'), or {'prompt_token_ids': [...]} instead"
+                "tokenizer= to Engine(...) or LLM.from_model(...) (e.g. "
+                "paxkv.models.load_tokenizer(checkpoint_dir); LLM reads a checkpoint's "
+                "tokenizer.json with the tokenizers package: pip install -e "
+                "'.[tokenizers]'), or {'prompt_token_ids': [...]} instead"
             )
         ids = list(tokenizer.encode(text))
     if not ids:

@@ -126,6 +126,11 @@ class PrefixCache:
         every cached page: none computed under other weights is matched again, and they
         are the first reused (plain free pages)."""
         self.weight_version = version
+        self.forget_all()
+
+    def forget_all(self) -> None:
+        """Uncaches every cached page (they become plain free pages): their K/V is gone
+        or stale."""
         self.pool.uncache_all()
         self._first_tokens.clear()
 

@@ -139,6 +139,7 @@ class LLM:
         *,
         tokenizer: Any = None,
         mesh: Any = None,
+        draft_model: nnx.Module | None = None,
         config: EngineConfig | None = None,
         warmup: bool | str = True,
         cache_dir: str | None = None,
@@ -152,7 +153,11 @@ class LLM:
         device); the other arguments are `LLM`'s."""
         if warmup not in WARMUP_MODES or not isinstance(warmup, bool | str):
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
-        _check_engine_kwargs(engine_kwargs)
+        if pause_timeout_s is not None and check_float("pause_timeout_s", pause_timeout_s) < 0:
+            raise ValueError(f"pause_timeout_s={pause_timeout_s} must be >= 0 (None: no limit)")
+        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+            raise TypeError(f"cache_dir must be a path or 'off', got {cache_dir!r}")
+        _check_engine_kwargs(engine_kwargs, "LLM.from_model()")
         if cache_dir is not None:
             compile_cache.enable(os.fspath(cache_dir))
         mesh = mesh if mesh is not None else shardings.default_mesh()
@@ -160,7 +165,7 @@ class LLM:
         config = _engine_config(config or default_engine_config(model_config), engine_kwargs)
         llm = cls.__new__(cls)
         llm._start(
-            Engine(model, config, tokenizer=tokenizer, mesh=mesh),
+            Engine(model, config, tokenizer=tokenizer, mesh=mesh, draft_model=draft_model),
             model_config,
             checkpoint_dir=None,
             warmup=warmup,
@@ -188,6 +193,13 @@ class LLM:
         self._tokenizer_config_file = models.TOKENIZER_CONFIG_FILE
         if warmup:
             self._warm_up(background=warmup in (True, "background"))
+
+    def _check_runnable(self) -> None:
+        """A call may start: RuntimeError while paused (no one would resume it), the
+        engine's `EngineAsleep` while it sleeps refusing requests."""
+        if self.engine.paused and not self.engine.asleep:
+            raise RuntimeError("the engine is paused: engine.resume() it first")
+        self.engine.check_accepting()
 
     def _warm_up(self, *, background: bool) -> None:
         bar = tqdm(desc="Compiling step programs", unit="program")
@@ -322,8 +334,7 @@ class LLM:
         """
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
-        if self.engine.paused:
-            raise RuntimeError("the engine is paused: engine.resume() it first")
+        self._check_runnable()
         tok = self.engine.tokenizer
         pairs = [
             (_token_ids(tok, "prompts", i, p), _token_ids(tok, "completions", i, c))
@@ -360,15 +371,34 @@ class LLM:
             copy = False  # the loaded arrays are the engine's alone
         return self.engine.update_weights(weights, policy=policy, copy=copy)
 
+    def sleep(self, level: int = 1, *, weights: str = "host", requests: str = "wait") -> dict:
+        """Frees the engine's device memory until `wake_up` (`Engine.sleep`: level 1 the
+        KV pool, level 2 the weights too, to host memory or dropped); calls made while
+        asleep wait for the wake-up, or with `requests="refuse"` raise `EngineAsleep`.
+        Returns {"released_bytes", "seconds"}."""
+        return self.engine.sleep(level, weights=weights, requests=requests)
+
+    def wake_up(self) -> dict:
+        """Places back what `sleep` freed, in the same shardings, and serves again
+        (`Engine.wake_up`); returns {"restored_bytes", "seconds"}."""
+        return self.engine.wake_up()
+
     def get_weights(self) -> dict[str, Any]:
         """The parameters the engine steps with, as a nested dict in the model's layout
-        (`nnx.to_pure_dict(nnx.state(model, nnx.Param))`'s), without a copy: each leaf
-        is the engine's own array, so read it (a trainer's reference forward, a
-        checkpoint) but never delete or donate it. After `update_weights` the dict holds
-        the old arrays: call again. On a mesh whose model axis exceeds the KV heads the
-        K/V projections come as the engine holds them, repeated."""
-        params = self.engine.runner.params
-        kept = [(p, v) for p, v in nnx.to_flat_state(params) if isinstance(v, nnx.Param)]
+        (`nnx.to_pure_dict(nnx.state(model, nnx.Param))`'s; what `update_weights` takes),
+        without a copy: each leaf is the engine's own array, so read it (a trainer's
+        reference forward, a checkpoint) but never delete or donate it. After
+        `update_weights` the dict holds the old arrays: call again. On a mesh whose
+        model axis outnumbers the KV heads, the engine holds each K/V head repeated;
+        those projections come back as the model holds them (new arrays, sliced)."""
+        runner = self.engine.runner
+        factor = getattr(getattr(runner, "param_source", None), "kv_head_factor", 1)
+        head_dim = getattr(self._model_config, "head_dim", None)
+        kept = [
+            (p, v.replace(_one_kv_head_each(p, v.get_value(), factor, head_dim)))
+            for p, v in nnx.to_flat_state(runner.params)
+            if isinstance(v, nnx.Param)
+        ]
         return nnx.to_pure_dict(nnx.from_flat_state(kept))
 
     def stats(self) -> dict[str, Any]:
@@ -409,8 +439,7 @@ class LLM:
         all; returns their ids, params and the box their outputs are filed in from the
         start (`CallMailboxes.open`). `output_kind` replaces the params' own (on copies:
         the caller's are not changed)."""
-        if self.engine.paused:
-            raise RuntimeError("the engine is paused: engine.resume() it first")
+        self._check_runnable()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -558,11 +587,22 @@ def _draft_model(
     return draft
 
 
-def _check_engine_kwargs(engine_kwargs: dict[str, Any]) -> None:
+def _one_kv_head_each(path: tuple, x: Any, factor: int, head_dim: int | None) -> Any:
+    """A K/V projection leaf (`self_attn.{k,v}_proj.{kernel,bias}`) whose heads the
+    engine repeated `factor` times (`duplicate_kv_heads`), with one of each; any other
+    leaf as it is."""
+    names = [str(k) for k in path]
+    if factor == 1 or names[-1] not in ("kernel", "bias") or names[-2] not in ("k_proj", "v_proj"):
+        return x
+    heads = x.reshape(*x.shape[:-1], -1, head_dim)  # [..., Hkv * factor, D]
+    return heads[..., ::factor, :].reshape(*x.shape[:-1], -1)
+
+
+def _check_engine_kwargs(engine_kwargs: dict[str, Any], caller: str = "LLM()") -> None:
     """TypeError naming any argument that is not an `EngineConfig` field."""
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(engine_kwargs) - known)
     if unknown:
         raise TypeError(
-            f"LLM() got unknown arguments {unknown}; engine options are {sorted(known)}"
+            f"{caller} got unknown arguments {unknown}; engine options are {sorted(known)}"
         )
