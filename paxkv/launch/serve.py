@@ -80,6 +80,13 @@ _ROUTER = flags.DEFINE_enum(
     "replica sent the longest run of its leading pages before, unless busier than the "
     "least loaded by a batch (then the least loaded); round_robin: in turn.",
 )
+_ENABLE_SLEEP_MODE = flags.DEFINE_bool(
+    "enable_sleep_mode",
+    False,
+    "Serve POST /sleep?level=1|2 (free the KV pool; 2: the weights too), POST /wake_up "
+    "and GET /is_sleeping, as vLLM's, for RL that shares the devices with a trainer; "
+    "off: they answer 404. Anyone who can reach the server can stop it serving.",
+)
 _SHUTDOWN_GRACE_S = flags.DEFINE_float(
     "shutdown_grace_s", 30.0, "Seconds requests in flight may run on after SIGTERM.", lower_bound=0
 )
@@ -108,6 +115,11 @@ def main(argv: list[str]) -> None:
         _check_chat_template_flag()
         meshes = launch_flags.replica_meshes(launch_flags.init_runtime(replicas=True))
         role = multihost.role(meshes)
+        if role != "alone" and _ENABLE_SLEEP_MODE.value:
+            raise ValueError(
+                "--enable_sleep_mode needs each replica in one process, not across "
+                "--jax_distributed processes"
+            )
         if role != "follower" and sock is None:
             sock = bind(_HOST.value, _PORT.value)
         setup = launch_flags.serving_setup()
@@ -142,6 +154,7 @@ def main(argv: list[str]) -> None:
             max_n=_MAX_N.value, trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value
         ),
         expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
+        enable_sleep_mode=_ENABLE_SLEEP_MODE.value,
         on_shutdown=None if channel is None else lambda: multihost.stop_followers(engine),
     )
     if channel is not None:

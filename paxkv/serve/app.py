@@ -5,15 +5,17 @@
     GET  /v1/models             the served model
     GET  /health                200 once the engine is warm and stepping, else 503
     GET  /metrics               Prometheus text (`paxkv.engine.metrics.PrometheusCollector`)
+    POST /sleep, /wake_up       with `enable_sleep_mode` only: free the engines' device
+    GET  /is_sleeping           memory and take it back (`Engine.sleep`), as vLLM's
 
 Streaming responses are server-sent events (`data: {chunk}` lines) ending with
 `data: [DONE]`. Errors are OpenAI's error objects (`protocol.ApiError`): 400 naming the
 field for a bad request or one past the server's `protocol.Limits`, 413 for a body
 past its size limit, 404 for another model's name or an unknown path, 429 when the
 server holds as many sequences as it may, 503 once the engine is shutting down or has
-failed (and to the requests still in flight when the shutdown grace period ends:
-streams get it as their last event before `[DONE]`). A client that disconnects aborts
-its requests, and their pages return to the pool.
+failed, or sleeps refusing requests (and to the requests still in flight when the
+shutdown grace period ends: streams get it as their last event before `[DONE]`). A
+client that disconnects aborts its requests, and their pages return to the pool.
 
 Parsing, tokenizing and chat-template rendering run in worker threads, never on the
 event loop or the engine's stepping thread. Requests with a `cache_salt` share cached
@@ -48,6 +50,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from paxkv.engine import sleep
 from paxkv.engine.metrics import PrometheusCollector
 from paxkv.serve import protocol, responses
 from paxkv.serve.frontend import EngineDead, QueueFull, Submission
@@ -74,6 +77,7 @@ class ServerState:
     metrics_prefix: str = "paxkv"  # "vllm" makes /metrics read as vLLM's for its dashboards
     limits: protocol.Limits = dataclasses.field(default_factory=protocol.Limits)
     expose_prefix_cache_metrics: bool = False  # see PREFIX_CACHE_STATS
+    enable_sleep_mode: bool = False  # serve /sleep, /wake_up and /is_sleeping
     # Called once the engines have stopped, at shutdown (a replica across processes
     # stops the other processes).
     on_shutdown: Callable[[], None] | None = None
@@ -100,6 +104,12 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health", _api(state, _health), methods=["GET"]),
         Route("/metrics", _api(state, _metrics), methods=["GET"]),
     ]
+    if state.enable_sleep_mode:
+        routes += [
+            Route("/sleep", _api(state, _sleep), methods=["POST"]),
+            Route("/wake_up", _api(state, _wake_up), methods=["POST"]),
+            Route("/is_sleeping", _api(state, _is_sleeping), methods=["GET"]),
+        ]
     return Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
     )
@@ -184,7 +194,7 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
             return _error(e)
         except QueueFull as e:
             return _error(ApiError(429, str(e), code="too_many_requests"))
-        except EngineDead as e:
+        except (EngineDead, sleep.EngineAsleep) as e:
             return _error(ApiError(503, str(e)))
         except ClientDisconnect:  # it left while sending its body: nobody to answer
             return _error(ApiError(499, "the client disconnected"))
@@ -473,8 +483,75 @@ async def _health(state: ServerState, request: Request) -> Response:
     return Response(status_code=200)
 
 
+# /sleep's query parameters and their choices (`paxkv.engine.sleep`); `level` an int.
+_SLEEP_PARAMS = {"level": sleep.LEVELS, "weights": sleep.WEIGHTS, "requests": sleep.REQUESTS}
+
+
+async def _sleep(state: ServerState, request: Request) -> Response:
+    """`POST /sleep?level=1&weights=host&requests=wait` (the defaults): every replica's
+    engine frees its device memory (`Engine.sleep`). Answers {"released_bytes": over
+    the replicas, "seconds": the slowest replica's, "replicas": each replica's
+    `Engine.sleep` result, in order}; 400 naming a bad parameter, or when asleep already."""
+    query = request.query_params
+    for name in query:
+        if name not in _SLEEP_PARAMS:
+            raise ApiError(
+                400,
+                f"unknown query parameter {name}={query[name]!r}: /sleep takes {list(_SLEEP_PARAMS)}",
+                param=name,
+            )
+    args: dict[str, Any] = {"level": 1, "weights": "host", "requests": "wait"}
+    for name, choices in _SLEEP_PARAMS.items():
+        value = query.get(name)
+        if value is None:
+            continue
+        if name == "level":
+            with contextlib.suppress(ValueError):  # else named as it came
+                value = int(value)
+        if value not in choices:
+            raise ApiError(400, f"{name}={value!r} must be one of {choices}", param=name)
+        args[name] = value
+    try:
+        each = await state.front.sleep(
+            args["level"], weights=args["weights"], requests=args["requests"]
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return JSONResponse(
+        {
+            "released_bytes": sum(r["released_bytes"] for r in each),
+            "seconds": max((r["seconds"] for r in each), default=0.0),
+            "replicas": each,
+        }
+    )
+
+
+async def _wake_up(state: ServerState, request: Request) -> Response:
+    """`POST /wake_up`: every replica's engine takes its memory back (`Engine.wake_up`)
+    and the requests that waited run. Answers {"restored_bytes": over the replicas,
+    "seconds": the slowest replica's, "replicas": each one's result}; a no-op (zeros)
+    when awake; 400 when weights dropped by `sleep(weights="drop")` were not replaced.
+    Query parameters (vLLM's `tags`) are ignored: everything wakes."""
+    try:
+        each = await state.front.wake_up()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return JSONResponse(
+        {
+            "restored_bytes": sum(r["restored_bytes"] for r in each),
+            "seconds": max((r["seconds"] for r in each), default=0.0),
+            "replicas": each,
+        }
+    )
+
+
+async def _is_sleeping(state: ServerState, request: Request) -> Response:
+    """`GET /is_sleeping`: {"is_sleeping": whether the engines sleep}."""
+    return JSONResponse({"is_sleeping": state.front.asleep})
+
+
 async def _metrics(state: ServerState, request: Request) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
     stats = await state.front.stats()
     registry = CollectorRegistry()
@@ -483,4 +560,10 @@ async def _metrics(state: ServerState, request: Request) -> Response:
         collector.COUNTERS = tuple(n for n in collector.COUNTERS if n not in PREFIX_CACHE_STATS)
         stats.pop("replicas", None)  # a replica's load tells where (so why) a prompt went
     registry.register(collector)
+    if state.enable_sleep_mode:
+        Gauge(
+            f"{state.metrics_prefix}:is_sleeping",
+            "Whether the engines sleep (POST /sleep), 1, or are awake, 0.",
+            registry=registry,
+        ).set(int(state.front.asleep))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,8 +4,8 @@ Everything that touches the engine (adding, aborting, stepping, reading its stat
 on one thread, the stepping thread, in the order asyncio code asked for it: callers send
 it commands through a queue, and it sends each request's delta outputs back to the
 event loop, into the queue of the HTTP request that submitted it. While requests are
-unfinished the thread steps without waiting; when none are, it sleeps on the command
-queue.
+unfinished the thread steps without waiting; when none are, or the engine is paused or
+asleep (`Engine.sleep`: `AsyncEngine.sleep`, `wake_up`), it waits on the command queue.
 
 The engine isolates what one request can break (its host work failing ends it with
 finish reason "abort" and `RequestOutput.error`). A step that raises anyway is a bug in
@@ -101,6 +101,7 @@ class AsyncEngine:
         self.max_unfinished = max_unfinished
         self.num_unfinished = 0  # sequences; read and written on the event loop only
         self.dead = False
+        self.asleep = 0  # the level of the engine's sleep (`sleep`); the event loop's
         # What the stepping thread runs next, in order: a function, and the future of its
         # result (None: nobody waits for it).
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future | None]] = (
@@ -192,6 +193,25 @@ class AsyncEngine:
         """The engine's stats (`Engine.stats`), read on the stepping thread."""
         return await self._call(self.engine.stats)
 
+    async def sleep(
+        self, level: int = 1, *, weights: str = "host", requests: str = "wait"
+    ) -> dict[str, float]:
+        """`Engine.sleep` on the stepping thread: {"released_bytes", "seconds"}. Until
+        `wake_up`, requests submitted are queued (`requests="wait"`) or refused with
+        `EngineAsleep` (`"refuse"`), and the stepping thread waits without stepping."""
+        result = await self._call(
+            lambda: self.engine.sleep(level, weights=weights, requests=requests)
+        )
+        self.asleep = level
+        return result
+
+    async def wake_up(self) -> dict[str, float]:
+        """`Engine.wake_up` on the stepping thread: {"restored_bytes", "seconds"}; the
+        queued requests then run. A no-op when awake."""
+        result = await self._call(self.engine.wake_up)
+        self.asleep = 0
+        return result
+
     async def close(self, timeout_s: float = 10.0) -> None:
         """Aborts what is unfinished, reports it, and stops the stepping thread."""
         if self._thread is None or not self._thread.is_alive():
@@ -231,9 +251,15 @@ class AsyncEngine:
         engine = self.engine
         try:
             while True:
-                busy = engine.has_unfinished()
+                unfinished = engine.has_unfinished()
                 try:
-                    command = self._commands.get(block=not busy)
+                    if unfinished and not engine.paused:
+                        command = self._commands.get_nowait()
+                    else:
+                        # Nothing to step, or a paused or sleeping engine that steps
+                        # nothing: wait for a command. With requests waiting, look again
+                        # now and then: `Engine.resume` may come from another thread.
+                        command = self._commands.get(timeout=_PAUSED_POLL_S if unfinished else None)
                     while True:
                         _run_command(*command)
                         command = self._commands.get_nowait()
@@ -242,7 +268,7 @@ class AsyncEngine:
                 except _Stop:
                     self._step_until_done()
                     return
-                if engine.has_unfinished():
+                if engine.has_unfinished() and not engine.paused:
                     self._deliver(engine.step())
         except Exception as e:
             logging.exception("paxkv-serve: the engine failed; failing every request in flight")
@@ -256,6 +282,9 @@ class AsyncEngine:
 
     def _step_until_done(self) -> None:
         while self.engine.has_unfinished():
+            if self.engine.paused:  # asleep: what is left never runs
+                self._fail_all(EngineDead("the server stopped while the engine was asleep"))
+                return
             self._deliver(self.engine.step())
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
@@ -297,6 +326,11 @@ class AsyncEngine:
                 group.outputs.put_nowait(error)
 
         self._loop.call_soon_threadsafe(fail)
+
+
+# How often a stepping thread with requests waiting looks whether its paused engine was
+# resumed from another thread; a wake-up sent as a command is seen at once.
+_PAUSED_POLL_S = 0.1
 
 
 def _run_command(fn: Callable[[], Any], future: Future | None) -> None:

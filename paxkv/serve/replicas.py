@@ -3,8 +3,9 @@
 Each replica is an `Engine` on its own slice of devices (one `paxkv.sharding`
 replica mesh) with its own stepping thread (`AsyncEngine`), scheduler, page pool and
 prefix cache. `ReplicaSet` offers the HTTP app what one `AsyncEngine` does (`submit`,
-`stats`, `start`, `close`, `end_in_flight`, `dead`) and sends each prompt of a request
-to the replica a router picks (`paxkv.serve.router`: prefix-aware by default).
+`stats`, `sleep`, `wake_up`, `start`, `close`, `end_in_flight`, `dead`) and sends each
+prompt of a request to the replica a router picks (`paxkv.serve.router`: prefix-aware by
+default).
 
 A replica that fails (its step raised: `AsyncEngine.dead`) takes no more requests, and
 its requests in flight are not lost: a request nothing of which has reached the client
@@ -25,7 +26,7 @@ from typing import Any
 
 from absl import logging
 
-from paxkv.engine import Engine
+from paxkv.engine import Engine, sleep
 from paxkv.engine.metrics import merge_stats
 from paxkv.host.request import RequestOutput
 from paxkv.serve.frontend import AsyncEngine, EngineDead, QueueFull, RequestGroup, Submission
@@ -210,6 +211,34 @@ class ReplicaSet:
             self.routed[replica][route.rule] += 1
         for replica, inner in placed:
             group.drain(replica, inner)
+
+    @property
+    def asleep(self) -> bool:
+        """Whether a replica's engine sleeps (`sleep`)."""
+        return any(f.asleep for f in self.fronts)
+
+    async def sleep(
+        self, level: int = 1, *, weights: str = "host", requests: str = "wait"
+    ) -> list[dict[str, float]]:
+        """Puts every live replica's engine to sleep (`AsyncEngine.sleep`); each one's
+        {"released_bytes", "seconds"}, in replica order. ValueError, none put to sleep,
+        for a bad argument or a replica asleep already."""
+        sleep.check(level, weights, requests)
+        if self.asleep:
+            levels = [f.asleep for f in self.fronts]
+            raise ValueError(f"the engine is asleep already (levels {levels}): wake_up first")
+        live = [f for f in self.fronts if not f.dead]
+        return list(
+            await asyncio.gather(
+                *(f.sleep(level, weights=weights, requests=requests) for f in live)
+            )
+        )
+
+    async def wake_up(self) -> list[dict[str, float]]:
+        """Wakes every live replica's engine (`AsyncEngine.wake_up`); each one's
+        {"restored_bytes", "seconds"}, in replica order (zeros for one awake)."""
+        live = [f for f in self.fronts if not f.dead]
+        return list(await asyncio.gather(*(f.wake_up() for f in live)))
 
     async def stats(self) -> dict[str, Any]:
         """The replicas' stats summed (`paxkv.engine.metrics.merge_stats`), with each replica's
