@@ -3,6 +3,8 @@
     POST /v1/completions        prompt text, token ids, or a list of either
     POST /v1/chat/completions   messages through the chat template
     GET  /v1/models             the served model
+    POST /tokenize, /detokenize the server's tokenizer, in vLLM's shapes
+    GET  /tokenizer_info        (`paxkv.serve.tokenize`)
     GET  /health                200 once the engine is warm and stepping, else 503
     GET  /metrics               Prometheus text (`paxkv.engine.metrics.PrometheusCollector`)
     POST /sleep, /wake_up       with `enable_sleep_mode` only: free the engines' device
@@ -52,7 +54,7 @@ from starlette.types import Receive, Scope, Send
 
 from paxkv.engine import sleep
 from paxkv.engine.metrics import PrometheusCollector
-from paxkv.serve import protocol, responses
+from paxkv.serve import protocol, responses, tokenize
 from paxkv.serve.frontend import EngineDead, QueueFull, Submission
 from paxkv.serve.protocol import ApiError
 from paxkv.serve.replicas import ReplicaSet, RoutedGroup
@@ -101,6 +103,9 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", _api(state, _completions), methods=["POST"]),
         Route("/v1/chat/completions", _api(state, _chat_completions), methods=["POST"]),
         Route("/v1/models", _api(state, _models), methods=["GET"]),
+        Route("/tokenize", _api(state, _tokenize), methods=["POST"]),
+        Route("/detokenize", _api(state, _detokenize), methods=["POST"]),
+        Route("/tokenizer_info", _api(state, _tokenizer_info), methods=["GET"]),
         Route("/health", _api(state, _health), methods=["GET"]),
         Route("/metrics", _api(state, _metrics), methods=["GET"]),
     ]
@@ -474,6 +479,36 @@ async def _models(state: ServerState, request: Request) -> Response:
                 }
             ],
         }
+    )
+
+
+async def _tokenize(state: ServerState, request: Request) -> Response:
+    body = await _json_body(request, state.limits)
+    protocol.check_model(body, state.model_name)
+    out = await asyncio.to_thread(
+        tokenize.tokenize,
+        body,
+        state.tokenizer,
+        state.chat_templates,
+        max_model_len=state.max_model_len,
+        limits=state.limits,
+    )
+    return JSONResponse(out)
+
+
+async def _detokenize(state: ServerState, request: Request) -> Response:
+    body = await _json_body(request, state.limits)
+    protocol.check_model(body, state.model_name)
+    vocab = state.front.engines[0].model_config.vocab_size
+    out = await asyncio.to_thread(tokenize.detokenize, body, state.tokenizer, vocab_size=vocab)
+    return JSONResponse(out)
+
+
+async def _tokenizer_info(state: ServerState, request: Request) -> Response:
+    return JSONResponse(
+        tokenize.tokenizer_info(
+            state.tokenizer, state.chat_templates, max_model_len=state.max_model_len
+        )
     )
 
 
