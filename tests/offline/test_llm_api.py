@@ -181,7 +181,8 @@ def test_chat_without_a_tokenizer_says_so(tmp_path):
     # A text prompt's error says how to give the engine one, by a name that exists.
     with pytest.raises(ValueError, match=r"pip install -e '.\[tokenizers\]'") as e:
         llm.generate("Hi", use_tqdm=False)
-    assert "Engine(..., tokenizer=paxkv.models.load_tokenizer(checkpoint_dir))" in str(e.value)
+    assert "tokenizer= to Engine(...) or LLM.from_model(...)" in str(e.value)
+    assert "paxkv.models.load_tokenizer(checkpoint_dir)" in str(e.value)
     import paxkv.models
 
     assert callable(paxkv.models.load_tokenizer)
