@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 ENGINE = {"num_pages": 256, "page_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64}
 MAX_MODEL_LEN = 128
 MAX_QUEUED = 24  # with max_num_seqs=8: 32 requests at once, more answered 429
-# A chat template for tiny-py, which ships none.
+# A chat template the tests know (it replaces the one tiny-py ships).
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
 
