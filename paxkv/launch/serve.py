@@ -80,6 +80,12 @@ _ROUTER = flags.DEFINE_enum(
     "replica sent the longest run of its leading pages before, unless busier than the "
     "least loaded by a batch (then the least loaded); round_robin: in turn.",
 )
+_API_KEY = flags.DEFINE_string(
+    "api_key",
+    None,
+    "Every request but /health and /metrics must send 'Authorization: Bearer <key>' "
+    "(401 otherwise). Unset: $PAXKV_API_KEY, else none needed.",
+)
 _ENABLE_SLEEP_MODE = flags.DEFINE_bool(
     "enable_sleep_mode",
     False,
@@ -155,6 +161,7 @@ def main(argv: list[str]) -> None:
         ),
         expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
         enable_sleep_mode=_ENABLE_SLEEP_MODE.value,
+        api_key=_API_KEY.value or os.environ.get("PAXKV_API_KEY") or None,
         on_shutdown=None if channel is None else lambda: multihost.stop_followers(engine),
     )
     if channel is not None:

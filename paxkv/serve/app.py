@@ -16,7 +16,8 @@ field for a bad request or one past the server's `protocol.Limits`, 413 for a bo
 past its size limit, 404 for another model's name or an unknown path, 429 when the
 server holds as many sequences as it may, 503 once the engine is shutting down or has
 failed, or sleeps refusing requests (and to the requests still in flight when the
-shutdown grace period ends: streams get it as their last event before `[DONE]`). A
+shutdown grace period ends: streams get it as their last event before `[DONE]`), and
+401 without the server's API key where it has one (every path but /health and /metrics). A
 client that disconnects aborts its requests, and their pages return to the pool.
 
 Parsing, tokenizing and chat-template rendering run in worker threads, never on the
@@ -37,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hmac
 import json
 import socket
 import time
@@ -63,6 +65,8 @@ from paxkv.text import chat
 # Stats that tell whether a prompt's prefix was cached (a hit computes fewer tokens, in
 # fewer steps): one client could learn from them what another sent.
 PREFIX_CACHE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_steps")
+# What a server with an API key answers without one (load balancers, Prometheus), as vLLM.
+OPEN_PATHS = ("/health", "/metrics")
 
 
 @dataclasses.dataclass
@@ -80,6 +84,8 @@ class ServerState:
     limits: protocol.Limits = dataclasses.field(default_factory=protocol.Limits)
     expose_prefix_cache_metrics: bool = False  # see PREFIX_CACHE_STATS
     enable_sleep_mode: bool = False  # serve /sleep, /wake_up and /is_sleeping
+    # With a key, every path but OPEN_PATHS needs `Authorization: Bearer <api_key>`.
+    api_key: str | None = None
     # Called once the engines have stopped, at shutdown (a replica across processes
     # stops the other processes).
     on_shutdown: Callable[[], None] | None = None
@@ -194,6 +200,8 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
     @functools.wraps(handler)
     async def endpoint(request: Request) -> Response:
         try:
+            if state.api_key is not None and request.url.path not in OPEN_PATHS:
+                _check_api_key(request, state.api_key)
             return await handler(state, request)
         except ApiError as e:
             return _error(e)
@@ -211,6 +219,20 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
             return _error(ApiError(500, f"{type(e).__name__}: {e}"))
 
     return endpoint
+
+
+def _check_api_key(request: Request, api_key: str) -> None:
+    """401 unless the request's `Authorization` is `Bearer <api_key>` (compared in
+    constant time: the comparison says nothing of how much of the key matched)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode("utf-8", "surrogateescape"), api_key.encode("utf-8")
+    ):
+        raise ApiError(
+            401,
+            "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
 
 
 class _AsciiJSON(JSONResponse):

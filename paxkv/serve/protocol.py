@@ -87,6 +87,7 @@ class ApiError(Exception):
 
     TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error",
+        401: "authentication_error",
         404: "not_found_error",
         405: "invalid_request_error",
         413: "invalid_request_error",
