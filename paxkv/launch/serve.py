@@ -188,7 +188,7 @@ def _check_chat_template_flag() -> None:
 
 def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
     """The checkpoint's chat `templates` (none for a config without one), with
-    `--chat_template` as the default when given, and messages that name the flag.
+    `--chat_template` as the default when given, and messages for HTTP clients.
 
     ValueError when there is a template and no jinja2 to render it: refused at start,
     not on every chat request.
@@ -208,7 +208,12 @@ def _chat_templates(templates: chat.ChatTemplates) -> chat.ChatTemplates:
             template_sandbox.require_jinja2()
         except ImportError as e:
             raise ValueError(f"{templates.source} has a chat template, and {e}") from None
-    return dataclasses.replace(templates, knob="--chat_template=")
+    # Their errors reach HTTP clients: no server path or flag in them (the start-up log
+    # says where the templates came from).
+    logging.info(
+        "paxkv-serve: chat templates %s from %s", sorted(templates.templates), templates.source
+    )
+    return dataclasses.replace(templates, source="the served model", knob="a chat_template ")
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -222,6 +222,14 @@ def sampling_params(
     else:
         default = COMPLETION_DEFAULT_MAX_TOKENS
     max_tokens = body.get(max_name)
+    if max_tokens is not None and _is_int(max_tokens) and max_tokens < (0 if echo else 1):
+        # In the API's terms, not SamplingParams' (its 0 means "score the prompt").
+        raise ApiError(
+            400,
+            f"{max_name}={max_tokens} must be at least 1"
+            + ("" if chat_request else " (0 only with echo=true: the prompt's logprobs alone)"),
+            param=max_name,
+        )
     kwargs["max_tokens"] = default if max_tokens is None else max_tokens
     if chat_request:
         wanted, top = body.get("logprobs"), body.get("top_logprobs")
