@@ -260,8 +260,7 @@ def sampling_params(
 
 
 def _echo(body: Mapping[str, Any], *, chat_request: bool) -> bool:
-    """Whether a completions request echoes its prompt (`echo`; not for chat, and not
-    streamed here)."""
+    """Whether a completions request echoes its prompt (`echo`; not for chat)."""
     echo = body.get("echo")
     if echo is None or echo is False:
         return False
@@ -269,8 +268,6 @@ def _echo(body: Mapping[str, Any], *, chat_request: bool) -> bool:
         raise ApiError(400, "echo is not supported by this server for chat", param="echo")
     if not isinstance(echo, bool):
         raise ApiError(400, f"echo must be a boolean, got {echo!r:.80}", param="echo")
-    if body.get("stream"):
-        raise ApiError(400, "echo with stream=true is not supported by this server", param="echo")
     return True
 
 

@@ -27,9 +27,10 @@ class Choices:
       top_logprobs: k of `SamplingParams.logprobs`: chat's `top_logprobs` lists these.
       token_ids: write tokens as "token_id:<id>" in logprobs (vLLM's
         `return_tokens_as_token_ids`).
-      echo: completions only, not streamed: each choice's text (and, with logprobs,
-        its logprobs) starts with its prompt's, as vLLM's echo: the first prompt token
-        with logprob None, the others with their prompt logprobs.
+      echo: completions only: each choice's text (and, with logprobs, its logprobs)
+        starts with its prompt's, as vLLM's echo: the first prompt token with logprob
+        None, the others with their prompt logprobs; streamed, in each choice's first
+        chunk.
       decode: token ids to text (the tokenizer's `decode`), for the echoed prompt's
         text and its first token; None: the prompt's text is empty and its tokens are
         written as "token_id:<id>".
@@ -51,6 +52,7 @@ class Choices:
         self._decode = decode
         # Per prompt: its echoed text and logprob entries (offsets from 0).
         self._echoed: dict[int, tuple[str, list[dict[str, Any]]]] = {}
+        self._echo_streamed: set[int] = set()  # choices whose chunk carried the echo
         self._prompt_index = {rid: i for i, rid in enumerate(request_ids)}
         self._n = n
         self._chat = chat_response
@@ -81,6 +83,14 @@ class Choices:
             self._text[i].append(text)
             logprobs = self._logprob_entries(i, c)
             self._logprobs[i].extend(logprobs)
+            shown_text, shown = text, logprobs  # the stream chunk's: after the echo's
+            if self._echo:
+                echoed_text, echoed = self._echoed[base // self._n]
+                shift = sum(len(e["token"]) for e in echoed)
+                shown = [{**e, "offset": e["offset"] + shift} for e in logprobs]
+                if i not in self._echo_streamed:
+                    self._echo_streamed.add(i)
+                    shown_text, shown = echoed_text + text, echoed + shown
             if c.finish_reason is not None:
                 self._finish[i] = (c.finish_reason, c.stop_reason)
             if self._chat:
@@ -93,8 +103,8 @@ class Choices:
                 chunks.append(
                     {
                         "index": i,
-                        "text": text,
-                        "logprobs": None if c.logprobs is None else _merge(logprobs),
+                        "text": shown_text,
+                        "logprobs": None if c.logprobs is None else _merge(shown),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }

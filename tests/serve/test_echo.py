@@ -9,6 +9,7 @@ lm-eval (`lm_eval/models/openai_completions.py`, `LocalCompletionsAPI`) posts
 below restates that; lm-eval itself needs torch to import, so it is not run here.
 """
 
+import json
 from operator import itemgetter
 
 import httpx
@@ -122,3 +123,31 @@ def test_echo_of_characters_split_over_tokens(server, llm):
     offsets = lp["text_offset"]
     assert offsets == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
     assert max(offsets) <= len(prompt)
+
+
+def test_streamed_echo_equals_the_whole_response(server):
+    """`echo` with `stream`: each choice's first chunk carries the prompt (and its
+    logprobs); joined, the chunks are the non-streamed response."""
+    body = {"prompt": ["x = 'é'", "def f():"], "max_tokens": 5, "temperature": 0}
+    body |= {"logprobs": 1, "echo": True, "n": 2}
+    whole = _post(server, body)
+    text, tokens, offsets = {}, {}, {}
+    with httpx.stream(
+        "POST", f"{server.url}/completions", json={"model": MODEL, **body, "stream": True}
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line.removeprefix("data: "))["choices"]:
+                i = c["index"]
+                text[i] = text.get(i, "") + c["text"]
+                if c["logprobs"] is not None:
+                    tokens.setdefault(i, []).extend(c["logprobs"]["tokens"])
+                    offsets.setdefault(i, []).extend(c["logprobs"]["text_offset"])
+    assert sorted(text) == [0, 1, 2, 3]
+    for choice in whole["choices"]:
+        i = choice["index"]
+        assert text[i] == choice["text"] and text[i].startswith(body["prompt"][i // 2])
+        assert tokens[i] == choice["logprobs"]["tokens"]
+        assert offsets[i] == choice["logprobs"]["text_offset"]

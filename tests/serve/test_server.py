@@ -232,7 +232,6 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop", "empty string"),
     ("completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
     ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
-    ("completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo", "not supported"),
     ("completions", {"prompt": "x" * 120, "max_tokens": 16}, 400, "max_tokens", "max_model_len"),
     ("completions", {"prompt": "x" * 200}, 400, "prompt", "longer than max_model_len"),
     ("chat/completions", {"messages": []}, 400, "messages", "non-empty"),
