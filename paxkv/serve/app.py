@@ -311,6 +311,8 @@ async def _completions(state: ServerState, request: Request) -> Response:
         token_ids=_token_ids_flag(body),
         cache_salt=salt,
         echo=body.get("echo") is True,
+        best=(body.get("n") or 1) if protocol.best_of_n(body) is not None else None,
+        logprobs=body.get("logprobs") is not None,
     )
 
 
@@ -380,8 +382,12 @@ async def _serve(
     token_ids: bool,
     cache_salt: str | None,
     echo: bool = False,
+    best: int | None = None,
+    logprobs: bool = True,
 ) -> Response:
-    """Submits one engine request per prompt and answers with their completions."""
+    """Submits one engine request per prompt and answers with their completions (with
+    `best`, each prompt's `best` of highest cumulative logprob, logprobs shown only
+    if the client asked)."""
     submissions = [
         Submission(f"{response_id}-{i}", {"prompt_token_ids": ids}, p, cache_salt)
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
@@ -412,7 +418,8 @@ async def _serve(
     if choices.errors:
         raise ApiError(500, "; ".join(choices.errors))
     header["object"] = "chat.completion" if chat_response else "text_completion"
-    return JSONResponse({**header, "choices": choices.response_choices(), "usage": choices.usage()})
+    answered = choices.response_choices(best=best, logprobs=logprobs)
+    return JSONResponse({**header, "choices": answered, "usage": choices.usage()})
 
 
 async def _collect(request: Request, group: RoutedGroup, choices: responses.Choices) -> None:

@@ -186,11 +186,31 @@ def _check_supported(body: Mapping[str, Any]) -> None:
     for name, noops in _UNSUPPORTED.items():
         if name in body and body[name] not in noops:
             raise ApiError(400, f"{name} is not supported by this server", param=name)
-    n, best_of = body.get("n"), body.get("best_of")
-    if best_of is not None and best_of != (1 if n is None else n):
+    best_of_n(body)
+
+
+def best_of_n(body: Mapping[str, Any]) -> int | None:
+    """`best_of` when it asks for more samples than `n` (completions only, not
+    streamed: the server samples `best_of` and answers the `n` of highest cumulative
+    logprob); None when it is absent or equal to n; 400 naming it otherwise."""
+    best_of = body.get("best_of")
+    if best_of is None:
+        return None
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not _is_int(best_of) or best_of < 1:
         raise ApiError(
-            400, f"best_of={best_of!r} is not supported (only best_of == n)", param="best_of"
+            400, f"best_of must be a positive integer, got {best_of!r:.80}", param="best_of"
         )
+    if not _is_int(n) or best_of == n:
+        return None
+    if best_of < n:
+        raise ApiError(400, f"best_of={best_of} must be at least n={n}", param="best_of")
+    if body.get("stream"):
+        raise ApiError(400, "best_of > n cannot be streamed (stream=true)", param="best_of")
+    if "messages" in body:
+        raise ApiError(400, "best_of is taken by /v1/completions only", param="best_of")
+    return best_of
 
 
 def sampling_params(
@@ -241,6 +261,10 @@ def sampling_params(
             kwargs["logprobs"] = 0 if top is None else top
     elif body.get("logprobs") is not None:
         kwargs["logprobs"] = body["logprobs"]
+    if (best_of := best_of_n(body)) is not None:
+        # Sampled best_of times, ranked by cumulative logprob (which logprobs makes).
+        kwargs["n"] = best_of
+        kwargs.setdefault("logprobs", 0)
     if echo and (kwargs.get("logprobs") is not None or kwargs["max_tokens"] == 0):
         # The echoed prompt's logprobs (vLLM's echo), computed in the prefill; with
         # max_tokens=0 nothing is generated.

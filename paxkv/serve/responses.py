@@ -62,6 +62,7 @@ class Choices:
         self._logprobs = [[] for _ in range(num)]
         self._finish: list[tuple[str | None, Any]] = [(None, None)] * num
         self._offsets = [0] * num
+        self._cumulative = [0.0] * num  # each choice's cumulative logprob (with logprobs)
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.errors: list[str] = []
@@ -83,6 +84,8 @@ class Choices:
             self._text[i].append(text)
             logprobs = self._logprob_entries(i, c)
             self._logprobs[i].extend(logprobs)
+            if c.cumulative_logprob is not None:
+                self._cumulative[i] = c.cumulative_logprob
             shown_text, shown = text, logprobs  # the stream chunk's: after the echo's
             if self._echo:
                 echoed_text, echoed = self._echoed[base // self._n]
@@ -131,8 +134,27 @@ class Choices:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
-    def response_choices(self) -> list[dict[str, Any]]:
-        """The choices of the whole (non-streamed) response."""
+    def response_choices(
+        self, *, best: int | None = None, logprobs: bool = True
+    ) -> list[dict[str, Any]]:
+        """The choices of the whole (non-streamed) response; with `best`, each prompt's
+        `best` choices of highest cumulative logprob (OpenAI's `best_of`), numbered
+        from 0, and without their logprobs unless `logprobs`."""
+        choices = self._choices()
+        if best is None:
+            return choices
+        kept = []
+        for p in range(0, len(choices), self._n):
+            group = choices[p : p + self._n]
+            ranked = sorted(range(len(group)), key=lambda j: -self._cumulative[p + j])
+            kept += [group[j] for j in sorted(ranked[:best])]
+        for index, choice in enumerate(kept):
+            choice["index"] = index
+            if not logprobs:
+                choice["logprobs"] = None
+        return kept
+
+    def _choices(self) -> list[dict[str, Any]]:
         choices = []
         for i, parts in enumerate(self._text):
             reason, stop_reason = self._finish[i]
