@@ -6,7 +6,7 @@ lm-eval (`lm_eval/models/openai_completions.py`, `LocalCompletionsAPI`) posts
 "echo": true, "temperature": 0}` and parses each choice (sorted by index) as
 `sum(token_logprobs[ctxlen:-1])` and `is_greedy = all(tok == max(top.values()))` over
 `top_logprobs[ctxlen:-1]`: the last entry is the generated token's. `parse_logprobs`
-below restates that; lm-eval itself needs torch to import, so it is not run here.
+below restates that; tests/serve/test_lm_eval.py runs lm-eval itself.
 """
 
 import json
