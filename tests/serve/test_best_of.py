@@ -64,3 +64,18 @@ def test_user_is_taken_and_suffix_refused(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, suffix="}")
     assert e.value.body["param"] == "suffix"
+
+
+def test_a_seed_gives_each_choice_its_own_sample_reproducibly(server):
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+
+    def texts(seed):
+        out = client.completions.create(
+            model=MODEL, prompt="# ", n=3, max_tokens=8, temperature=1.8, seed=seed
+        )
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+    first = texts(5)
+    assert len(set(first)) == 3  # each choice samples on its own
+    assert texts(5) == first  # and the seed makes them again
+    assert texts(6) != first
