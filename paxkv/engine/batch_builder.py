@@ -30,11 +30,13 @@ class BatchBuilder:
         page_size: int,
         buckets: Buckets,
         num_speculative_tokens: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.scheduler = scheduler
         self.page_size = page_size
         self.buckets = buckets
         self.num_speculative_tokens = num_speculative_tokens
+        self.eos_token_ids = eos_token_ids
 
     def build_batch(
         self, plan: SchedulerOutput, pending: Mapping[int, int] | None = None
@@ -55,6 +57,7 @@ class BatchBuilder:
             rows=self.scheduler.batch_rows,
             pending=pending,
             num_speculative_tokens=self.num_speculative_tokens,
+            eos_token_ids=self.eos_token_ids,
         )
         while True:
             try:

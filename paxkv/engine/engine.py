@@ -137,6 +137,7 @@ class Engine:
             page_size=config.page_size,
             buckets=self._buckets,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            eos_token_ids=self.eos_token_ids,
         )
         self.metrics = EngineMetrics()
         self.routed_experts = RoutedExperts(self.runner, speculative=spec is not None)

@@ -493,6 +493,12 @@ class RequestRegistry:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         check_params(request_id, params, self.tokenizer, self.max_logprobs, self.max_n)
+        for token, _ in params.logit_bias or ():
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"request {request_id!r}: logit_bias names token {token}, outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
         text, ids = prompt_ids(
             request_id, prompt, self.tokenizer, self.vocab_size, self.max_model_len
         )

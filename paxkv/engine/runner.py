@@ -284,16 +284,19 @@ class ModelRunner(StepRunner):
         statics = self._statics() | {"num_steps": self.config.num_decode_steps}
         return Program("loop", key, steps.DECODE_LOOP, (*args, limits), statics)
 
-    def _resample_program(self, key: tuple[int, int, int, int, int, bool]) -> Program:
+    def _resample_program(self, key: tuple[int, int, int, int, int, bool, int]) -> Program:
         """`key`: (T, or 0 when no row is scored or proposed; S; H; R; k; whether a
-        draft model made the proposals)."""
-        t, s, h, r, k, drafted = key
+        draft model made the proposals; B, the logit biases' width: the programs with
+        B > 0 compile when a step first needs them, not in warm-up)."""
+        t, s, h, r, k, drafted, b = key
         # Its inputs are a forward's outputs (and a draft's): lowered for their shardings.
         _, last, hidden, _ = self._out_info["forward"]
         resized = lambda a, *shape: jax.ShapeDtypeStruct(shape, a.dtype, sharding=a.sharding)
         last = jax.tree.map(lambda a: resized(a, s, *a.shape[1:]), last)
         hidden = resized(hidden, t, *hidden.shape[1:]) if t else None
-        forward, extras = self._batch(max(t, 1), s, 1, history_len=h, num_scored=r, num_draft=k)
+        forward, extras = self._batch(
+            max(t, 1), s, 1, history_len=h, num_scored=r, num_draft=k, num_bias=b
+        )
         proposals, draft_probs = extras.draft_tokens, None
         if drafted:
             _, out_proposals, out_probs, _ = self._out_info["draft"]
@@ -339,7 +342,8 @@ class ModelRunner(StepRunner):
         carried = steps.Carried(sampled.tokens, self._no_rejections)
         if extras.needed:  # the small sampler of penalties, scored rows or proposals
             wide = bool(r or k)
-            key = (t if wide else 0, s, h, r, k, draft is not None and k > 0)
+            b = extras.bias_ids.shape[1]
+            key = (t if wide else 0, s, h, r, k, draft is not None and k > 0, b)
             routing = sampled.routing
             sampled, carried = self._program("resample", key)(
                 target.graphdef,
@@ -517,11 +521,11 @@ class ModelRunner(StepRunner):
                 first += [("loop", (t, s, p, h)) for h in (0, history_length(p, page_size))]
         second: dict[tuple[str, tuple], None] = {}
         for t, s, p in shapes:
-            second[("resample", (0, s, history_length(p, page_size), 0, 0, False))] = None
+            second[("resample", (0, s, history_length(p, page_size), 0, 0, False, 0))] = None
             if scoring:
-                second[("resample", (t, s, 0, t, 0, False))] = None
+                second[("resample", (t, s, 0, t, 0, False, 0))] = None
             if k:
-                second[("resample", (t, s, 0, 0, k, drafted))] = None
+                second[("resample", (t, s, 0, 0, k, drafted, 0))] = None
         return first, list(second)
 
 

@@ -237,6 +237,8 @@ class Stepper:
             return plan, OneStep()
         if any(c.seq.num_unverified for c in plan.chunks):
             return plan, OneStep()  # its token limits depend on a verdict not read yet
+        if any(c.seq.biased for c in plan.chunks):
+            return plan, OneStep()  # the decode loop applies no logit biases
         if self.routed_experts is not None and self.routed_experts.wants(plan):
             return plan, OneStep()  # the decode loop returns no routing
         eos = self.eos_token_ids

@@ -162,6 +162,32 @@ class HostBatch:
     # when no chunk has proposals, else the engine's `num_speculative_tokens`.
     draft_tokens: np.ndarray
     draft_counts: np.ndarray  # i32[S]
+    # Logit biases (`SequenceState.logit_bias`): sequence s adds bias_values[s, j] to
+    # token bias_ids[s, j]'s logit (ids -1 pad). B = 0 when no sequence has any, else a
+    # power of two >= MIN_BIAS with room for the most any sequence has.
+    bias_ids: np.ndarray  # i32[S, B]
+    bias_values: np.ndarray  # f32[S, B]
+
+
+MIN_BIAS = 8  # the narrowest bias arrays of a step that has biases
+
+
+def bias_arrays(
+    biases: Sequence[list[tuple[int, float]] | None], size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(ids i32[size, B], values f32[size, B])` of the sequences' (id, bias) lists
+    (None: none), B as `HostBatch.bias_ids` says; ids -1 and values 0 pad."""
+    most = max((len(b) for b in biases if b), default=0)
+    if not most:
+        return _constant("no bias", size)
+    width = max(MIN_BIAS, 1 << (most - 1).bit_length())
+    ids = np.full((size, width), -1, np.int32)
+    values = np.zeros((size, width), np.float32)
+    for i, b in enumerate(biases):
+        if b:
+            ids[i, : len(b)] = [t for t, _ in b]
+            values[i, : len(b)] = [v for _, v in b]
+    return ids, values
 
 
 def pad_host_batch(
@@ -216,6 +242,8 @@ def pad_host_batch(
         score_targets=rows(hb.score_targets, dt) if scored else hb.score_targets,
         draft_tokens=rows(hb.draft_tokens, ds),
         draft_counts=rows(hb.draft_counts, ds),
+        bias_ids=rows(hb.bias_ids, ds, -1),
+        bias_values=rows(hb.bias_values, ds),
     )
 
 
@@ -227,6 +255,7 @@ def build_host_batch(
     rows: BatchRows,
     pending: Mapping[int, int] | None = None,
     num_speculative_tokens: int = 0,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
@@ -240,6 +269,8 @@ def build_host_batch(
     `token_src` points there. A step where a sequence with penalties samples carries
     histories of `history_length(P, page_size)` tokens, else of none. A step where a chunk has speculative proposals carries them as
     `draft_tokens` of width `num_speculative_tokens` (the most a chunk may have), else of width 0.
+    Sequences with logit biases (`SequenceState.biased`; `eos_token_ids` are the stop
+    tokens `min_tokens` holds back) carry them as `bias_ids` / `bias_values`.
     """
     extra = plan.extra
     decode = plan.decode
@@ -373,6 +404,9 @@ def build_host_batch(
         score_targets,
         draft_tokens,
         draft_counts,
+        *bias_arrays([s.logit_bias(eos_token_ids) if s.biased else None for s in seqs], s_pad)
+        if any(s.biased for s in seqs)
+        else _constant("no bias", s_pad),
     )
 
 
@@ -397,7 +431,8 @@ def _constant(what: str, size: int) -> np.ndarray | tuple[np.ndarray, ...]:
     """The arrays of a step that are the same every step of their size, made once and
     read-only (a step's consumers never write its arrays): "no drafts" (draft tokens
     i32[size, 0] and counts i32[size]), "no scores" (rows and targets, i32[0] each),
-    "no history" (i32[3, size, 0]), "num seqs" (i32[1] holding `size`)."""
+    "no history" (i32[3, size, 0]), "num seqs" (i32[1] holding `size`), "no bias" (ids
+    i32[size, 0] and values f32[size, 0])."""
     if what == "no drafts":
         out = (np.zeros((size, 0), np.int32), np.zeros(size, np.int32))
     elif what == "no scores":
@@ -406,6 +441,8 @@ def _constant(what: str, size: int) -> np.ndarray | tuple[np.ndarray, ...]:
         out = (np.zeros((3, size, 0), np.int32),)
     elif what == "num seqs":
         out = (np.array([size], np.int32),)
+    elif what == "no bias":
+        out = (np.zeros((size, 0), np.int32), np.zeros((size, 0), np.float32))
     else:
         raise ValueError(f"no constant {what!r}")
     for a in out:

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,8 @@ MAX_STOP_STRINGS = 1024
 MAX_STOP_STRING_CHARS = 1024
 # The most stop token ids one request may give (each sampled token is looked up in them).
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of `SamplingParams.logit_bias`
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI's
 # The largest seed of an engine or a model's initialisation (`jax.random.key` takes an int64).
 MAX_SEED = 2**63 - 1
 
@@ -169,6 +171,12 @@ class SamplingParams:
     generated, and `repetition_penalty` (> 0; 1: off) divides the positive logits and
     multiplies the negative ones of every token in the prompt or generated so far.
 
+    `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's) adds each bias to its
+    token's logit before penalties, temperature and truncation (the reported logprobs
+    stay raw); `min_tokens` holds back the stop tokens (EOS and `stop_token_ids`) until
+    that many tokens are generated (vLLM's; stop strings still apply). Steps with such
+    a sequence run one decode at a time.
+
     `return_routed_experts` (MoE models only; SGLang's name) returns, on each finished
     completion, the experts every MoE layer sent each of its tokens to
     (`CompletionOutput.routed_experts`), for RL trainers to replay the rollout's
@@ -194,6 +202,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     return_routed_experts: bool = False
+    # {token id: bias}: added to the token's logit before sampling (not to the reported
+    # logprobs); given as a mapping, held as sorted (id, bias) pairs.
+    logit_bias: Any = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -258,11 +270,53 @@ class SamplingParams:
         put(
             "return_routed_experts", check_bool("return_routed_experts", self.return_routed_experts)
         )
+        put("logit_bias", check_logit_bias(self.logit_bias))
+        put("min_tokens", check_int32("min_tokens", check_int("min_tokens", self.min_tokens, lo=0)))
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
+            )
+
+    @property
+    def biased(self) -> bool:
+        """Whether sampling adds biases to logits (`logit_bias`, or stop tokens held back
+        by `min_tokens`): the step then runs the sampler that applies them."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def has_penalties(self) -> bool:
         """Whether any penalty is on (the step then needs the sequence's token history)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...] | None:
+    """`SamplingParams.logit_bias` as sorted (token id, bias) pairs: a mapping of token
+    ids (ints, or their decimal strings as JSON sends them) to finite biases in
+    [-100, 100], at most `MAX_LOGIT_BIAS`; None or empty: None."""
+    if bias is None or (isinstance(bias, tuple) and not bias):
+        return None
+    items = bias if isinstance(bias, tuple) else None
+    if items is None:
+        if not isinstance(bias, Mapping):
+            raise TypeError(
+                f"logit_bias must be a mapping of token ids to biases, got {bias!r:.80}"
+            )
+        items = tuple(bias.items())
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(items)} entries, over the limit of {MAX_LOGIT_BIAS}")
+    pairs = {}
+    for key, value in items:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise TypeError(f"logit_bias keys must be token ids, got {key!r:.80}")
+        token = check_int32("logit_bias", int(token))
+        value = check_float(f"logit_bias[{token}]", value)
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise ValueError(
+                f"logit_bias[{token}]={value} must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+            )
+        pairs[token] = value
+    return tuple(sorted(pairs.items())) or None
 
 
 class FinishReason(enum.StrEnum):

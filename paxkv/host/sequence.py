@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 from paxkv.host.prompt_scores import PromptScores
 from paxkv.host.request import FinishReason, SamplingParams
@@ -70,6 +71,7 @@ class SequenceState:
     num_prompt: int = dataclasses.field(init=False, repr=False)
     track_top: bool = dataclasses.field(init=False, repr=False)
     penalised: bool = dataclasses.field(init=False, repr=False)
+    biased: bool = dataclasses.field(init=False, repr=False)
     _stops: tuple = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +79,7 @@ class SequenceState:
         self.num_prompt = len(self.prompt_token_ids)
         self.track_top = self.params.logprobs is not None  # keeps top logprobs
         self.penalised = self.params.has_penalties  # keeps output counts
+        self.biased = self.params.biased  # its steps carry logit biases
         self._stops: tuple[tuple[int, ...] | None, frozenset[int]] = (None, frozenset())
 
     # Outputs. Every change to the output tokens goes through these three, so the
@@ -214,6 +217,16 @@ class SequenceState:
         """The tokens that end this sequence: its stop ids, and the model's EOS unless ignored."""
         eos = () if self.params.ignore_eos else eos_token_ids
         return tuple(dict.fromkeys((*self.params.stop_token_ids, *eos)))
+
+    def logit_bias(self, eos_token_ids: tuple[int, ...]) -> list[tuple[int, float]]:
+        """The (token id, bias) pairs its next sample adds to the logits: `logit_bias`,
+        and -inf on its stop tokens while fewer than `min_tokens` are generated (a
+        placeholder counts: its token is sampled already)."""
+        p = self.params
+        pairs = dict(p.logit_bias or ())
+        if len(self.output_token_ids) < p.min_tokens:
+            pairs.update(dict.fromkeys(self.stop_token_ids(eos_token_ids), -math.inf))
+        return list(pairs.items())
 
     def is_stop_token(self, token: int, eos_token_ids: tuple[int, ...]) -> bool:
         """Whether sampling `token` ends this sequence with finish reason "stop"."""

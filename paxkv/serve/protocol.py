@@ -39,13 +39,13 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "include_stop_str_in_output",
+    "logit_bias",
+    "min_tokens",
 )
 # Fields that would change the output in ways this server does not implement: refused
 # with 400 unless absent or at their no-op value (vLLM implements some; OpenAI all).
 _UNSUPPORTED = {
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "min_tokens": (None, 0),
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
 }
@@ -126,6 +126,7 @@ def bad_request(error: Exception, *, param: str | None = None) -> ApiError:
 # What each rejection of `Engine.add_request` is about, by the words of its message:
 # the first pattern found names the field.
 _ENGINE_REJECTIONS = (
+    ("logit_bias", "logit_bias"),
     ("max_tokens", "max_tokens"),
     ("max_logprobs", "logprobs"),
     ("stop strings", "stop"),

@@ -87,7 +87,7 @@ def test_penalties_and_scores_during_a_background_warmup(tiny):
     assert _run(engine, prompts, penalised) == a and _run(engine, prompts, scoring) == b
 
 
-def _host_batch(t, s, p, *, h=0, r=0, k=0, groups=()):
+def _host_batch(t, s, p, *, h=0, r=0, k=0, b=0, groups=()):
     rng = np.random.default_rng(0)
     ints = lambda *shape: rng.integers(1, 50, shape).astype(np.int32)
     history = ints(3, s, h)
@@ -107,12 +107,14 @@ def _host_batch(t, s, p, *, h=0, r=0, k=0, groups=()):
         score_targets=ints(r),
         draft_tokens=ints(s, k),
         draft_counts=ints(s),
+        bias_ids=ints(s, b),
+        bias_values=rng.random((s, b)).astype(np.float32),
     )
 
 
 @pytest.mark.parametrize("groups", [(), (2,)])
 def test_padding_keeps_every_value_and_pads_with_nothing(groups):
-    hb = _host_batch(8, 4, 2, h=history_length(2, 4), r=8, k=3, groups=groups)
+    hb = _host_batch(8, 4, 2, h=history_length(2, 4), r=8, k=3, b=8, groups=groups)
     out = pad_host_batch(hb, 24, 6, 5, page_size=4)
     assert out.tokens.shape == (24,) and out.block_tables.shape == (*groups, 6, 5)
     np.testing.assert_array_equal(out.tokens[:8], hb.tokens)
@@ -128,6 +130,9 @@ def test_padding_keeps_every_value_and_pads_with_nothing(groups):
     assert not out.penalty_history[1:, :, 8:].any() and not out.penalty_history[1:, 4:].any()
     assert out.score_rows.shape == (24,) and not out.score_rows[8:].any()
     assert out.draft_tokens.shape == (6, 3) and not out.draft_counts[4:].any()
+    np.testing.assert_array_equal(out.bias_ids[:4], hb.bias_ids)
+    assert out.bias_ids.shape == (6, 8) and (out.bias_ids[4:] == -1).all()
+    assert not out.bias_values[4:].any()
     greedy = out.sampling_floats[4:, 0]  # temperature 0, no penalty
     assert not greedy.any() and (out.sampling_floats[4:, 5] == 1.0).all()
     assert pad_host_batch(hb, 8, 4, 2, page_size=4) is hb

@@ -37,6 +37,10 @@ class SamplingBatch:
     floats: jax.Array  # f32[S, len(SAMPLING_FLOATS)] (`paxkv.host.sampling_columns`)
     ints: jax.Array  # i32[S, len(SAMPLING_INTS)]
     history: jax.Array  # i32[3, S, H]
+    # Logit biases (`paxkv.host.batch.HostBatch.bias_ids`): i32[S, B] ids (-1 pads) and
+    # f32[S, B] values, added with the penalties; None (or B = 0): none.
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
     temperature = property(lambda self: self.floats[:, _F["temperature"]])
     top_p = property(lambda self: self.floats[:, _F["top_p"]])
@@ -144,7 +148,19 @@ def apply_penalties(
 ) -> jax.Array:  # f32[S, V]
     """The logits with each row's presence, frequency and repetition penalties applied
     to the tokens of its history (vLLM's and OpenAI's definitions); rows without
-    penalties are unchanged. Costs O(S * H), not O(S * V)."""
+    penalties are unchanged. Costs O(S * H), not O(S * V). The rows' logit biases are
+    added after (O(S * B))."""
+    logits = _penalised(logits, params)
+    if params.bias_ids is None or params.bias_ids.shape[1] == 0:
+        return logits
+    ids = params.bias_ids
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].add(
+        params.bias_values, mode="drop"
+    )
+
+
+def _penalised(logits: jax.Array, params: SamplingBatch) -> jax.Array:  # f32[S, V]
     ids, counts, in_prompt = params.history
     if ids.shape[1] == 0:
         return logits

@@ -116,12 +116,18 @@ class StepExtras:
     # last known one, which follow it as query rows.
     draft_tokens: jax.Array  # i32[S, k]
     draft_counts: jax.Array  # i32[S]
+    # Logit biases (`HostBatch.bias_ids`): i32[S, B] token ids (-1 pads), f32[S, B].
+    bias_ids: jax.Array
+    bias_values: jax.Array
 
     @property
     def needed(self) -> bool:
         """Whether any sampler beyond the forward's plain one must run."""
         return bool(
-            self.penalty_history.shape[2] or self.score_rows.shape[0] or self.draft_tokens.shape[1]
+            self.penalty_history.shape[2]
+            or self.score_rows.shape[0]
+            or self.draft_tokens.shape[1]
+            or self.bias_ids.shape[1]
         )
 
 
@@ -156,6 +162,7 @@ def abstract_step_batch(
     history_len: int = 0,
     num_scored: int = 0,
     num_draft: int = 0,
+    num_bias: int = 0,
     sharding: Any = None,
 ) -> tuple[ForwardBatch, StepExtras]:
     """The shapes and dtypes (`jax.ShapeDtypeStruct`s, no buffers) of the step batch of
@@ -178,8 +185,10 @@ def abstract_step_batch(
         "score_targets": (num_scored,),
         "draft_tokens": (s, num_draft),
         "draft_counts": (s,),
+        "bias_ids": (s, num_bias),
+        "bias_values": (s, num_bias),
     }
-    dtype = {"sampling_floats": jnp.float32}
+    dtype = {"sampling_floats": jnp.float32, "bias_values": jnp.float32}
     a = {
         name: jax.ShapeDtypeStruct(shape, dtype.get(name, jnp.int32), sharding=sharding)
         for name, shape in shapes.items()
@@ -210,6 +219,8 @@ def _assemble(a: dict[str, Any], page_size: int) -> tuple[ForwardBatch, StepExtr
         a["score_targets"],
         a["draft_tokens"],
         a["draft_counts"],
+        a["bias_ids"],
+        a["bias_values"],
     )
     return forward, extras
 
@@ -345,7 +356,13 @@ def resample_step(
     (`Carried`). A small program of the LM head and the samplers, run right after the
     step's `forward_step`."""
     model = nnx.merge(graphdef, params)
-    sampling = SamplingBatch(sampling_floats, sampling_ints, extras.penalty_history)
+    sampling = SamplingBatch(
+        sampling_floats,
+        sampling_ints,
+        extras.penalty_history,
+        extras.bias_ids,
+        extras.bias_values,
+    )
     sampling = add_to_history(sampling, last.tokens, last.fed)
     num_sampled, k = last.rows.shape[0], proposals.shape[1]
     if hidden is None:
