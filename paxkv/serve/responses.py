@@ -53,6 +53,7 @@ class Choices:
         # Per prompt: its echoed text and logprob entries (offsets from 0).
         self._echoed: dict[int, tuple[str, list[dict[str, Any]]]] = {}
         self._echo_streamed: set[int] = set()  # choices whose chunk carried the echo
+        self._streams: dict[int, WindowStream] = {}  # each choice's token texts so far
         self._prompt_index = {rid: i for i, rid in enumerate(request_ids)}
         self._n = n
         self._chat = chat_response
@@ -221,9 +222,22 @@ class Choices:
         if c.logprobs is None:
             return []
         entries = []
-        for token, top in zip(c.token_ids, c.logprobs, strict=True):
+        # A completion's tokens named by the text each adds (`_token_texts`, across its
+        # deltas): a character split over several tokens is the text of the token that
+        # completes it, the others "", so the tokens make the text and the offsets stay
+        # in it (each token decoded alone would be U+FFFD).
+        stream = None
+        if not self._chat and not self._token_ids and self._decode is not None:
+            stream = self._streams.setdefault(i, WindowStream(self._decode))
+        last = len(c.token_ids) - 1
+        for j, (token, top) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
             chosen = top[token]
-            text = self._token(token, chosen)
+            if stream is None:
+                text = self._token(token, chosen)
+            else:
+                text = stream.step(token)
+                if j == last and c.finish_reason is not None:
+                    text += stream.flush()
             # The k most likely: ranks 1..k (the chosen token may be one, or come extra).
             ranked = sorted(top.items(), key=lambda e: e[1].rank or len(top) + 1)[: self._k]
             if self._chat:

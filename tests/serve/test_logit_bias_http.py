@@ -57,3 +57,24 @@ def test_bad_values_name_the_field(server, body):
             model=MODEL, prompt="x", max_tokens=body.get("max_tokens", 4), extra_body=extra
         )
     assert e.value.body["param"] == next(iter(extra)), e.value.body
+
+
+def test_completion_logprob_tokens_make_the_text_across_split_characters(server):
+    """Tokens that are parts of one character (UTF-8 bytes, one token each) are named by
+    the text each adds, as echo names the prompt's: joined they are the text, and the
+    offsets stay in it; streamed or not."""
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    # Only the two bytes of "é" (0xC3 0xA9) may be drawn: some pairs make the character.
+    only = {str(t): -100 for t in range(256) if t not in (0xC3, 0xA9)}
+    body = dict(model=MODEL, prompt="x = '", max_tokens=24, temperature=1.0, seed=2)
+    body |= dict(logprobs=0, logit_bias=only)
+    out = client.completions.create(**body).choices[0]
+    assert "é" in out.text
+    lp = out.logprobs
+    assert "".join(lp.tokens) == out.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = [c.choices[0] for c in client.completions.create(**body, stream=True)]
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == lp.tokens
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == lp.text_offset
