@@ -44,7 +44,7 @@ from absl import app, flags
 
 from benchmarks.step_summary import summary, table
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.host.request import RequestOutputKind, SamplingParams
 from paxkv.planner.workloads import LengthDistribution
 

@@ -17,7 +17,7 @@ generated tokens per second of wall time, and the router's own time per prompt
 
 `--runner=model` serves tiny-py on `--mesh` (D = its data axis; on the CPU force the
 devices with XLA_FLAGS before the start, as above); `--runner=fake` serves fake-runner
-engines (`paxkv.engine.runner.FakeRunner`) whose steps sleep `--step_ms` (a stand-in
+engines (`paxkv.engine.fake_runner.FakeRunner`) whose steps sleep `--step_ms` (a stand-in
 for device time that, like a device, frees the host meanwhile). Engines are warmed up
 before any run.
 """
@@ -36,7 +36,7 @@ import numpy as np
 from absl import app, flags
 
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.host.request import SamplingParams
 from paxkv.serve.frontend import Submission
 from paxkv.serve.replicas import ReplicaSet

@@ -2,7 +2,7 @@
 
     python -m benchmarks.serve_frontend --clients=64,256 --step_ms=5
 
-One engine over the fake runner (`paxkv.engine.runner.FakeRunner`, whose calls sleep
+One engine over the fake runner (`paxkv.engine.fake_runner.FakeRunner`, whose calls sleep
 `--step_ms`: a stand-in for device time that, like a device call, releases the GIL)
 with the byte tokenizer, behind the server's front end (`paxkv.serve.replicas.ReplicaSet`,
 one stepping thread). For each count of `--clients`, the same load is run three ways,
@@ -43,7 +43,7 @@ import numpy as np
 from absl import app, flags
 
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.host.request import SamplingParams
 from paxkv.serve.frontend import Submission
 from paxkv.serve.replicas import ReplicaSet

@@ -82,7 +82,7 @@ class Engine:
         (`paxkv.host.reservation`). The load benchmark's contiguous baselines pass theirs.
       runner: makes the step runner from the engine's config (`paxkv.engine.runner`);
         None: a `ModelRunner` of `model` (on `mesh`). With a runner, `model` may be None,
-        e.g. `runner=lambda config: FakeRunner(32000, config)` runs the whole host path
+        e.g. `runner=lambda config: FakeRunner(32000, config)` (`paxkv.engine.fake_runner`) runs the whole host path
         without a model or a device.
       draft_model: the draft model when `config.speculative_config` has method
         "draft_model": an NNX causal LM like `model`, with its vocabulary

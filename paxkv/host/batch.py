@@ -404,8 +404,9 @@ def build_host_batch(
         score_targets,
         draft_tokens,
         draft_counts,
+        # Only while a row in use is biased are the step's sequences looked at.
         *bias_arrays([s.logit_bias(eos_token_ids) if s.biased else None for s in seqs], s_pad)
-        if any(s.biased for s in seqs)
+        if rows.biased
         else _constant("no bias", s_pad),
     )
 

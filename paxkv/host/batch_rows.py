@@ -42,6 +42,8 @@ class BatchRows:
         self._held = np.zeros(capacity, np.int64)  # pages written in each row
         # Rows in use whose sampling applies a penalty (their steps carry histories).
         self.penalised: set[int] = set()
+        # Rows in use whose sampling adds logit biases (their steps carry them).
+        self.biased: set[int] = set()
 
     @property
     def block_tables(self) -> np.ndarray:  # i32[rows, pages_per_seq]
@@ -75,6 +77,8 @@ class BatchRows:
         self.floats[row] = sampling_floats(params)
         if penalises(params):
             self.penalised.add(row)
+        if params.biased:
+            self.biased.add(row)
         self.ints[row] = [seed if name == "seed" else getattr(params, name) for name in ROW_INTS]
         return row
 
@@ -122,6 +126,7 @@ class BatchRows:
         """Clears `row` and frees it for another sequence."""
         self.truncate(row, 0)
         self.penalised.discard(row)
+        self.biased.discard(row)
         self._free.append(row)
 
     def check(self, row: int, tables: Sequence[list[int]]) -> None:

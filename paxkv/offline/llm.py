@@ -101,15 +101,7 @@ class LLM:
         pause_timeout_s: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        if warmup not in WARMUP_MODES or not isinstance(warmup, bool | str):
-            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
-        if pause_timeout_s is not None and check_float("pause_timeout_s", pause_timeout_s) < 0:
-            raise ValueError(f"pause_timeout_s={pause_timeout_s} must be >= 0 (None: no limit)")
-        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
-            raise TypeError(f"cache_dir must be a path or 'off', got {cache_dir!r}")
-        _check_engine_kwargs(engine_kwargs)  # before any loading
-        if cache_dir is not None:
-            compile_cache.enable(os.fspath(cache_dir))
+        _check_args(warmup, cache_dir, pause_timeout_s, engine_kwargs, "LLM()")  # before loading
         # On a mesh the weights are loaded straight into their shardings.
         mesh = mesh if mesh is not None else shardings.default_mesh()
         model_config, module, tokenizer = models.load_model(
@@ -151,15 +143,7 @@ class LLM:
         what it must offer), with `tokenizer` (`encode`, `decode`; None: token ids only).
         The engine holds `model`'s arrays as they are, placed on `mesh` (None: one
         device); the other arguments are `LLM`'s."""
-        if warmup not in WARMUP_MODES or not isinstance(warmup, bool | str):
-            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
-        if pause_timeout_s is not None and check_float("pause_timeout_s", pause_timeout_s) < 0:
-            raise ValueError(f"pause_timeout_s={pause_timeout_s} must be >= 0 (None: no limit)")
-        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
-            raise TypeError(f"cache_dir must be a path or 'off', got {cache_dir!r}")
-        _check_engine_kwargs(engine_kwargs, "LLM.from_model()")
-        if cache_dir is not None:
-            compile_cache.enable(os.fspath(cache_dir))
+        _check_args(warmup, cache_dir, pause_timeout_s, engine_kwargs, "LLM.from_model()")
         mesh = mesh if mesh is not None else shardings.default_mesh()
         model_config = model.config
         config = _engine_config(config or default_engine_config(model_config), engine_kwargs)
@@ -182,8 +166,6 @@ class LLM:
         warmup: bool | str,
         pause_timeout_s: float | None,
     ) -> None:
-        if pause_timeout_s is not None and check_float("pause_timeout_s", pause_timeout_s) < 0:
-            raise ValueError(f"pause_timeout_s={pause_timeout_s} must be >= 0 (None: no limit)")
         self.engine = engine
         self._model_config = model_config  # what checkpoints for `update_weights` must match
         self._request_ids = itertools.count()
@@ -596,6 +578,23 @@ def _one_kv_head_each(path: tuple, x: Any, factor: int, head_dim: int | None) ->
         return x
     heads = x.reshape(*x.shape[:-1], -1, head_dim)  # [..., Hkv * factor, D]
     return heads[..., ::factor, :].reshape(*x.shape[:-1], -1)
+
+
+def _check_args(
+    warmup: Any, cache_dir: Any, pause_timeout_s: Any, engine_kwargs: dict[str, Any], caller: str
+) -> None:
+    """The arguments `LLM()` and `LLM.from_model` share, checked before anything loads
+    (ValueError or TypeError naming the one that is wrong); then the compilation cache
+    of `cache_dir`, if given, is enabled."""
+    if warmup not in WARMUP_MODES or not isinstance(warmup, bool | str):
+        raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
+    if pause_timeout_s is not None and check_float("pause_timeout_s", pause_timeout_s) < 0:
+        raise ValueError(f"pause_timeout_s={pause_timeout_s} must be >= 0 (None: no limit)")
+    if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+        raise TypeError(f"cache_dir must be a path or 'off', got {cache_dir!r}")
+    _check_engine_kwargs(engine_kwargs, caller)
+    if cache_dir is not None:
+        compile_cache.enable(os.fspath(cache_dir))
 
 
 def _check_engine_kwargs(engine_kwargs: dict[str, Any], caller: str = "LLM()") -> None:

@@ -581,13 +581,7 @@ async def _sleep(state: ServerState, request: Request) -> Response:
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    return JSONResponse(
-        {
-            "released_bytes": sum(r["released_bytes"] for r in each),
-            "seconds": max((r["seconds"] for r in each), default=0.0),
-            "replicas": each,
-        }
-    )
+    return JSONResponse(_over_replicas(each, "released_bytes"))
 
 
 async def _wake_up(state: ServerState, request: Request) -> Response:
@@ -600,13 +594,17 @@ async def _wake_up(state: ServerState, request: Request) -> Response:
         each = await state.front.wake_up()
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    return JSONResponse(
-        {
-            "restored_bytes": sum(r["restored_bytes"] for r in each),
-            "seconds": max((r["seconds"] for r in each), default=0.0),
-            "replicas": each,
-        }
-    )
+    return JSONResponse(_over_replicas(each, "restored_bytes"))
+
+
+def _over_replicas(each: list[dict[str, float]], counted: str) -> dict[str, Any]:
+    """The replicas' sleep or wake-up results as one: `counted` bytes summed, the
+    slowest one's seconds, and each one's result."""
+    return {
+        counted: sum(r[counted] for r in each),
+        "seconds": max((r["seconds"] for r in each), default=0.0),
+        "replicas": each,
+    }
 
 
 async def _is_sleeping(state: ServerState, request: Request) -> Response:

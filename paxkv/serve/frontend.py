@@ -282,8 +282,10 @@ class AsyncEngine:
 
     def _step_until_done(self) -> None:
         while self.engine.has_unfinished():
-            if self.engine.paused:  # asleep: what is left never runs
-                self._fail_all(EngineDead("the server stopped while the engine was asleep"))
+            if self.engine.paused:  # paused or asleep: what is left never runs
+                self._fail_all(
+                    EngineDead("the server stopped while the engine was paused or asleep")
+                )
                 return
             self._deliver(self.engine.step())
 

@@ -13,7 +13,7 @@ import pytest
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine import multihost as mh
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.host.batch import HostBatch
 
 CONFIG = EngineConfig(

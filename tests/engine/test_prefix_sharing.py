@@ -6,7 +6,7 @@ from test_engine import _engine, _run
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 
 
 def test_sixteen_requests_arriving_together_compute_a_shared_prefix_once():

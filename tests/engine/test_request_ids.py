@@ -4,7 +4,7 @@ import pytest
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 
 
 def test_an_aborted_id_is_reused_only_after_its_final_output():

@@ -202,7 +202,7 @@ def test_n_is_bounded_by_the_engine_at_once():
     at submit, before any completion is made; a smaller limit is a setting."""
 
     from paxkv.engine import Engine, EngineConfig
-    from paxkv.engine.runner import FakeRunner
+    from paxkv.engine.fake_runner import FakeRunner
 
     engine = Engine(None, EngineConfig(), runner=lambda c: FakeRunner(64, c))
     with pytest.raises(

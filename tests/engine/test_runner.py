@@ -7,7 +7,7 @@ from test_engine import _engine
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.runner import FakeRunner, fake_token
+from paxkv.engine.fake_runner import FakeRunner, fake_token
 from paxkv.host.scheduler import Scheduler
 
 CONFIG = SMALL | dict(num_pages=24)  # tight: preemptions happen

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from paxkv.engine import Engine, EngineConfig
+from paxkv.engine.fake_runner import FakeRunner, fake_token
 from paxkv.engine.outputs import StepOutputs, built, handles
-from paxkv.engine.runner import FakeRunner, fake_token
 from paxkv.host.request import RequestOutputKind, SamplingParams
 
 VOCAB = 64

@@ -10,7 +10,7 @@ from engine_configs import PAGE_SIZE, small_config
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 
 DENSE_LEN = 128
 ATOL = 1e-5  # f32 paged attention vs. f32 dense attention, both from the same weights
@@ -236,7 +236,7 @@ def test_llm_score_pairs_strings_and_ids(tiny):
 
 def test_a_bad_top_logprobs_names_itself():
     from paxkv.engine import EngineConfig
-    from paxkv.engine.runner import FakeRunner
+    from paxkv.engine.fake_runner import FakeRunner
 
     engine = Engine(None, EngineConfig(), runner=lambda c: FakeRunner(64, c))
     with pytest.raises(TypeError, match="top_logprobs must be an integer, got None"):

@@ -15,7 +15,7 @@ from scipy import stats
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.device import acceptance as spec_accept_module
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.models import load_model
 
 SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -15,8 +15,8 @@ from test_models import perturbed_model
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.engine.routed_experts import NOT_ROUTED
-from paxkv.engine.runner import FakeRunner
 from paxkv.models.gpt_oss_config import TINY_GPT_OSS
 from paxkv.models.moe_config import TINY_MIXTRAL, TINY_QWEN3_MOE
 

@@ -4,12 +4,14 @@ Both serve tiny-py (weights in the package) with the same small engine: two step
 shapes, so the server's warm-up and the oracle's compilations take seconds.
 """
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -112,6 +114,27 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+@contextlib.contextmanager
+def in_process(state):
+    """The app of `state` (a `paxkv.serve.app.ServerState`) served by uvicorn on a free
+    port of 127.0.0.1 in a thread of this process; yields its base URL, and stops it."""
+    import uvicorn
+
+    from paxkv.serve.app import bind, build_app
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.serve.frontend import QueueFull, Submission
 from paxkv.serve.replicas import ReplicaSet
 

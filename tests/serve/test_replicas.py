@@ -11,8 +11,8 @@ import pytest
 
 from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
+from paxkv.engine.fake_runner import FakeRunner
 from paxkv.engine.metrics import merge_stats
-from paxkv.engine.runner import FakeRunner
 from paxkv.serve.frontend import EngineDead, Submission
 from paxkv.serve.replicas import ReplicaSet
 

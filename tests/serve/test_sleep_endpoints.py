@@ -8,13 +8,12 @@ stepping thread waits without using the CPU meanwhile.
 
 import concurrent.futures
 import contextlib
-import threading
 import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import ENGINE, MAX_MODEL_LEN
+from conftest import ENGINE, MAX_MODEL_LEN, in_process
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
@@ -33,7 +32,7 @@ def llm():
 @contextlib.contextmanager
 def serving(llm, *, enable_sleep_mode: bool):
     """`llm`'s engine served on 127.0.0.1 in this process; yields the base URL."""
-    from paxkv.serve.app import ServerState, bind, build_app
+    from paxkv.serve.app import ServerState
     from paxkv.serve.replicas import ReplicaSet
     from paxkv.text import chat
 
@@ -45,17 +44,8 @@ def serving(llm, *, enable_sleep_mode: bool):
         max_model_len=MAX_MODEL_LEN,
         enable_sleep_mode=enable_sleep_mode,
     )
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with in_process(state) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

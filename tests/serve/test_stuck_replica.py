@@ -16,11 +16,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import in_process
 from engine_configs import small_config
 
 from paxkv.engine import Engine
 from paxkv.engine import multihost as mh
-from paxkv.engine.runner import FakeRunner
+from paxkv.engine.fake_runner import FakeRunner
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
@@ -62,7 +63,7 @@ def leader_server(collective: Collective):
     `PING_S` idle, grace `GRACE_S`): (its base URL, the queue of the watchdog's exits as
     (status, message, time))."""
     from paxkv.serve import multihost
-    from paxkv.serve.app import ServerState, bind, build_app
+    from paxkv.serve.app import ServerState
     from paxkv.serve.replicas import ReplicaSet
     from paxkv.text import chat
 
@@ -87,18 +88,11 @@ def leader_server(collective: Collective):
         grace_s=GRACE_S,
         on_exit=lambda status, message: exits.put((status, message, time.monotonic())),
     )
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", exits
-    finally:
-        collective.release.set()  # the stepping thread's call raises; shutdown can join it
-        server.should_exit = True
-        thread.join(timeout=30)
+    with in_process(state) as base:
+        try:
+            yield base, exits
+        finally:
+            collective.release.set()  # the stepping thread's call raises; shutdown can join it
 
 
 def test_a_stuck_device_call_ends_the_stream_with_503_and_exits_1():
