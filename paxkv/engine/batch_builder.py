@@ -21,6 +21,8 @@ class BatchBuilder:
       page_size: tokens per page.
       buckets: the step's declared padded sizes.
       num_speculative_tokens: most speculative proposals a chunk may carry (0: none).
+      eos_token_ids: the model's EOS tokens (`min_tokens` holds them back).
+      mask_words: words of a token mask over the model's vocabulary (structured outputs).
     """
 
     def __init__(
@@ -31,12 +33,14 @@ class BatchBuilder:
         buckets: Buckets,
         num_speculative_tokens: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        mask_words: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.page_size = page_size
         self.buckets = buckets
         self.num_speculative_tokens = num_speculative_tokens
         self.eos_token_ids = eos_token_ids
+        self.mask_words = mask_words
 
     def build_batch(
         self, plan: SchedulerOutput, pending: Mapping[int, int] | None = None
@@ -58,6 +62,7 @@ class BatchBuilder:
             pending=pending,
             num_speculative_tokens=self.num_speculative_tokens,
             eos_token_ids=self.eos_token_ids,
+            mask_words=self.mask_words,
         )
         while True:
             try:

@@ -40,12 +40,15 @@ from paxkv.engine.routed_experts import RoutedExperts
 from paxkv.engine.runner import ModelRunner, StepRunner
 from paxkv.engine.stepper import Stepper
 from paxkv.engine.weights_update import WeightUpdater
+from paxkv.host.batch import mask_words
+from paxkv.host.constrained import ConstrainedSequences
 from paxkv.host.page_pool import PagePool
 from paxkv.host.request import RequestOutput, SamplingParams
 from paxkv.host.reservation import PagedReservation
 from paxkv.host.scheduler import Scheduler
 from paxkv.host.speculative import SpeculativeConfig, Speculator
 from paxkv.sharding import shardings
+from paxkv.text.grammar import GrammarCompiler
 
 
 def _locked(method: Callable) -> Callable:
@@ -138,6 +141,7 @@ class Engine:
             buckets=self._buckets,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             eos_token_ids=self.eos_token_ids,
+            mask_words=mask_words(mc.vocab_size),
         )
         self.metrics = EngineMetrics()
         self.routed_experts = RoutedExperts(self.runner, speculative=spec is not None)
@@ -150,7 +154,10 @@ class Engine:
             depth=1 if config.async_scheduling else 0,
             num_decode_steps=config.num_decode_steps,
             routed_experts=self.routed_experts,
+            constrained=ConstrainedSequences(),
+            fill_masks=lambda matchers, out: self.grammars.fill(matchers, out),
         )
+        self._grammars: GrammarCompiler | None = None
         self._paused = False  # `pause`: `step` then does nothing
         self._asleep: sleep.Asleep | None = None  # `sleep`: the same, its memory freed
         self._resumed = threading.Condition()  # `wait_resumed` waits on it
@@ -299,15 +306,30 @@ class Engine:
                 f"request_id={request_id!r} was aborted and its final output is not yet "
                 "reported: reuse the id after the next step"
             )
+        params = params or SamplingParams()
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.grammars.compile(spec)
         req = self.requests.create(
             request_id,
             prompt,
-            params or SamplingParams(),
+            params,
             priority=priority,
             arrival_time=arrival_time,
             cache_salt=self.routed_experts.cache_salt(request_id, params, cache_salt),
         )
+        if grammar is not None:
+            for seq in req.seqs:
+                self._stepper.constrained.add(seq, self.grammars.matcher(grammar))
         return self._queue(self.routed_experts.add(req))
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured outputs against the engine's tokenizer (made at first use)."""
+        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
 
     def check_accepting(self) -> None:
         """Raises `EngineAsleep` while the engine sleeps refusing requests

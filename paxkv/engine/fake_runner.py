@@ -12,7 +12,7 @@ import numpy as np
 
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.device.sampling import Sampled, Scored, Speculated
-from paxkv.engine.runner import StepRunner
+from paxkv.engine.runner import Deferred, StepRunner
 from paxkv.host.batch import HostBatch
 from paxkv.host.kv_groups import KVCacheGroups
 
@@ -22,6 +22,20 @@ def fake_token(tokens: np.ndarray, positions: np.ndarray, vocab_size: int) -> np
     modulo the vocabulary (i64 arithmetic, so it never overflows)."""
     t = tokens.astype(np.int64) * 1_000_003 + positions.astype(np.int64) * 7_919 + 12_345
     return ((t ^ (t >> 13)) % vocab_size).astype(np.int32)
+
+
+def masked(tokens: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """`tokens` (i32[n]) with each one its row's mask (`allowed`, i32[>= n, W]) leaves
+    out replaced by the first allowed token after it, cyclically (kept where none is)."""
+    out = tokens.copy()
+    for i, t in enumerate(tokens.tolist()):
+        bits = np.unpackbits(allowed[i].view(np.uint8), bitorder="little")
+        if bits[t] or not bits.any():
+            continue
+        ids = np.flatnonzero(bits)
+        after = ids[ids > t]
+        out[i] = int(after[0] if len(after) else ids[0])
+    return out
 
 
 class FakeRunner(StepRunner):
@@ -91,11 +105,18 @@ class FakeRunner(StepRunner):
         inputs = np.where(fed, self._prev[np.maximum(src, 0)], hb.tokens[hb.logits_indices[:n]])
         return inputs, np.where(fed, self._rejected[np.maximum(src, 0)], 0)
 
-    def dispatch(self, hb: HostBatch) -> Sampled:
-        """Computes the step's tokens on the host."""
+    def dispatch(self, hb: HostBatch) -> Sampled | Deferred:
+        """Computes the step's tokens on the host; with token masks (`HostBatch.allowed`)
+        a `Deferred` step, each masked sequence taking the first allowed token at or
+        after its fake token (cyclically)."""
         last = hb.logits_indices[: int(hb.num_seqs[0])]
         inputs, shift = self._carried(hb)
         out = fake_token(inputs, hb.positions[last] - shift, self.model_config.vocab_size)
+        if hb.allowed.shape[1]:
+            return Deferred(hb.allowed, lambda mask: self._step(hb, masked(out, mask), shift))
+        return self._step(hb, out, shift)
+
+    def _step(self, hb: HostBatch, out: np.ndarray, shift: np.ndarray) -> Sampled:
         sampled = self._samples(out, self.config.max_num_seqs)
         self._prev, self._rejected = sampled.tokens, np.zeros_like(self._rejected)
         if hb.draft_tokens.shape[1]:

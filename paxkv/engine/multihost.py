@@ -49,7 +49,7 @@ from absl import logging
 
 from paxkv.engine.device.sampling import Sampled
 from paxkv.engine.device.step import MAX_STOP_IDS, abstract_step_batch
-from paxkv.engine.runner import StepRunner
+from paxkv.engine.runner import Deferred, StepRunner
 from paxkv.host.batch import HostBatch, history_length
 
 HEADER_WORDS = 256
@@ -120,6 +120,7 @@ class Command(enum.IntEnum):
     RESTORE = 4  # a step raised: restore the cache (`StepRunner.restore_cache`)
     STOP = 5  # end `follow`
     PING = 6  # nothing: process 0 idle checks that every process still answers
+    MASKS = 7  # the token masks of the last STEP (`StepRunner.finish`): i32[S, W]
 
 
 class InputMismatch(RuntimeError):
@@ -323,6 +324,14 @@ class LeaderRunner(StepRunner):
             self.channel.send(Command.STEP, host_batch_arrays(hb))
             return self.runner.dispatch(hb)
 
+    def finish(self, handle: Any) -> Any:
+        """Sends a deferred step's token masks, then finishes it (`runner.finish`)."""
+        if not isinstance(handle, Deferred):
+            return handle
+        with self._busy():
+            self.channel.send(Command.MASKS, [handle.allowed])
+            return self.runner.finish(handle)
+
     def fetch(self, handle: Any) -> Sampled:
         """`runner.fetch`: process 0 reads the (replicated) samples."""
         with self._busy():
@@ -400,13 +409,19 @@ def follow(runner: StepRunner, channel: Channel) -> int:
     call process 0 sends, until STOP; returns the messages handled. Raises
     InputMismatch, or the runtime's error when a collective fails (process 0 died)."""
     num_fields = len(dataclasses.fields(HostBatch))
+    deferred = None  # a STEP whose masks come next
     while True:
         command, arrays = channel.receive()
         if command is Command.STOP:
             logging.info("paxkv: process 0 sent stop after %d messages", channel.seq)
             return channel.seq
         if command is Command.STEP:
-            runner.dispatch(host_batch_of(arrays))
+            deferred = runner.dispatch(host_batch_of(arrays))
+        elif command is Command.MASKS:
+            if not isinstance(deferred, Deferred):
+                raise InputMismatch("token masks came without a step waiting for them")
+            runner.finish(dataclasses.replace(deferred, allowed=arrays[0]))
+            deferred = None
         elif command is Command.LOOP:
             stops, limits = _loop_inputs(*arrays[num_fields:])
             runner.decode_loop(host_batch_of(arrays), stops, limits)

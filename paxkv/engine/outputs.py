@@ -91,7 +91,7 @@ def take(seq: SequenceState, progress: Progress, tokenizer: Any, stop: StopFn | 
     params = seq.params
     # A stop token ends the outputs of a sequence with finish reason "stop" (a stop
     # string's `stop` has set progress.stop_reason); as in vLLM its text is left out.
-    ended_by_token = seq.finish_reason is _STOP
+    ended_by_token = seq.finish_reason is _STOP and not seq.constraint_done
     skip_text_at = len(out) - 1 if ended_by_token and not params.include_stop_str_in_output else -1
     asked = params.logprobs is not None
     i = progress.num_taken
@@ -280,7 +280,8 @@ def _text(
     if det is None:
         return None
     out = seq.output_token_ids
-    last = end - 1 if reason is _STOP and not seq.params.include_stop_str_in_output else end
+    by_token = reason is _STOP and not seq.constraint_done
+    last = end - 1 if by_token and not seq.params.include_stop_str_in_output else end
     for t in out[progress.num_decoded : max(last, progress.num_decoded)]:
         det.add(t)
     progress.num_decoded = max(end, progress.num_decoded)

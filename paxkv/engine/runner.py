@@ -11,6 +11,7 @@ benchmarked on its own (`benchmarks.host_step`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,10 +29,20 @@ from paxkv.engine.device.sampling import Sampled
 from paxkv.engine.device.step import DecodeLimits, ForwardBatch, StepExtras
 from paxkv.engine.params import ParamSource
 from paxkv.engine.programs import Program, Programs, default_compile_threads
-from paxkv.host.batch import HostBatch, history_length, pad_host_batch
+from paxkv.host.batch import HostBatch, history_length, mask_words, pad_host_batch
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.kv_cache import PagedKVCache
 from paxkv.sharding import shardings
+
+
+@dataclasses.dataclass
+class Deferred:
+    """A step whose forward is dispatched and whose sampler waits for the host to fill
+    `allowed` (`HostBatch.allowed`: the token masks of its constrained sequences, all
+    bits set until then): `StepRunner.finish` dispatches the sampler."""
+
+    allowed: np.ndarray  # i32[S, W]
+    resume: Callable[[np.ndarray], Any]  # the masks -> the step's handle
 
 
 class StepRunner:
@@ -56,6 +67,11 @@ class StepRunner:
     def dispatch(self, hb: HostBatch) -> Any:
         """Starts one step of `hb`; returns a handle for `fetch`."""
         raise NotImplementedError
+
+    def finish(self, handle: Any) -> Any:
+        """A dispatched step's handle for `fetch`: a `Deferred` step's sampler dispatched
+        with its masks as filled now; any other handle as it is."""
+        return handle.resume(handle.allowed) if isinstance(handle, Deferred) else handle
 
     def fetch(self, handle: Any) -> Sampled:
         """The samples of a dispatched step, as NumPy arrays (rows: max_num_seqs)."""
@@ -284,18 +300,19 @@ class ModelRunner(StepRunner):
         statics = self._statics() | {"num_steps": self.config.num_decode_steps}
         return Program("loop", key, steps.DECODE_LOOP, (*args, limits), statics)
 
-    def _resample_program(self, key: tuple[int, int, int, int, int, bool, int]) -> Program:
+    def _resample_program(self, key: tuple[int, int, int, int, int, bool, int, int]) -> Program:
         """`key`: (T, or 0 when no row is scored or proposed; S; H; R; k; whether a
         draft model made the proposals; B, the logit biases' width: the programs with
-        B > 0 compile when a step first needs them, not in warm-up)."""
-        t, s, h, r, k, drafted, b = key
+        B > 0 compile when a step first needs them, not in warm-up; W, the token masks'
+        words, 0 or the model's)."""
+        t, s, h, r, k, drafted, b, w = key
         # Its inputs are a forward's outputs (and a draft's): lowered for their shardings.
         _, last, hidden, _ = self._out_info["forward"]
         resized = lambda a, *shape: jax.ShapeDtypeStruct(shape, a.dtype, sharding=a.sharding)
         last = jax.tree.map(lambda a: resized(a, s, *a.shape[1:]), last)
         hidden = resized(hidden, t, *hidden.shape[1:]) if t else None
         forward, extras = self._batch(
-            max(t, 1), s, 1, history_len=h, num_scored=r, num_draft=k, num_bias=b
+            max(t, 1), s, 1, history_len=h, num_scored=r, num_draft=k, num_bias=b, num_mask=w
         )
         proposals, draft_probs = extras.draft_tokens, None
         if drafted:
@@ -317,10 +334,13 @@ class ModelRunner(StepRunner):
             self._out_info[name] = compiled.out_info
         return compiled
 
-    def _run_step(self, forward: ForwardBatch, extras: StepExtras) -> Sampled:
+    def _run_step(self, forward: ForwardBatch, extras: StepExtras, allowed: Any = None) -> Any:
+        """Dispatches a step's forward and its sampler; with `allowed` (the host's token
+        masks, i32[S, W], not filled yet), only the forward: the sampler waits for
+        `finish` (returns a `Deferred`)."""
         target, draft = self.target, self.draft
         t, (s, p) = forward.tokens.shape[0], forward.table.block_tables.shape[-2:]
-        h, r = extras.penalty_history.shape[2], extras.score_rows.shape[0]
+        h = extras.penalty_history.shape[2]
         k = extras.draft_tokens.shape[1]
         proposals, draft_probs = extras.draft_tokens, None
         if draft is not None:  # its proposals fill the rows after each sequence's last
@@ -339,13 +359,21 @@ class ModelRunner(StepRunner):
         sampled, last, hidden, target.cache = self._program("forward", (t, s, p))(
             target.graphdef, target.params, target.cache, forward, self._carried
         )
-        carried = steps.Carried(sampled.tokens, self._no_rejections)
-        if extras.needed:  # the small sampler of penalties, scored rows or proposals
+        self._carried = steps.Carried(sampled.tokens, self._no_rejections)
+
+        def resample(mask: Any = None) -> Sampled:
+            nonlocal sampled, extras
+            if mask is not None:
+                extras = steps.with_allowed(extras, mask, self._batch_sharding)
+            if not extras.needed:
+                return sampled
+            # The small sampler of penalties, scored rows, proposals, biases or masks.
+            r = extras.score_rows.shape[0]
             wide = bool(r or k)
-            b = extras.bias_ids.shape[1]
-            key = (t if wide else 0, s, h, r, k, draft is not None and k > 0, b)
+            b, w = extras.bias_ids.shape[1], extras.allowed.shape[1]
+            key = (t if wide else 0, s, h, r, k, draft is not None and k > 0, b, w)
             routing = sampled.routing
-            sampled, carried = self._program("resample", key)(
+            sampled, self._carried = self._program("resample", key)(
                 target.graphdef,
                 target.params,
                 last,
@@ -356,9 +384,11 @@ class ModelRunner(StepRunner):
                 proposals,
                 draft_probs,
             )
-            sampled = sampled.replace(routing=routing)
-        self._carried = carried
-        return sampled
+            return sampled.replace(routing=routing)
+
+        if allowed is not None:
+            return Deferred(allowed, resample)
+        return resample()
 
     def _run_loop(
         self, forward: ForwardBatch, extras: StepExtras, limits: DecodeLimits
@@ -377,11 +407,14 @@ class ModelRunner(StepRunner):
         )
         return sampled, valid
 
-    def dispatch(self, hb: HostBatch) -> Sampled:
+    def dispatch(self, hb: HostBatch) -> Any:
         """Moves `hb` to the device in one transfer and dispatches the step (on the
-        smallest compiled shape that holds it, while warm-up compiles in the background)."""
+        smallest compiled shape that holds it, while warm-up compiles in the background);
+        a step with token masks (`HostBatch.allowed`) dispatches its forward only
+        (`Deferred`)."""
         hb = self._on_compiled_shape(hb, "forward")
-        return self._run_step(*steps.step_batch(hb, self.config.page_size, self._batch_sharding))
+        forward, extras = steps.step_batch(hb, self.config.page_size, self._batch_sharding)
+        return self._run_step(forward, extras, hb.allowed if hb.allowed.shape[1] else None)
 
     def _on_compiled_shape(self, hb: HostBatch, name: str) -> HostBatch:
         """`hb`, padded to the smallest compiled shape that holds it if its own program
@@ -447,10 +480,10 @@ class ModelRunner(StepRunner):
     ) -> None:
         """Compiles, for every shape, the step's forward (with a draft model, the draft's
         part too) and the N-step loop, then the samplers those shapes run most: of
-        penalties per (S, H), and with `scoring` of scored rows and with speculative
-        decoding of proposals per (T, S). A step with a rarer mix (scored rows or
-        proposals and penalties in one step) compiles its sampler, a small program of
-        the LM head, when first met. `progress(done, total)` counts programs.
+        penalties per (S, H), of token masks (structured outputs) per S, and with
+        `scoring` of scored rows and with speculative decoding of proposals per (T, S).
+        A step with a rarer mix (scored rows, proposals or masks and penalties in one
+        step) compiles its sampler, a small program of the LM head, when first met. `progress(done, total)` counts programs.
 
         With `background`, only the programs of the largest shape (which holds every
         step) and of the smallest compile now; the others compile in a background
@@ -519,13 +552,15 @@ class ModelRunner(StepRunner):
         if self.config.num_decode_steps > 1:
             for t, s, p in shapes:
                 first += [("loop", (t, s, p, h)) for h in (0, history_length(p, page_size))]
+        w = mask_words(self.model_config.vocab_size)
         second: dict[tuple[str, tuple], None] = {}
         for t, s, p in shapes:
-            second[("resample", (0, s, history_length(p, page_size), 0, 0, False, 0))] = None
+            second[("resample", (0, s, history_length(p, page_size), 0, 0, False, 0, 0))] = None
+            second[("resample", (0, s, 0, 0, 0, False, 0, w))] = None
             if scoring:
-                second[("resample", (t, s, 0, t, 0, False, 0))] = None
+                second[("resample", (t, s, 0, t, 0, False, 0, 0))] = None
             if k:
-                second[("resample", (t, s, 0, 0, k, drafted, 0))] = None
+                second[("resample", (t, s, 0, 0, k, drafted, 0, 0))] = None
         return first, list(second)
 
 

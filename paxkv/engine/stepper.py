@@ -16,6 +16,10 @@ How a plan runs is a strategy chosen per plan:
 - N decode iterations in one call (`DecodeLoop`, `EngineConfig.num_decode_steps`): a
   decode-only plan without proposals whose pages for N tokens can be reserved; its
   placeholders, read ahead, are N per sequence.
+Constrained sequences (structured outputs, `paxkv.host.constrained`) run one step at
+a time: a step with them dispatches its forward first, the host fills their token
+masks while it runs (with async scheduling, after reading the step before, whose
+tokens the masks depend on), then the sampler runs with the masks (`Deferred`).
 Speculative proposals are part of a plan (`paxkv.host.speculative`). A step launched
 ahead records each sequence's proposals as if all were accepted; the step after it
 moves the sequence back, on the device, by those the verdict rejected, and reading
@@ -30,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.device.sampling import Sampled, sample_result
@@ -38,7 +43,8 @@ from paxkv.engine.endings import Endings
 from paxkv.engine.metrics import EngineMetrics
 from paxkv.engine.recording import record_samples, record_scores, verified_results
 from paxkv.engine.routed_experts import RoutedExperts
-from paxkv.engine.runner import StepRunner
+from paxkv.engine.runner import Deferred, StepRunner
+from paxkv.host.constrained import ConstrainedSequences
 from paxkv.host.request import RequestOutput
 from paxkv.host.scheduler import Scheduler, SchedulerOutput
 from paxkv.host.sequence import PLACEHOLDER_TOKEN, SequenceState
@@ -161,6 +167,9 @@ class Stepper:
       num_decode_steps: decode iterations per call when a plan allows it (`DecodeLoop`).
       routed_experts: records the routing of steps whose requests ask for it (their
         plans run one step per call).
+      constrained: the constrained sequences and their matchers (None: none ever).
+      fill_masks: `fill(matchers, out)` fills `out[i]` (i32[n, W]) with matcher i's
+        token mask (`paxkv.text.grammar.GrammarCompiler.fill`).
     """
 
     def __init__(
@@ -175,6 +184,8 @@ class Stepper:
         depth: int = 0,
         num_decode_steps: int = 1,
         routed_experts: RoutedExperts | None = None,
+        constrained: ConstrainedSequences | None = None,
+        fill_masks: Any = None,
     ) -> None:
         if depth not in (0, 1):
             raise ValueError(f"depth={depth} must be 0 (synchronous) or 1 (async scheduling)")
@@ -187,6 +198,8 @@ class Stepper:
         self.depth = depth
         self.num_decode_steps = num_decode_steps
         self.routed_experts = routed_experts
+        self.constrained = constrained if constrained is not None else ConstrainedSequences()
+        self.fill_masks = fill_masks
         self.inflight: InFlight | None = None
 
     @property
@@ -214,11 +227,13 @@ class Stepper:
         launched = self._launch(plan) if plan.num_chunks else None
         t1 = time.perf_counter()
         if self.depth == 0:
-            outputs = self._read(launched) if launched is not None else []
+            outputs = self._read(self._finish(launched)) if launched is not None else []
             return outputs, t1, time.perf_counter()
         outputs, rejected = self._resolve(self.inflight) if self.inflight else ([], {})
         t2 = time.perf_counter()
         self.inflight = None
+        if launched is not None:
+            launched = self._finish(launched)
         if launched is None:
             self.scheduler.decodes.drop()  # its rows would name a step no longer in flight
             self.scheduler.release_rejected(seq for seq, _ in rejected.values())
@@ -237,8 +252,8 @@ class Stepper:
             return plan, OneStep()
         if any(c.seq.num_unverified for c in plan.chunks):
             return plan, OneStep()  # its token limits depend on a verdict not read yet
-        if any(c.seq.biased for c in plan.chunks):
-            return plan, OneStep()  # the decode loop applies no logit biases
+        if any(c.seq.biased or c.seq.constrained for c in plan.chunks):
+            return plan, OneStep()  # the decode loop applies no logit biases nor masks
         if self.routed_experts is not None and self.routed_experts.wants(plan):
             return plan, OneStep()  # the decode loop returns no routing
         eos = self.eos_token_ids
@@ -264,6 +279,31 @@ class Stepper:
             self.metrics.num_decode_loops += 1
         return Launched(plan, strategy, strategy.launch(self.runner, hb, plan))
 
+    def _finish(self, launched: Launched) -> Launched:
+        """`launched` with its sampler dispatched: a `Deferred` step's after the host
+        fills the token masks of its constrained sequences (their matchers up to date).
+        A sequence whose constraint leaves none of the model's tokens (only an EOS the
+        model has not got) samples freely and ends before that token."""
+        handle = launched.handle
+        if not isinstance(handle, Deferred):
+            return launched
+        rows = self.constrained.sampling(launched.plan)
+        if rows:
+            masks = np.empty((len(rows), handle.allowed.shape[1]), np.int32)
+            self.fill_masks([m for _, m, _ in rows], masks)
+            empty = ~masks.any(axis=1)
+            if empty.any():
+                self.constrained.end_after(rows[i][2] for i in np.flatnonzero(empty).tolist())
+                masks[empty] = -1
+            handle.allowed[[r for r, _, _ in rows]] = masks
+        return dataclasses.replace(launched, handle=self.runner.finish(handle))
+
+    def _sync_constrained(self) -> None:
+        """Brings the matchers up to the tokens just recorded, ending the sequences
+        whose constraint is complete."""
+        if self.constrained:
+            self.constrained.sync(self.scheduler)
+
     # Reading now (depth 0).
 
     def _read(self, launched: Launched) -> Sequence[RequestOutput]:
@@ -276,6 +316,7 @@ class Stepper:
             step = plan if i == 0 else _advanced(plan, i)
             gaps = record_samples(self.scheduler, step, sampled, valid, self.eos_token_ids)
             self.metrics.on_tokens(gaps)
+        self._sync_constrained()
         if plan.decode is not None:
             return self.endings.report_decode(plan)
         return self.endings.report(plan.sampled_request_ids())
@@ -382,6 +423,7 @@ class Stepper:
             gaps.append(None if before is None else now - before)
             touched.append(seq)
         self.metrics.on_tokens(gaps)
+        self._sync_constrained()
         if decode is not None:
             ids = [seq.request_id for seq in dict.fromkeys(touched)]
             return self.endings.report_decode(plan, ids), rejected

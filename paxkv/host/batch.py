@@ -167,9 +167,20 @@ class HostBatch:
     # power of two >= MIN_BIAS with room for the most any sequence has.
     bias_ids: np.ndarray  # i32[S, B]
     bias_values: np.ndarray  # f32[S, B]
+    # Token bitmasks of constrained sequences (`paxkv.host.constrained`): token t may be
+    # sampled by sequence s when bit t % 32 of allowed[s, t // 32] is set. W = 0 when no
+    # sequence in the persistent batch is constrained, else the model's mask words; every
+    # bit set (-1) until the host fills the rows of the step's constrained sequences,
+    # which it does while the step's forward runs (the sampler reads them after).
+    allowed: np.ndarray  # i32[S, W]
 
 
 MIN_BIAS = 8  # the narrowest bias arrays of a step that has biases
+
+
+def mask_words(vocab_size: int) -> int:
+    """Words (int32) of a token bitmask over `vocab_size` tokens (`HostBatch.allowed`)."""
+    return (vocab_size + 31) // 32
 
 
 def bias_arrays(
@@ -244,6 +255,7 @@ def pad_host_batch(
         draft_counts=rows(hb.draft_counts, ds),
         bias_ids=rows(hb.bias_ids, ds, -1),
         bias_values=rows(hb.bias_values, ds),
+        allowed=rows(hb.allowed, ds, -1),
     )
 
 
@@ -256,6 +268,7 @@ def build_host_batch(
     pending: Mapping[int, int] | None = None,
     num_speculative_tokens: int = 0,
     eos_token_ids: tuple[int, ...] = (),
+    mask_words: int = 0,
 ) -> HostBatch:
     """Lays out one scheduled step: its chunks' tokens packed in plan order.
 
@@ -270,7 +283,8 @@ def build_host_batch(
     histories of `history_length(P, page_size)` tokens, else of none. A step where a chunk has speculative proposals carries them as
     `draft_tokens` of width `num_speculative_tokens` (the most a chunk may have), else of width 0.
     Sequences with logit biases (`SequenceState.biased`; `eos_token_ids` are the stop
-    tokens `min_tokens` holds back) carry them as `bias_ids` / `bias_values`.
+    tokens `min_tokens` holds back) carry them as `bias_ids` / `bias_values`. While a
+    row in use is constrained, the step carries `allowed` of `mask_words` words, all set.
     """
     extra = plan.extra
     decode = plan.decode
@@ -408,6 +422,9 @@ def build_host_batch(
         *bias_arrays([s.logit_bias(eos_token_ids) if s.biased else None for s in seqs], s_pad)
         if rows.biased
         else _constant("no bias", s_pad),
+        np.full((s_pad, mask_words), -1, np.int32)
+        if rows.constrained and mask_words
+        else _constant("no mask", s_pad),
     )
 
 
@@ -433,7 +450,7 @@ def _constant(what: str, size: int) -> np.ndarray | tuple[np.ndarray, ...]:
     read-only (a step's consumers never write its arrays): "no drafts" (draft tokens
     i32[size, 0] and counts i32[size]), "no scores" (rows and targets, i32[0] each),
     "no history" (i32[3, size, 0]), "num seqs" (i32[1] holding `size`), "no bias" (ids
-    i32[size, 0] and values f32[size, 0])."""
+    i32[size, 0] and values f32[size, 0]), "no mask" (i32[size, 0])."""
     if what == "no drafts":
         out = (np.zeros((size, 0), np.int32), np.zeros(size, np.int32))
     elif what == "no scores":
@@ -444,6 +461,8 @@ def _constant(what: str, size: int) -> np.ndarray | tuple[np.ndarray, ...]:
         out = (np.array([size], np.int32),)
     elif what == "no bias":
         out = (np.zeros((size, 0), np.int32), np.zeros((size, 0), np.float32))
+    elif what == "no mask":
+        out = (np.zeros((size, 0), np.int32),)
     else:
         raise ValueError(f"no constant {what!r}")
     for a in out:

@@ -44,6 +44,8 @@ class BatchRows:
         self.penalised: set[int] = set()
         # Rows in use whose sampling adds logit biases (their steps carry them).
         self.biased: set[int] = set()
+        # Rows in use whose output follows a constraint (their steps carry token masks).
+        self.constrained: set[int] = set()
 
     @property
     def block_tables(self) -> np.ndarray:  # i32[rows, pages_per_seq]
@@ -79,6 +81,8 @@ class BatchRows:
             self.penalised.add(row)
         if params.biased:
             self.biased.add(row)
+        if params.structured_outputs is not None:
+            self.constrained.add(row)
         self.ints[row] = [seed if name == "seed" else getattr(params, name) for name in ROW_INTS]
         return row
 
@@ -127,6 +131,7 @@ class BatchRows:
         self.truncate(row, 0)
         self.penalised.discard(row)
         self.biased.discard(row)
+        self.constrained.discard(row)
         self._free.append(row)
 
     def check(self, row: int, tables: Sequence[list[int]]) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from paxkv.host.structured_outputs import StructuredOutputs
+
 # The largest value of an integer field that reaches the device (as int32).
 INT32_MAX = 2**31 - 1
 # The most stop strings one request may give, and the longest: each token's text is
@@ -177,6 +179,13 @@ class SamplingParams:
     that many tokens are generated (vLLM's; stop strings still apply). Steps with such
     a sequence run one decode at a time.
 
+    `structured_outputs` (a `StructuredOutputs`, or a mapping of its fields) constrains
+    the output to a JSON schema, any JSON object, a regex, a choice of strings or a
+    grammar: each step, only the tokens that keep the output a prefix of a match can be
+    sampled (the reported logprobs stay raw), and the completion ends with finish
+    reason "stop" once the constraint is complete and can go no further. Such a
+    sequence runs one decode at a time and takes no speculative proposals.
+
     `return_routed_experts` (MoE models only; SGLang's name) returns, on each finished
     completion, the experts every MoE layer sent each of its tokens to
     (`CompletionOutput.routed_experts`), for RL trainers to replay the rollout's
@@ -206,6 +215,7 @@ class SamplingParams:
     # logprobs); given as a mapping, held as sorted (id, bias) pairs.
     logit_bias: Any = None
     min_tokens: int = 0
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -276,6 +286,7 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
             )
+        put("structured_outputs", StructuredOutputs.of(self.structured_outputs))
 
     @property
     def biased(self) -> bool:

@@ -56,6 +56,9 @@ class SequenceState:
     # Speculative proposals recorded as accepted before their verdict was read (async
     # scheduling, `record_proposed`): its length may be that much shorter.
     num_unverified: int = 0
+    # Ended by its structured-outputs constraint, complete (`paxkv.host.constrained`): its
+    # finish reason is "stop" though its last token is no stop token (its text is kept).
+    constraint_done: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -72,6 +75,7 @@ class SequenceState:
     track_top: bool = dataclasses.field(init=False, repr=False)
     penalised: bool = dataclasses.field(init=False, repr=False)
     biased: bool = dataclasses.field(init=False, repr=False)
+    constrained: bool = dataclasses.field(init=False, repr=False)
     _stops: tuple = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +84,8 @@ class SequenceState:
         self.track_top = self.params.logprobs is not None  # keeps top logprobs
         self.penalised = self.params.has_penalties  # keeps output counts
         self.biased = self.params.biased  # its steps carry logit biases
+        # its steps carry token masks (`paxkv.host.constrained`)
+        self.constrained = self.params.structured_outputs is not None
         self._stops: tuple[tuple[int, ...] | None, frozenset[int]] = (None, frozenset())
 
     # Outputs. Every change to the output tokens goes through these three, so the

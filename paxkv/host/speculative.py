@@ -337,12 +337,14 @@ def add_proposals(
     """Gives the decodes of a planned step their proposals out of `spare` tokens
     (`Speculator.spare_tokens`), shared evenly in plan order, and the pool's free pages
     (module docstring); replaces those chunks in `chunks` and returns the tokens used. A
-    sequence whose proposal raises fails alone (`fail`) and leaves the step."""
+    sequence whose proposal raises fails alone (`fail`) and leaves the step. Constrained
+    sequences (structured outputs) take none: their masks are made one token at a time."""
     ps = kv.page_size
     decodes = [
         i
         for i, c in enumerate(chunks)
-        if c.num_tokens == 1 and c.samples and c.num_output_tokens  # not after a prefill
+        # not after a prefill, nor constrained
+        if c.num_tokens == 1 and c.samples and c.num_output_tokens and not c.seq.constrained
     ]
     used = 0
     for n, i in enumerate(decodes):

@@ -87,7 +87,7 @@ def test_penalties_and_scores_during_a_background_warmup(tiny):
     assert _run(engine, prompts, penalised) == a and _run(engine, prompts, scoring) == b
 
 
-def _host_batch(t, s, p, *, h=0, r=0, k=0, b=0, groups=()):
+def _host_batch(t, s, p, *, h=0, r=0, k=0, b=0, w=0, groups=()):
     rng = np.random.default_rng(0)
     ints = lambda *shape: rng.integers(1, 50, shape).astype(np.int32)
     history = ints(3, s, h)
@@ -109,12 +109,13 @@ def _host_batch(t, s, p, *, h=0, r=0, k=0, b=0, groups=()):
         draft_counts=ints(s),
         bias_ids=ints(s, b),
         bias_values=rng.random((s, b)).astype(np.float32),
+        allowed=ints(s, w),
     )
 
 
 @pytest.mark.parametrize("groups", [(), (2,)])
 def test_padding_keeps_every_value_and_pads_with_nothing(groups):
-    hb = _host_batch(8, 4, 2, h=history_length(2, 4), r=8, k=3, b=8, groups=groups)
+    hb = _host_batch(8, 4, 2, h=history_length(2, 4), r=8, k=3, b=8, w=2, groups=groups)
     out = pad_host_batch(hb, 24, 6, 5, page_size=4)
     assert out.tokens.shape == (24,) and out.block_tables.shape == (*groups, 6, 5)
     np.testing.assert_array_equal(out.tokens[:8], hb.tokens)
@@ -133,6 +134,8 @@ def test_padding_keeps_every_value_and_pads_with_nothing(groups):
     np.testing.assert_array_equal(out.bias_ids[:4], hb.bias_ids)
     assert out.bias_ids.shape == (6, 8) and (out.bias_ids[4:] == -1).all()
     assert not out.bias_values[4:].any()
+    np.testing.assert_array_equal(out.allowed[:4], hb.allowed)
+    assert out.allowed.shape == (6, 2) and (out.allowed[4:] == -1).all()  # all allowed
     greedy = out.sampling_floats[4:, 0]  # temperature 0, no penalty
     assert not greedy.any() and (out.sampling_floats[4:, 5] == 1.0).all()
     assert pad_host_batch(hb, 8, 4, 2, page_size=4) is hb

@@ -1,8 +1,8 @@
 """After `warmup()`, no request compiles a program of the model: every sampling feature
 (prompt logprobs and score requests included), in every execution mode, runs on the
 step shapes warm-up compiled. The only programs compiled later are the small samplers
-of a step that mixes penalties with scored rows or proposals, which warm-up leaves to
-their first use (`ModelRunner.warmup`).
+of a step that mixes penalties with scored rows, proposals or token masks (structured
+outputs), which warm-up leaves to their first use (`ModelRunner.warmup`).
 
 Engines share compilations (the steps are jitted at module level), so an earlier test
 may have compiled some of these shapes already; what is asserted is only that the
@@ -60,6 +60,14 @@ def _workload(vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
         SamplingParams(prompt_logprobs=5, logprobs=2, n=2, **sampled),
         SamplingParams(prompt_logprobs=1, frequency_penalty=0.3, **sampled),
         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
+        # Structured outputs: the token masks' sampler.
+        SamplingParams(structured_outputs={"regex": "[a-f]{2,9}"}, **sampled),
+        SamplingParams(structured_outputs={"choice": ["yes", "no"]}, n=2, **sampled),
+        SamplingParams(
+            structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True},
+            logprobs=1,
+            **sampled,
+        ),
     ]
     work = [(p, c) for p in (short, medium) for c in cases]
     # The longest sequence the engine serves (110 + 18 = max_model_len), with penalties.
@@ -126,7 +134,9 @@ def test_no_request_compiles_after_warmup(tiny, mode):
         assert engine.stats()["spec_decode_num_drafts"] > 0
     later = engine.runner.programs_compiled[warmed:]
     mixes = [
-        (name, key) for name, key in later if name == "resample" and key[2] and (key[3] or key[4])
+        (name, key)
+        for name, key in later
+        if name == "resample" and key[2] and (key[3] or key[4] or key[7])
     ]
     assert later == mixes, f"programs compiled after warm-up ({mode}): {later}"
     assert engine.num_compilations == warm + len(later)

@@ -41,6 +41,9 @@ class SamplingBatch:
     # f32[S, B] values, added with the penalties; None (or B = 0): none.
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
+    # Token bitmasks (`paxkv.host.batch.HostBatch.allowed`): i32[S, W], bit t % 32 of
+    # word t // 32 set where token t may be sampled; None (or W = 0): no mask.
+    allowed: jax.Array | None = None
 
     temperature = property(lambda self: self.floats[:, _F["temperature"]])
     top_p = property(lambda self: self.floats[:, _F["top_p"]])
@@ -149,15 +152,24 @@ def apply_penalties(
     """The logits with each row's presence, frequency and repetition penalties applied
     to the tokens of its history (vLLM's and OpenAI's definitions); rows without
     penalties are unchanged. Costs O(S * H), not O(S * V). The rows' logit biases are
-    added after (O(S * B))."""
+    added after (O(S * B)), then the tokens their masks leave out are set to -inf."""
     logits = _penalised(logits, params)
-    if params.bias_ids is None or params.bias_ids.shape[1] == 0:
-        return logits
-    ids = params.bias_ids
-    rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].add(
-        params.bias_values, mode="drop"
-    )
+    if params.bias_ids is not None and params.bias_ids.shape[1]:
+        ids = params.bias_ids
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[1])].add(
+            params.bias_values, mode="drop"
+        )
+    if params.allowed is not None and params.allowed.shape[1]:
+        logits = jnp.where(allowed_tokens(params.allowed, logits.shape[1]), logits, -jnp.inf)
+    return logits
+
+
+def allowed_tokens(allowed: jax.Array, vocab_size: int) -> jax.Array:  # bool[S, V]
+    """The bitmasks `allowed` (i32[S, W], bit t % 32 of word t // 32 for token t)
+    unpacked over the first `vocab_size` tokens."""
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(allowed.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 def _penalised(logits: jax.Array, params: SamplingBatch) -> jax.Array:  # f32[S, V]

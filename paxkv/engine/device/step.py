@@ -119,6 +119,8 @@ class StepExtras:
     # Logit biases (`HostBatch.bias_ids`): i32[S, B] token ids (-1 pads), f32[S, B].
     bias_ids: jax.Array
     bias_values: jax.Array
+    # Token bitmasks of constrained sequences (`HostBatch.allowed`): i32[S, W], W = 0 none.
+    allowed: jax.Array
 
     @property
     def needed(self) -> bool:
@@ -128,6 +130,7 @@ class StepExtras:
             or self.score_rows.shape[0]
             or self.draft_tokens.shape[1]
             or self.bias_ids.shape[1]
+            or self.allowed.shape[1]
         )
 
 
@@ -146,10 +149,18 @@ def step_batch(
     hb: HostBatch, page_size: int, sharding: Any = None
 ) -> tuple[ForwardBatch, StepExtras]:
     """Moves a host batch to the device (replicated over `sharding`'s mesh if given) in
-    one transfer."""
-    names = [f.name for f in dataclasses.fields(hb)]
+    one transfer, all but its token masks (`HostBatch.allowed`, filled while the forward
+    runs): the extras' `allowed` is empty (i32[S, 0]) until `with_allowed` puts them."""
+    names = [f.name for f in dataclasses.fields(hb) if f.name != "allowed"]
     a = dict(zip(names, jax.device_put([getattr(hb, n) for n in names], sharding), strict=True))
+    a["allowed"] = jax.device_put(np.zeros((hb.allowed.shape[0], 0), np.int32), sharding)
     return _assemble(a, page_size)
+
+
+def with_allowed(extras: StepExtras, allowed: np.ndarray, sharding: Any = None) -> StepExtras:
+    """`extras` with the step's token masks (i32[S, W], filled on the host) moved to the
+    device."""
+    return extras.replace(allowed=jax.device_put(allowed, sharding))
 
 
 def abstract_step_batch(
@@ -163,6 +174,7 @@ def abstract_step_batch(
     num_scored: int = 0,
     num_draft: int = 0,
     num_bias: int = 0,
+    num_mask: int = 0,
     sharding: Any = None,
 ) -> tuple[ForwardBatch, StepExtras]:
     """The shapes and dtypes (`jax.ShapeDtypeStruct`s, no buffers) of the step batch of
@@ -187,6 +199,7 @@ def abstract_step_batch(
         "draft_counts": (s,),
         "bias_ids": (s, num_bias),
         "bias_values": (s, num_bias),
+        "allowed": (s, num_mask),
     }
     dtype = {"sampling_floats": jnp.float32, "bias_values": jnp.float32}
     a = {
@@ -221,6 +234,7 @@ def _assemble(a: dict[str, Any], page_size: int) -> tuple[ForwardBatch, StepExtr
         a["draft_counts"],
         a["bias_ids"],
         a["bias_values"],
+        a["allowed"],
     )
     return forward, extras
 
@@ -362,6 +376,7 @@ def resample_step(
         extras.penalty_history,
         extras.bias_ids,
         extras.bias_values,
+        extras.allowed,
     )
     sampling = add_to_history(sampling, last.tokens, last.fed)
     num_sampled, k = last.rows.shape[0], proposals.shape[1]
