@@ -69,6 +69,14 @@ _EXPOSE_PREFIX_CACHE_METRICS = flags.DEFINE_bool(
     "Show the prefix-cache counters and the step count in /metrics; they tell a client "
     "whether another's prompt is cached, so keep them off for untrusted clients.",
 )
+_DISABLE_ANY_WHITESPACE = flags.DEFINE_bool(
+    "disable_any_whitespace",
+    False,
+    "JSON outputs (response_format, guided_json, structured_outputs) allow no whitespace "
+    "between tokens unless the request's structured_outputs says otherwise (vLLM's "
+    "structured-outputs option); off: any JSON whitespace, which a weak model may repeat "
+    "until max_tokens.",
+)
 _MAX_N = flags.DEFINE_integer(
     "max_n", 128, "The most completions (n, best_of) one request may ask for.", lower_bound=1
 )
@@ -157,7 +165,9 @@ def main(argv: list[str]) -> None:
         max_model_len=engine.config.max_model_len,
         metrics_prefix=_METRICS_PREFIX.value,
         limits=Limits(
-            max_n=_MAX_N.value, trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value
+            max_n=_MAX_N.value,
+            trust_request_chat_template=_TRUST_REQUEST_CHAT_TEMPLATE.value,
+            disable_any_whitespace=_DISABLE_ANY_WHITESPACE.value,
         ),
         expose_prefix_cache_metrics=_EXPOSE_PREFIX_CACHE_METRICS.value,
         enable_sleep_mode=_ENABLE_SLEEP_MODE.value,

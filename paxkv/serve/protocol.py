@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from paxkv.host.request import SamplingParams
+from paxkv.serve.structured import StructuredOutputsError, structured_outputs
 from paxkv.text import chat
 from paxkv.text.template_sandbox import RenderLimits
 
@@ -47,7 +48,6 @@ _SAMPLING_FIELDS = (
 _UNSUPPORTED = {
     "suffix": (None, ""),
     "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -65,6 +65,8 @@ class Limits:
     `chat_template` bounds the rendering of every chat template (`RenderLimits`);
     `trust_request_chat_template` lets a request send its own (vLLM's
     `--trust-request-chat-template`); else one may only name one of the checkpoint's.
+    `disable_any_whitespace`: a request's JSON constraint allows no whitespace unless its
+    `structured_outputs` sets the field itself.
     """
 
     max_n: int = 128
@@ -76,6 +78,7 @@ class Limits:
     max_body_bytes: int = 16 << 20
     chat_template: RenderLimits = dataclasses.field(default_factory=RenderLimits)
     trust_request_chat_template: bool = False
+    disable_any_whitespace: bool = False
 
     def prompt_chars(self, max_model_len: int) -> int:
         """The longest text prompt taken, in characters."""
@@ -126,6 +129,7 @@ def bad_request(error: Exception, *, param: str | None = None) -> ApiError:
 # What each rejection of `Engine.add_request` is about, by the words of its message:
 # the first pattern found names the field.
 _ENGINE_REJECTIONS = (
+    ("structured_outputs", "structured_outputs"),
     ("logit_bias", "logit_bias"),
     ("max_tokens", "max_tokens"),
     ("max_logprobs", "logprobs"),
@@ -266,6 +270,12 @@ def sampling_params(
         # Sampled best_of times, ranked by cumulative logprob (which logprobs makes).
         kwargs["n"] = best_of
         kwargs.setdefault("logprobs", 0)
+    try:
+        kwargs["structured_outputs"] = structured_outputs(
+            body, disable_any_whitespace=limits.disable_any_whitespace
+        )
+    except StructuredOutputsError as e:
+        raise ApiError(400, str(e), param=e.param) from None
     if echo and (kwargs.get("logprobs") is not None or kwargs["max_tokens"] == 0):
         # The echoed prompt's logprobs (vLLM's echo), computed in the prefill; with
         # max_tokens=0 nothing is generated.

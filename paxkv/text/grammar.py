@@ -141,10 +141,14 @@ class GrammarCompiler:
             out[:, v // 32 + 1 :] = 0
 
 
-def allows_any(mask: np.ndarray) -> np.ndarray:  # bool[n]
-    """Which rows of bitmasks `mask` (i32[n, W], clipped to the model's vocabulary by
-    `fill`) allow some token."""
-    return (mask != 0).any(axis=1)
+def check_compiles(spec: Any) -> None:
+    """ValueError naming the field (`structured_outputs.regex`, ...) when `spec` (a
+    `StructuredOutputs`) does not compile, whatever the tokenizer (what a server checks
+    before a request reaches an engine)."""
+    llguidance = _import()
+    error = llguidance.LLMatcher.validate_grammar(_grammar(llguidance, spec))
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"structured_outputs.{spec.kind} does not compile: {error.strip()}")
 
 
 def _grammar(llguidance: Any, spec: Any) -> str:

@@ -139,9 +139,14 @@ def in_process(state):
 
 @pytest.fixture(scope="module")
 def server():
-    # Trusting clients' chat templates and showing the prefix-cache counters: the
-    # tests of both run here (tests/serve/test_limits.py runs a server without them).
-    s = Server("--trust_request_chat_template", "--expose_prefix_cache_metrics")
+    # Trusting clients' chat templates, showing the prefix-cache counters and compact
+    # JSON outputs: the tests of each run here (tests/serve/test_limits.py runs a server
+    # without them).
+    s = Server(
+        "--trust_request_chat_template",
+        "--expose_prefix_cache_metrics",
+        "--disable_any_whitespace",
+    )
     yield s
     s.stop()
 
