@@ -30,6 +30,7 @@ from absl import app, flags
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.fake_runner import FakeRunner
 from paxkv.host.request import SamplingParams
+from paxkv.host.structured_outputs import StructuredOutputs
 from paxkv.models import HFTokenizer
 
 _CONSTRAINED = flags.DEFINE_list("constrained", ["0", "1", "32", "256"], "Constrained sequences.")
@@ -64,8 +65,10 @@ def stdlib_bpe(vocab_size: int = VOCAB) -> HFTokenizer:
     return HFTokenizer(tok)
 
 
-def run(tokenizer: HFTokenizer, constrained: int) -> dict[str, float]:
-    """Median per-step host costs (us) with `constrained` of the 256 sequences constrained."""
+def run(tokenizer: HFTokenizer, constrained: int, max_tokens: int = 48) -> dict[str, float]:
+    """Median per-step host costs (us) with `constrained` of the 256 sequences constrained,
+    each generating `max_tokens`; `valid`: every constrained output is a prefix the
+    schema allows."""
     config = EngineConfig(
         num_pages=RUNNING * 16,
         page_size=16,
@@ -77,7 +80,7 @@ def run(tokenizer: HFTokenizer, constrained: int) -> dict[str, float]:
         None,
         config,
         tokenizer=tokenizer,
-        runner=lambda c: FakeRunner(VOCAB, c, eos_token_ids=(0,)),
+        runner=lambda c: FakeRunner(tokenizer.vocab_size, c, eos_token_ids=(0,)),
     )
     stepper = engine._stepper
     spent = {"runner": 0, "sync": 0, "fill": 0, "fill_wall": 0}
@@ -102,25 +105,37 @@ def run(tokenizer: HFTokenizer, constrained: int) -> dict[str, float]:
     for i in range(RUNNING):
         spec = {"json": SCHEMA} if i < constrained else None
         params = SamplingParams(
-            temperature=0, max_tokens=_STEPS.value, ignore_eos=True, structured_outputs=spec
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=spec
         )
-        prompt = rng.integers(1, VOCAB, 32).tolist()
+        prompt = rng.integers(1, tokenizer.vocab_size, 32).tolist()
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    rows = []
+    rows, final = [], {}
     while engine.has_unfinished():
         for k in spent:
             spent[k] = 0
         t = time.thread_time_ns()
-        engine.step()
+        outputs = engine.step()
         total = time.thread_time_ns() - t
+        final |= {o.request_id: o for o in outputs if o.finished}
         full = len(engine.scheduler.running) == RUNNING
         host = total - spent["runner"]
         rows.append((full, host, spent["sync"], spent["fill"], spent["fill_wall"]))
     decode = np.array([r[1:] for r in rows[1:] if r[0]], np.float64) / 1e3
     if not len(decode):
         raise RuntimeError("no step ran with all 256 sequences decoding")
+    # Every constrained output is a prefix the schema allows (the fake runner took only
+    # tokens its mask allowed).
+    grammar = engine.grammars.compile(StructuredOutputs(json=SCHEMA))
+
+    def matches(i: int) -> bool:
+        return engine.grammars.matcher(grammar).consume_tokens(final[str(i)].outputs[0].token_ids)
+
+    valid = all(matches(i) for i in range(constrained))
+    free_valid = [matches(i) for i in range(constrained, RUNNING)]
     return {
         "constrained": constrained,
+        "valid": valid,
+        "free_valid": sum(free_valid) / max(1, len(free_valid)),
         "steps": len(decode),
         "host_us": float(np.median(decode[:, 0])),
         "sync_us": float(np.median(decode[:, 1])),
@@ -135,7 +150,8 @@ def main(argv: list[str]) -> None:
     t = time.perf_counter()
     tokenizer = stdlib_bpe()
     print(f"tokenizer: {tokenizer.vocab_size} tokens in {time.perf_counter() - t:.1f} s")
-    results = [run(tokenizer, int(n)) for n in _CONSTRAINED.value]
+    results = [run(tokenizer, int(n), _STEPS.value) for n in _CONSTRAINED.value]
+    assert all(r["valid"] for r in results), "a constrained output left its schema"
     base = results[0]["host_us"]
     print(
         "| constrained of 256 | steps | host CPU per step (us) | x unconstrained "
