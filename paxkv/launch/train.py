@@ -24,12 +24,12 @@ from paxkv.models import (
     CHECKPOINTS,
     CONFIG_FILE,
     ORBAX_PARAMS_DIR,
-    TOKENIZER_CONFIG_FILE,
     init_model,
     save_params,
     training,
 )
 from paxkv.models.llama_config import TINY
+from paxkv.models.tokenizer import write_byte_tokenizer
 
 _DEFAULTS = training.TrainConfig()
 _OUT_DIR = flags.DEFINE_string(
@@ -91,8 +91,7 @@ def main(argv: list[str]) -> None:
     if os.path.exists(params_dir):
         shutil.rmtree(params_dir)
     save_params(model, out_dir)
-    with open(os.path.join(out_dir, TOKENIZER_CONFIG_FILE), "w") as f:
-        json.dump({"tokenizer_class": "ByteTokenizer"}, f)
+    write_byte_tokenizer(out_dir)  # its tokenizer files and chat template
     record = {
         "model": "tiny",
         "config": dataclasses.asdict(config),

@@ -62,8 +62,10 @@ _WITHOUT_JAX = (
 # Trained checkpoints shipped inside the package, by name: `paxkv-train` writes tiny-py,
 # the tiny architecture as a byte-level LM of the Python standard library.
 CHECKPOINTS = {"tiny-py": os.path.join(os.path.dirname(__file__), "checkpoints", "tiny_py")}
-# A checkpoint directory without a tokenizer.json declares a byte-level tokenizer here,
-# as {"tokenizer_class": "ByteTokenizer"} (the key of Hugging Face's file of this name).
+# A checkpoint directory declares paxkv's byte-level tokenizer here, as
+# {"paxkv_tokenizer": "bytes"} (beside a tokenizer.json of the same tokens, for other
+# programs: `byte_tokenizer_json`) or, without a tokenizer.json, {"tokenizer_class":
+# "ByteTokenizer"} (the key of Hugging Face's file of this name).
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 __all__ = sorted([*_LAZY, "CHECKPOINTS", "TOKENIZER_CONFIG_FILE", "load_model"])
@@ -131,10 +133,9 @@ def load_model(
         model = restore_params(config, name, mesh=mesh)
     else:
         config, model = load_hf_checkpoint(name, dtype=dtype, mesh=mesh, scan_layers=scan_layers)
-    tokenizer = load_tokenizer(name)
-    if tokenizer is None and _declares_byte_tokenizer(name):
-        tokenizer = ByteTokenizer()
-    return config, model, tokenizer
+    if _declares_byte_tokenizer(name):
+        return config, model, ByteTokenizer()
+    return config, model, load_tokenizer(name)
 
 
 def _declares_byte_tokenizer(path: str) -> bool:
@@ -143,4 +144,8 @@ def _declares_byte_tokenizer(path: str) -> bool:
         return False
     from .weights import read_json
 
-    return read_json(file).get("tokenizer_class") == "ByteTokenizer"
+    declared = read_json(file)
+    return (
+        declared.get("paxkv_tokenizer") == "bytes"
+        or declared.get("tokenizer_class") == "ByteTokenizer"
+    )

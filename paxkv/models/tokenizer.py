@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any, Protocol
 
@@ -48,6 +49,64 @@ class ByteTokenizer:
     def decode_stream(self) -> Utf8Stream:
         """A streaming decoder: its text is `decode`'s, one byte at a time."""
         return Utf8Stream()
+
+
+def byte_tokenizer_json() -> str:
+    """The `ByteTokenizer` as a Hugging Face `tokenizer.json`: byte-level BPE with no
+    merges, token id = byte, no special tokens (what `transformers.AutoTokenizer` and
+    lm-eval's `huggingface` tokenizer read; tiny-py ships it). Built without the
+    `tokenizers` package; its `encode`/`decode` equal `ByteTokenizer`'s."""
+    # GPT-2's map of bytes to printable characters, which byte-level BPE vocabularies use.
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", **byte_level},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {chars[b]: b for b in range(256)},
+            "merges": [],
+        },
+    }
+    return json.dumps(spec, ensure_ascii=False, indent=1) + "\n"
+
+
+# tiny-py's chat template: each message on a line of its own, then the assistant's turn.
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
+
+
+def write_byte_tokenizer(out_dir: str, chat_template: str = BYTE_CHAT_TEMPLATE) -> None:
+    """Writes the byte tokenizer's files into checkpoint directory `out_dir`:
+    `tokenizer_config.json`, which declares it to paxkv (`"paxkv_tokenizer": "bytes"`)
+    and holds `chat_template`, and `tokenizer.json` (`byte_tokenizer_json`), so that
+    `transformers.AutoTokenizer` and lm-eval read the same tokens."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "paxkv_tokenizer": "bytes",
+        "chat_template": chat_template,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        f.write(json.dumps(config, indent=2) + "\n")
+    with open(os.path.join(out_dir, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+        f.write(byte_tokenizer_json())
 
 
 class HFTokenizer:

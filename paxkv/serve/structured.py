@@ -65,9 +65,9 @@ def structured_outputs(
                 extra["whitespace_pattern"] = body["guided_whitespace_pattern"]
             spec = StructuredOutputs(**{_GUIDED[field]: body[field]}, **extra)
         own = field == "structured_outputs" and "disable_any_whitespace" in body[field]
-        if disable_any_whitespace and spec.kind in ("json", "json_object") and not own:
-            if spec.whitespace_pattern is None:
-                spec = dataclasses.replace(spec, disable_any_whitespace=True)
+        json_like = spec.kind in ("json", "json_object") and spec.whitespace_pattern is None
+        if disable_any_whitespace and json_like and not own:
+            spec = dataclasses.replace(spec, disable_any_whitespace=True)
         from paxkv.text.grammar import check_compiles
 
         check_compiles(spec)

@@ -18,6 +18,7 @@ import pytest
 from conftest import CHAT_TEMPLATE, MAX_MODEL_LEN
 
 from paxkv import SamplingParams
+from paxkv.models import CHECKPOINTS
 
 lm_eval = pytest.importorskip("lm_eval")
 lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
@@ -30,9 +31,13 @@ STOP = "\n"  # paxkv_until.yaml's `until`
 CHAT_STOP = "\n\n"  # tiny-py answers a chat with a newline first: a stop further on
 
 
-def _evaluate(model: str, base_url: str, tasks: list[str], **kwargs) -> dict:
+def _evaluate(
+    model: str, base_url: str, tasks: list[str], backend: str = "remote", **kwargs
+) -> dict:
     """lm-eval's `simple_evaluate` of `tasks` on `model` at `base_url`, one request at a
-    time, failing at the first refusal; with every sample logged."""
+    time, failing at the first refusal; with every sample logged. `backend`: where
+    `local-completions` tokenizes, "remote" (the server) or "huggingface" (tiny-py's
+    shipped tokenizer.json, through transformers)."""
     args = {
         "model": MODEL,
         "base_url": base_url,
@@ -41,7 +46,9 @@ def _evaluate(model: str, base_url: str, tasks: list[str], **kwargs) -> dict:
         "max_length": MAX_MODEL_LEN,
     }
     if model == "local-completions":
-        args |= {"tokenizer_backend": "remote", "custom_prefix_token_id": ord(PREFIX)}
+        args |= {"tokenizer_backend": backend, "custom_prefix_token_id": ord(PREFIX)}
+        if backend == "huggingface":
+            args["tokenizer"] = CHECKPOINTS["tiny-py"]
     model_args = ",".join(f"{k}={v}" for k, v in args.items())
     manager = lm_eval_tasks.TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
     results = lm_eval.simple_evaluate(
@@ -111,6 +118,18 @@ def test_multiple_choice_loglikelihoods_are_llm_score(completions, llm):
     greedy = _greedy(llm, ctx, cont)
     assert any(greedy) and not all(greedy)
     assert [g for _, g in got] == greedy
+
+
+def test_the_huggingface_tokenizer_backend_reads_tiny_py_as_the_server_does(server, completions):
+    """tiny-py's tokenizer.json, read by transformers in lm-eval: the same token ids and
+    so the same loglikelihoods as tokenizing on the server."""
+    pytest.importorskip("transformers")
+    local = _evaluate(
+        "local-completions", f"{server.url}/completions", ["paxkv_choice"], backend="huggingface"
+    )
+    got = [r for s in _samples(local, "paxkv_choice") for r in s["filtered_resps"]]
+    want = [r for s in _samples(completions, "paxkv_choice") for r in s["filtered_resps"]]
+    assert len(got) == 15 and got == want
 
 
 def test_rolling_loglikelihoods_are_llm_score(completions, llm):
