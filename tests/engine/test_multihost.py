@@ -4,6 +4,7 @@ calls the leader runs, on equal inputs, in every execution mode; a damaged or re
 message stops it with `InputMismatch`. (Two real processes: tests/multidevice.)"""
 
 import dataclasses
+import importlib.util
 import queue
 import threading
 
@@ -14,8 +15,11 @@ from paxkv import SamplingParams
 from paxkv.engine import Engine, EngineConfig
 from paxkv.engine import multihost as mh
 from paxkv.engine.fake_runner import FakeRunner
+from paxkv.engine.runner import Deferred
 from paxkv.host.batch import HostBatch
+from paxkv.models.tokenizer import ByteTokenizer
 
+LLGUIDANCE = importlib.util.find_spec("llguidance") is not None
 CONFIG = EngineConfig(
     num_pages=64,
     page_size=8,
@@ -55,8 +59,14 @@ class Recording(FakeRunner):
         self.calls = []
 
     def dispatch(self, hb):
-        self.calls.append(("step", mh.host_batch_arrays(hb)))
+        # Copies: a step's masks are filled in its arrays after it is dispatched.
+        self.calls.append(("step", [np.array(a) for a in mh.host_batch_arrays(hb)]))
         return super().dispatch(hb)
+
+    def finish(self, handle):
+        if isinstance(handle, Deferred):  # a step with structured outputs: its masks
+            self.calls.append(("masks", [np.array(handle.allowed)]))
+        return super().finish(handle)
 
     def decode_loop(self, hb, stop_ids, limits):
         self.calls.append(("loop", [*mh.host_batch_arrays(hb), list(stop_ids), list(limits)]))
@@ -89,7 +99,7 @@ def run_pair(config, work, damage=None):
         leader_runner = mh.LeaderRunner(Recording(c), mh.Channel(pipe.leader))
         return leader_runner
 
-    engine = Engine(None, config, runner=make)
+    engine = Engine(None, config, runner=make, tokenizer=ByteTokenizer())
     engine.warmup()
     for i, (prompt, params) in enumerate(work):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
@@ -111,6 +121,8 @@ def work():
             kw |= dict(frequency_penalty=0.5, stop_token_ids=[5, 6])
         if i % 4 == 1:
             kw |= dict(prompt_logprobs=1)
+        if i % 5 == 2 and LLGUIDANCE:  # structured outputs: the masks follow each step
+            kw |= dict(structured_outputs={"regex": "[a-z]{1,11}"})
         out.append((prompt, SamplingParams(**kw)))
     return out
 
@@ -137,6 +149,8 @@ def test_the_follower_runs_the_leaders_calls_on_equal_inputs(mode):
     assert led[0][0] == "warmup" and len(led) > 10
     if "num_decode_steps" in mode:
         assert any(k == "loop" for k, _ in led)
+    if LLGUIDANCE:
+        assert any(k == "masks" for k, _ in led)
     for (_, a), (_, b) in zip(led, followed, strict=True):
         assert same(a, b)
 
