@@ -156,6 +156,7 @@ class Engine:
             routed_experts=self.routed_experts,
             constrained=ConstrainedSequences(),
             fill_masks=lambda matchers, out: self.grammars.fill(matchers, out),
+            consume=lambda pairs: self.grammars.consume(pairs),
         )
         self._grammars: GrammarCompiler | None = None
         self._paused = False  # `pause`: `step` then does nothing

@@ -170,6 +170,7 @@ class Stepper:
       constrained: the constrained sequences and their matchers (None: none ever).
       fill_masks: `fill(matchers, out)` fills `out[i]` (i32[n, W]) with matcher i's
         token mask (`paxkv.text.grammar.GrammarCompiler.fill`).
+      consume: feeds `(matcher, token)` pairs at once (`GrammarCompiler.consume`).
     """
 
     def __init__(
@@ -186,6 +187,7 @@ class Stepper:
         routed_experts: RoutedExperts | None = None,
         constrained: ConstrainedSequences | None = None,
         fill_masks: Any = None,
+        consume: Any = None,
     ) -> None:
         if depth not in (0, 1):
             raise ValueError(f"depth={depth} must be 0 (synchronous) or 1 (async scheduling)")
@@ -200,6 +202,7 @@ class Stepper:
         self.routed_experts = routed_experts
         self.constrained = constrained if constrained is not None else ConstrainedSequences()
         self.fill_masks = fill_masks
+        self.consume = consume
         self.inflight: InFlight | None = None
 
     @property
@@ -302,7 +305,7 @@ class Stepper:
         """Brings the matchers up to the tokens just recorded, ending the sequences
         whose constraint is complete."""
         if self.constrained:
-            self.constrained.sync(self.scheduler)
+            self.constrained.sync(self.scheduler, self.consume)
 
     # Reading now (depth 0).
 

@@ -12,12 +12,15 @@ alone.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from paxkv.host.queues import SequenceQueues
 from paxkv.host.sequence import SeqStatus, SequenceState
 from paxkv.host.step_plan import SchedulerOutput
+
+# Feeds (matcher, token) pairs at once; whether each was taken.
+Consume = Callable[[Sequence[tuple[Any, int]]], list[bool]]
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,13 +52,18 @@ class ConstrainedSequences:
         entry = self._entries.get(id(seq))
         return None if entry is None else entry.matcher
 
-    def sync(self, queues: SequenceQueues) -> list[SequenceState]:
+    def sync(self, queues: SequenceQueues, consume: Consume | None = None) -> list[SequenceState]:
         """Feeds each matcher the real output tokens it has not seen (up to the first
         placeholder of a step in flight), and ends the sequences whose constraint is
         complete (`SequenceQueues.stop` after the token that completed it) or that a
         mask left nothing to sample; a token the matcher refuses fails its sequence.
-        Forgets the sequences that ended. Returns those it ended or failed."""
-        ended = []
+        Forgets the sequences that ended. Returns those it ended or failed.
+
+        `consume(pairs)` feeds `(matcher, token)` pairs at once (llguidance's threads,
+        `GrammarCompiler.consume`) and returns whether each was taken; None: one by one.
+        """
+        ended: list[SequenceState] = []
+        pending: list[tuple[_Entry, list[int]]] = []  # the new tokens of each
         for key, e in list(self._entries.items()):
             seq = e.seq
             if seq.status is SeqStatus.FINISHED:
@@ -65,34 +73,47 @@ class ConstrainedSequences:
             real = len(out)
             while real > e.consumed and out[real - 1] < 0:
                 real -= 1
-            m = e.matcher
             if real < e.consumed:  # outputs cut back (not by an end): the matcher too
-                m.rollback(e.consumed - real)
+                e.matcher.rollback(e.consumed - real)
                 e.consumed = real
-            stop_at = e.consumed if e.ending else None
-            while stop_at is None and e.consumed < real:
-                token = out[e.consumed]
-                if not m.consume_token(token):
+            if e.ending:
+                self._stop(queues, e, e.consumed, ended)
+            elif real > e.consumed:
+                pending.append((e, out[e.consumed : real]))
+        # One token each, the common case: all at once.
+        single = [(e, t[0]) for e, t in pending if len(t) == 1] if consume else []
+        taken = consume([(e.matcher, t) for e, t in single]) if single else []
+        results = {id(e): ok for (e, _), ok in zip(single, taken, strict=True)}
+        for e, tokens in pending:
+            for i, token in enumerate(tokens):
+                ok = (
+                    results.pop(id(e))
+                    if i == 0 and id(e) in results
+                    else e.matcher.consume_token(token)
+                )
+                if not ok:
                     queues.fail(
-                        seq,
+                        e.seq,
                         ValueError(
                             f"output token {token} at {e.consumed} breaks its "
-                            f"structured_outputs constraint: {m.get_error()}"
+                            f"structured_outputs constraint: {e.matcher.get_error()}"
                         ),
                     )
+                    del self._entries[id(e.seq)]
+                    ended.append(e.seq)
                     break
                 e.consumed += 1
-                if m.is_stopped():
-                    stop_at = e.consumed
-            if seq.status is SeqStatus.FINISHED:  # failed
-                del self._entries[key]
-                ended.append(seq)
-            elif stop_at is not None:
-                seq.constraint_done = True
-                queues.stop(seq, stop_at)
-                del self._entries[key]
-                ended.append(seq)
+                if e.matcher.is_stopped():
+                    self._stop(queues, e, e.consumed, ended)
+                    break
         return ended
+
+    def _stop(self, queues: SequenceQueues, e: _Entry, at: int, ended: list[SequenceState]) -> None:
+        """Ends e's sequence after its first `at` outputs: its constraint is complete."""
+        e.seq.constraint_done = True
+        queues.stop(e.seq, at)
+        del self._entries[id(e.seq)]
+        ended.append(e.seq)
 
     def sampling(self, plan: SchedulerOutput) -> list[tuple[int, Any, SequenceState]]:
         """`(row, matcher, seq)` of each of `plan`'s constrained sequences that samples

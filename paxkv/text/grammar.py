@@ -120,6 +120,14 @@ class GrammarCompiler:
     def _executor(self) -> Any:
         return _import().LLExecutor(max(1, min(8, (os.cpu_count() or 1))))
 
+    def consume(self, pairs: Sequence[tuple[Any, int]]) -> list[bool]:
+        """Feeds each `(matcher, token)` pair on llguidance's threads (the GIL
+        released); whether each matcher took its token (False: it is in error)."""
+        if len(pairs) == 1:
+            matcher, token = pairs[0]
+            return [matcher.consume_token(token)]
+        return list(_import_numpy().consume_token_par(self._executor, list(pairs)))
+
     def fill(self, matchers: Sequence[Any], out: np.ndarray) -> None:
         """Fills `out[i]` (i32[n, W], W at least the model's words) with matcher i's
         mask of the tokens it allows next, on llguidance's threads (the GIL released),
