@@ -133,19 +133,20 @@ def load_model(
         model = restore_params(config, name, mesh=mesh)
     else:
         config, model = load_hf_checkpoint(name, dtype=dtype, mesh=mesh, scan_layers=scan_layers)
-    if _declares_byte_tokenizer(name):
+    declared = _declared_tokenizer(name)
+    if declared.get("paxkv_tokenizer") == "bytes":  # beside a tokenizer.json for others
         return config, model, ByteTokenizer()
-    return config, model, load_tokenizer(name)
+    tokenizer = load_tokenizer(name)
+    if tokenizer is None and declared.get("tokenizer_class") == "ByteTokenizer":
+        tokenizer = ByteTokenizer()
+    return config, model, tokenizer
 
 
-def _declares_byte_tokenizer(path: str) -> bool:
+def _declared_tokenizer(path: str) -> dict:
+    """The checkpoint's `tokenizer_config.json` ({} without one)."""
     file = os.path.join(path, TOKENIZER_CONFIG_FILE)
     if not os.path.isfile(file):
-        return False
+        return {}
     from .weights import read_json
 
-    declared = read_json(file)
-    return (
-        declared.get("paxkv_tokenizer") == "bytes"
-        or declared.get("tokenizer_class") == "ByteTokenizer"
-    )
+    return read_json(file)
