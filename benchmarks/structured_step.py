@@ -35,7 +35,8 @@ from paxkv.models import HFTokenizer
 
 _CONSTRAINED = flags.DEFINE_list("constrained", ["0", "1", "32", "256"], "Constrained sequences.")
 _STEPS = flags.DEFINE_integer("steps", 48, "Decode steps per sequence (max_tokens).")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+# Not `json_out`: benchmarks.host_step defines that flag, and tests import both modules.
+_RESULTS_JSON = flags.DEFINE_string("results_json", None, "Write the results as JSON here.")
 
 VOCAB = 32000
 RUNNING = 256
@@ -167,8 +168,8 @@ def main(argv: list[str]) -> None:
             f"{r['host_us'] / base:.2f} | {r['host_wall_us']:.0f} | "
             f"{r['host_wall_us'] / wall:.2f} | {r['sync_us']:.0f} | {r['fill_us']:.0f} |"
         )
-    if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
+    if _RESULTS_JSON.value:
+        with open(_RESULTS_JSON.value, "w") as f:
             json.dump(results, f, indent=1)
 
 

@@ -308,7 +308,7 @@ class Engine:
                 "reported: reuse the id after the next step"
             )
         params = params or SamplingParams()
-        spec = params.structured_outputs
+        spec = getattr(params, "structured_outputs", None)  # a bad `params` is named below
         grammar = None if spec is None else self.grammars.compile(spec)
         req = self.requests.create(
             request_id,

@@ -116,11 +116,16 @@ class InFlight:
     entry `(seq, iteration, row, index, count)`, seq's outputs `index ..
     index + count - 1` are placeholders for what row `row` of iteration `iteration`
     emits (count > 1: a proposal run recorded as accepted). With `columns`, the running
-    decode recorded the plan's `decode` (rows 0 to n - 1), which it resolves."""
+    decode recorded the plan's `decode` (rows 0 to n - 1), which it resolves. `ended`:
+    sequences that recording the launch ended with no placeholder (a scoring request's
+    last chunk), which reading the step reports."""
 
     launched: Launched
     placeholders: tuple[tuple[SequenceState, int, int, int, int], ...]
     columns: bool = False
+    # Sequences recording the launch ended with no placeholder (a score request's last
+    # prefill chunk, max_tokens=0): reported when the step is read, with their scores.
+    ended: tuple[SequenceState, ...] = ()
 
 
 class _InFlightRows(Mapping[int, int]):
@@ -346,7 +351,7 @@ class Stepper:
                 c._replace(start=c.start - rejected[id(c.seq)][1]) if id(c.seq) in rejected else c
                 for c in chunks
             )
-        placeholders = []
+        placeholders, ended = [], []
         for i in range(strategy.num_steps):
             step = chunks if i == 0 else _advanced_chunks(chunks, i)
             limits = strategy.limits if isinstance(strategy, DecodeLoop) else None
@@ -359,17 +364,20 @@ class Stepper:
                 for j, c in enumerate(step)
             ]
             counts = [len(c.seq.output_token_ids) for c in step]
-            s.update(SchedulerOutput(step, ()), sampled, eos_token_ids=self.eos_token_ids)
+            finished = s.update(
+                SchedulerOutput(step, ()), sampled, eos_token_ids=self.eos_token_ids
+            )
             placeholders += [
                 (c.seq, i, offset + j, counts[j], added)
                 for j, c in enumerate(step)
                 if (added := len(c.seq.output_token_ids) - counts[j]) > 0
             ]
+            ended += [seq for seq in finished if seq.params.max_tokens == 0]
         if not columns:  # the next plan reads this one's tokens on the device
             s.decodes.after_update(self.eos_token_ids, SchedulerOutput(step, ()))
         if rejected:
             s.release_rejected(seq for seq, _ in rejected.values())
-        return InFlight(launched, tuple(placeholders), columns)
+        return InFlight(launched, tuple(placeholders), columns, tuple(ended))
 
     def _resolve(
         self, inflight: InFlight
@@ -388,6 +396,7 @@ class Stepper:
         # with their prompt logprobs in place (only general chunks score).
         general = SchedulerOutput(plan.extra, ()) if inflight.columns else plan
         touched = [s for s in record_scores(general, results[0][0]) if s.finish_reason]
+        touched += inflight.ended
         decode = plan.decode if inflight.columns else None
         if decode is not None:
             n = len(decode.seqs)

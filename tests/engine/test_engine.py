@@ -102,8 +102,9 @@ def test_no_recompilation_after_warmup(tiny):
     engine.warmup()
     warm = engine.num_compilations
     # One forward program per (token, sequence, page) bucket (4), a penalty sampler per
-    # (sequence, page) bucket (2) and a scoring sampler per (token, sequence) bucket (2).
-    assert warm == 8
+    # (sequence, page) bucket (2), a scoring sampler per (token, sequence) bucket (2) and
+    # a token-mask sampler (structured outputs) per sequence bucket (1).
+    assert warm == 9
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (3, 50, 17, 1, 33, 8)]
     _run(engine, prompts, SamplingParams(temperature=0.8, max_tokens=5, seed=1))

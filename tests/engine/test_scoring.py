@@ -244,3 +244,26 @@ def test_a_bad_top_logprobs_names_itself():
     with pytest.raises(ValueError, match="top_logprobs=-1"):
         engine.add_score_request(None, [1, 2], [3], top_logprobs=-1)
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_score_request_whose_last_chunk_scores_nothing_is_reported(async_scheduling):
+    """9 tokens in chunks of 8: both scored rows (the completion's 2 tokens) are in the
+    first chunk, and the last chunk, which scores nothing, ends the request. Under async
+    scheduling its final output was never reported (the request kept forever)."""
+    from paxkv.engine import EngineConfig
+
+    config = EngineConfig(
+        num_pages=32,
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        async_scheduling=async_scheduling,
+        log_stats_interval_s=0,
+    )
+    engine = Engine(None, config, runner=lambda c: FakeRunner(256, c))
+    engine.add_score_request("s", list(range(1, 8)), [4, 5])
+    done = engine.run_until_done()
+    assert done["s"].finished and len(done["s"].scores) == 2
+    assert engine.requests.get("s") is None and not engine.has_unfinished()
