@@ -155,6 +155,7 @@ def main(argv: list[str]) -> None:
         templates = _chat_templates(llms[0].chat_templates)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
+    _prepare_structured_outputs(engines)
     engine = engines[0]
     name = _SERVED_MODEL_NAME.value or launch_flags.MODEL_DIR.value or setup.name
     state = ServerState(
@@ -179,6 +180,25 @@ def main(argv: list[str]) -> None:
         stall_s = launch_flags.HEARTBEAT_TIMEOUT_S.value / 2
         multihost.exit_when_failed(state.front, engine, stall_s=stall_s)
     run_server(state, sock=sock, shutdown_grace_s=_SHUTDOWN_GRACE_S.value)
+
+
+def _prepare_structured_outputs(engines: list) -> None:
+    """Builds each engine's llguidance view of its tokenizer (about a second for a large
+    vocabulary) on a thread of its own, so that the first request with structured
+    outputs does not hold the engine's lock that long. Nothing without llguidance or a
+    tokenizer it reads: such requests are refused when they come."""
+    import importlib.util
+    import threading
+
+    if importlib.util.find_spec("llguidance") is None:
+        return
+
+    def prepare(engine) -> None:
+        with contextlib.suppress(Exception):
+            engine.grammars.width  # noqa: B018 (builds the tokenizer once)
+
+    for engine in engines:
+        threading.Thread(target=prepare, args=(engine,), daemon=True).start()
 
 
 # What makes --chat_template a file's name rather than Jinja source.
