@@ -291,14 +291,20 @@ class Stepper:
         """`launched` with its sampler dispatched: a `Deferred` step's after the host
         fills the token masks of its constrained sequences (their matchers up to date).
         A sequence whose constraint leaves none of the model's tokens (only an EOS the
-        model has not got) samples freely and ends before that token."""
+        model has not got) samples freely and ends before that token. A fill that
+        raises fails the step's constrained sequences, not the step."""
         handle = launched.handle
         if not isinstance(handle, Deferred):
             return launched
         rows = self.constrained.sampling(launched.plan)
         if rows:
             masks = np.empty((len(rows), handle.allowed.shape[1]), np.int32)
-            self.fill_masks([m for _, m, _ in rows], masks)
+            try:
+                self.fill_masks([m for _, m, _ in rows], masks)
+            except Exception as e:  # isolated: only the constrained sequences fail
+                for _, _, seq in rows:
+                    self.scheduler.fail(seq, e)
+                masks[:] = -1
             empty = ~masks.any(axis=1)
             if empty.any():
                 self.constrained.end_after(rows[i][2] for i in np.flatnonzero(empty).tolist())

@@ -223,3 +223,24 @@ def test_an_engine_without_a_tokenizer_refuses_constraints(tiny):
         engine.add_request(
             "r", {"prompt_token_ids": [1]}, SamplingParams(structured_outputs={"regex": "a"})
         )
+
+
+def test_a_mask_fill_that_raises_fails_only_the_constrained_requests(tiny):
+    _, model, tokenizer = tiny
+    engine = _engine(model, tokenizer)
+
+    def broken(matchers, out):
+        raise RuntimeError("llguidance broke")
+
+    engine._stepper.fill_masks = broken
+    engine.add_request("free", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5))
+    engine.add_request(
+        "json",
+        {"prompt_token_ids": [4, 5]},
+        SamplingParams(max_tokens=5, structured_outputs={"json_object": True}),
+    )
+    done = engine.run_until_done()
+    assert len(done["free"].outputs[0].token_ids) == 5
+    assert done["json"].outputs[0].finish_reason == "abort"
+    assert "llguidance broke" in done["json"].error
+    assert engine.pool.num_free == engine.config.num_pages - 1
