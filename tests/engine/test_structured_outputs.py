@@ -244,3 +244,21 @@ def test_a_mask_fill_that_raises_fails_only_the_constrained_requests(tiny):
     assert done["json"].outputs[0].finish_reason == "abort"
     assert "llguidance broke" in done["json"].error
     assert engine.pool.num_free == engine.config.num_pages - 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_draft_model_speculation_leaves_constrained_requests_exact(
+    tiny, constrained_case, async_scheduling
+):
+    """A draft model proposes for the free request only: the constrained ones decode one
+    token a step, still the masked dense greedy."""
+    from engine_configs import small_config
+    from test_draft_model import DRAFT, _perturbed
+
+    model, prompts, params, expected = constrained_case
+    _, _, tokenizer = tiny
+    config = small_config(64, speculative_config=DRAFT, async_scheduling=async_scheduling)
+    engine = Engine(model, config, draft_model=_perturbed(model), tokenizer=tokenizer)
+    got = _run(engine, prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert engine.stats()["spec_decode_num_drafts"] > 0
