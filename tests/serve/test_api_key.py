@@ -7,7 +7,7 @@ import os
 import httpx
 import openai
 import pytest
-from conftest import Server
+from serve_env import Server
 
 KEY = "sk-paxkv-test-key"
 

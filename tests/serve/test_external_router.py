@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import ENGINE, Server, free_port
+from serve_env import ENGINE, Server, free_port
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")

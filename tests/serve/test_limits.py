@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MAX_MODEL_LEN, Server
+from serve_env import MAX_MODEL_LEN, Server
 from test_server import HOSTILE_TEMPLATES, refused_quickly_while_health_answers, wait_idle
 
 HI = [{"role": "user", "content": "hi"}]

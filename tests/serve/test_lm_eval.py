@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CHAT_TEMPLATE, MAX_MODEL_LEN
+from serve_env import CHAT_TEMPLATE, MAX_MODEL_LEN
 
 from paxkv import SamplingParams
 from paxkv.models import CHECKPOINTS

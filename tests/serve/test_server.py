@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import CHAT_TEMPLATE, MAX_QUEUED
+from serve_env import CHAT_TEMPLATE, MAX_QUEUED
 
 from paxkv import SamplingParams
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 import httpx
-from conftest import Server
+from serve_env import Server
 
 GRACE_S = 1.0
 

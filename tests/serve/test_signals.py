@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import Server, free_port, launch
+from serve_env import Server, free_port, launch
 
 CRASHES = ("Segmentation fault", "Fatal Python error", "Traceback")
 # The server's log lines as it starts, in order: JAX is up, the model loads, warm-up

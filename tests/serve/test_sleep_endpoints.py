@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ENGINE, MAX_MODEL_LEN, in_process
+from serve_env import ENGINE, MAX_MODEL_LEN, in_process
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")

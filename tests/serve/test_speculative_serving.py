@@ -6,7 +6,7 @@ import json
 
 import openai
 import pytest
-from conftest import Server
+from serve_env import Server
 
 from paxkv import SamplingParams
 

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import in_process
 from engine_configs import small_config
+from serve_env import in_process
 
 from paxkv.engine import Engine
 from paxkv.engine import multihost as mh

@@ -3,7 +3,7 @@ over HTTP: tiny-py's byte tokenizer (ids are the UTF-8 bytes), the chat renderin
 /v1/chat/completions uses, and bad input answered 400 naming the field."""
 
 import httpx
-from conftest import CHAT_TEMPLATE, MAX_MODEL_LEN
+from serve_env import CHAT_TEMPLATE, MAX_MODEL_LEN
 
 
 def _post(server, path, body):
