@@ -155,10 +155,14 @@ class Engine:
             num_decode_steps=config.num_decode_steps,
             routed_experts=self.routed_experts,
             constrained=ConstrainedSequences(),
-            fill_masks=lambda matchers, out: self.grammars.fill(matchers, out),
+            fill_masks=lambda matchers, out, drafts=None: self.grammars.fill(matchers, out, drafts),
             consume=lambda pairs: self.grammars.consume(pairs),
         )
         self._grammars: GrammarCompiler | None = None
+        if spec is not None and spec.method == "ngram" and not config.async_scheduling:
+            # Constrained sequences keep the n-gram proposals their constraint allows
+            # (their matchers are up to date when a synchronous step is planned).
+            self.scheduler.allowed_prefix = self._stepper.constrained.allowed_prefix
         self._paused = False  # `pause`: `step` then does nothing
         self._asleep: sleep.Asleep | None = None  # `sleep`: the same, its memory freed
         self._resumed = threading.Condition()  # `wait_resumed` waits on it

@@ -113,14 +113,21 @@ class FakeRunner(StepRunner):
         inputs, shift = self._carried(hb)
         out = fake_token(inputs, hb.positions[last] - shift, self.model_config.vocab_size)
         if hb.allowed.shape[1]:
-            return Deferred(hb.allowed, lambda mask: self._step(hb, masked(out, mask), shift))
+            k1 = 1 + hb.draft_tokens.shape[1]
+            return Deferred(
+                hb.allowed,
+                lambda mask: self._step(hb, masked(out, mask[::k1]), shift, mask),
+                positions=k1,
+            )
         return self._step(hb, out, shift)
 
-    def _step(self, hb: HostBatch, out: np.ndarray, shift: np.ndarray) -> Sampled:
+    def _step(
+        self, hb: HostBatch, out: np.ndarray, shift: np.ndarray, masks: np.ndarray | None = None
+    ) -> Sampled:
         sampled = self._samples(out, self.config.max_num_seqs)
         self._prev, self._rejected = sampled.tokens, np.zeros_like(self._rejected)
         if hb.draft_tokens.shape[1]:
-            spec = self._verify(hb, out, shift)
+            spec = self._verify(hb, out, shift, masks)
             sampled = sampled.replace(spec=spec)
             self._prev = spec.tokens[np.arange(len(spec.tokens)), spec.num_accepted]
             self._rejected = np.zeros_like(self._rejected)
@@ -133,9 +140,13 @@ class FakeRunner(StepRunner):
             )
         return sampled
 
-    def _verify(self, hb: HostBatch, first: np.ndarray, shift: np.ndarray) -> Speculated:
+    def _verify(
+        self, hb: HostBatch, first: np.ndarray, shift: np.ndarray, masks: np.ndarray | None
+    ) -> Speculated:
         """The greedy verdict on each sequence's proposals: it accepts them while each
-        equals the fake token after the row before it, then emits the fake token."""
+        equals the fake token after the row before it (the first allowed one after it,
+        with token masks at each position: `masks`, `HostBatch.allowed`), then emits the
+        fake token."""
         rows, k = self.config.max_num_seqs, hb.draft_tokens.shape[1]
         n = len(first)
         tokens = np.full((rows, k + 1), -1, np.int32)
@@ -150,6 +161,8 @@ class FakeRunner(StepRunner):
                 self.model_config.vocab_size,
             )
             target[0] = first[s]
+            if masks is not None:
+                target[1:] = masked(target[1:], masks[s * (k + 1) + 1 : (s + 1) * (k + 1)])
             a = 0
             if self.accept_fraction is not None:
                 a = round(self.accept_fraction * count)

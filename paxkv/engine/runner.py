@@ -41,8 +41,9 @@ class Deferred:
     `allowed` (`HostBatch.allowed`: the token masks of its constrained sequences, all
     bits set until then): `StepRunner.finish` dispatches the sampler."""
 
-    allowed: np.ndarray  # i32[S, W]
+    allowed: np.ndarray  # i32[S * positions, W]
     resume: Callable[[np.ndarray], Any]  # the masks -> the step's handle
+    positions: int = 1  # rows of `allowed` per sequence: 1 + the step's draft width
 
 
 class StepRunner:
@@ -387,7 +388,7 @@ class ModelRunner(StepRunner):
             return sampled.replace(routing=routing)
 
         if allowed is not None:
-            return Deferred(allowed, resample)
+            return Deferred(allowed, resample, positions=1 + k)
         return resample()
 
     def _run_loop(
@@ -483,7 +484,8 @@ class ModelRunner(StepRunner):
         penalties per (S, H), of token masks (structured outputs) per S, and with
         `scoring` of scored rows and with speculative decoding of proposals per (T, S).
         A step with a rarer mix (scored rows, proposals or masks and penalties in one
-        step) compiles its sampler, a small program of the LM head, when first met. `progress(done, total)` counts programs.
+        step, or proposals and masks) compiles its sampler, a small program of the LM
+        head, when first met. `progress(done, total)` counts programs.
 
         With `background`, only the programs of the largest shape (which holds every
         step) and of the smallest compile now; the others compile in a background

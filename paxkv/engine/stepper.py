@@ -298,18 +298,27 @@ class Stepper:
             return launched
         rows = self.constrained.sampling(launched.plan)
         if rows:
-            masks = np.empty((len(rows), handle.allowed.shape[1]), np.int32)
+            # Each sequence's rows: its mask now, then after each of its proposals.
+            counts = [1 + len(d) for _, _, _, d in rows]
+            starts = np.cumsum([0, *counts[:-1]])
+            masks = np.empty((sum(counts), handle.allowed.shape[1]), np.int32)
+            drafts = [d for _, _, _, d in rows] if len(masks) > len(rows) else None
             try:
-                self.fill_masks([m for _, m, _ in rows], masks)
+                self.fill_masks([m for _, m, _, _ in rows], masks, drafts)
             except Exception as e:  # isolated: only the constrained sequences fail
-                for _, _, seq in rows:
+                for _, _, seq, _ in rows:
                     self.scheduler.fail(seq, e)
                 masks[:] = -1
             empty = ~masks.any(axis=1)
-            if empty.any():
-                self.constrained.end_after(rows[i][2] for i in np.flatnonzero(empty).tolist())
-                masks[empty] = -1
-            handle.allowed[[r for r, _, _ in rows]] = masks
+            first_empty = empty[starts]
+            if first_empty.any():
+                self.constrained.end_after(rows[i][2] for i in np.flatnonzero(first_empty).tolist())
+            # Past a complete constraint (only an EOS the model has not got): any token,
+            # which the sequence's end (at the next sync) cuts off.
+            masks[empty] = -1
+            k1 = handle.positions
+            for (row, _, _, _), start, n in zip(rows, starts.tolist(), counts, strict=True):
+                handle.allowed[row * k1 : row * k1 + n] = masks[start : start + n]
         return dataclasses.replace(launched, handle=self.runner.finish(handle))
 
     def _sync_constrained(self) -> None:

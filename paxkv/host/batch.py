@@ -168,11 +168,13 @@ class HostBatch:
     bias_ids: np.ndarray  # i32[S, B]
     bias_values: np.ndarray  # f32[S, B]
     # Token bitmasks of constrained sequences (`paxkv.host.constrained`): token t may be
-    # sampled by sequence s when bit t % 32 of allowed[s, t // 32] is set. W = 0 when no
-    # sequence in the persistent batch is constrained, else the model's mask words; every
-    # bit set (-1) until the host fills the rows of the step's constrained sequences,
-    # which it does while the step's forward runs (the sampler reads them after).
-    allowed: np.ndarray  # i32[S, W]
+    # sampled by sequence s at its speculative position j (0: its next token; k = the
+    # width of draft_tokens) when bit t % 32 of allowed[s * (k + 1) + j, t // 32] is set.
+    # W = 0 (and S rows) when no sequence in the persistent batch is constrained, else
+    # the model's mask words; every bit set (-1) until the host fills the rows of the
+    # step's constrained sequences, which it does while the step's forward runs (the
+    # sampler reads them after).
+    allowed: np.ndarray  # i32[S * (k + 1), W]
 
 
 MIN_BIAS = 8  # the narrowest bias arrays of a step that has biases
@@ -255,7 +257,7 @@ def pad_host_batch(
         draft_counts=rows(hb.draft_counts, ds),
         bias_ids=rows(hb.bias_ids, ds, -1),
         bias_values=rows(hb.bias_values, ds),
-        allowed=rows(hb.allowed, ds, -1),
+        allowed=rows(hb.allowed, ds * (hb.allowed.shape[0] // s), -1),
     )
 
 
@@ -422,7 +424,7 @@ def build_host_batch(
         *bias_arrays([s.logit_bias(eos_token_ids) if s.biased else None for s in seqs], s_pad)
         if rows.biased
         else _constant("no bias", s_pad),
-        np.full((s_pad, mask_words), -1, np.int32)
+        np.full((s_pad * (1 + draft_tokens.shape[1]), mask_words), -1, np.int32)
         if rows.constrained and mask_words
         else _constant("no mask", s_pad),
     )

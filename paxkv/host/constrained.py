@@ -47,6 +47,15 @@ class ConstrainedSequences:
         """Tracks `seq`, whose matcher stands at the start of its output."""
         self._entries[id(seq)] = _Entry(seq, matcher)
 
+    def allowed_prefix(self, seq: SequenceState, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` seq's constraint allows after its outputs so far (its
+        matcher up to date: the host has read every token, as before a synchronous step's
+        plan); 0 when it is not constrained."""
+        entry = self._entries.get(id(seq))
+        if entry is None or entry.ending or entry.consumed != len(seq.output_token_ids):
+            return 0
+        return entry.matcher.validate_tokens(list(tokens))
+
     def matcher(self, seq: SequenceState) -> Any | None:
         """seq's matcher, or None when seq is not constrained (or has ended)."""
         entry = self._entries.get(id(seq))
@@ -115,9 +124,10 @@ class ConstrainedSequences:
         del self._entries[id(e.seq)]
         ended.append(e.seq)
 
-    def sampling(self, plan: SchedulerOutput) -> list[tuple[int, Any, SequenceState]]:
-        """`(row, matcher, seq)` of each of `plan`'s constrained sequences that samples
-        in its step and still runs, row its index among the step's sequences."""
+    def sampling(self, plan: SchedulerOutput) -> list[tuple[int, Any, SequenceState, tuple]]:
+        """`(row, matcher, seq, proposals)` of each of `plan`'s constrained sequences
+        that samples in its step and still runs, row its index among the step's
+        sequences and proposals its speculative tokens in the step (`allowed_prefix`)."""
         if not self._entries:
             return []
         entries = self._entries
@@ -127,11 +137,12 @@ class ConstrainedSequences:
             for i, seq in enumerate(plan.decode.seqs):
                 e = entries.get(id(seq))
                 if e is not None and seq.status is SeqStatus.RUNNING:
-                    rows.append((i, e.matcher, seq))
+                    rows.append((i, e.matcher, seq, ()))
         for j, c in enumerate(plan.extra):
             e = entries.get(id(c.seq))
             if e is not None and c.samples and c.seq.status is SeqStatus.RUNNING:
-                rows.append((nd + j, e.matcher, c.seq))
+                drafts = tuple(c.token_ids[len(c.token_ids) - c.num_draft :]) if c.num_draft else ()
+                rows.append((nd + j, e.matcher, c.seq, drafts))
         return rows
 
     def end_after(self, seqs: Iterable[SequenceState]) -> None:

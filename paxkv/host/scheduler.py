@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -101,6 +101,9 @@ class Scheduler(SequenceQueues):
         self.peak_running = 0
         self._writers = PrefixWriters(self.kv_cache_manager)
         self.speculator = speculator
+        # `(seq, proposals) -> how many its constraint allows` for constrained sequences'
+        # n-gram proposals (`add_proposals`); None: they take none. Set by the engine.
+        self.allowed_prefix: Callable[[SequenceState, tuple[int, ...]], int] | None = None
         self._prefilling: list[SequenceState] = []  # running, not decoding: in precedence order
         self._preempted_now: list[SequenceState] = []  # by the plan being made
         # Every running sequence that decodes, as columns the plans are made from.
@@ -226,6 +229,7 @@ class Scheduler(SequenceQueues):
             self.kv_cache_manager,
             max_model_len=self.max_model_len,
             fail=self.fail,
+            allowed_prefix=self.allowed_prefix,
         )
         plain = [not c.num_draft for c in proposed]
         if all(plain):

@@ -333,18 +333,26 @@ def add_proposals(
     *,
     max_model_len: int,
     fail: Callable[[SequenceState, BaseException], None],
+    allowed_prefix: Callable[[SequenceState, tuple[int, ...]], int] | None = None,
 ) -> int:
     """Gives the decodes of a planned step their proposals out of `spare` tokens
     (`Speculator.spare_tokens`), shared evenly in plan order, and the pool's free pages
     (module docstring); replaces those chunks in `chunks` and returns the tokens used. A
-    sequence whose proposal raises fails alone (`fail`) and leaves the step. Constrained
-    sequences (structured outputs) take none: their masks are made one token at a time."""
+    sequence whose proposal raises fails alone (`fail`) and leaves the step.
+
+    A constrained sequence (structured outputs) keeps the leading proposals its
+    constraint allows (`allowed_prefix(seq, proposals)`, its matcher up to date: n-gram
+    proposals of a synchronous engine); without `allowed_prefix` (a draft model, whose
+    proposals are made on the device, or async scheduling) it takes none."""
     ps = kv.page_size
     decodes = [
         i
         for i, c in enumerate(chunks)
-        # not after a prefill, nor constrained
-        if c.num_tokens == 1 and c.samples and c.num_output_tokens and not c.seq.constrained
+        # not after a prefill, nor constrained unless its proposals can be checked
+        if c.num_tokens == 1
+        and c.samples
+        and c.num_output_tokens
+        and (allowed_prefix is not None or not c.seq.constrained)
     ]
     used = 0
     for n, i in enumerate(decodes):
@@ -355,6 +363,8 @@ def add_proposals(
         seq = c.seq
         try:
             drafts = speculator.propose(seq, min(share, seq.remaining_tokens(max_model_len) - 1))
+            if drafts and seq.constrained:
+                drafts = drafts[: allowed_prefix(seq, drafts)]
             if not drafts:
                 continue
             end = c.start + 1 + len(drafts)

@@ -128,14 +128,32 @@ class GrammarCompiler:
             return [matcher.consume_token(token)]
         return list(_import_numpy().consume_token_par(self._executor, list(pairs)))
 
-    def fill(self, matchers: Sequence[Any], out: np.ndarray) -> None:
-        """Fills `out[i]` (i32[n, W], W at least the model's words) with matcher i's
-        mask of the tokens it allows next, on llguidance's threads (the GIL released),
-        then clears the bits past the model's vocabulary."""
+    def fill(
+        self,
+        matchers: Sequence[Any],
+        out: np.ndarray,
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """Fills `out` (i32[n, W], W at least the model's words) with the matchers'
+        masks of the tokens they allow next, on llguidance's threads (the GIL released),
+        then clears the bits past the model's vocabulary. Row i is matcher i's; with
+        `drafts` (speculative proposals each matcher allows), matcher i has
+        `1 + len(drafts[i])` consecutive rows: its mask now, then after each proposal."""
         width = max(self.width, out.shape[1])
-        buf = np.zeros((len(matchers), width), np.int32)
+        buf = np.zeros((out.shape[0], width), np.int32)
         numpy = _import_numpy()
-        if len(matchers) == 1:
+        if drafts is not None and any(drafts):
+            at, plain, drafted = 0, [], []
+            for m, d in zip(matchers, drafts, strict=True):
+                if d:
+                    drafted.append((m, at, list(d)))
+                else:
+                    plain.append((m, at))
+                at += 1 + len(d)
+            numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, buf)
+            if plain:
+                numpy.fill_next_token_bitmask_par(self._executor, plain, buf)
+        elif len(matchers) == 1:
             numpy.fill_next_token_bitmask(matchers[0], buf)
         else:
             numpy.fill_next_token_bitmask_par(

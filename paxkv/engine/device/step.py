@@ -119,7 +119,8 @@ class StepExtras:
     # Logit biases (`HostBatch.bias_ids`): i32[S, B] token ids (-1 pads), f32[S, B].
     bias_ids: jax.Array
     bias_values: jax.Array
-    # Token bitmasks of constrained sequences (`HostBatch.allowed`): i32[S, W], W = 0 none.
+    # Token bitmasks of constrained sequences (`HostBatch.allowed`): i32[S * (k + 1), W],
+    # row s * (k + 1) + j sequence s's at speculative position j; W = 0 (S rows): none.
     allowed: jax.Array
 
     @property
@@ -199,7 +200,7 @@ def abstract_step_batch(
         "draft_counts": (s,),
         "bias_ids": (s, num_bias),
         "bias_values": (s, num_bias),
-        "allowed": (s, num_mask),
+        "allowed": (s * (1 + num_draft), num_mask) if num_mask else (s, 0),
     }
     dtype = {"sampling_floats": jnp.float32, "bias_values": jnp.float32}
     a = {
@@ -370,16 +371,20 @@ def resample_step(
     (`Carried`). A small program of the LM head and the samplers, run right after the
     step's `forward_step`."""
     model = nnx.merge(graphdef, params)
+    num_sampled, k = last.rows.shape[0], proposals.shape[1]
+    allowed, position_masks = extras.allowed, None
+    if allowed.shape[1] and k:  # per speculative position: [S, k + 1, W]
+        position_masks = allowed.reshape(num_sampled, k + 1, allowed.shape[1])
+        allowed = position_masks[:, 0]
     sampling = SamplingBatch(
         sampling_floats,
         sampling_ints,
         extras.penalty_history,
         extras.bias_ids,
         extras.bias_values,
-        extras.allowed,
+        allowed,
     )
     sampling = add_to_history(sampling, last.tokens, last.fed)
-    num_sampled, k = last.rows.shape[0], proposals.shape[1]
     if hidden is None:
         logits = model.logits(last.hidden)
     else:
@@ -403,6 +408,7 @@ def resample_step(
             sampled.tokens,
             draft_probs=draft_probs,
             num_logprobs=num_logprobs,
+            position_masks=position_masks,
         )
         sampled = sampled.replace(spec=spec)
     if extras.score_rows.shape[0]:

@@ -36,19 +36,21 @@ def verify(
     *,
     draft_probs: jax.Array | None = None,  # f32[S, k, V]; None: n-gram (point masses)
     num_logprobs: int = 0,
+    position_masks: jax.Array | None = None,  # i32[S, k+1, W]; None: `sampling.allowed`
 ) -> Speculated:
     """Each sequence's accepted proposals and its next token from the target, with
     their logprobs, ranks and top `num_logprobs` under `log_softmax(logits)` (as
     `sample` reports them). Keys are the rows' sampling keys (seed, counter), so a
-    seeded request's result does not depend on its batch."""
+    seeded request's result does not depend on its batch. `position_masks` are the
+    token masks (structured outputs) at each position, after the proposals before it."""
     num_seqs, width, vocab = logits.shape
     greedy_rows = sampling.temperature <= 0
     # When every row is greedy only the argmax matters: the sampler's distributions
     # (a sort of the vocabulary per row and position) are skipped at run time.
     verdict = jax.lax.cond(
         jnp.all(greedy_rows),
-        lambda: _greedy_verdict(logits, sampling, proposals, counts),
-        lambda: _verdict(logits, sampling, proposals, counts, draft_probs),
+        lambda: _greedy_verdict(logits, sampling, proposals, counts, position_masks),
+        lambda: _verdict(logits, sampling, proposals, counts, draft_probs, position_masks),
     )
     tokens = verdict.tokens.at[:, 0].set(jnp.where(counts == 0, sampled, verdict.tokens[:, 0]))
     scores = score(
@@ -60,24 +62,36 @@ def verify(
     return Speculated(verdict.num_accepted, tokens, scores)
 
 
-def _histories(sampling: SamplingBatch, proposals: jax.Array, counts: jax.Array) -> list:
-    """The sampling batch at each position: the proposals before it counted as generated."""
+def _histories(
+    sampling: SamplingBatch,
+    proposals: jax.Array,
+    counts: jax.Array,
+    position_masks: jax.Array | None,
+) -> list:
+    """The sampling batch at each position: the proposals before it counted as generated,
+    and its own token masks (`position_masks[:, j]`) when there are any."""
     params, out = sampling, [sampling]
     for j in range(proposals.shape[1]):
         params = add_to_history(params, proposals[:, j], j < counts)
         out.append(params)
+    if position_masks is not None:
+        out = [p.replace(allowed=position_masks[:, j]) for j, p in enumerate(out)]
     return out
 
 
 def _greedy_verdict(
-    logits: jax.Array, sampling: SamplingBatch, proposals: jax.Array, counts: jax.Array
+    logits: jax.Array,
+    sampling: SamplingBatch,
+    proposals: jax.Array,
+    counts: jax.Array,
+    position_masks: jax.Array | None,
 ) -> Accepted:
     """`accept`'s verdict for greedy rows: the longest prefix equal to the argmax of the
     penalised logits, then the argmax."""
     argmax = jnp.stack(
         [
             jnp.argmax(apply_penalties(logits[:, j].astype(jnp.float32), params), axis=-1)
-            for j, params in enumerate(_histories(sampling, proposals, counts))
+            for j, params in enumerate(_histories(sampling, proposals, counts, position_masks))
         ],
         axis=1,
     ).astype(jnp.int32)  # i32[S, k+1]
@@ -97,10 +111,11 @@ def _verdict(
     proposals: jax.Array,
     counts: jax.Array,
     draft_probs: jax.Array | None,
+    position_masks: jax.Array | None,
 ) -> Accepted:
     """`accept` against the sampler's distribution at each position."""
     probs, greedy = [], []
-    for j, params in enumerate(_histories(sampling, proposals, counts)):
+    for j, params in enumerate(_histories(sampling, proposals, counts, position_masks)):
         p, g = target_probs(logits[:, j], params)
         probs.append(p)
         greedy.append(g)
