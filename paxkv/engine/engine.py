@@ -159,6 +159,7 @@ class Engine:
             consume=lambda pairs: self.grammars.consume(pairs),
         )
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         if spec is not None and spec.method == "ngram" and not config.async_scheduling:
             # Constrained sequences keep the n-gram proposals their constraint allows
             # (their matchers are up to date when a synchronous step is planned).
@@ -314,6 +315,10 @@ class Engine:
         params = params or SamplingParams()
         spec = getattr(params, "structured_outputs", None)  # a bad `params` is named below
         grammar = None if spec is None else self.grammars.compile(spec)
+        # One matcher per completion, made before the request is: nothing to undo.
+        matchers = (
+            [] if grammar is None else [self.grammars.matcher(grammar) for _ in range(params.n)]
+        )
         req = self.requests.create(
             request_id,
             prompt,
@@ -322,19 +327,19 @@ class Engine:
             arrival_time=arrival_time,
             cache_salt=self.routed_experts.cache_salt(request_id, params, cache_salt),
         )
-        if grammar is not None:
-            for seq in req.seqs:
-                self._stepper.constrained.add(seq, self.grammars.matcher(grammar))
+        for seq, matcher in zip(req.seqs, matchers, strict=False):
+            self._stepper.constrained.add(seq, matcher)
         return self._queue(self.routed_experts.add(req))
 
     @property
     def grammars(self) -> GrammarCompiler:
         """Compiles structured outputs against the engine's tokenizer (made at first use)."""
-        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
-            self._grammars = GrammarCompiler(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
-            )
-        return self._grammars
+        with self._grammars_lock:  # the server builds it on a thread of its own too
+            if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+            return self._grammars
 
     def check_accepting(self) -> None:
         """Raises `EngineAsleep` while the engine sleeps refusing requests

@@ -50,7 +50,7 @@ from absl import logging
 from paxkv.engine.device.sampling import Sampled
 from paxkv.engine.device.step import MAX_STOP_IDS, abstract_step_batch
 from paxkv.engine.runner import Deferred, StepRunner
-from paxkv.host.batch import HostBatch, history_length
+from paxkv.host.batch import HostBatch, history_length, mask_words
 
 HEADER_WORDS = 256
 MAGIC = 0x70784B56  # "pxKV"
@@ -253,15 +253,20 @@ def host_batch_of(arrays: Sequence[np.ndarray]) -> HostBatch:
 def max_payload_words(runner: StepRunner, shapes: Sequence[tuple[int, int, int]]) -> int:
     """A bound on a message's payload over step shapes `shapes`: the largest step batch
     (penalties, R = T scored rows), its per-token arrays again (token_src and what may
-    join it) and the decode loop's limits, in 4-byte words."""
+    join it) and the decode loop's limits, or the token masks of a step (structured
+    outputs, with proposals), in 4-byte words."""
     page_size, groups = runner.config.page_size, runner.kv_groups.num_groups
+    spec = runner.config.speculative_config
+    positions = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    mask = mask_words(runner.model_config.vocab_size)
     most = 0
     for t, s, p in shapes:
         batch = abstract_step_batch(
             t, s, p, page_size, groups, history_len=history_length(p, page_size), num_scored=t
         )
         words = sum(x.size for x in jax.tree.leaves(batch)) + 4 * t + 16
-        most = max(most, words + s * (MAX_STOP_IDS + 1))
+        # The decode loop's limits, or a step's token masks (MASKS, structured outputs).
+        most = max(most, words + s * (MAX_STOP_IDS + 1), s * positions * mask + 16)
     return payload_words(most)
 
 
@@ -319,9 +324,17 @@ class LeaderRunner(StepRunner):
     kv_cache = property(lambda self: self.runner.kv_cache)
 
     def dispatch(self, hb: HostBatch) -> Any:
-        """Sends `hb`, then dispatches it."""
+        """Sends `hb` (its token masks as their width alone: they are all set until
+        `finish` sends them filled), then dispatches it."""
         with self._busy():
-            self.channel.send(Command.STEP, host_batch_arrays(hb))
+            words = hb.allowed.shape[1]
+            if words:
+                empty = np.zeros((hb.allowed.shape[0], 0), np.int32)
+                arrays = [*host_batch_arrays(dataclasses.replace(hb, allowed=empty))]
+                arrays.append(np.array([words], np.int32))
+            else:
+                arrays = host_batch_arrays(hb)
+            self.channel.send(Command.STEP, arrays)
             return self.runner.dispatch(hb)
 
     def finish(self, handle: Any) -> Any:
@@ -416,10 +429,20 @@ def follow(runner: StepRunner, channel: Channel) -> int:
             logging.info("paxkv: process 0 sent stop after %d messages", channel.seq)
             return channel.seq
         if command is Command.STEP:
-            deferred = runner.dispatch(host_batch_of(arrays))
+            hb = host_batch_of(arrays)
+            if len(arrays) > num_fields:  # token masks, all set until MASKS fills them
+                words = int(arrays[num_fields][0])
+                hb = dataclasses.replace(
+                    hb, allowed=np.full((hb.allowed.shape[0], words), -1, np.int32)
+                )
+            deferred = runner.dispatch(hb)
         elif command is Command.MASKS:
             if not isinstance(deferred, Deferred):
                 raise InputMismatch("token masks came without a step waiting for them")
+            if arrays[0].shape != deferred.allowed.shape:
+                raise InputMismatch(
+                    f"token masks of shape {arrays[0].shape}, the step's are {deferred.allowed.shape}"
+                )
             runner.finish(dataclasses.replace(deferred, allowed=arrays[0]))
             deferred = None
         elif command is Command.LOOP:

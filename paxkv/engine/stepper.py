@@ -241,7 +241,11 @@ class Stepper:
         t2 = time.perf_counter()
         self.inflight = None
         if launched is not None:
-            launched = self._finish(launched)
+            try:
+                launched = self._finish(launched)
+            except BaseException:  # the step just read is reported with the next one
+                self.endings.defer(list(outputs))
+                raise
         if launched is None:
             self.scheduler.decodes.drop()  # its rows would name a step no longer in flight
             self.scheduler.release_rejected(seq for seq, _ in rejected.values())
@@ -311,8 +315,17 @@ class Stepper:
                 masks[:] = -1
             empty = ~masks.any(axis=1)
             first_empty = empty[starts]
-            if first_empty.any():
-                self.constrained.end_after(rows[i][2] for i in np.flatnonzero(first_empty).tolist())
+            for i, (_, m, seq, _) in enumerate(rows):
+                if m.is_error():  # llguidance gave up (a limit): the sequence fails
+                    self.scheduler.fail(seq, ValueError(f"structured_outputs: {m.get_error()}"))
+                    empty[starts[i] : starts[i] + counts[i]] = True
+                elif first_empty[i]:
+                    if m.is_accepting():  # complete: only an EOS the model has not got
+                        self.constrained.end_after((seq,))
+                    else:
+                        self.scheduler.fail(
+                            seq, ValueError("structured_outputs: the constraint allows no token")
+                        )
             # Past a complete constraint (only an EOS the model has not got): any token,
             # which the sequence's end (at the next sync) cuts off.
             masks[empty] = -1

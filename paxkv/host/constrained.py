@@ -89,23 +89,31 @@ class ConstrainedSequences:
                 self._stop(queues, e, e.consumed, ended)
             elif real > e.consumed:
                 pending.append((e, out[e.consumed : real]))
-        # One token each, the common case: all at once.
+        # One token each, the common case: all at once (one by one if that raises).
         single = [(e, t[0]) for e, t in pending if len(t) == 1] if consume else []
-        taken = consume([(e.matcher, t) for e, t in single]) if single else []
-        results = {id(e): ok for (e, _), ok in zip(single, taken, strict=True)}
+        results: dict[int, bool] = {}
+        if single:
+            try:
+                taken = consume([(e.matcher, t) for e, t in single])
+                results = {id(e): ok for (e, _), ok in zip(single, taken, strict=True)}
+            except Exception:
+                results = {}
         for e, tokens in pending:
             for i, token in enumerate(tokens):
-                ok = (
-                    results.pop(id(e))
-                    if i == 0 and id(e) in results
-                    else e.matcher.consume_token(token)
-                )
-                if not ok:
+                try:
+                    if i == 0 and id(e) in results:
+                        ok = results.pop(id(e))
+                    else:
+                        ok = e.matcher.consume_token(token)
+                    error = None if ok else e.matcher.get_error()
+                except Exception as exc:  # isolated: only this sequence fails
+                    error = f"{type(exc).__name__}: {exc}"
+                if error is not None:
                     queues.fail(
                         e.seq,
                         ValueError(
                             f"output token {token} at {e.consumed} breaks its "
-                            f"structured_outputs constraint: {e.matcher.get_error()}"
+                            f"structured_outputs constraint: {error}"
                         ),
                     )
                     del self._entries[id(e.seq)]

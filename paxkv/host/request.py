@@ -184,7 +184,8 @@ class SamplingParams:
     grammar: each step, only the tokens that keep the output a prefix of a match can be
     sampled (the reported logprobs stay raw), and the completion ends with finish
     reason "stop" once the constraint is complete and can go no further. Such a
-    sequence runs one decode at a time and takes no speculative proposals.
+    sequence runs one decode at a time, and takes the n-gram proposals its constraint
+    allows (none under a draft model or async scheduling).
 
     `return_routed_experts` (MoE models only; SGLang's name) returns, on each finished
     completion, the experts every MoE layer sent each of its tokens to

@@ -60,10 +60,16 @@ def structured_outputs(
         elif field == "structured_outputs":
             spec = StructuredOutputs.of(body[field])
         else:
-            extra = {}
-            if body.get("guided_whitespace_pattern") is not None:
-                extra["whitespace_pattern"] = body["guided_whitespace_pattern"]
-            spec = StructuredOutputs(**{_GUIDED[field]: body[field]}, **extra)
+            spec = StructuredOutputs(**{_GUIDED[field]: body[field]})
+            pattern = body.get("guided_whitespace_pattern")
+            if pattern is not None:
+                try:
+                    spec = dataclasses.replace(spec, whitespace_pattern=pattern)
+                except (TypeError, ValueError) as e:
+                    message = str(e).replace(
+                        "structured_outputs.whitespace_pattern", "guided_whitespace_pattern"
+                    )
+                    raise StructuredOutputsError(message, "guided_whitespace_pattern") from None
         own = field == "structured_outputs" and "disable_any_whitespace" in body[field]
         json_like = spec.kind in ("json", "json_object") and spec.whitespace_pattern is None
         if disable_any_whitespace and json_like and not own:
@@ -71,6 +77,8 @@ def structured_outputs(
         from paxkv.text.grammar import check_compiles
 
         check_compiles(spec)
+    except StructuredOutputsError:
+        raise
     except ImportError as e:
         raise StructuredOutputsError(f"{field} is not available: {e}", field) from None
     except (TypeError, ValueError) as e:

@@ -286,3 +286,26 @@ def test_constrained_sequences_take_the_ngram_proposals_their_constraint_allows(
     assert out.outputs[0].text == text and out.outputs[0].finish_reason == "stop"
     stats = engine.stats()
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_acceptance_rate"] > 0.5
+
+
+def test_a_matcher_in_error_fails_its_request_with_the_error(tiny):
+    """A matcher llguidance gave up on (here: fed a token its grammar refuses) allows
+    only EOS: its request fails, naming the error, rather than ending as "stop"."""
+    _, model, tokenizer = tiny
+    engine = _engine(model, tokenizer)
+    make = engine.grammars.matcher
+
+    def broken(grammar):
+        m = make(grammar)
+        m.consume_token(ord("x"))  # the regex below allows digits only
+        assert m.is_error()
+        return m
+
+    engine.grammars.matcher = broken
+    engine.add_request(
+        "r", {"prompt_token_ids": [1, 2]}, SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    )
+    engine.add_request("free", {"prompt_token_ids": [3]}, SamplingParams(max_tokens=3))
+    done = engine.run_until_done()
+    assert done["r"].outputs[0].finish_reason == "abort" and "structured_outputs" in done["r"].error
+    assert len(done["free"].outputs[0].token_ids) == 3

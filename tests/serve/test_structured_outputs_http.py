@@ -81,7 +81,7 @@ def test_chat_json_mode_streamed_with_n_2(server):
     for text, reason in zip(texts, reasons, strict=True):
         if reason == "stop":  # complete: an object (else cut at max_tokens)
             assert isinstance(json.loads(text), dict), text
-        assert text.lstrip().startswith("{"), text
+        assert text.startswith("{"), text  # compact JSON: no leading whitespace
 
 
 @pytest.mark.parametrize(
@@ -147,6 +147,11 @@ def test_vllm_fields_on_both_endpoints(server, extra, check):
             "exactly one",
         ),
         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "not several"),
+        (
+            {"guided_json": {"type": "object"}, "guided_whitespace_pattern": 5},
+            "guided_whitespace_pattern",
+            "guided_whitespace_pattern must be a str",
+        ),
     ],
 )
 def test_bad_constraints_name_the_field(server, extra, param, words):
