@@ -285,8 +285,8 @@ def build_host_batch(
     histories of `history_length(P, page_size)` tokens, else of none. A step where a chunk has speculative proposals carries them as
     `draft_tokens` of width `num_speculative_tokens` (the most a chunk may have), else of width 0.
     Sequences with logit biases (`SequenceState.biased`; `eos_token_ids` are the stop
-    tokens `min_tokens` holds back) carry them as `bias_ids` / `bias_values`. While a
-    row in use is constrained, the step carries `allowed` of `mask_words` words, all set.
+    tokens `min_tokens` holds back) carry them as `bias_ids` / `bias_values`. A step with
+    a constrained sequence carries `allowed` of `mask_words` words, all set.
     """
     extra = plan.extra
     decode = plan.decode
@@ -424,8 +424,9 @@ def build_host_batch(
         *bias_arrays([s.logit_bias(eos_token_ids) if s.biased else None for s in seqs], s_pad)
         if rows.biased
         else _constant("no bias", s_pad),
+        # Only while a row in use is constrained are the step's sequences looked at.
         np.full((s_pad * (1 + draft_tokens.shape[1]), mask_words), -1, np.int32)
-        if rows.constrained and mask_words
+        if rows.constrained and mask_words and any(s.constrained for s in seqs)
         else _constant("no mask", s_pad),
     )
 
