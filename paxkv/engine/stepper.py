@@ -400,7 +400,9 @@ class Stepper:
                 for j, c in enumerate(step)
                 if (added := len(c.seq.output_token_ids) - counts[j]) > 0
             ]
-            ended += [seq for seq in finished if seq.params.max_tokens == 0]
+            if finished:  # those with no placeholder: reading the step touches them not
+                before = {id(c.seq): counts[j] for j, c in enumerate(step)}
+                ended += [seq for seq in finished if len(seq.output_token_ids) == before[id(seq)]]
         if not columns:  # the next plan reads this one's tokens on the device
             s.decodes.after_update(self.eos_token_ids, SchedulerOutput(step, ()))
         if rejected:

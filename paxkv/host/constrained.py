@@ -40,9 +40,6 @@ class ConstrainedSequences:
     def __bool__(self) -> bool:
         return bool(self._entries)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def add(self, seq: SequenceState, matcher: Any) -> None:
         """Tracks `seq`, whose matcher stands at the start of its output."""
         self._entries[id(seq)] = _Entry(seq, matcher)
@@ -55,11 +52,6 @@ class ConstrainedSequences:
         if entry is None or entry.ending or entry.consumed != len(seq.output_token_ids):
             return 0
         return entry.matcher.validate_tokens(list(tokens))
-
-    def matcher(self, seq: SequenceState) -> Any | None:
-        """seq's matcher, or None when seq is not constrained (or has ended)."""
-        entry = self._entries.get(id(seq))
-        return None if entry is None else entry.matcher
 
     def sync(self, queues: SequenceQueues, consume: Consume | None = None) -> list[SequenceState]:
         """Feeds each matcher the real output tokens it has not seen (up to the first

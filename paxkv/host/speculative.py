@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from paxkv.host.mappings import dataclass_of
 from paxkv.host.ngram_proposer import NgramProposer
 from paxkv.host.request import FinishReason, check_bool, check_float, check_int
 from paxkv.host.sequence import SequenceState
@@ -147,19 +148,7 @@ class SpeculativeConfig:
     def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
         """`value` as a config: a dict of its fields (vLLM's form), itself, or None;
         an unknown key is a ValueError naming it."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, Mapping):
-            raise TypeError(
-                f"speculative_config must be a dict or SpeculativeConfig, got {value!r}"
-            )
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(
-                f"speculative_config has unknown keys {unknown}; known: {sorted(names)}"
-            )
-        return cls(**value)
+        return dataclass_of(cls, value, "speculative_config")
 
 
 class _SeqState:

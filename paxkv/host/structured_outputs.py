@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from paxkv.host.mappings import dataclass_of
+
 MAX_CHOICES = 1024  # strings of `StructuredOutputs.choice`
 MAX_SPEC_CHARS = 1 << 20  # a schema (as JSON), pattern or grammar, in characters
 
@@ -88,34 +90,13 @@ class StructuredOutputs:
 
     def key(self) -> tuple:
         """A hashable identity of the constraint (equal specs compile once)."""
-        return (
-            self.kind,
-            self.json,
-            self.regex,
-            self.choice,
-            self.grammar,
-            self.whitespace_pattern,
-            self.disable_any_whitespace,
-        )
+        return dataclasses.astuple(self)
 
     @classmethod
     def of(cls, value: Any) -> StructuredOutputs | None:
         """`SamplingParams.structured_outputs` as given: a `StructuredOutputs`, a mapping
         of its fields (as JSON sends it), or None."""
-        if value is None or isinstance(value, StructuredOutputs):
-            return value
-        if not isinstance(value, Mapping):
-            raise TypeError(
-                "structured_outputs must be a StructuredOutputs or a mapping of its fields, "
-                f"got {value!r:.80} ({type(value).__name__})"
-            )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - fields)
-        if unknown:
-            raise ValueError(
-                f"structured_outputs has unknown fields {unknown}; it takes {sorted(fields)}"
-            )
-        return cls(**value)
+        return dataclass_of(cls, value, "structured_outputs")
 
 
 def _schema_text(schema: Any) -> str:

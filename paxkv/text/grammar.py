@@ -22,7 +22,7 @@ import numpy as np
 _GRAMMARS_CACHED = 256  # compiled grammars kept (a server sees the same schemas again)
 
 
-def mask_words(vocab_size: int) -> int:
+def _mask_words(vocab_size: int) -> int:
     """Words of a token bitmask over `vocab_size` tokens."""
     return (vocab_size + 31) // 32
 
@@ -88,7 +88,7 @@ class GrammarCompiler:
     @property
     def width(self) -> int:
         """Words of the bitmask llguidance fills (its vocabulary's, EOS included)."""
-        return mask_words(self._ll.vocab_size)
+        return _mask_words(self._ll.vocab_size)
 
     def compile(self, spec: Any) -> str:
         """llguidance's grammar of `spec` (a `StructuredOutputs`), checked against the tokenizer; ValueError
@@ -123,9 +123,6 @@ class GrammarCompiler:
     def consume(self, pairs: Sequence[tuple[Any, int]]) -> list[bool]:
         """Feeds each `(matcher, token)` pair on llguidance's threads (the GIL
         released); whether each matcher took its token (False: it is in error)."""
-        if len(pairs) == 1:
-            matcher, token = pairs[0]
-            return [matcher.consume_token(token)]
         return list(_import_numpy().consume_token_par(self._executor, list(pairs)))
 
     def fill(
@@ -142,23 +139,18 @@ class GrammarCompiler:
         width = max(self.width, out.shape[1])
         buf = np.zeros((out.shape[0], width), np.int32)
         numpy = _import_numpy()
-        if drafts is not None and any(drafts):
-            at, plain, drafted = 0, [], []
-            for m, d in zip(matchers, drafts, strict=True):
-                if d:
-                    drafted.append((m, at, list(d)))
-                else:
-                    plain.append((m, at))
-                at += 1 + len(d)
+        at, plain, drafted = 0, [], []
+        for i, m in enumerate(matchers):
+            d = list(drafts[i]) if drafts is not None else []
+            if d:
+                drafted.append((m, at, d))
+            else:
+                plain.append((m, at))
+            at += 1 + len(d)
+        if drafted:
             numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, buf)
-            if plain:
-                numpy.fill_next_token_bitmask_par(self._executor, plain, buf)
-        elif len(matchers) == 1:
-            numpy.fill_next_token_bitmask(matchers[0], buf)
-        else:
-            numpy.fill_next_token_bitmask_par(
-                self._executor, [(m, i) for i, m in enumerate(matchers)], buf
-            )
+        if plain:
+            numpy.fill_next_token_bitmask_par(self._executor, plain, buf)
         words = out.shape[1]
         out[:] = buf[:, :words]
         v = self.vocab_size
@@ -171,6 +163,12 @@ def check_compiles(spec: Any) -> None:
     """ValueError naming the field (`structured_outputs.regex`, ...) when `spec` (a
     `StructuredOutputs`) does not compile, whatever the tokenizer (what a server checks
     before a request reaches an engine)."""
+    _checked(spec)
+
+
+@functools.lru_cache(maxsize=_GRAMMARS_CACHED)
+def _checked(spec: Any) -> None:
+    """`check_compiles` once per distinct spec (a request's prompts share one)."""
     llguidance = _import()
     error = llguidance.LLMatcher.validate_grammar(_grammar(llguidance, spec))
     if error and not error.startswith("WARNING"):

@@ -208,7 +208,7 @@ def test_sampled_outputs_always_match_and_nothing_compiles_after_warmup(tiny, mo
         ({"choice": []}, "structured_outputs.choice", "empty"),
         ({"regex": "a", "choice": ["a"]}, "exactly one", ""),
         ({"regex": "a", "disable_any_whitespace": True}, "disable_any_whitespace", ""),
-        ({"jsonn": {}}, "unknown fields", "jsonn"),
+        ({"jsonn": {}}, "unknown keys", "jsonn"),
     ],
 )
 def test_a_bad_constraint_is_rejected_naming_the_field_and_nothing_is_kept(

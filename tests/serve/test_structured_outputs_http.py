@@ -79,9 +79,35 @@ def test_chat_json_mode_streamed_with_n_2(server):
             texts[c.index] += c.delta.content or ""
             reasons[c.index] = c.finish_reason or reasons[c.index]
     for text, reason in zip(texts, reasons, strict=True):
-        if reason == "stop":  # complete: an object (else cut at max_tokens)
+        # An object has no bound: a completion cut at max_tokens is checked as a prefix.
+        if reason == "stop":
             assert isinstance(json.loads(text), dict), text
         assert text.startswith("{"), text  # compact JSON: no leading whitespace
+
+
+def test_chat_json_schema_streamed_with_n_2_always_completes(server):
+    """A bounded schema: both sampled completions end with "stop" and validate."""
+    client = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a person"}],
+        max_tokens=64,
+        temperature=1.0,
+        seed=9,
+        n=2,
+        stream=True,
+        response_format=fmt,
+    )
+    texts, reasons = ["", ""], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert reasons == ["stop", "stop"], texts
+    for text in texts:
+        value = json.loads(text)
+        assert set(value) == {"name", "n"} and 0 <= value["n"] <= 99, text
 
 
 @pytest.mark.parametrize(
