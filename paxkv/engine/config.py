@@ -73,6 +73,12 @@ class EngineConfig:
         "with logprobs, score requests) for each token bucket: a small program of the LM "
         "head; off: it compiles when first met.",
     )
+    kv_host_cache_gib: float = _field(
+        0.0,
+        "Host memory (GiB) for KV pages the device prefix cache evicts; a prompt whose "
+        "prefix continues there loads them back instead of prefilling (docs/host_kv_tier.md). "
+        "0: off.",
+    )
     seed: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
@@ -134,6 +140,13 @@ class EngineConfig:
             )
         if not 0 <= check_float("watermark", self.watermark) < 1:
             raise ValueError(f"watermark={self.watermark} must be in [0, 1)")
+        if check_float("kv_host_cache_gib", self.kv_host_cache_gib) < 0:
+            raise ValueError(f"kv_host_cache_gib={self.kv_host_cache_gib} must be >= 0")
+        if self.kv_host_cache_gib and not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_host_cache_gib={self.kv_host_cache_gib} keeps pages of the prefix cache: "
+                "it needs enable_prefix_caching=True"
+            )
         if check_float("log_stats_interval_s", self.log_stats_interval_s) < 0:
             raise ValueError(f"log_stats_interval_s={self.log_stats_interval_s} must be >= 0")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)

@@ -33,6 +33,7 @@ from paxkv.engine import compile_cache, sleep
 from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
+from paxkv.engine.host_tier import HostCopyError, HostTierCopies, host_slots, warm_copies
 from paxkv.engine.metrics import EngineMetrics, engine_stats
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request, RequestRegistry
@@ -42,6 +43,7 @@ from paxkv.engine.stepper import Stepper
 from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.batch import mask_words
 from paxkv.host.constrained import ConstrainedSequences
+from paxkv.host.host_tier import HostKVTier
 from paxkv.host.page_pool import PagePool
 from paxkv.host.request import RequestOutput, SamplingParams
 from paxkv.host.reservation import PagedReservation
@@ -119,13 +121,20 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(getattr(mc, "eos_token_ids", ()) or ())
         self.pool = PagePool(config.num_pages)
+        host_tier = _host_tier(config, self.runner)
         self._buckets = config.buckets()
         self.speculator = (
             Speculator(spec, self._buckets.tokens, optimistic=config.async_scheduling)
             if spec is not None
             else None
         )
-        self.scheduler = _scheduler(config, self.pool, reservation, self.runner, self.speculator)
+        self.scheduler = _scheduler(
+            config, self.pool, reservation, self.runner, self.speculator, host_tier
+        )
+        # The copies of the host KV tier, made before each step (None: no tier).
+        self.host_copies = (
+            HostTierCopies(self.scheduler.kv_cache_manager, self.runner) if host_tier else None
+        )
         self.requests = RequestRegistry(
             self.scheduler,
             vocab_size=mc.vocab_size,
@@ -157,6 +166,7 @@ class Engine:
             constrained=ConstrainedSequences(),
             fill_masks=lambda matchers, out, drafts=None: self.grammars.fill(matchers, out, drafts),
             consume=lambda pairs: self.grammars.consume(pairs),
+            before_launch=self.host_copies.flush if self.host_copies is not None else None,
         )
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -243,6 +253,9 @@ class Engine:
         self.endings.defer(self._stepper.drain())  # the step in flight, reported next step
         self.scheduler.preempt_all()
         self.scheduler.kv_cache_manager.prefix_cache.forget_all()
+        if self.host_copies is not None:  # the pages evicted so far, saved before the cache goes
+            self.host_copies.flush()
+            self.host_copies.land()
         freed, host = self.runner.release(weights if level == 2 else None)
         self._asleep = sleep.Asleep(
             level, weights if level == 2 else None, requests, host, released_bytes=freed
@@ -436,9 +449,11 @@ class Engine:
         except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
             in_flight_lost = self._stepper.depth > 0
             self._stepper.lose_in_flight()
-            self.endings.after_failed_step(
-                e, cache_lost=self.runner.restore_cache(), in_flight_lost=in_flight_lost
-            )
+            # A failed host-tier copy leaves pages half written: as lost as a donated cache.
+            cache_lost = self.runner.restore_cache() or isinstance(e, HostCopyError)
+            if cache_lost and self.host_copies is not None:
+                self.host_copies.drop()  # the pages they would read or write are gone
+            self.endings.after_failed_step(e, cache_lost=cache_lost, in_flight_lost=in_flight_lost)
             raise
         self.endings.end_failed()
         self.metrics.account_step(t0, t_sched, t1, t2)
@@ -460,6 +475,8 @@ class Engine:
         )
         if self.speculator is not None:
             stats.update(self.speculator.stats())
+        if self.host_copies is not None:
+            stats.update(self.host_copies.stats())
         return stats
 
     def warmup(
@@ -489,6 +506,8 @@ class Engine:
         self.runner.warmup(
             shapes, progress, scoring=self.config.warmup_scoring, background=background
         )
+        if self.host_copies is not None:
+            warm_copies(self.runner)
 
     @property
     def compiling(self) -> bool:
@@ -519,6 +538,7 @@ def _scheduler(
     reservation: PagedReservation | None,
     runner: StepRunner,
     speculator: Speculator | None,
+    host_tier: HostKVTier | None = None,
 ) -> Scheduler:
     """The host scheduler of an engine with `config`, over `pool` and the runner's KV
     groups (one group unless the model mixes windows)."""
@@ -533,4 +553,20 @@ def _scheduler(
         reservation=reservation,
         kv_groups=getattr(runner, "kv_groups", None),
         speculator=speculator,
+        host_tier=host_tier,
     )
+
+
+def _host_tier(config: EngineConfig, runner: StepRunner) -> HostKVTier | None:
+    """The host KV tier of `config.kv_host_cache_gib` over `runner`'s pages (None: off);
+    ValueError naming the field where the runner cannot copy pages."""
+    gib = config.kv_host_cache_gib
+    if not gib:
+        return None
+    if not hasattr(runner, "read_pages"):
+        raise ValueError(
+            f"kv_host_cache_gib={gib}: this engine's runner ({type(runner).__name__}) cannot "
+            "copy KV pages to host memory"
+        )
+    page_bytes = runner.page_bytes()
+    return HostKVTier(host_slots(gib, page_bytes), page_bytes)

@@ -207,6 +207,8 @@ def engine_stats(
         "prefix_cache_short_prefix_misses": prefix.short_prefix_misses,
         "num_preemptions": sch.num_preemptions,
         "num_recomputed_tokens": sch.num_recomputed_tokens,
+        # Of them, those a resumed sequence found cached (device or host tier).
+        "num_preempted_tokens_reused": prefix.resumed_hits,
         "prompt_tokens": m.prompt_tokens,
         "generation_tokens": m.generation_tokens,
         "requests_finished": dict(m.finished),
@@ -311,7 +313,36 @@ class PrometheusCollector:
             groups.add_metric([str(i), str(g["window"] or "global")], g["pages_held"])
         yield groups
         yield from self._speculation(stats)
+        yield from self._offload(stats)
         yield from self._replicas(stats)
+
+    def _offload(self, stats: dict[str, Any]) -> Iterable[Any]:
+        """The host KV tier's metrics, when it is on, under vLLM's `kv_offload` names:
+        bytes and host seconds per direction (`transfer_type` "GPU_to_CPU" is device to
+        host, whatever the device), the tier's usage, and its lookups and hits in pages."""
+        if "kv_offload_bytes_to_host" not in stats:
+            return
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for what, help in (("bytes", "bytes copied"), ("seconds", "host seconds copying")):
+            name = "total_bytes" if what == "bytes" else "total_time"
+            family = CounterMetricFamily(
+                f"{self._prefix}:kv_offload_{name}", help, labels=["transfer_type"]
+            )
+            family.add_metric(["GPU_to_CPU"], stats[f"kv_offload_{what}_to_host"])
+            family.add_metric(["CPU_to_GPU"], stats[f"kv_offload_{what}_to_device"])
+            yield family
+        yield GaugeMetricFamily(
+            f"{self._prefix}:kv_offload_cpu_cache_usage_perc",
+            "fraction of the host tier's slots in use",
+            value=stats["kv_host_tier_usage"],
+        )
+        for name, key in (("lookup", "queries"), ("hit", "hits")):
+            yield CounterMetricFamily(
+                f"{self._prefix}:kv_offload_cpu_block_{name}",
+                f"host-tier page {name}s",
+                value=stats[f"kv_host_tier_{key}"],
+            )
 
     SPEC_COUNTERS = (
         "spec_decode_num_drafts",
@@ -390,6 +421,7 @@ _RATIOS = {
     "kv_cache_usage_perc": ("kv_pages_in_use", "kv_pages_total", 0.0),
     "kv_token_utilization": ("kv_token_slots_used", "kv_token_slots_reserved", 1.0),
     "prefix_cache_hit_rate": ("prefix_cache_hits", "prefix_cache_queries", 0.0),
+    "kv_host_tier_usage": ("kv_host_tier_used", "kv_host_tier_slots", 0.0),
 }
 _MAXIMA = ("elapsed_s",)
 

@@ -31,7 +31,7 @@ from paxkv.engine.params import ParamSource
 from paxkv.engine.programs import Program, Programs, default_compile_threads
 from paxkv.host.batch import HostBatch, history_length, mask_words, pad_host_batch
 from paxkv.host.kv_groups import KVCacheGroups
-from paxkv.kv_cache import PagedKVCache
+from paxkv.kv_cache import PagedKVCache, page_copies
 from paxkv.sharding import shardings
 
 
@@ -170,7 +170,7 @@ class ModelRunner(StepRunner):
         else:  # committed to its device, as `PlacedModel`'s arrays are
             self._carried = jax.device_put(carried, carried.tokens.sharding)
         self._no_rejections = self._carried.rejected
-        self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS)
+        self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS + page_copies.COMPILED_FUNCTIONS)
         self._programs = Programs(self._compiles)
         # The step batch, placed as the programs were lowered for: replicated on a mesh.
         self._batch_sharding = shardings.replicated(mesh) if mesh is not None else None
@@ -230,6 +230,37 @@ class ModelRunner(StepRunner):
         if self.draft is not None:
             placed += sum(a.nbytes for a in jax.tree.leaves(self.draft.cache))
         return placed
+
+    # Whole pages to and from host memory (the host KV tier, `paxkv.engine.host_tier`).
+
+    def _caches(self) -> list[PlacedModel]:
+        return [self.target] + ([self.draft] if self.draft is not None else [])
+
+    def page_bytes(self) -> int:
+        """Bytes of one page over every cache array (the draft model's too)."""
+        return sum(page_copies.page_bytes(m.cache) for m in self._caches())
+
+    def read_pages(self, pages: np.ndarray) -> list[tuple[jax.Array, ...]]:
+        """Dispatches the read of `pages` (i32[B]) out of each cache (the target's, then
+        the draft model's), every array's rows `[B * r, ...]`; runs after the calls
+        dispatched before it, before those dispatched after (the device's order)."""
+        with self._compiles.counting():
+            return [
+                page_copies.read_pages(m.cache, page_copies.page_rows(m.cache, pages))
+                for m in self._caches()
+            ]
+
+    def write_pages(self, pages: np.ndarray, data: Sequence[Sequence[np.ndarray]]) -> None:
+        """Dispatches the write of `data` (`read_pages`' layout, on the host) into
+        `pages` (i32[B]) of each cache."""
+        with self._compiles.counting():
+            for m, arrays in zip(self._caches(), data, strict=True):
+                rows = page_copies.page_rows(m.cache, pages)
+                m.cache = page_copies.write_pages(m.cache, rows, tuple(arrays))
+
+    def rows_per_page(self) -> list[int]:
+        """Rows of each cache's arrays holding one page (`read_pages`' `r`)."""
+        return [page_copies.rows_per_page(m.cache) for m in self._caches()]
 
     @property
     def num_compilations(self) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -176,6 +176,8 @@ class Stepper:
       fill_masks: `fill(matchers, out)` fills `out[i]` (i32[n, W]) with matcher i's
         token mask (`paxkv.text.grammar.GrammarCompiler.fill`).
       consume: feeds `(matcher, token)` pairs at once (`GrammarCompiler.consume`).
+      before_launch: called before each step is dispatched, after it is laid out (the
+        host KV tier's copies, `paxkv.engine.host_tier.HostTierCopies.flush`).
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class Stepper:
         constrained: ConstrainedSequences | None = None,
         fill_masks: Any = None,
         consume: Any = None,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         if depth not in (0, 1):
             raise ValueError(f"depth={depth} must be 0 (synchronous) or 1 (async scheduling)")
@@ -208,6 +211,7 @@ class Stepper:
         self.constrained = constrained if constrained is not None else ConstrainedSequences()
         self.fill_masks = fill_masks
         self.consume = consume
+        self.before_launch = before_launch
         self.inflight: InFlight | None = None
 
     @property
@@ -289,6 +293,8 @@ class Stepper:
         if isinstance(strategy, DecodeLoop):
             strategy = strategy.kept(planned, plan)
             self.metrics.num_decode_loops += 1
+        if self.before_launch is not None:
+            self.before_launch()
         return Launched(plan, strategy, strategy.launch(self.runner, hb, plan))
 
     def _finish(self, launched: Launched) -> Launched:

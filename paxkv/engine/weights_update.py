@@ -114,7 +114,7 @@ class WeightUpdater:
                 self.scheduler.preempt_all()
             runner.params = new_params
             self.version += 1
-            self.scheduler.kv_cache_manager.prefix_cache.set_weight_version(self.version)
+            self.scheduler.kv_cache_manager.set_weight_version(self.version)
             self.requests.set_weight_version(self.version)
         finally:
             self.updating = False

@@ -72,6 +72,8 @@ class Admission:
         if free < self.watermark_pages and running:
             return None
         seq.num_computed_tokens = kv.take_hits(seq, prefix)
+        loaded = kv.load_from_host(seq)  # the prefix continued from the host tier
+        seq.num_computed_tokens += loaded
         n = chunk_tokens(seq, budget, kv.page_size)
         if not kv.allocate(seq, seq.num_computed_tokens + n):
             kv.free(seq)
@@ -79,7 +81,9 @@ class Admission:
             return None
         cached = kv.prefix_cache.count(seq, prefix.num_pages)
         if cached is not None:
-            seq.num_cached_tokens = cached
+            seq.num_cached_tokens = cached + loaded
+        elif seq.num_preemptions:  # a resumed sequence: what it need not recompute
+            kv.prefix_cache.resumed_hits += seq.num_computed_tokens
         return n
 
     def _sibling_prefilling(self, seq: SequenceState, running: Sequence[SequenceState]) -> bool:

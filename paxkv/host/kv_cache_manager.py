@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from paxkv.host.batch_rows import BatchRows
+from paxkv.host.host_tier import HostKVTier
 from paxkv.host.kv_groups import KVCacheGroups, first_page_read, peak_pages
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_cache import CachedPrefix, PrefixCache
@@ -47,6 +48,8 @@ class KVCacheManager:
       kv_groups: the KV-cache groups (default: one group of global layers).
       max_chunk_tokens: most tokens one step computes for a sequence (the scheduler's
         token budget), which bounds a window group's pages.
+      host_tier: the host-memory tier under the prefix cache (None: none); one
+        KV-cache group only.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class KVCacheManager:
         reservation: PagedReservation | None = None,
         kv_groups: KVCacheGroups | None = None,
         max_chunk_tokens: int | None = None,
+        host_tier: HostKVTier | None = None,
     ) -> None:
         self.pool = pool
         self.page_size = page_size
@@ -83,6 +87,15 @@ class KVCacheManager:
         # The persistent batch: every change to a sequence's pages is mirrored in its row.
         self.rows = BatchRows(cdiv(max_model_len, page_size), num_groups=self.num_groups)
         self._seqs: dict[SequenceState, SequencePages] = {}  # the sequences holding pages
+        self.host_tier = host_tier
+        if host_tier is not None:
+            if not enable_prefix_caching or self.num_groups != 1:
+                raise ValueError(
+                    "a host KV tier keeps the pages of the prefix cache of one KV-cache "
+                    f"group: prefix caching is {'on' if enable_prefix_caching else 'off'} "
+                    f"and the model has {self.num_groups} groups"
+                )
+            pool.record_evictions()
 
     # Queries.
 
@@ -310,6 +323,56 @@ class KVCacheManager:
         if h:
             self.rows.append(held.row, held.tables[0], held.tables[1:])
         return h * self.page_size
+
+    def set_weight_version(self, version: int) -> None:
+        """Keys pages by weights `version` from now on; no page cached under other
+        weights, on the device or in the host tier, is found again."""
+        self.prefix_cache.set_weight_version(version)
+        if self.host_tier is not None:
+            self.pool.take_evicted()
+            self.host_tier.clear()
+
+    def save_evicted(self) -> None:
+        """Hands the pages the pool evicted since the last call to the host tier, which
+        records their copies out (nothing without a tier)."""
+        if self.host_tier is not None:
+            self.host_tier.save(self.pool.take_evicted())
+
+    def drop_copies(self) -> None:
+        """Forgets the host tier's copies not made yet (the device cache was lost)."""
+        if self.host_tier is not None:
+            self.pool.take_evicted()
+            self.host_tier.drop_pending()
+
+    def load_from_host(self, seq: SequenceState) -> int:
+        """Continues seq's cached prefix (just taken, `take_hits`) with the pages the
+        host tier holds: allocates them, keys them, and records their copies in
+        (made before the next step runs). Returns the tokens they hold (0 without a
+        tier, a hit, or free pages for all of them)."""
+        tier = self.host_tier
+        held = self._seqs.get(seq)
+        if tier is None or held is None:
+            return 0
+        ps, h = self.page_size, len(held.keys)
+        stop = seq.cacheable_tokens() // ps
+        if stop <= h or len(held.tables[0]) != h:
+            return 0
+        self.save_evicted()  # a page evicted in this plan is found too
+        keys = self.prefix_cache.keys_of(seq, h, stop, held.keys[-1] if h else None)
+        n = tier.lookup(keys)
+        if not n:
+            return 0
+        pages = self.pool.allocate(n)
+        if pages is None:
+            return 0
+        keys = keys[:n]
+        tier.load(keys, pages)  # pins their slots before the evictions are saved
+        self.save_evicted()  # the copies out run before the copies in
+        self.pool.mark_cached_many(pages, keys)
+        held.tables[0].extend(pages)
+        held.keys.extend(keys)
+        self.rows.append(held.row, pages, [])
+        return n * ps
 
     def register_full_pages(self, seq: SequenceState, end: int | None = None) -> list[int]:
         """Caches the full pages of `seq`'s first `end` tokens (default: those it has

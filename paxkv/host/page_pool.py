@@ -54,6 +54,8 @@ class PagePool:
         self._page_to_key: dict[int, Hashable] = {}
         self._key_to_page: dict[Hashable, int] = {}
         self._num_evictions = 0
+        # (page, key) of each eviction since `take_evicted`, when recorded (a host tier).
+        self._evicted: list[tuple[int, Hashable]] | None = None
         # The free queue is a circular doubly linked list through a sentinel node whose id is
         # `num_pages`; `_next[sentinel]` is the front and `_prev[sentinel]` the tail.
         self._sentinel = num_pages
@@ -124,6 +126,8 @@ class PagePool:
                 if key is not _NO_KEY:
                     del self._key_to_page[key]
                     self._num_evictions += 1
+                    if self._evicted is not None:
+                        self._evicted.append((page, key))
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
@@ -211,6 +215,19 @@ class PagePool:
                 to_key[page] = key
             elif owner == page:
                 to_key[page] = key
+
+    def record_evictions(self) -> None:
+        """From now on, keeps the `(page, key)` of every page `allocate` evicts, for
+        `take_evicted` (the host tier saves them before the pages are overwritten)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def take_evicted(self) -> list[tuple[int, Hashable]]:
+        """The `(page, key)` pairs evicted since the last call, oldest first."""
+        evicted = self._evicted or []
+        if self._evicted is not None:
+            self._evicted = []
+        return evicted
 
     def uncache(self, page: int, key: Hashable) -> None:
         """Drops `key` from `page` if the page holds it (its contents were never written);

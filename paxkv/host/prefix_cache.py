@@ -109,6 +109,9 @@ class PrefixCache:
         self.enabled = enabled
         self.queries = 0  # prompt tokens looked up at first admission
         self.hits = 0  # of which found
+        # Tokens resumed (preempted) sequences took from a cache, the device's or the
+        # host tier's, instead of recomputing them (`Admission.admit`).
+        self.resumed_hits = 0
         # Requests sharing their first 4+ tokens, but less than a page, with a cached prefix.
         self.short_prefix_misses = 0
         # Leading tokens of recently cached first pages (bounded), to notice prefixes

@@ -24,6 +24,7 @@ import numpy as np
 
 from paxkv.host.admission import Admission, chunk_tokens
 from paxkv.host.batch_rows import BatchRows
+from paxkv.host.host_tier import HostKVTier
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.host.kv_usage import kv_usage
@@ -58,6 +59,7 @@ class Scheduler(SequenceQueues):
       kv_groups: the KV-cache groups (`paxkv.host.kv_groups`; default: one global group).
       speculator: gives decodes speculative proposals out of each step's spare budget
         (`paxkv.host.speculative`); None: no speculation.
+      host_tier: keeps evicted prefix-cache pages in host memory (`paxkv.host.host_tier`).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class Scheduler(SequenceQueues):
         reservation: PagedReservation | None = None,
         kv_groups: KVCacheGroups | None = None,
         speculator: Speculator | None = None,
+        host_tier: HostKVTier | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
@@ -85,6 +88,7 @@ class Scheduler(SequenceQueues):
                 reservation=reservation,
                 kv_groups=kv_groups,
                 max_chunk_tokens=max_num_batched_tokens,
+                host_tier=host_tier,
             )
         )
         self.pool = pool

@@ -75,6 +75,8 @@ def _define_engine_flags() -> dict[str, flags.FlagHolder]:
             holders[f.name] = flags.DEFINE_integer(
                 f.name, None, help_text, lower_bound=1, upper_bound=INT32_MAX
             )
+        elif kind is float:
+            holders[f.name] = flags.DEFINE_float(f.name, None, help_text, lower_bound=0.0)
         else:
             raise TypeError(f"EngineConfig.{f.name}: no flag type for {kind.__name__}")
     return holders

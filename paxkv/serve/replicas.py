@@ -71,7 +71,8 @@ class ReplicaSet:
             router,
             len(engines),
             page_size=first.page_size,
-            capacity_pages=max(1, min(c.num_pages for c in configs) - 1),
+            # A replica keeps a prefix in its pool and in its host KV tier, if any.
+            capacity_pages=max(1, min(_cached_pages(e) for e in engines)),
             balance_slack=first.max_num_seqs if balance_slack is None else balance_slack,
         )
         self.routed = [collections.Counter() for _ in engines]  # rule -> prompts sent
@@ -364,3 +365,10 @@ class RoutedGroup:
             len(lost),
             replica,
         )
+
+
+def _cached_pages(engine: Any) -> int:
+    """Pages of prefixes `engine` can keep: its pool's usable pages and its host KV
+    tier's slots."""
+    tier = engine.scheduler.kv_cache_manager.host_tier
+    return engine.config.num_pages - 1 + (tier.num_slots if tier is not None else 0)
