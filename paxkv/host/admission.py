@@ -66,20 +66,19 @@ class Admission:
         kv = self.kv_cache_manager
         if self._sibling_prefilling(seq, running):
             return None  # it will share the sibling's prompt pages once they are cached
-        prefix = kv.prefix_cache.lookup(seq)
+        prefix = kv.lookup(seq)
         whole = max(0, kv.pages_at_peak(seq, seq.num_tokens) - len(prefix.pages()))
         free = kv.pool.num_free - kv.prefix_cache.evictable(prefix) - whole
         if free < self.watermark_pages and running:
             return None
         seq.num_computed_tokens = kv.take_hits(seq, prefix)
-        loaded = kv.load_from_host(seq)  # the prefix continued from the host tier
-        seq.num_computed_tokens += loaded
+        loaded = prefix.host_tokens(kv.page_size)  # of them, copied from the host tier
         n = chunk_tokens(seq, budget, kv.page_size)
         if not kv.allocate(seq, seq.num_computed_tokens + n):
             kv.free(seq)
             seq.num_computed_tokens = 0
             return None
-        cached = kv.prefix_cache.count(seq, prefix.num_pages)
+        cached = kv.prefix_cache.count(seq, prefix.num_pages - loaded // kv.page_size)
         if cached is not None:
             seq.num_cached_tokens = cached + loaded
         elif seq.num_preemptions:  # a resumed sequence: what it need not recompute

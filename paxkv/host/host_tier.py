@@ -54,8 +54,8 @@ class HostKVTier:
         # Counters (pages).
         self.saved = 0  # pages copied to the host
         self.loaded = 0  # pages copied back
-        self.queries = 0  # pages looked up in the tier (past the device's hits)
-        self.hits = 0  # of which found
+        self.queries = 0  # keys looked up (`holds`)
+        self.hits = 0  # pages loaded back (the key manager counts them)
         self.evictions = 0  # keys the tier dropped to make room
         self.skipped = 0  # evicted device pages not saved (every slot pinned)
 
@@ -89,21 +89,16 @@ class HostKVTier:
 
     # Loading.
 
-    def lookup(self, keys: Sequence[Hashable]) -> int:
-        """How many of `keys`, from the first, the tier holds (counted as queries and
-        hits: call it once per admission, with the keys past the device's hits)."""
-        n = 0
-        for key in keys:
-            if key not in self._slots:
-                break
-            n += 1
-        self.queries += len(keys)
-        self.hits += n
-        return n
+    def holds(self, key: Hashable) -> bool:
+        """Whether the tier holds `key` (counted as a query: the prefix cache asks for
+        each key its device pool misses, at every admission attempt)."""
+        self.queries += 1
+        return key in self._slots
 
     def load(self, keys: Sequence[Hashable], pages: Sequence[int]) -> None:
         """Records that each of `keys` (held) is copied into device page `pages[i]`
         before the next step; their slots are pinned until then."""
+        self.hits += len(keys)
         for key, page in zip(keys, pages, strict=True):
             slot = self._slots[key]
             self._slots.move_to_end(key)

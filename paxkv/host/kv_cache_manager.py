@@ -48,8 +48,7 @@ class KVCacheManager:
       kv_groups: the KV-cache groups (default: one group of global layers).
       max_chunk_tokens: most tokens one step computes for a sequence (the scheduler's
         token budget), which bounds a window group's pages.
-      host_tier: the host-memory tier under the prefix cache (None: none); one
-        KV-cache group only.
+      host_tier: the host-memory tier under the prefix cache (None: none).
     """
 
     def __init__(
@@ -89,12 +88,8 @@ class KVCacheManager:
         self._seqs: dict[SequenceState, SequencePages] = {}  # the sequences holding pages
         self.host_tier = host_tier
         if host_tier is not None:
-            if not enable_prefix_caching or self.num_groups != 1:
-                raise ValueError(
-                    "a host KV tier keeps the pages of the prefix cache of one KV-cache "
-                    f"group: prefix caching is {'on' if enable_prefix_caching else 'off'} "
-                    f"and the model has {self.num_groups} groups"
-                )
+            if not enable_prefix_caching:
+                raise ValueError("a host KV tier keeps prefix-cache pages: turn prefix caching on")
             pool.record_evictions()
 
     # Queries.
@@ -307,15 +302,43 @@ class KVCacheManager:
 
     # Prefix caching.
 
+    def lookup(self, seq: SequenceState) -> CachedPrefix:
+        """seq's longest cached prefix (`PrefixCache.lookup`), on the device or, with a
+        host tier, continued there (`HOST` entries, which `take_hits` loads) when the
+        pool has free pages for them; else on the device only."""
+        tier = self.host_tier
+        if tier is None:
+            return self.prefix_cache.lookup(seq)
+        self.save_evicted()  # a page evicted in this plan is found in the tier too
+        prefix = self.prefix_cache.lookup(seq, tier.holds)
+        loads = len(prefix.from_host())
+        if loads and self.pool.num_free - self.prefix_cache.evictable(prefix) < loads:
+            return self.prefix_cache.lookup(seq)
+        return prefix
+
     def take_hits(self, seq: SequenceState, prefix: CachedPrefix) -> int:
-        """Gives `seq` (holding nothing) the cached pages of `prefix`
-        (`prefix_cache.lookup`) as its computed prefix; returns how many tokens they hold."""
+        """Gives `seq` (holding nothing) the cached pages of `prefix` (`lookup`) as its
+        computed prefix; returns how many tokens they hold. Its `HOST` entries get new
+        pages, keyed, whose copies in from the host tier are recorded (made before the
+        next step runs); the pool must have them (`lookup` checks)."""
         self.free(seq)
-        self.pool.touch(prefix.pages())
+        self.pool.touch(prefix.pages())  # first: the allocation below must not evict them
         held = self._hold(seq)
         h = prefix.num_pages
         held.tables[:] = [list(t) for t in prefix.tables]
         held.keys[:] = prefix.keys
+        loads = prefix.from_host()
+        if loads:
+            tier = self.host_tier
+            assert tier is not None, "HOST entries without a host tier"
+            pages = self.pool.allocate(len(loads))
+            assert pages is not None, "lookup() gave HOST entries the pool cannot hold"
+            keys = [self.prefix_cache.key(g, prefix.keys[i]) for g, i in loads]
+            tier.load(keys, pages)  # pins their slots before the evictions are saved
+            self.save_evicted()  # the copies out run before the copies in
+            self.pool.mark_cached_many(pages, keys)
+            for (g, i), page in zip(loads, pages, strict=True):
+                held.tables[g][i] = page
         if self.sliding:
             held.window_freed[:] = [
                 min(first_page_read(w, h * self.page_size, self.page_size), h) for w in self.windows
@@ -343,36 +366,6 @@ class KVCacheManager:
         if self.host_tier is not None:
             self.pool.take_evicted()
             self.host_tier.drop_pending()
-
-    def load_from_host(self, seq: SequenceState) -> int:
-        """Continues seq's cached prefix (just taken, `take_hits`) with the pages the
-        host tier holds: allocates them, keys them, and records their copies in
-        (made before the next step runs). Returns the tokens they hold (0 without a
-        tier, a hit, or free pages for all of them)."""
-        tier = self.host_tier
-        held = self._seqs.get(seq)
-        if tier is None or held is None:
-            return 0
-        ps, h = self.page_size, len(held.keys)
-        stop = seq.cacheable_tokens() // ps
-        if stop <= h or len(held.tables[0]) != h:
-            return 0
-        self.save_evicted()  # a page evicted in this plan is found too
-        keys = self.prefix_cache.keys_of(seq, h, stop, held.keys[-1] if h else None)
-        n = tier.lookup(keys)
-        if not n:
-            return 0
-        pages = self.pool.allocate(n)
-        if pages is None:
-            return 0
-        keys = keys[:n]
-        tier.load(keys, pages)  # pins their slots before the evictions are saved
-        self.save_evicted()  # the copies out run before the copies in
-        self.pool.mark_cached_many(pages, keys)
-        held.tables[0].extend(pages)
-        held.keys.extend(keys)
-        self.rows.append(held.row, pages, [])
-        return n * ps
 
     def register_full_pages(self, seq: SequenceState, end: int | None = None) -> list[int]:
         """Caches the full pages of `seq`'s first `end` tokens (default: those it has

@@ -21,7 +21,7 @@ from __future__ import annotations
 import array
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from absl import logging
@@ -72,10 +72,13 @@ def page_keys(
     return keys
 
 
+HOST = -1  # a `CachedPrefix` table entry the host tier holds (no device page yet)
+
+
 class CachedPrefix(NamedTuple):
     """A sequence's longest cached prefix (`PrefixCache.lookup`): per group, the page
-    table of its `num_pages` pages (`NULL_PAGE` where a window group needs none), and
-    their keys."""
+    table of its `num_pages` pages (`NULL_PAGE` where a window group needs none, `HOST`
+    where the host tier holds the page), and their keys."""
 
     tables: list[list[int]]
     keys: list[PageKey]
@@ -86,8 +89,16 @@ class CachedPrefix(NamedTuple):
         return len(self.keys)
 
     def pages(self) -> list[int]:
-        """The cached pages it would hold, over every group."""
-        return [p for t in self.tables for p in t if p != NULL_PAGE]
+        """The device pages it would hold, over every group."""
+        return [p for t in self.tables for p in t if p > NULL_PAGE]
+
+    def from_host(self) -> list[tuple[int, int]]:
+        """The `(group, table position)` of each entry the host tier holds."""
+        return [(g, i) for g, t in enumerate(self.tables) for i, p in enumerate(t) if p == HOST]
+
+    def host_tokens(self, page_size: int) -> int:
+        """Tokens of the table positions where some group's page comes from the host."""
+        return len({i for _, i in self.from_host()}) * page_size
 
 
 class PrefixCache:
@@ -140,16 +151,20 @@ class PrefixCache:
     def _key(self, group: int, key: PageKey) -> Hashable:
         return key if len(self.windows) == 1 else (group, key)
 
-    def lookup(self, seq: SequenceState) -> CachedPrefix:
+    def lookup(
+        self, seq: SequenceState, host: Callable[[Hashable], bool] | None = None
+    ) -> CachedPrefix:
         """The longest cached prefix of seq's tokens, leaving its last token (and every
-        row whose prompt logprob is wanted, `SequenceState.cacheable_tokens`) to compute."""
+        row whose prompt logprob is wanted, `SequenceState.cacheable_tokens`) to compute.
+        A page missing on the device whose key `host(key)` holds (the host tier) is
+        part of it too, as a `HOST` entry."""
         num_groups = len(self.windows)
         if not self.enabled:
             return CachedPrefix([[] for _ in range(num_groups)], [])
         ps = self.page_size
         keys = self.keys_of(seq, 0, seq.cacheable_tokens() // ps, None)
         lookup = self.pool.lookup
-        if self.windows == (None,):
+        if self.windows == (None,) and host is None:
             hits = []
             for key in keys:
                 page = lookup(key)
@@ -157,7 +172,16 @@ class PrefixCache:
                     break
                 hits.append(page)
             return CachedPrefix([hits], keys[: len(hits)])
-        found = [[lookup(self._key(g, k)) for k in keys] for g in range(num_groups)]
+        found = []
+        for g in range(num_groups):
+            row = []
+            for k in keys:
+                key = self._key(g, k)
+                page = lookup(key)
+                if page is None and host is not None and host(key):
+                    page = HOST
+                row.append(page)
+            found.append(row)
         h = len(keys)
         for g, window in enumerate(self.windows):
             if window is None:
@@ -174,8 +198,13 @@ class PrefixCache:
             tables.append([NULL_PAGE] * k + pages[k:h])
         return CachedPrefix(tables, keys[:h])
 
+    def key(self, group: int, key: PageKey) -> Hashable:
+        """The pool's key of `group`'s page keyed `key`."""
+        return self._key(group, key)
+
     def evictable(self, prefix: CachedPrefix) -> int:
-        """How many pages of `prefix` sit in the free queue (cached, held by no one)."""
+        """How many device pages of `prefix` sit in the free queue (cached, held by no
+        one)."""
         return sum(1 for p in prefix.pages() if self.pool.refcount(p) == 0)
 
     def count(self, seq: SequenceState, num_hit_pages: int) -> int | None:

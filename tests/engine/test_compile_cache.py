@@ -23,7 +23,8 @@ if sys.argv[2:] == ["full"]:  # a disk that takes no more than 4 KiB a file
 from paxkv import LLM, SamplingParams
 cache_dir = None if sys.argv[1] == "default" else sys.argv[1]
 llm = LLM("tiny", dtype="float32", num_pages=64, page_size=8, max_num_seqs=4,
-          max_num_batched_tokens=32, max_model_len=64, cache_dir=cache_dir)
+          max_num_batched_tokens=32, max_model_len=64, cache_dir=cache_dir,
+          token_buckets=(32,), seq_buckets=(4,), page_buckets=(8,), warmup_scoring=False)
 prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 8]}]
 out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6),
                    use_tqdm=False)

@@ -138,6 +138,30 @@ def test_a_host_hit_gives_a_device_hits_tokens_and_logprobs(tiny, mode):
     assert [o.num_cached_tokens for o in runs["off"][1:]] == [0, 0]
 
 
+def test_a_hybrid_models_window_and_global_groups_come_back():
+    """Gemma 3 (sliding-window and global layers, a page table each): the window group
+    needs only the pages inside its window at the prefix's end; restored pages of both
+    groups give a device hit's tokens and logprobs."""
+    config, model, _ = load_model("tiny-gemma3", dtype="float32", seed=0)
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, config.vocab_size, 57).tolist()
+    follow = prompt + rng.integers(0, config.vocab_size, 4).tolist()
+    runs = {}
+    for name, pages, gib in (("large", 400, 0.0), ("tier", 64, 0.004)):
+        engine = _engine(model, pages, gib)
+        assert engine.scheduler.kv_cache_manager.num_groups > 1
+        _go(engine, "a", prompt)
+        _flood(engine, config.vocab_size, 8 if pages == 64 else 0)
+        runs[name] = _go(engine, "b", follow)
+        assert engine.pool.num_in_use == 0
+        engine.scheduler.kv_cache_manager.check_invariants()
+        if gib:
+            assert engine.stats()["kv_offload_pages_to_device"] > 0
+    assert runs["tier"].num_cached_tokens == runs["large"].num_cached_tokens == 56
+    assert runs["tier"].outputs[0].token_ids == runs["large"].outputs[0].token_ids
+    assert runs["tier"].outputs[0].cumulative_logprob == runs["large"].outputs[0].cumulative_logprob
+
+
 def test_another_salt_or_new_weights_never_restore_the_pages(tiny):
     config, model, _ = tiny
     engine = _engine(model)

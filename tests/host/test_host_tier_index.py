@@ -24,13 +24,13 @@ def test_evicted_keys_get_slots_least_recently_used_first():
     tier.check_invariants()
 
 
-def test_lookup_counts_the_leading_run_and_a_pinned_slot_is_never_reused():
+def test_a_pinned_slot_is_never_reused():
     tier = HostKVTier(2, page_bytes=10)
     tier.save([(5, "a"), (6, "b")])
     tier.take_copies()
-    assert tier.lookup(["a", "x", "b"]) == 1
-    assert (tier.queries, tier.hits) == (3, 1)
+    assert [tier.holds(k) for k in "axb"] == [True, False, True]
     tier.load(["a"], [9])  # slot 0 pinned until the copies are taken
+    assert (tier.queries, tier.hits) == (3, 1)
     tier.save([(3, "c")])  # "a" is the most recent anyway; "b" (slot 1) goes
     tier.save([(4, "d")])  # every slot pinned or being saved: skipped
     assert tier.skipped == 1 and "d" not in tier
@@ -47,7 +47,7 @@ def test_clear_keeps_the_slots_of_loads_given_out_until_they_are_copied():
     tier.load(["b"], [2])
     tier.save([(7, "c")])
     tier.clear()  # new weights: nothing is found again, pending saves dropped
-    assert tier.num_used == 0 and tier.lookup(["a"]) == 0
+    assert tier.num_used == 0 and not tier.holds("a")
     tier.check_invariants()
     assert tier.take_copies() == ([], [(1, 2)])  # the load still runs, from slot 1
     tier.check_invariants()
@@ -91,23 +91,24 @@ def test_a_prefix_continues_from_the_host_tier_past_the_device_hits():
     saves, _ = tier.take_copies()
     assert len(saves) == 2
     again = _seq(2, tokens)
-    prefix = kv.prefix_cache.lookup(again)
-    assert prefix.num_pages == 2  # its first two pages are still on the device
-    kv.take_hits(again, prefix)
+    assert kv.prefix_cache.lookup(again).num_pages == 2  # its first two pages are left
     kv.free(other)
-    assert kv.load_from_host(again) == 8  # and the next two come back from the host
+    prefix = kv.lookup(again)  # and the next two are in the tier
+    assert prefix.num_pages == 4 and prefix.from_host() == [(0, 2), (0, 3)]
+    assert prefix.host_tokens(4) == 8
+    assert kv.take_hits(again, prefix) == 16
     assert tier.pending
     _, loads = tier.take_copies()
     assert [slot for slot, _ in loads] == [s for _, s in saves][::-1]  # evicted last first
     keys = page_keys(tokens, 4)
     assert [kv.pool.lookup(k) for k in keys[2:]] == [p for _, p in loads]
-    assert kv.tables(again)[0] == prefix.tables[0] + [p for _, p in loads]
+    assert kv.tables(again)[0] == prefix.tables[0][:2] + [p for _, p in loads]
     kv.check_invariants()
     kv.pool.check_invariants()
 
 
-def test_a_tier_needs_prefix_caching_and_one_group():
-    with pytest.raises(ValueError, match="prefix caching is off"):
+def test_a_tier_needs_prefix_caching():
+    with pytest.raises(ValueError, match="turn prefix caching on"):
         KVCacheManager(
             PagePool(8),
             page_size=4,
