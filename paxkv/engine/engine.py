@@ -254,8 +254,13 @@ class Engine:
         self.scheduler.preempt_all()
         self.scheduler.kv_cache_manager.prefix_cache.forget_all()
         if self.host_copies is not None:  # the pages evicted so far, saved before the cache goes
-            self.host_copies.flush()
-            self.host_copies.land()
+            try:
+                self.host_copies.flush()
+                self.host_copies.land()
+            except HostCopyError as e:  # the prefix cache is forgotten anyway
+                logging.warning("paxkv: %s; the host KV tier drops those pages", e)
+                self.host_copies.take_failed()
+                self.host_copies.drop()
         freed, host = self.runner.release(weights if level == 2 else None)
         self._asleep = sleep.Asleep(
             level, weights if level == 2 else None, requests, host, released_bytes=freed
@@ -450,8 +455,10 @@ class Engine:
             in_flight_lost = self._stepper.depth > 0
             self._stepper.lose_in_flight()
             # A failed host-tier copy leaves pages half written: as lost as a donated cache.
-            cache_lost = self.runner.restore_cache() or isinstance(e, HostCopyError)
-            if cache_lost and self.host_copies is not None:
+            copies = self.host_copies
+            cache_lost = self.runner.restore_cache()
+            cache_lost = (copies is not None and copies.take_failed()) or cache_lost
+            if cache_lost and copies is not None:
                 self.host_copies.drop()  # the pages they would read or write are gone
             self.endings.after_failed_step(e, cache_lost=cache_lost, in_flight_lost=in_flight_lost)
             raise

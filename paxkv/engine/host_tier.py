@@ -19,6 +19,7 @@ memory kind is not used yet.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from typing import Any
 
@@ -28,6 +29,9 @@ from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.pallas_kernels.layout import NULL_PAGE
 
 COPY_BUCKETS = (1, 4, 16, 64)  # pages per copy call; more go in several calls
+# Device memory the reads of saves may hold before they land: past it, a flush lands
+# them at once (waiting for them) rather than keep more.
+MAX_IN_FLIGHT_BYTES = 256 * 2**20
 
 
 class HostCopyError(RuntimeError):
@@ -54,14 +58,10 @@ class HostTierCopies:
         self.kv, self.tier, self.runner = kv, tier, runner
         self._host: list[list[np.ndarray]] | None = None  # per cache, per array
         self._landing: list[tuple[list[tuple[Any, ...]], list[int], int]] = []
+        self._failed = False  # a flush raised: its copies are lost (`take_failed`)
         # Metrics: bytes and host seconds each way.
         self.bytes_out = self.bytes_in = 0
         self.seconds_out = self.seconds_in = 0.0
-
-    @property
-    def tier_bytes(self) -> int:
-        """Bytes of host memory the tier's slots hold when full."""
-        return self.tier.num_slots * self.tier.page_bytes
 
     def _arrays(self, reads: list[tuple[Any, ...]]) -> list[list[np.ndarray]]:
         """The host arrays, made on the first save from its reads' shapes and dtypes
@@ -75,11 +75,21 @@ class HostTierCopies:
         return self._host
 
     def flush(self) -> None:
-        """`_flush`, a failure raised as `HostCopyError`."""
+        """`_flush`; a failure (an interruption included) leaves copies half made, so
+        the engine treats the KV cache as lost (`take_failed`); an `Exception` is
+        raised as `HostCopyError`."""
         try:
             self._flush()
-        except Exception as e:
-            raise HostCopyError(f"a host KV tier copy failed: {type(e).__name__}: {e}") from e
+        except BaseException as e:
+            self._failed = True
+            if isinstance(e, Exception):
+                raise HostCopyError(f"a host KV tier copy failed: {type(e).__name__}: {e}") from e
+            raise
+
+    def take_failed(self) -> bool:
+        """Whether a flush failed since the last call."""
+        failed, self._failed = self._failed, False
+        return failed
 
     def _flush(self) -> None:
         """Makes the copies recorded since the last flush: the saves of the flush before
@@ -102,11 +112,16 @@ class HostTierCopies:
                     a.copy_to_host_async()
             self._landing.append((reads, list(slots), len(padded)))
             self.bytes_out += len(chunk) * self.tier.page_bytes
+            in_flight = sum(n for _, _, n in self._landing) * self.tier.page_bytes
+            if in_flight > MAX_IN_FLIGHT_BYTES:
+                self.land()
         self.seconds_out += time.perf_counter() - t0
         if not loads:
             return
         if {slot for _, slot in saves} & {slot for slot, _ in loads}:
-            self.land()  # a key evicted and wanted back in one plan
+            # A key evicted and wanted back in one plan: its save lands first (under
+            # async scheduling this waits for the step in flight, dispatched before it).
+            self.land()
         t1 = time.perf_counter()
         by_page = {page: slot for slot, page in loads}  # a page written twice: the last
         host = self._host
@@ -129,11 +144,16 @@ class HostTierCopies:
                 for a, h in zip(arrays, out, strict=True):
                     rows = np.asarray(a).reshape(padded, -1, *a.shape[1:])
                     h[slots] = rows[: len(slots)]
+            self.tier.landed(slots)
         self._landing = []
         self.seconds_out += time.perf_counter() - t0
 
     def drop(self) -> None:
-        """Forgets the copies not made or landed (the device cache was lost)."""
+        """After the device cache was lost: the saves already read land (their reads
+        are arrays of their own); the copies not made, and the keys of saves that
+        cannot land, are forgotten."""
+        with contextlib.suppress(Exception):  # unless their reads failed too
+            self.land()
         self._landing = []
         self.kv.drop_copies()
 

@@ -207,7 +207,8 @@ def engine_stats(
         "prefix_cache_short_prefix_misses": prefix.short_prefix_misses,
         "num_preemptions": sch.num_preemptions,
         "num_recomputed_tokens": sch.num_recomputed_tokens,
-        # Of them, those a resumed sequence found cached (device or host tier).
+        # Tokens resumed (preempted) sequences took from a cache, the device's or the
+        # host tier's (up to what they had computed, and beyond where a cache had more).
         "num_preempted_tokens_reused": prefix.resumed_hits,
         "prompt_tokens": m.prompt_tokens,
         "generation_tokens": m.generation_tokens,

@@ -256,7 +256,9 @@ class ModelRunner(StepRunner):
         with self._compiles.counting():
             for m, arrays in zip(self._caches(), data, strict=True):
                 rows = page_copies.page_rows(m.cache, pages)
-                m.cache = page_copies.write_pages(m.cache, rows, tuple(arrays))
+                cache = page_copies.write_pages(m.cache, rows, tuple(arrays))
+                # In the shardings the steps were compiled for (a no-op when they are).
+                m.cache = jax.device_put(cache, m.cache_shardings)
 
     def rows_per_page(self) -> list[int]:
         """Rows of each cache's arrays holding one page (`read_pages`' `r`)."""
@@ -629,6 +631,11 @@ class PlacedModel:
             )
         self.graphdef, self.params, self.cache = graphdef, params, cache
         self._cache_shardings = jax.tree.map(lambda a: a.sharding, cache)
+
+    @property
+    def cache_shardings(self) -> Any:
+        """The cache's shardings, as the steps were compiled for them."""
+        return self._cache_shardings
 
     def restore_cache(self) -> bool:
         """A new, empty cache in the old one's shardings if a failed call had the cache

@@ -78,7 +78,7 @@ class Admission:
             kv.free(seq)
             seq.num_computed_tokens = 0
             return None
-        cached = kv.prefix_cache.count(seq, prefix.num_pages - loaded // kv.page_size)
+        cached = kv.prefix_cache.count(seq, prefix.num_pages - loaded // kv.page_size, loaded)
         if cached is not None:
             seq.num_cached_tokens = cached + loaded
         elif seq.num_preemptions:  # a resumed sequence: what it need not recompute

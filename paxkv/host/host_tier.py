@@ -12,10 +12,10 @@ Between two flushes it holds the copies to make, in the order that keeps them ri
 - every save reads its device page before any load writes one (a load's target page may
   be one a save of the same flush reads: the evicted page is reused at once);
 - a key loaded while its save is still pending reads the slot after the save lands
-  (`HostKVTier.saves` then `loads`, the engine finishes a flush's saves first if a load
-  needs them);
-- a slot a pending load reads is pinned: the LRU never hands it to a new key before the
-  flush.
+  (`take_copies` hands both over; the engine lands a flush's saves first when a load
+  needs one of them);
+- a slot a pending load reads is pinned, and a slot whose save has not landed
+  (`landed`) is in transit: the LRU never hands either to another key.
 
 The tier is inclusive: a restored page keeps its slot, so when the device evicts it
 again nothing is copied (keyed pages are never rewritten).
@@ -49,6 +49,7 @@ class HostKVTier:
         self._pinned: dict[int, int] = {}  # slot -> pending loads reading it
         self._saves: list[tuple[int, int]] = []  # (device page, slot) to copy out
         self._saving: set[int] = set()  # their slots: not handed to another key
+        self._transit: set[int] = set()  # slots of saves taken, not landed yet
         self._orphans: set[int] = set()  # slots of loads recorded before `clear`
         self._loads: list[tuple[int, int]] = []  # (slot, device page) to copy in
         # Counters (pages).
@@ -81,7 +82,7 @@ class HostKVTier:
         if self._free:
             return self._free.pop()
         for key, slot in self._slots.items():  # least recently used first
-            if slot not in self._pinned and slot not in self._saving:
+            if slot not in self._pinned and slot not in self._saving and slot not in self._transit:
                 del self._slots[key]
                 self.evictions += 1
                 return slot
@@ -117,7 +118,8 @@ class HostKVTier:
         to the engine, which must run every save before any load; slots unpinned."""
         saves, loads = self._saves, self._loads
         self._saves, self._loads = [], []
-        self._saving.clear()
+        self._transit |= self._saving
+        self._saving = set()
         self._pinned.clear()
         self._free.extend(sorted(self._orphans, reverse=True))
         self._orphans = set()
@@ -125,17 +127,22 @@ class HostKVTier:
         self.loaded += len(loads)
         return saves, loads
 
+    def landed(self, slots: Iterable[int]) -> None:
+        """Records that the saves into `slots` have reached host memory."""
+        self._transit.difference_update(slots)
+
     def drop_pending(self) -> None:
-        """Forgets the copies not made yet, and the keys of the saves (the device
-        cache they would read and write is lost: a failed step took it)."""
+        """Forgets the copies not made yet, and the keys whose saves have not landed
+        (the device cache they would read and write is lost: a failed step took it)."""
         self._loads, self._pinned = [], {}
         self._free.extend(sorted(self._orphans, reverse=True))
         self._orphans = set()
         self._saves = []
-        for key in [k for k, s in self._slots.items() if s in self._saving]:
+        lost = self._saving | self._transit
+        for key, slot in [(k, s) for k, s in self._slots.items() if s in lost]:
             del self._slots[key]
-        self._free.extend(sorted(self._saving, reverse=True))
-        self._saving = set()
+            self._free.append(slot)
+        self._saving, self._transit = set(), set()
 
     def clear(self) -> None:
         """Forgets every key (new weights): no page of the tier is found again, and
@@ -162,7 +169,8 @@ class HostKVTier:
         return key in self._slots
 
     def check_invariants(self) -> None:
-        """Raises AssertionError unless every slot is either free or held by one key."""
+        """Raises AssertionError unless every slot is free, held by one key, or kept
+        for a load recorded before `clear` (orphaned)."""
         held = list(self._slots.values())
         orphans = self._orphans
         assert len(set(held)) == len(held), "two keys share a slot"

@@ -207,17 +207,20 @@ class PrefixCache:
         one)."""
         return sum(1 for p in prefix.pages() if self.pool.refcount(p) == 0)
 
-    def count(self, seq: SequenceState, num_hit_pages: int) -> int | None:
+    def count(self, seq: SequenceState, num_hit_pages: int, host_tokens: int = 0) -> int | None:
         """Records the result of seq's first admission; returns its prompt tokens served
-        from the cache (None when not counted: caching off, or a resumed sequence, whose
-        hits are recompute savings, not prompt hits)."""
+        from the device cache (None when not counted: caching off, or a resumed
+        sequence, whose hits are recompute savings, not prompt hits). `host_tokens`:
+        those the host tier served besides (not a miss)."""
         if not self.enabled or seq.num_preemptions:
             return None
         self.queries += len(seq.prompt_token_ids)
         hit_tokens = num_hit_pages * self.page_size
         self.hits += hit_tokens
-        if num_hit_pages == 0 and self._lead(seq.prompt_token_ids, self._salt(seq)) in (
-            self._first_tokens
+        if (
+            num_hit_pages == 0
+            and not host_tokens
+            and self._lead(seq.prompt_token_ids, self._salt(seq)) in (self._first_tokens)
         ):
             self.short_prefix_misses += 1
             # Once per process: every such request would say the same (issue 27).

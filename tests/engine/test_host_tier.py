@@ -220,30 +220,38 @@ def test_nothing_compiles_after_warmup_with_the_tier(tiny):
     assert engine.num_compilations == compiled
 
 
-def test_a_failed_copy_aborts_the_running_requests_and_leaks_nothing(tiny):
+@pytest.mark.parametrize("broken", ["write_pages", "read_pages"])
+def test_a_failed_copy_aborts_the_running_requests_and_leaks_nothing(tiny, broken):
     """A copy that raises is a lost KV cache: running requests end aborted with why,
-    pages go back, and the engine serves the next request."""
+    pages go back, no key whose bytes never reached the host stays in the tier, and
+    the engine serves the next request."""
     config, model, _ = tiny
     engine = _engine(model)
+    tier = engine.scheduler.kv_cache_manager.host_tier
     prompt = np.random.default_rng(7).integers(0, config.vocab_size, 41).tolist()
     _go(engine, "a", prompt)
     _flood(engine, config.vocab_size, 6)
-    write = engine.runner.write_pages
+    held = tier.num_used
+    working = getattr(engine.runner, broken)
 
-    def broken(*args):
+    def fails(*args):
         raise OSError("host memory unreadable")
 
-    engine.runner.write_pages = broken
+    setattr(engine.runner, broken, fails)
     engine.add_request("b", {"prompt_token_ids": prompt}, GREEDY)
+    engine.add_request("c", {"prompt_token_ids": [7] * 60}, GREEDY)  # evicts more pages
     with pytest.raises(Exception, match="host KV tier copy failed"):
         engine.step()
-    engine.runner.write_pages = write
+    setattr(engine.runner, broken, working)
     done = engine.run_until_done()
     assert done["b"].outputs[0].finish_reason == "abort"
+    assert "KV cache was lost" in done["b"].error
     assert engine.pool.num_in_use == 0
     engine.pool.check_invariants()
-    engine.scheduler.kv_cache_manager.host_tier.check_invariants()
-    assert _go(engine, "c", prompt).outputs[0].finish_reason == "length"
+    tier.check_invariants()
+    if broken == "read_pages":  # the saves that could not read their pages are forgotten
+        assert tier.num_used == held
+    assert _go(engine, "d", prompt).outputs[0].finish_reason == "length"
 
 
 def test_bad_settings_name_the_field(tiny):

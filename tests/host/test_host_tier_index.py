@@ -17,6 +17,7 @@ def test_evicted_keys_get_slots_least_recently_used_first():
     assert tier.take_copies() == ([(5, 0), (6, 1)], [])
     tier.save([(7, "a")])  # held already: made the most recent, nothing copied
     assert not tier.pending
+    tier.landed([0, 1])
     tier.save([(8, "c")])  # "b" is now the least recent: its slot goes to "c"
     assert tier.take_copies() == ([(8, 1)], [])
     assert "b" not in tier and "a" in tier and "c" in tier
@@ -28,6 +29,7 @@ def test_a_pinned_slot_is_never_reused():
     tier = HostKVTier(2, page_bytes=10)
     tier.save([(5, "a"), (6, "b")])
     tier.take_copies()
+    tier.landed([0, 1])
     assert [tier.holds(k) for k in "axb"] == [True, False, True]
     tier.load(["a"], [9])  # slot 0 pinned until the copies are taken
     assert (tier.queries, tier.hits) == (3, 1)
@@ -35,6 +37,7 @@ def test_a_pinned_slot_is_never_reused():
     tier.save([(4, "d")])  # every slot pinned or being saved: skipped
     assert tier.skipped == 1 and "d" not in tier
     assert tier.take_copies() == ([(3, 1)], [(0, 9)])
+    tier.landed([1])
     tier.save([(4, "d")])  # unpinned now: "a" goes
     assert "a" not in tier and "d" in tier
     tier.check_invariants()
@@ -55,15 +58,30 @@ def test_clear_keeps_the_slots_of_loads_given_out_until_they_are_copied():
     assert sorted(s for _, s in tier.take_copies()[0]) == [0, 1, 2]
 
 
-def test_dropped_copies_forget_the_keys_never_saved():
+def test_dropped_copies_forget_the_keys_whose_bytes_never_landed():
     tier = HostKVTier(4, page_bytes=10)
-    tier.save([(5, "a")])
-    tier.take_copies()
+    tier.save([(5, "a"), (7, "c")])
+    saves, _ = tier.take_copies()
+    tier.landed([slot for page, slot in saves if page == 5])  # "c" is still in transit
     tier.save([(6, "b")])
     tier.load(["a"], [3])
     tier.drop_pending()  # the device cache was lost
-    assert "a" in tier and "b" not in tier and not tier.pending
+    assert "a" in tier and "b" not in tier and "c" not in tier and not tier.pending
     tier.check_invariants()
+    tier.save([(1, "x"), (2, "y"), (3, "z")])  # the three free slots, none evicted
+    assert tier.evictions == 0 and "a" in tier
+    tier.check_invariants()
+
+
+def test_a_slot_in_transit_is_never_handed_to_another_key():
+    tier = HostKVTier(1, page_bytes=10)
+    tier.save([(5, "a")])
+    tier.take_copies()  # its bytes have not landed
+    tier.save([(6, "b")])
+    assert tier.skipped == 1 and "a" in tier
+    tier.landed([0])
+    tier.save([(6, "b")])
+    assert "b" in tier and "a" not in tier
 
 
 def _manager(num_pages, tier):
