@@ -19,6 +19,7 @@ reply was the same token for token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -40,28 +41,36 @@ _RESULTS_JSON = flags.DEFINE_string("results_json", None, "Write the results as 
 REPLY = 16
 
 
-def conversations(num: int, vocab: int, seed: int) -> list[list[list[int]]]:
-    """Per conversation, its user messages (8 to 16 of 24 to 40 tokens)."""
+def conversations(
+    num: int, vocab: int, seed: int, turns: tuple[int, int] = (8, 16)
+) -> list[list[list[int]]]:
+    """Per conversation, its user messages (`turns` inclusive, of 24 to 40 tokens)."""
     rng = np.random.default_rng(seed)
     return [
         [
             rng.integers(32, min(vocab, 127), int(rng.integers(24, 41))).tolist()
-            for _ in range(int(rng.integers(8, 17)))
+            for _ in range(int(rng.integers(turns[0], turns[1] + 1)))
         ]
         for _ in range(num)
     ]
 
 
-def run(model, convs: list[list[list[int]]], gib: float) -> dict:
-    """Runs `convs` round by round on an engine with a host tier of `gib` (0: none)."""
-    config = EngineConfig(
-        num_pages=_NUM_PAGES.value,
-        page_size=_PAGE_SIZE.value,
-        max_num_seqs=len(convs),
+def engine_config(num_pages: int, page_size: int, num_seqs: int) -> EngineConfig:
+    """The benchmark's engine limits."""
+    return EngineConfig(
+        num_pages=num_pages,
+        page_size=page_size,
+        max_num_seqs=num_seqs,
         max_num_batched_tokens=256,
         max_model_len=1024,
-        kv_host_cache_gib=gib,
     )
+
+
+def run(model, convs: list[list[list[int]]], gib: float, config: EngineConfig) -> dict:
+    """Runs `convs` round by round on an engine of `config` with a host tier of `gib`
+    GiB (0: none)."""
+    config = dataclasses.replace(config, kv_host_cache_gib=gib)
+    page_size = config.page_size
     engine = Engine(model, config)
     engine.warmup()
     compiled = engine.num_compilations
@@ -93,7 +102,7 @@ def run(model, convs: list[list[list[int]]], gib: float) -> dict:
         "prompt_tokens": prompt_tokens,
         "prefill_tokens_computed": computed,
         "device_prefix_hits": stats["prefix_cache_hits"],
-        "host_tier_hit_tokens": stats.get("kv_host_tier_hits", 0) * _PAGE_SIZE.value,
+        "host_tier_hit_tokens": stats.get("kv_host_tier_hits", 0) * page_size,
         "preemptions": stats["num_preemptions"],
         "preempted_tokens": stats["num_recomputed_tokens"],
         "preempted_tokens_reused": stats["num_preempted_tokens_reused"],
@@ -112,7 +121,8 @@ def main(argv: list[str]) -> None:
     del argv
     config, model, _ = load_model("tiny-py", dtype="float32")
     convs = conversations(_CONVERSATIONS.value, config.vocab_size, _SEED.value)
-    results = [run(model, convs, 0.0), run(model, convs, _GIB.value)]
+    config = engine_config(_NUM_PAGES.value, _PAGE_SIZE.value, len(convs))
+    results = [run(model, convs, 0.0, config), run(model, convs, _GIB.value, config)]
     same = results[0]["replies"] == results[1]["replies"]
     keys = [k for k in results[0] if k not in ("replies", "kv_host_cache_gib")]
     print(f"{'':28}{'tier off':>14}{'tier on':>14}")

@@ -159,6 +159,11 @@ class EngineConfig:
             if sizes is not None:
                 for i, b in enumerate(sizes):
                     check_int(f"{name}[{i}]", b, lo=1)
+        if self.seq_buckets and max(self.seq_buckets) > self.max_num_seqs:
+            raise ValueError(
+                f"seq_buckets={tuple(self.seq_buckets)} holds a size over "
+                f"max_num_seqs={self.max_num_seqs}: a step never has more sequences"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "

@@ -252,10 +252,3 @@ def test_a_failed_copy_aborts_the_running_requests_and_leaks_nothing(tiny, broke
     if broken == "read_pages":  # the saves that could not read their pages are forgotten
         assert tier.num_used == held
     assert _go(engine, "d", prompt).outputs[0].finish_reason == "length"
-
-
-def test_bad_settings_name_the_field(tiny):
-    with pytest.raises(ValueError, match="kv_host_cache_gib=-1"):
-        small_config(num_pages=8, kv_host_cache_gib=-1)
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        small_config(num_pages=8, kv_host_cache_gib=1, enable_prefix_caching=False)

@@ -175,6 +175,14 @@ BAD_SETTINGS = [
     (dict(num_pages=None), TypeError, r"num_pages must be an integer, got None"),
     (dict(enable_prefix_caching="no"), TypeError, r"enable_prefix_caching must be a bool"),
     (dict(token_buckets=(16, 0)), ValueError, r"token_buckets\[1\]=0"),
+    (dict(max_num_seqs=3, seq_buckets=(4,)), ValueError, r"seq_buckets=\(4,\) .* max_num_seqs=3"),
+    (dict(kv_host_cache_gib=-1), ValueError, r"kv_host_cache_gib=-1 must be >= 0"),
+    (dict(kv_host_cache_gib="1"), TypeError, r"kv_host_cache_gib must be a number"),
+    (
+        dict(kv_host_cache_gib=1, enable_prefix_caching=False),
+        ValueError,
+        r"kv_host_cache_gib=1.* needs enable_prefix_caching=True",
+    ),
 ]
 
 
