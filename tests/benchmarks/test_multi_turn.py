@@ -4,7 +4,6 @@ off, and the tier saves prefill at equal device memory."""
 import dataclasses
 
 from benchmarks import multi_turn
-
 from paxkv.models import load_model
 
 
