@@ -31,13 +31,6 @@ from paxkv.engine import Engine, EngineConfig
 from paxkv.host.request import SamplingParams
 from paxkv.models import load_model
 
-_CONVERSATIONS = flags.DEFINE_integer("conversations", 8, "Conversations at once.")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 96, "Device KV pages (page 0 reserved).")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-_GIB = flags.DEFINE_float("kv_host_cache_gib", 0.05, "The host tier's size in the 'on' run.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the conversations.")
-_RESULTS_JSON = flags.DEFINE_string("results_json", None, "Write the results as JSON here.")
-
 REPLY = 16
 
 
@@ -119,10 +112,11 @@ def run(model, convs: list[list[list[int]]], gib: float, config: EngineConfig) -
 def main(argv: list[str]) -> None:
     """Runs the conversations with the tier off, then on, and prints the table."""
     del argv
+    f = flags.FLAGS
     config, model, _ = load_model("tiny-py", dtype="float32")
-    convs = conversations(_CONVERSATIONS.value, config.vocab_size, _SEED.value)
-    config = engine_config(_NUM_PAGES.value, _PAGE_SIZE.value, len(convs))
-    results = [run(model, convs, 0.0, config), run(model, convs, _GIB.value, config)]
+    convs = conversations(f.conversations, config.vocab_size, f.seed)
+    config = engine_config(f.num_pages, f.page_size, len(convs))
+    results = [run(model, convs, 0.0, config), run(model, convs, f.kv_host_cache_gib, config)]
     same = results[0]["replies"] == results[1]["replies"]
     keys = [k for k in results[0] if k not in ("replies", "kv_host_cache_gib")]
     print(f"{'':28}{'tier off':>14}{'tier on':>14}")
@@ -131,14 +125,21 @@ def main(argv: list[str]) -> None:
         fmt = "{:>14.1f}" if isinstance(a, float) else "{:>14d}"
         print(f"{k:28}" + fmt.format(a) + fmt.format(b))
     print(f"replies equal token for token: {same}")
-    if _RESULTS_JSON.value:
-        with open(_RESULTS_JSON.value, "w") as f:
+    if f.results_json:
+        with open(f.results_json, "w") as out:
             json.dump(
                 {"runs": [{k: v for k, v in r.items() if k != "replies"} for r in results],
                  "replies_equal": same},
-                f, indent=1,
+                out, indent=1,
             )  # fmt: skip
 
 
 if __name__ == "__main__":
+    # Defined here, not at import: tests import several benchmarks into one process.
+    flags.DEFINE_integer("conversations", 8, "Conversations at once.")
+    flags.DEFINE_integer("num_pages", 96, "Device KV pages (page 0 reserved).")
+    flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+    flags.DEFINE_float("kv_host_cache_gib", 0.05, "The host tier's size in the 'on' run.")
+    flags.DEFINE_integer("seed", 0, "Seed of the conversations.")
+    flags.DEFINE_string("results_json", None, "Write the results as JSON here.")
     app.run(main)
