@@ -50,7 +50,6 @@ class HostKVTier:
         self._saves: list[tuple[int, int]] = []  # (device page, slot) to copy out
         self._saving: set[int] = set()  # their slots: not handed to another key
         self._transit: set[int] = set()  # slots of saves taken, not landed yet
-        self._orphans: set[int] = set()  # slots of loads recorded before `clear`
         self._loads: list[tuple[int, int]] = []  # (slot, device page) to copy in
         # Counters (pages).
         self.saved = 0  # pages copied to the host
@@ -121,8 +120,6 @@ class HostKVTier:
         self._transit |= self._saving
         self._saving = set()
         self._pinned.clear()
-        self._free.extend(sorted(self._orphans, reverse=True))
-        self._orphans = set()
         self.saved += len(saves)
         self.loaded += len(loads)
         return saves, loads
@@ -135,8 +132,6 @@ class HostKVTier:
         """Forgets the copies not made yet, and the keys whose saves have not landed
         (the device cache they would read and write is lost: a failed step took it)."""
         self._loads, self._pinned = [], {}
-        self._free.extend(sorted(self._orphans, reverse=True))
-        self._orphans = set()
         self._saves = []
         lost = self._saving | self._transit
         for key, slot in [(k, s) for k, s in self._slots.items() if s in lost]:
@@ -145,13 +140,13 @@ class HostKVTier:
         self._saving, self._transit = set(), set()
 
     def clear(self) -> None:
-        """Forgets every key (new weights): no page of the tier is found again, and
-        the pending saves are dropped. Loads already recorded still run (their pages
-        were given out); their slots are freed when they are taken."""
-        self._orphans |= set(self._pinned)
-        self._saves, self._saving = [], set()
+        """Forgets every key and every copy not made yet (new weights: no page of the
+        tier is found again; the pages pending loads would fill were uncached, and their
+        sequences do not run on under the new weights)."""
         self._slots = OrderedDict()
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in self._orphans]
+        self._saves, self._loads, self._pinned = [], [], {}
+        self._saving, self._transit = set(), set()
+        self._free = list(range(self.num_slots - 1, -1, -1))
 
     # Queries.
 
@@ -169,14 +164,11 @@ class HostKVTier:
         return key in self._slots
 
     def check_invariants(self) -> None:
-        """Raises AssertionError unless every slot is free, held by one key, or kept
-        for a load recorded before `clear` (orphaned)."""
+        """Raises AssertionError unless every slot is either free or held by one key."""
         held = list(self._slots.values())
-        orphans = self._orphans
         assert len(set(held)) == len(held), "two keys share a slot"
         assert not set(held) & set(self._free), "a held slot is free"
         assert len(set(self._free)) == len(self._free), "a slot is free twice"
-        assert len(held) + len(self._free) + len(orphans) == self.num_slots, (
-            f"{len(held)} held + {len(self._free)} free + {len(orphans)} orphaned "
-            f"!= {self.num_slots} slots"
+        assert len(held) + len(self._free) == self.num_slots, (
+            f"{len(held)} held + {len(self._free)} free != {self.num_slots} slots"
         )

@@ -322,23 +322,26 @@ class KVCacheManager:
         pages, keyed, whose copies in from the host tier are recorded (made before the
         next step runs); the pool must have them (`lookup` checks)."""
         self.free(seq)
-        self.pool.touch(prefix.pages())  # first: the allocation below must not evict them
-        held = self._hold(seq)
-        h = prefix.num_pages
-        held.tables[:] = [list(t) for t in prefix.tables]
-        held.keys[:] = prefix.keys
+        tables = [list(t) for t in prefix.tables]
+        device = prefix.pages()
+        self.pool.touch(device)  # first: the allocation below must not evict them
         loads = prefix.from_host()
-        if loads:
+        if loads:  # new pages, keyed and loaded, before seq holds anything
             tier = self.host_tier
-            assert tier is not None, "HOST entries without a host tier"
-            pages = self.pool.allocate(len(loads))
-            assert pages is not None, "lookup() gave HOST entries the pool cannot hold"
+            pages = self.pool.allocate(len(loads)) if tier is not None else None
+            if tier is None or pages is None:
+                self.pool.free(reversed(device))
+                raise RuntimeError("lookup() gave HOST entries the pool cannot hold")
             keys = [self.prefix_cache.key(g, prefix.keys[i]) for g, i in loads]
             tier.load(keys, pages)  # pins their slots before the evictions are saved
             self.save_evicted()  # the copies out run before the copies in
             self.pool.mark_cached_many(pages, keys)
             for (g, i), page in zip(loads, pages, strict=True):
-                held.tables[g][i] = page
+                tables[g][i] = page
+        held = self._hold(seq)
+        h = prefix.num_pages
+        held.tables[:] = tables
+        held.keys[:] = prefix.keys
         if self.sliding:
             held.window_freed[:] = [
                 min(first_page_read(w, h * self.page_size, self.page_size), h) for w in self.windows

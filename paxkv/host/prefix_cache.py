@@ -172,30 +172,33 @@ class PrefixCache:
                     break
                 hits.append(page)
             return CachedPrefix([hits], keys[: len(hits)])
-        found = []
-        for g in range(num_groups):
-            row = []
-            for k in keys:
-                key = self._key(g, k)
+        found: dict[tuple[int, int], int | None] = {}
+
+        def at(g: int, i: int) -> int | None:
+            """Group g's page i: on the device, `HOST`, or None; the tier is asked only
+            for the entries the rule below reads, once each."""
+            if (g, i) not in found:
+                key = self._key(g, keys[i])
                 page = lookup(key)
                 if page is None and host is not None and host(key):
                     page = HOST
-                row.append(page)
-            found.append(row)
+                found[g, i] = page
+            return found[g, i]
+
         h = len(keys)
         for g, window in enumerate(self.windows):
             if window is None:
-                h = next((i for i, p in enumerate(found[g][:h]) if p is None), h)
+                h = next((i for i in range(h) if at(g, i) is None), h)
         while h and any(
-            None in found[g][first_page_read(w, h * ps, ps) : h]
+            any(at(g, i) is None for i in range(first_page_read(w, h * ps, ps), h))
             for g, w in enumerate(self.windows)
             if w is not None
         ):
             h -= 1
         tables = []
-        for g, pages in enumerate(found):
+        for g in range(num_groups):
             k = min(first_page_read(self.windows[g], h * ps, ps), h)
-            tables.append([NULL_PAGE] * k + pages[k:h])
+            tables.append([NULL_PAGE] * k + [at(g, i) for i in range(k, h)])
         return CachedPrefix(tables, keys[:h])
 
     def key(self, group: int, key: PageKey) -> Hashable:
