@@ -17,3 +17,6 @@ timeout 240 python -m benchmarks.startup --scenarios=tiny-py,tiny-py-full,llama-
 echo "startup exit $?" >>"$out/machine.txt"
 timeout 180 python -m benchmarks.kernels >"$out/kernels.txt" 2>&1
 echo "kernels exit $?" >>"$out/machine.txt"
+# The host KV tier's copies each way, 64 pages of Llama 3.1 8B's KV shape (2 MiB a page).
+timeout 120 python -m benchmarks.page_copies >"$out/page_copies.txt" 2>&1
+echo "page_copies exit $?" >>"$out/machine.txt"
