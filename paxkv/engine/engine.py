@@ -252,8 +252,11 @@ class Engine:
         timer = sleep.Timer()
         self.endings.defer(self._stepper.drain())  # the step in flight, reported next step
         self.scheduler.preempt_all()
-        self.scheduler.kv_cache_manager.prefix_cache.forget_all()
-        if self.host_copies is not None:  # the pages evicted so far, saved before the cache goes
+        kv = self.scheduler.kv_cache_manager
+        if self.host_copies is not None:  # the cached pages go to the host tier first
+            kv.save_cached()
+        kv.prefix_cache.forget_all()
+        if self.host_copies is not None:  # saved (and the pages evicted before) as the cache goes
             try:
                 self.host_copies.flush()
                 self.host_copies.land()

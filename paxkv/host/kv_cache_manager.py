@@ -358,6 +358,14 @@ class KVCacheManager:
             self.pool.take_evicted()
             self.host_tier.clear()
 
+    def save_cached(self) -> None:
+        """Hands every cached page to the host tier as if evicted (the device cache is
+        about to be freed: sleep), after the pages evicted before; nothing without a
+        tier."""
+        if self.host_tier is not None:
+            self.save_evicted()
+            self.host_tier.save(self.pool.cached_pages())
+
     def save_evicted(self) -> None:
         """Hands the pages the pool evicted since the last call to the host tier, which
         records their copies out (nothing without a tier)."""

@@ -244,6 +244,17 @@ class PagePool:
         self._page_to_key.clear()
         self._key_to_page.clear()
 
+    def cached_pages(self) -> list[tuple[int, Hashable]]:
+        """Every `(page, key)` a page holds, least recently freed first among the
+        evictable ones (held pages first)."""
+        queued, node = [], self._next[self._sentinel]
+        while node != self._sentinel:
+            queued.append(node)
+            node = self._next[node]
+        order = {p: i for i, p in enumerate(queued)}
+        pages = sorted(self._page_to_key, key=lambda p: order.get(p, -1))
+        return [(p, self._page_to_key[p]) for p in pages]
+
     def lookup(self, key: Hashable) -> int | None:
         """Returns the page holding ``key``, or None if no page does."""
         return self._key_to_page.get(key)

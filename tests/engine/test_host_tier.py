@@ -252,3 +252,19 @@ def test_a_failed_copy_aborts_the_running_requests_and_leaks_nothing(tiny, broke
     if broken == "read_pages":  # the saves that could not read their pages are forgotten
         assert tier.num_used == held
     assert _go(engine, "d", prompt).outputs[0].finish_reason == "length"
+
+
+def test_sleep_keeps_the_prefix_cache_in_the_host_tier(tiny):
+    """Sleep frees the device pool; its cached pages go to the host tier first, so after
+    waking a repeated prompt loads them and computes the same."""
+    config, model, _ = tiny
+    engine = _engine(model)
+    prompt = np.random.default_rng(9).integers(0, config.vocab_size, 41).tolist()
+    first = _go(engine, "a", prompt)
+    engine.sleep(level=1)
+    engine.wake_up()
+    again = _go(engine, "b", prompt)
+    assert again.num_cached_tokens == 40
+    assert engine.stats()["kv_offload_pages_to_device"] == 5
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.outputs[0].cumulative_logprob == first.outputs[0].cumulative_logprob
