@@ -112,7 +112,11 @@ def _tunix_logps(actor, tok, prompts, completions):
     )
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+# Qwen2 maps as Llama 3 does with biases on q/k/v; Qwen3's q/k norms are the other
+# mapping: CI runs those two (`-m slow` adds Qwen2).
+@pytest.mark.parametrize(
+    "family", ["llama3", pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"]
+)
 def test_logprobs_equal_tunix_actor_before_and_after_update_params(family):
     tok = ByteTokenizer()
     actor = _actor(family)

@@ -120,8 +120,9 @@ def stream_completion(server, prompt, **params):
     raise AssertionError("the stream ended without [DONE]")
 
 
-def wait_idle(server, timeout_s=30):
-    """The server's metrics once no request runs or waits and no page is in use."""
+def wait_idle(server, timeout_s=120):
+    """The server's metrics once no request runs or waits, no page is in use and the
+    background warm-up is done (its compilations count as they finish)."""
     deadline = time.monotonic() + timeout_s
     while True:
         m = server.metrics()
@@ -129,6 +130,7 @@ def wait_idle(server, timeout_s=30):
             m["paxkv:kv_pages_in_use"] == 0
             and m["paxkv:num_requests_running"] == 0
             and m["paxkv:num_requests_waiting"] == 0
+            and m.get("paxkv:compiling", 0) == 0
         )
         if idle or time.monotonic() > deadline:
             return m
