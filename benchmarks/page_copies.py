@@ -22,12 +22,20 @@ from paxkv.kv_cache import PagedKVCache, page_copies
 
 
 def measure(
-    *, layers: int, kv_heads: int, head_dim: int, page_size: int, pages: int, repeats: int
+    *,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages: int,
+    repeats: int,
+    cache_pages: int | None = None,
 ) -> dict:
-    """Seconds and GB/s of reading `pages` pages to the host and writing them back."""
+    """Seconds and GB/s of reading `pages` pages to the host and writing them back, in a
+    cache of `cache_pages` pages (None: just those and the null page)."""
     cache = PagedKVCache.create(
         num_layers=layers,
-        num_pages=pages + 1,
+        num_pages=max(cache_pages or 0, pages + 1),
         num_kv_heads=kv_heads,
         page_size=page_size,
         head_dim=head_dim,
@@ -68,6 +76,7 @@ def main(argv: list[str]) -> None:
         page_size=f.page_size,
         pages=f.pages,
         repeats=f.repeats,
+        cache_pages=f.cache_pages,
     )
     print(f"{r['device']}: {r['bytes'] / 2**20:.0f} MiB a round")
     print(f"device to host {r['to_host_gb_s']:.2f} GB/s ({1e3 * r['to_host_s']:.1f} ms)")
@@ -82,4 +91,5 @@ if __name__ == "__main__":
     flags.DEFINE_integer("page_size", 16, "Tokens per page.")
     flags.DEFINE_integer("pages", 64, "Pages per copy (the largest copy bucket).")
     flags.DEFINE_integer("repeats", 5, "Timed rounds.")
+    flags.DEFINE_integer("cache_pages", None, "Pages in the cache; unset: pages + 1.")
     app.run(main)

@@ -570,28 +570,23 @@ def _deviceless_env():
 def test_compiles_for_tpu_deviceless():
     # The oldest and newest generations paxkv targets (v6e and v5p: `-m slow -k
     # every_generation`).
-    chips = ["v5e:2x2", "tpu7x:2x2x1"]
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_DEVICELESS_COMPILE), *chips],
-        env=_deviceless_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 18 * len(chips)
+    _compile_deviceless(["v5e:2x2", "tpu7x:2x2x1"], timeout_s=900)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(_libtpu_dir() is None, reason="needs libtpu for a deviceless Mosaic compile")
 def test_compiles_for_every_generation_deviceless():
-    chips = ["v5e:2x2", "v6e:2x2", "v5p:2x2x1", "tpu7x:2x2x1"]
+    _compile_deviceless(["v5e:2x2", "v6e:2x2", "v5p:2x2x1", "tpu7x:2x2x1"], timeout_s=1800)
+
+
+def _compile_deviceless(chips: list[str], timeout_s: int) -> None:
+    """Every config compiles for each of `chips` (`_DEVICELESS_COMPILE`)."""
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_DEVICELESS_COMPILE), *chips],
         env=_deviceless_env(),
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=timeout_s,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("compiled") == 18 * len(chips)
