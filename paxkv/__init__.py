@@ -23,6 +23,7 @@ _LAZY = {
     "SamplingParams": "paxkv.host.request",
     "RequestOutput": "paxkv.host.request",
     "RequestOutputKind": "paxkv.host.request",
+    "LoRARequest": "paxkv.host.lora_slots",
 }
 
 # Import paths that moved in 0.1 -> where they are now. The old ones keep working, with

@@ -79,6 +79,18 @@ class EngineConfig:
         "prefix continues there loads them back instead of prefilling (docs/host_kv_tier.md). "
         "0: off.",
     )
+    enable_lora: bool = _field(
+        False,
+        "Serve LoRA adapters over the base model (docs/lora.md): requests name one "
+        "(lora_request=, or the server's model field), max_loras of them on the device.",
+    )
+    max_loras: int = _field(1, "LoRA adapters on the device at once (enable_lora).")
+    max_lora_rank: int = _field(16, "Largest LoRA rank served (enable_lora).")
+    lora_method: str = _field(
+        "gather",
+        "How a step applies each row's adapter (docs/lora.md).",
+        choices=("gather", "ragged"),
+    )
     seed: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
@@ -154,6 +166,11 @@ class EngineConfig:
         check_bool("hybrid_kv_cache", self.hybrid_kv_cache)
         check_bool("deterministic", self.deterministic)
         check_bool("warmup_scoring", self.warmup_scoring)
+        check_bool("enable_lora", self.enable_lora)
+        check_int("max_loras", self.max_loras, lo=1)
+        check_int("max_lora_rank", self.max_lora_rank, lo=1)
+        if self.lora_method not in ("gather", "ragged"):
+            raise ValueError(f"lora_method={self.lora_method!r} must be 'gather' or 'ragged'")
         for name in ("token_buckets", "seq_buckets", "page_buckets"):
             sizes = getattr(self, name)
             if sizes is not None:

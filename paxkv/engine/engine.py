@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,7 @@ from paxkv.engine.batch_builder import BatchBuilder
 from paxkv.engine.config import EngineConfig
 from paxkv.engine.endings import Endings
 from paxkv.engine.host_tier import HostCopyError, HostTierCopies, host_slots, warm_copies
+from paxkv.engine.lora import LoRAAdapters
 from paxkv.engine.metrics import EngineMetrics, engine_stats
 from paxkv.engine.outputs import StepOutputs
 from paxkv.engine.requests import Request, RequestRegistry
@@ -44,6 +45,7 @@ from paxkv.engine.weights_update import WeightUpdater
 from paxkv.host.batch import mask_words
 from paxkv.host.constrained import ConstrainedSequences
 from paxkv.host.host_tier import HostKVTier
+from paxkv.host.lora_slots import LoRARequest
 from paxkv.host.page_pool import PagePool
 from paxkv.host.request import RequestOutput, SamplingParams
 from paxkv.host.reservation import PagedReservation
@@ -131,6 +133,13 @@ class Engine:
         self.scheduler = _scheduler(
             config, self.pool, reservation, self.runner, self.speculator, host_tier
         )
+        # The LoRA adapters served (None: enable_lora is off), written to their device
+        # slots before each step.
+        self.loras = (
+            LoRAAdapters(self.runner, self.scheduler.lora_slots) if config.enable_lora else None
+        )
+        if self.loras is not None:
+            self.scheduler.admission.lora_current = self.loras.current_key
         # The copies of the host KV tier, made before each step (None: no tier).
         self.host_copies = (
             HostTierCopies(self.scheduler.kv_cache_manager, self.runner) if host_tier else None
@@ -166,7 +175,7 @@ class Engine:
             constrained=ConstrainedSequences(),
             fill_masks=lambda matchers, out, drafts=None: self.grammars.fill(matchers, out, drafts),
             consume=lambda pairs: self.grammars.consume(pairs),
-            before_launch=self.host_copies.flush if self.host_copies is not None else None,
+            before_launch=_before_launch(self.host_copies, self.loras),
         )
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -320,14 +329,25 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> str:
         """Validates and queues a request; returns its id. Raises ValueError to reject it.
 
         Lower `priority` values run first and are preempted last. Requests with
-        different `cache_salt` never share prefix-cache pages. An id may be used again
-        once its request's final output was reported (an aborted one's: by `step`).
+        different `cache_salt` never share prefix-cache pages. `lora_request`: the LoRA
+        adapter it runs under (a `LoRARequest`, loaded at first use, or the name of one
+        loaded; `enable_lora`). An id may be used again once its request's final output
+        was reported (an aborted one's: by `step`).
         """
         self.check_accepting()
+        lora_key = None
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError(
+                    f"lora_request={lora_request!r}: this engine serves no LoRA adapters "
+                    "(enable_lora=False)"
+                )
+            lora_key = self.loras.key_for(lora_request)
         if self.endings.is_pending(request_id):
             raise ValueError(
                 f"request_id={request_id!r} was aborted and its final output is not yet "
@@ -347,6 +367,7 @@ class Engine:
             priority=priority,
             arrival_time=arrival_time,
             cache_salt=self.routed_experts.cache_salt(request_id, params, cache_salt),
+            lora_key=lora_key,
         )
         for seq, matcher in zip(req.seqs, matchers, strict=False):
             self._stepper.constrained.add(seq, matcher)
@@ -518,6 +539,40 @@ class Engine:
         )
         if self.host_copies is not None:
             warm_copies(self.runner)
+        if self.loras is not None:  # the slot writer: slot 0 holds zeros, and keeps them
+            self.runner.write_lora_slot(0, None)
+
+    # LoRA adapters (`paxkv.engine.lora`).
+
+    def _lora_adapters(self) -> LoRAAdapters:
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora=False)")
+        return self.loras
+
+    @_locked
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads and checks an adapter so requests can name it (ValueError naming the
+        file and field); False when it is loaded already."""
+        return self._lora_adapters().add(lora_request)
+
+    @_locked
+    def remove_lora(self, name: str) -> bool:
+        """Forgets adapter `name`: requests running under it finish, queued ones end
+        aborted with the reason. Whether it was loaded."""
+        return self._lora_adapters().remove(name)
+
+    @_locked
+    def update_lora(
+        self, name: str, state_dict: Mapping[str, Any], adapter_config: Mapping[str, Any]
+    ) -> None:
+        """New weights for adapter `name` (PEFT's tensor names; `adapter_config`'s r,
+        lora_alpha, ...), added if unknown: requests admitted from now on run under them
+        (RL with LoRA); running ones keep the old. Nothing recompiles."""
+        self._lora_adapters().update(name, state_dict, adapter_config)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded, in the order they were added."""
+        return [] if self.loras is None else self.loras.requests()
 
     @property
     def compiling(self) -> bool:
@@ -542,6 +597,20 @@ def _check_draft(spec: SpeculativeConfig | None, draft_model: nnx.Module | None)
         )
 
 
+def _before_launch(*parts: Any) -> Callable[[], None] | None:
+    """What runs before each step dispatch: the flushes of the parts that are there
+    (the host KV tier's copies, the LoRA slots' writes)."""
+    flushes = [p.flush for p in parts if p is not None]
+    if not flushes:
+        return None
+
+    def flush() -> None:
+        for f in flushes:
+            f()
+
+    return flush
+
+
 def _scheduler(
     config: EngineConfig,
     pool: PagePool,
@@ -564,6 +633,7 @@ def _scheduler(
         kv_groups=getattr(runner, "kv_groups", None),
         speculator=speculator,
         host_tier=host_tier,
+        max_loras=config.max_loras if config.enable_lora else 0,
     )
 
 

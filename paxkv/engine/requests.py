@@ -306,6 +306,7 @@ class RequestRegistry:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         score_from: int = 1,
+        lora_key: tuple | None = None,
     ) -> Request:
         """Validates a request and registers it with its sequences; ValueError or
         TypeError (naming the argument and showing its value) rejects it. With
@@ -336,6 +337,7 @@ class RequestRegistry:
                 arrival_time=arrival,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_key=lora_key,
             )
             for i in range(params.n)
         ]

@@ -23,6 +23,7 @@ from flax import nnx
 from paxkv.engine import sleep
 from paxkv.engine.compilations import CompileCounter
 from paxkv.engine.config import EngineConfig
+from paxkv.engine.device import lora_slots
 from paxkv.engine.device import step as steps
 from paxkv.engine.device.draft import check_draft_model
 from paxkv.engine.device.sampling import Sampled
@@ -151,10 +152,18 @@ class ModelRunner(StepRunner):
             factor = shardings.kv_head_factor(mc.num_kv_heads, mc.num_heads, mesh)
         # The caller's layout, which `update_weights` takes and turns into the runner's.
         self.param_source = ParamSource.of(model, factor)
-        if factor > 1:
+        if factor > 1 or config.enable_lora:
             model = nnx.clone(model)  # new variables: the caller's model is unchanged
+        if factor > 1:
             model.duplicate_kv_heads(factor)
             mc = model.config
+        if config.enable_lora:
+            if not hasattr(model, "add_lora_slots"):
+                raise ValueError(
+                    f"enable_lora=True: {type(model).__name__} has no LoRA slots "
+                    "(add_lora_slots); the families of paxkv.models have"
+                )
+            model.add_lora_slots(config.max_loras, config.max_lora_rank, config.lora_method)
         self.model_config = mc
         self.config = config
         if getattr(model, "routes_experts", False):
@@ -170,7 +179,11 @@ class ModelRunner(StepRunner):
         else:  # committed to its device, as `PlacedModel`'s arrays are
             self._carried = jax.device_put(carried, carried.tokens.sharding)
         self._no_rejections = self._carried.rejected
-        self._compiles = CompileCounter(steps.COMPILED_FUNCTIONS + page_copies.COMPILED_FUNCTIONS)
+        self._compiles = CompileCounter(
+            steps.COMPILED_FUNCTIONS
+            + page_copies.COMPILED_FUNCTIONS
+            + lora_slots.COMPILED_FUNCTIONS
+        )
         self._programs = Programs(self._compiles)
         # The step batch, placed as the programs were lowered for: replicated on a mesh.
         self._batch_sharding = shardings.replicated(mesh) if mesh is not None else None
@@ -259,6 +272,35 @@ class ModelRunner(StepRunner):
                 cache = page_copies.write_pages(m.cache, rows, tuple(arrays))
                 # In the shardings the steps were compiled for (a no-op when they are).
                 m.cache = jax.device_put(cache, m.cache_shardings)
+
+    # LoRA adapter slots (`paxkv.models.lora`; `config.enable_lora`).
+
+    def lora_slot_contents(self, adapter: Any) -> dict[tuple, np.ndarray]:
+        """One slot's contents (by state path) for `adapter`, a PEFT checkpoint
+        directory or `(state_dict, adapter_config)`; ValueError naming the file and
+        field for one this model cannot take."""
+        model = nnx.merge(self.target.graphdef, self.target.params)
+        return model.lora_slot_contents(adapter, self.config.max_lora_rank)
+
+    def write_lora_slot(self, slot: int, contents: dict[tuple, np.ndarray] | None) -> None:
+        """Dispatches the write of `contents` (`lora_slot_contents`; None: zeros) into
+        slot `slot` of the target's slot arrays; runs after the steps dispatched before
+        it, before those after (the device's order)."""
+        target = self.target
+        flat = list(nnx.to_flat_state(target.params))
+        at = [i for i, (path, _) in enumerate(flat) if path[-1] in lora_slots.LORA_ARRAYS]
+        arrays = [flat[i][1].get_value() for i in at]
+        if contents is None:
+            values = lora_slots.zero_slot(arrays)
+        else:
+            values = [contents[tuple(flat[i][0])] for i in at]
+        shardings = [a.sharding for a in arrays]
+        with self._compiles.counting():
+            new = lora_slots.write_slot(arrays, np.int32(slot), values)
+        new = jax.device_put(new, shardings)  # as the steps were compiled (a no-op if so)
+        for i, a in zip(at, new, strict=True):
+            flat[i] = (flat[i][0], flat[i][1].replace(a))
+        target.params = nnx.from_flat_state(flat)
 
     def rows_per_page(self) -> list[int]:
         """Rows of each cache's arrays holding one page (`read_pages`' `r`)."""

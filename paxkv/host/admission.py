@@ -9,9 +9,10 @@ immediate preemption; the first sequence is admitted whatever the watermark.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from paxkv.host.kv_cache_manager import KVCacheManager
+from paxkv.host.lora_slots import LoRASlots
 from paxkv.host.request import SamplingParams
 from paxkv.host.sequence import SequenceState
 
@@ -36,9 +37,38 @@ class Admission:
       watermark_pages: pages kept free when admitting a sequence while others run.
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager, *, watermark_pages: int) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        watermark_pages: int,
+        lora_slots: LoRASlots | None = None,
+    ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.watermark_pages = watermark_pages
+        self.lora_slots = lora_slots
+        # `name -> the key of its current weights, or None once removed`: a waiting
+        # sequence runs under its adapter's weights at admission (set by the engine).
+        self.lora_current: Callable[[str], tuple | None] | None = None
+
+    def has_lora_slot(self, seq: SequenceState) -> bool:
+        """Gives waiting `seq` its adapter's device slot (`seq.lora_slot`, recording a
+        load if the adapter is not resident); False when every slot is held by running
+        sequences (seq waits, and sequences behind it may go first)."""
+        if seq.lora_key is None:
+            return True
+        if self.lora_slots is None:
+            raise ValueError(f"sequence {seq.seq_id} names a LoRA adapter; enable_lora is off")
+        if self.lora_current is not None:
+            key = self.lora_current(seq.lora_key[0])
+            if key is None:
+                raise ValueError(f"LoRA adapter {seq.lora_key[0]!r} was removed before it ran")
+            seq.lora_key = key
+        slot = self.lora_slots.acquire(seq.lora_key)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raises ValueError when a request could never be served (rejected at submit)."""

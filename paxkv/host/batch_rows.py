@@ -21,6 +21,8 @@ from paxkv.host.request import SamplingParams
 from paxkv.host.sampling_columns import ROW_INTS, padding_floats, penalises, sampling_floats
 from paxkv.pallas_kernels.layout import NULL_PAGE
 
+_LORA_SLOT = ROW_INTS.index("lora_slot")
+
 
 class BatchRows:
     """Rows of page ids and sampling parameters, one per sequence holding pages.
@@ -46,6 +48,8 @@ class BatchRows:
         self.biased: set[int] = set()
         # Rows in use whose output follows a constraint (their steps carry token masks).
         self.constrained: set[int] = set()
+        # Rows in use per LoRA slot (`paxkv.host.lora_slots`: a slot in use is not evicted).
+        self.lora_rows: dict[int, int] = {}
 
     @property
     def block_tables(self) -> np.ndarray:  # i32[rows, pages_per_seq]
@@ -71,8 +75,9 @@ class BatchRows:
         self.tables, self.floats, self.ints, self._held = tables, floats, ints, held
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
-    def acquire(self, params: SamplingParams, seed: int) -> int:
-        """A free row holding no pages, with the sampling parameters `params` and `seed`."""
+    def acquire(self, params: SamplingParams, seed: int, lora_slot: int = 0) -> int:
+        """A free row holding no pages, with the sampling parameters `params`, `seed`
+        and the LoRA slot its sequence runs under (0: none)."""
         if not self._free:
             self._grow()
         row = self._free.pop()
@@ -83,8 +88,15 @@ class BatchRows:
             self.biased.add(row)
         if params.structured_outputs is not None:
             self.constrained.add(row)
-        self.ints[row] = [seed if name == "seed" else getattr(params, name) for name in ROW_INTS]
+        own = {"seed": seed, "lora_slot": lora_slot}
+        self.ints[row] = [own[n] if n in own else getattr(params, n) for n in ROW_INTS]
+        if lora_slot:
+            self.lora_rows[lora_slot] = self.lora_rows.get(lora_slot, 0) + 1
         return row
+
+    def slot_in_use(self, lora_slot: int) -> bool:
+        """Whether a row in use runs under LoRA slot `lora_slot`."""
+        return self.lora_rows.get(lora_slot, 0) > 0
 
     def append(self, row: int, pages: list[int], group_pages: Sequence[list[int]] = ()) -> None:
         """Writes `pages` (group 0's) and `group_pages` (groups 1.., as many each) after
@@ -132,6 +144,10 @@ class BatchRows:
         self.penalised.discard(row)
         self.biased.discard(row)
         self.constrained.discard(row)
+        slot = int(self.ints[row, _LORA_SLOT])
+        if slot:
+            self.lora_rows[slot] -= 1
+            self.ints[row, _LORA_SLOT] = 0
         self._free.append(row)
 
     def check(self, row: int, tables: Sequence[list[int]]) -> None:

@@ -185,7 +185,7 @@ class KVCacheManager:
         held = self._seqs.get(seq)
         if held is None:
             tables = [[] for _ in range(self.num_groups)]
-            row = self.rows.acquire(seq.params, seq.seed)
+            row = self.rows.acquire(seq.params, seq.seed, seq.lora_slot)
             held = self._seqs[seq] = SequencePages(tables, row, [0] * self.num_groups)
         return held
 

@@ -132,8 +132,10 @@ class PrefixCache:
         self.weight_version = 0
 
     def _salt(self, seq: SequenceState) -> Hashable:
-        """What keys seq's first page besides its tokens: its cache salt, and the weights."""
-        return seq.cache_salt if not self.weight_version else (seq.cache_salt, self.weight_version)
+        """What keys seq's first page besides its tokens: its cache salt, its LoRA
+        adapter, and the weights."""
+        salt = seq.cache_salt if seq.lora_key is None else (seq.cache_salt, seq.lora_key)
+        return salt if not self.weight_version else (salt, self.weight_version)
 
     def set_weight_version(self, version: int) -> None:
         """Keys the pages registered from now on under weights `version`, and uncaches

@@ -20,7 +20,9 @@ SAMPLING_FLOATS = (
     "frequency_penalty",
     "repetition_penalty",
 )
-SAMPLING_INTS = ("top_k", "seed", "counter")
+# "lora_slot": the device slot of the sequence's LoRA adapter (0: none,
+# `paxkv.host.lora_slots`), which the step's projections read per row.
+SAMPLING_INTS = ("top_k", "seed", "lora_slot", "counter")
 FLOAT_COLUMN = {name: i for i, name in enumerate(SAMPLING_FLOATS)}
 INT_COLUMN = {name: i for i, name in enumerate(SAMPLING_INTS)}
 
@@ -39,7 +41,7 @@ PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 PENALTY_COLUMNS = [FLOAT_COLUMN[name] for name in PENALTIES]
 # The ints a sequence keeps for its whole life (the persistent batch's rows hold them);
 # the counter changes every step.
-ROW_INTS = ("top_k", "seed")
+ROW_INTS = ("top_k", "seed", "lora_slot")
 ROW_INT_COLUMNS = [INT_COLUMN[name] for name in ROW_INTS]
 # The same columns as a slice (they are adjacent), for a write without fancy indexing.
 ROW_INT_SLICE = slice(ROW_INT_COLUMNS[0], ROW_INT_COLUMNS[-1] + 1)

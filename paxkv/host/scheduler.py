@@ -28,6 +28,7 @@ from paxkv.host.host_tier import HostKVTier
 from paxkv.host.kv_cache_manager import KVCacheManager
 from paxkv.host.kv_groups import KVCacheGroups
 from paxkv.host.kv_usage import kv_usage
+from paxkv.host.lora_slots import LoRASlots
 from paxkv.host.page_pool import PagePool
 from paxkv.host.prefix_writers import PrefixWriters
 from paxkv.host.queues import SequenceQueues
@@ -76,6 +77,7 @@ class Scheduler(SequenceQueues):
         kv_groups: KVCacheGroups | None = None,
         speculator: Speculator | None = None,
         host_tier: HostKVTier | None = None,
+        max_loras: int = 0,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"{max_num_batched_tokens=} and {max_num_seqs=} must be positive")
@@ -96,9 +98,14 @@ class Scheduler(SequenceQueues):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # The device's LoRA adapter slots (`paxkv.host.lora_slots`); None: no adapters.
+        self.lora_slots = (
+            LoRASlots(max_loras, self.kv_cache_manager.rows.slot_in_use) if max_loras else None
+        )
         self.admission = Admission(
             self.kv_cache_manager,
             watermark_pages=int(watermark * pool.num_usable),
+            lora_slots=self.lora_slots,
         )
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
@@ -188,10 +195,15 @@ class Scheduler(SequenceQueues):
                 chunks.append(chunk)
                 scheduled.add(id(seq))
                 budget -= chunk.num_tokens
-        # Admit waiting sequences first-come-first-served while they fit.
+        # Admit waiting sequences first-come-first-served while they fit; one whose
+        # LoRA adapter finds no free slot is passed over (it keeps its place).
+        passed: list[SequenceState] = []
         while self.waiting and budget > 0 and n + len(chunks) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             try:
+                if not self.admission.has_lora_slot(seq):
+                    passed.append(self.waiting.popleft())
+                    continue
                 chunk = self._admit(seq, budget, now)
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
@@ -205,6 +217,7 @@ class Scheduler(SequenceQueues):
                 self._writers.register(seq, chunk.end)
             except Exception as e:  # isolated: only seq fails
                 self.fail(seq, e)
+        self.waiting.extendleft(reversed(passed))
         self.peak_running = max(self.peak_running, len(self.running))
         spec = self.speculator
         if spec is not None and decode is not None:

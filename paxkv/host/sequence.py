@@ -41,6 +41,10 @@ class SequenceState:
     arrival_time: float
     priority: int = 0  # lower runs first, as in vLLM
     cache_salt: str | None = None
+    # The LoRA adapter it runs under: its key (name and weights version, part of its
+    # cached pages' keys) and, once admitted, its device slot (`paxkv.host.lora_slots`).
+    lora_key: tuple | None = None
+    lora_slot: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     # With params.logprobs: per output token, the chosen token's logprob (kept only for
     # the sequences that report them: no float per token per step for the others).

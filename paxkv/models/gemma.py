@@ -60,10 +60,11 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs=rngs, activation=ACTIVATION)
         self.post_feedforward_layernorm = norm(h)
 
-    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+    def finish(self, x: jax.Array, attn: jax.Array, lora: jax.Array | None = None) -> jax.Array:
         """The residual stream after this layer, given its attention output `[T, Hq, D]`."""
-        x = x + self.post_attention_layernorm(self.self_attn.out(attn))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.post_attention_layernorm(self.self_attn.out(attn, lora))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x), lora)
+        return x + self.post_feedforward_layernorm(mlp)
 
 
 class GemmaForCausalLM(CausalLM):
@@ -98,6 +99,7 @@ class GemmaForCausalLM(CausalLM):
         *,
         attention_backend: str = "auto",
         decode_only: bool = False,
+        lora: jax.Array | None = None,
     ) -> tuple[jax.Array, PagedKVCache]:  # [T, hidden], new cache
         """One paged step over packed rows, as `LlamaForCausalLM.__call__`; each layer
         attends with its own window (`config.layer_sliding_windows`)."""
@@ -107,7 +109,7 @@ class GemmaForCausalLM(CausalLM):
             # `kind`: a static layer number with this layer's window and RoPE.
             x, kv_cache = carry
             q, k, v = layer.self_attn.qkv(
-                layer.input_layernorm(x), positions, self.layer_inv_freq(kind)
+                layer.input_layernorm(x), positions, self.layer_inv_freq(kind), lora
             )
             attn, kv_cache = paged_attention(
                 i,
@@ -124,7 +126,7 @@ class GemmaForCausalLM(CausalLM):
                 backend=attention_backend,
                 decode_only=decode_only,
             )
-            return layer.finish(x, attn), kv_cache
+            return layer.finish(x, attn, lora), kv_cache
 
         carry = (self._embed(tokens), kv_cache)
         x, kv_cache = layer_stack.run(self.layers, carry, body, scanned=c.scan_layers)
@@ -136,7 +138,7 @@ class GemmaForCausalLM(CausalLM):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-    def dense_logits(self, tokens: jax.Array) -> jax.Array:
+    def dense_logits(self, tokens: jax.Array, lora: jax.Array | None = None) -> jax.Array:
         """`i32[L]` -> `f32[L, vocab]`: one sequence from position 0, dense causal
         attention with each layer's window; the oracle for the paged path."""
         c = self.config
@@ -144,7 +146,7 @@ class GemmaForCausalLM(CausalLM):
 
         def body(layer, i, kind, x):
             q, k, v = layer.self_attn.qkv(
-                layer.input_layernorm(x), positions, self.layer_inv_freq(kind)
+                layer.input_layernorm(x), positions, self.layer_inv_freq(kind), lora
             )
             attn = dense_causal_attention(
                 q,
@@ -154,7 +156,7 @@ class GemmaForCausalLM(CausalLM):
                 sliding_window=c.layer_sliding_windows[kind],
                 soft_cap=c.attn_logit_softcapping,
             )
-            return layer.finish(x, attn)
+            return layer.finish(x, attn, lora)
 
         x = layer_stack.run(self.layers, self._embed(tokens), body, scanned=c.scan_layers)
         return self.logits(self.norm(x))

@@ -20,9 +20,10 @@ from flax import nnx
 
 from paxkv.sharding.shardings import COLUMN, ROW, SplitRule
 
-from . import layer_stack
+from . import layer_stack, lora
 from .decoder_config import DecoderConfig
 from .llama_config import Llama3RopeScaling
+from .lora import project
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for these models
 # MLP activations by their Hugging Face names; gelu_pytorch_tanh is tanh-approximate.
@@ -232,10 +233,11 @@ class MLP(nnx.Module):
         self.down_proj = linear(config, m, h, bias=False, rngs=rngs)
         self.activation = activation  # a name of ACTIVATIONS (static)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """`down(act(gate(x)) * up(x))`."""
+    def __call__(self, x: jax.Array, lora: jax.Array | None = None) -> jax.Array:
+        """`down(act(gate(x)) * up(x))`, each projection with its rows' adapters (`lora`)."""
         act = ACTIVATIONS[self.activation]
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        h = act(project(self.gate_proj, x, lora)) * project(self.up_proj, x, lora)
+        return project(self.down_proj, h, lora)
 
 
 class Attention(nnx.Module):
@@ -272,13 +274,18 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
 
     def qkv(
-        self, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: np.ndarray,
+        lora: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`x [T, hidden]` -> q `[T, Hq, D]`, k and v `[T, Hkv, D]`, q and k rotated."""
+        """`x [T, hidden]` -> q `[T, Hq, D]`, k and v `[T, Hkv, D]`, q and k rotated; each
+        projection with its rows' adapters (`lora`)."""
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, x, lora).reshape(t, self.num_heads, self.head_dim)
+        k = project(self.k_proj, x, lora).reshape(t, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x, lora).reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
@@ -287,9 +294,10 @@ class Attention(nnx.Module):
         """The layer's attention sinks as float32 (the attention's `sinks=`), or None."""
         return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
-    def out(self, attn: jax.Array) -> jax.Array:
-        """`attn [T, Hq, D]` -> `[T, hidden]`."""
-        return self.o_proj(attn.reshape(attn.shape[0], self.num_heads * self.head_dim))
+    def out(self, attn: jax.Array, lora: jax.Array | None = None) -> jax.Array:
+        """`attn [T, Hq, D]` -> `[T, hidden]`, with its rows' adapters (`lora`)."""
+        flat = attn.reshape(attn.shape[0], self.num_heads * self.head_dim)
+        return project(self.o_proj, flat, lora)
 
 
 def duplicate_kv_heads(model: Any, factor: int) -> None:
@@ -326,6 +334,7 @@ def duplicate_kv_heads(model: Any, factor: int) -> None:
                 )
         attn.num_kv_heads = c.num_kv_heads * factor
     model.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
+    model.kv_head_repeats = getattr(model, "kv_head_repeats", 1) * factor
 
 
 class CausalLM(nnx.Module):
@@ -358,6 +367,30 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
         return output_logits(self, hidden)
+
+    def add_lora_slots(self, max_loras: int, max_rank: int, method: str = "gather") -> None:
+        """Gives the projections LoRA adapter slots, in place (`paxkv.models.lora`)."""
+        lora.add_lora_slots(self, max_loras, max_rank, method)
+
+    def lora_slot_contents(self, adapter: Any, max_rank: int) -> dict[tuple, np.ndarray]:
+        """One slot's contents by state path for `adapter`: a PEFT checkpoint directory,
+        or `(state_dict, adapter_config)` (`paxkv.models.lora_checkpoint`), checked
+        against this model (ValueError naming the file and field)."""
+        from .lora_checkpoint import adapter_from_state_dict, read_adapter
+
+        config = lora.base_config(self)
+        if isinstance(adapter, str):
+            read = read_adapter(adapter, config, max_rank=max_rank)
+        else:
+            state_dict, adapter_config = adapter
+            read = adapter_from_state_dict(state_dict, adapter_config, config, max_rank=max_rank)
+        missing = set(read.targets) - set(lora.supported_targets(self))
+        if missing:
+            raise ValueError(
+                f"{read.source}: target modules {sorted(missing)} are not LoRA targets of "
+                f"this model (its targets: {list(lora.supported_targets(self))})"
+            )
+        return lora.slot_contents(self, read.weights)
 
 
 # Megatron-style tensor parallelism over these layers' parameters (see

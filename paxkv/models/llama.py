@@ -45,10 +45,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm(config.hidden_size)
         self.mlp = MLP(config, rngs=rngs)
 
-    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+    def finish(self, x: jax.Array, attn: jax.Array, lora: jax.Array | None = None) -> jax.Array:
         """The residual stream after this layer, given its attention output `[T, Hq, D]`."""
-        x = x + self.self_attn.out(attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.out(attn, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -72,6 +72,7 @@ class LlamaForCausalLM(CausalLM):
         *,
         attention_backend: str = "auto",
         decode_only: bool = False,
+        lora: jax.Array | None = None,
     ) -> tuple[jax.Array, PagedKVCache]:  # [T, hidden], new cache
         """One paged step over packed rows: writes their K/V and returns final-norm hidden states.
 
@@ -81,13 +82,14 @@ class LlamaForCausalLM(CausalLM):
         (token 0, position 0) are dropped by the write, attend to nothing, and give
         finite hidden states that the caller ignores. `decode_only`: a static promise
         that every sequence has at most one new row (the GPU kernel then skips prefill).
+        `lora`: each row's adapter slot, for a model with slots (`paxkv.models.lora`).
         """
         c = self.config
         inv_freq = self.inv_freq
 
         def body(layer, i, kind, carry):
             x, kv_cache = carry
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq, lora)
             attn, kv_cache = paged_attention(
                 i,
                 q,
@@ -103,28 +105,28 @@ class LlamaForCausalLM(CausalLM):
                 backend=attention_backend,
                 decode_only=decode_only,
             )
-            return layer.finish(x, attn), kv_cache
+            return layer.finish(x, attn, lora), kv_cache
 
         carry = (self.embed_tokens(tokens), kv_cache)
         x, kv_cache = layer_stack.run(self.layers, carry, body, scanned=c.scan_layers)
         return self.norm(x), kv_cache
 
-    def dense_logits(self, tokens: jax.Array) -> jax.Array:
+    def dense_logits(self, tokens: jax.Array, lora: jax.Array | None = None) -> jax.Array:
         """`i32[L]` -> `f32[L, vocab]`: one sequence from position 0, dense causal attention.
 
-        The oracle for the paged path: the same weights and RoPE, but no cache, no page
-        table and no attention kernel.
+        The oracle for the paged path: the same weights and RoPE (and adapters), but no
+        cache, no page table and no attention kernel.
         """
         c = self.config
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
         inv_freq = self.inv_freq
 
         def body(layer, i, kind, x):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq, lora)
             attn = dense_causal_attention(
                 q, k, v, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
             )
-            return layer.finish(x, attn)
+            return layer.finish(x, attn, lora)
 
         x = layer_stack.run(self.layers, self.embed_tokens(tokens), body, scanned=c.scan_layers)
         return self.logits(self.norm(x))

@@ -90,9 +90,11 @@ class MoeDecoderLayer(nnx.Module):
         *,
         experts: jax.Array | None,  # i32[T, k]: replayed, or None to route
         mesh,
+        lora: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # [T, hidden], i32[T, k]
-        """The residual stream after this layer, and the experts each row went to."""
-        x = x + self.self_attn.out(attn)
+        """The residual stream after this layer, and the experts each row went to
+        (adapters on the attention only: the experts are no LoRA targets)."""
+        x = x + self.self_attn.out(attn, lora)
         block = getattr(self, self.moe_attribute)
         y, experts = block(self.post_attention_layernorm(x), experts=experts, mesh=mesh)
         return x + y, experts
@@ -130,6 +132,7 @@ class MoeForCausalLM(CausalLM):
         decode_only: bool = False,
         routing: jax.Array | None = None,  # i32[L, T, k]
         return_routing: bool = False,
+        lora: jax.Array | None = None,
     ) -> tuple[jax.Array, ...]:  # [T, hidden], new cache (, i32[L, T, k])
         """One paged step over packed rows, as `LlamaForCausalLM.__call__`.
 
@@ -143,7 +146,7 @@ class MoeForCausalLM(CausalLM):
         def body(layer, i, kind, carry):
             # `kind`: a static layer number with this layer's window.
             x, kv_cache, routes = carry
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq, lora)
             attn, kv_cache = paged_attention(
                 i,
                 q,
@@ -161,7 +164,7 @@ class MoeForCausalLM(CausalLM):
                 sinks=layer.self_attn.attention_sinks(),
             )
             forced = _layer_routing(routing, i)
-            x, experts = layer.finish(x, attn, experts=forced, mesh=self.mesh)
+            x, experts = layer.finish(x, attn, experts=forced, mesh=self.mesh, lora=lora)
             routes = None if routes is None else routes.at[i].set(experts)
             return x, kv_cache, routes
 
@@ -178,6 +181,7 @@ class MoeForCausalLM(CausalLM):
         *,
         routing: jax.Array | None = None,  # i32[layers, L, k]
         return_routing: bool = False,
+        lora: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:  # f32[L, vocab] (, i32[layers, L, k])
         """`i32[L]` -> `f32[L, vocab]`: one sequence from position 0, dense causal
         attention; the oracle for the paged path. `routing` and `return_routing` as in
@@ -188,7 +192,7 @@ class MoeForCausalLM(CausalLM):
 
         def body(layer, i, kind, carry):
             x, routes = carry
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq, lora)
             attn = dense_causal_attention(
                 q,
                 k,
@@ -197,7 +201,8 @@ class MoeForCausalLM(CausalLM):
                 sliding_window=c.layer_sliding_windows[kind],
                 sinks=layer.self_attn.attention_sinks(),
             )
-            x, experts = layer.finish(x, attn, experts=_layer_routing(routing, i), mesh=self.mesh)
+            forced = _layer_routing(routing, i)
+            x, experts = layer.finish(x, attn, experts=forced, mesh=self.mesh, lora=lora)
             return x, None if routes is None else routes.at[i].set(experts)
 
         routes = self._empty_routing(tokens.shape[0]) if return_routing else None

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from paxkv import models
 from paxkv.engine import Engine, EngineConfig, compile_cache
+from paxkv.host.lora_slots import LoRARequest
 from paxkv.host.request import (
     RequestOutput,
     RequestOutputKind,
@@ -203,6 +204,7 @@ class LLM:
         sampling_params: Params = None,
         *,
         use_tqdm: UseTqdm = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions of every prompt; returns them in the prompts' order.
 
@@ -216,8 +218,11 @@ class LLM:
         Each output is the request's whole final output, whatever the params'
         `output_kind`: as vLLM does, the requests run with `FINAL_ONLY` (on copies of
         the params), so no output is built before a request ends.
+
+        `lora_request` (with `enable_lora=True`): the LoRA adapter of every prompt, or
+        one per prompt (None: the base model), loaded at first use (docs/lora.md).
         """
-        return self._generate(prompts, sampling_params, use_tqdm, what="prompt")
+        return self._generate(prompts, sampling_params, use_tqdm, what="prompt", lora=lora_request)
 
     def chat(
         self,
@@ -229,6 +234,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates the next message of each conversation; one output per conversation.
 
@@ -244,6 +250,7 @@ class LLM:
         the template. Each output's `prompt` is the rendered text. Everything is checked
         before anything is submitted: ValueError or TypeError naming the conversation,
         the message and the field; ValueError when there is no template or tokenizer.
+        `lora_request` as in `generate`.
         """
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -264,7 +271,9 @@ class LLM:
         prompts = [
             {"prompt_token_ids": chat_templates.encode_rendered(tokenizer, t)} for t in texts
         ]
-        outputs = self._generate(prompts, sampling_params, use_tqdm, what="conversation")
+        outputs = self._generate(
+            prompts, sampling_params, use_tqdm, what="conversation", lora=lora_request
+        )
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outputs, texts, strict=True)]
 
     def generate_stream(
@@ -273,6 +282,7 @@ class LLM:
         sampling_params: Params = None,
         *,
         use_tqdm: UseTqdm = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Like `generate`, but yields each request's outputs as it advances.
 
@@ -285,10 +295,11 @@ class LLM:
         `generate` calls run meanwhile (their steps keep its outputs for it). Closing the
         iterator early, or dropping it, aborts its requests still running; so does an
         exception raised while it steps (a `use_tqdm` bar's included). The progress bar
-        is off by default here: the caller sees progress already.
+        is off by default here: the caller sees progress already. `lora_request` as in
+        `generate`.
         """
         bar = _Progress(use_tqdm)
-        ids, params, box = self._submit(prompts, sampling_params, what="prompt")
+        ids, params, box = self._submit(prompts, sampling_params, what="prompt", lora=lora_request)
         deltas = {
             rid
             for rid, p in zip(ids, params, strict=True)
@@ -396,11 +407,21 @@ class LLM:
         )
 
     def _generate(
-        self, prompts: Prompts, sampling_params: Params, use_tqdm: UseTqdm, *, what: str
+        self,
+        prompts: Prompts,
+        sampling_params: Params,
+        use_tqdm: UseTqdm,
+        *,
+        what: str,
+        lora: Any = None,
     ) -> list[RequestOutput]:
         bar = _Progress(use_tqdm)
         ids, _, box = self._submit(
-            prompts, sampling_params, what=what, output_kind=RequestOutputKind.FINAL_ONLY
+            prompts,
+            sampling_params,
+            what=what,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            lora=lora,
         )
         final = {
             out.request_id: out
@@ -416,11 +437,13 @@ class LLM:
         *,
         what: str,
         output_kind: RequestOutputKind | None = None,
+        lora: Any = None,
     ) -> tuple[list[str], list[SamplingParams], Any]:
         """Validates every prompt (errors name `what` and its index), then queues them
         all; returns their ids, params and the box their outputs are filed in from the
         start (`CallMailboxes.open`). `output_kind` replaces the params' own (on copies:
-        the caller's are not changed)."""
+        the caller's are not changed). `lora`: one LoRA request for all, or one each;
+        their adapters are loaded (and checked) before anything is queued."""
         self._check_runnable()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -437,6 +460,18 @@ class LLM:
                 self.engine.requests.validate(rid, prompt, p)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{what} {i}: {e}") from None
+        if lora is None or isinstance(lora, LoRARequest):
+            loras = [lora] * len(prompts)
+        else:
+            loras = list(lora)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} {what}s")
+        for i, request in enumerate(loras):
+            if request is not None:
+                try:
+                    self.engine.add_lora(request)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"{what} {i}: lora_request: {e}") from None
         if output_kind is not None:
             copies = {
                 id(p): dataclasses.replace(p, output_kind=output_kind)
@@ -446,8 +481,8 @@ class LLM:
             params = [copies.get(id(p), p) for p in params]
         box = self._router.open(ids)
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, request in zip(ids, prompts, params, loras, strict=True):
+                self.engine.add_request(rid, prompt, p, lora_request=request)
         except BaseException:
             self._router.close(ids)
             raise

@@ -211,6 +211,9 @@ def sharded_cache(create: Callable[[], Any], num_kv_heads: int, mesh: Mesh | Non
 # Kernels are `[..., in, out]`: column-parallel ones split their outputs, row-parallel
 # their inputs; expert-parallel ones (`[E, in, out]`, stacked over experts) the experts.
 COLUMN, ROW, EXPERT = "column", "row", "expert"
+# A LoRA slot array of a projection (`paxkv.models.lora`): split as its kernel's inputs
+# (A) or outputs (B), never along its slot or rank axes.
+LORA_ARRAYS = ("lora_a", "lora_b")
 _SPLIT_AXIS = {COLUMN: -1, ROW: -2, EXPERT: 0}  # of a kernel; a bias drops its `in` axis
 
 
@@ -281,6 +284,16 @@ def param_spec(
         if path[1] == "tail":
             return param_spec(layer, shape, config, mesh)
         return P(None, *param_spec(layer, shape[1:], config, mesh))
+    if path[-1] in LORA_ARRAYS:  # as its kernel splits (`paxkv.models.lora`)
+        kernel_in, kernel_out = (*param_spec((*path[:-1], "kernel"), (1, 1), config, mesh), None)[
+            :2
+        ]
+        spec = [None] * len(shape)
+        if path[-1] == "lora_a":  # [N, in, r]: split where a row-parallel kernel's inputs are
+            spec[-2] = kernel_in
+        else:  # [N, r, out]: where a column-parallel kernel's outputs are
+            spec[-1] = kernel_out
+        return P(*spec)
     m = serving_mesh(mesh)
     names = set(path)
     named = False

@@ -240,6 +240,24 @@ def _assemble(a: dict[str, Any], page_size: int) -> tuple[ForwardBatch, StepExtr
     return forward, extras
 
 
+def row_lora(
+    model: nnx.Module,
+    sampling_ints: jax.Array,  # i32[S, I]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_rows: int,
+) -> jax.Array | None:  # i32[T]
+    """Each packed row's LoRA slot, its sequence's (`lora_slot` column; 0 for rows of
+    no sequence), for a model with adapter slots; None for one without."""
+    if not getattr(model, "lora_slots", 0):
+        return None
+    seq_slots = sampling_ints[:, INT_COLUMN["lora_slot"]]
+    rows = jnp.arange(num_rows)
+    row_seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right")
+    in_seq = rows < cu_q_lens[-1]
+    slots = jnp.where(in_seq, seq_slots[jnp.minimum(row_seq, seq_slots.shape[0] - 1)], 0)
+    return slots.astype(jnp.int32)
+
+
 def forward_logits(
     model: nnx.Module,
     tokens: jax.Array,  # i32[T]
@@ -251,15 +269,18 @@ def forward_logits(
     attention_backend: str,
     decode_only: bool = False,
     return_routing: bool = False,
+    lora: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:  # logits, cache (, i32[L, T, k])
     """The model over a packed batch: writes its K/V, attends, and returns the logits
     (f32[S, V], or [T, V] for every row) with the updated cache. `decode_only` (static):
     every sequence has at most one row, which the model is told (`decode_only=True`).
     `return_routing` (static, a model that `routes_experts` only): also the experts each
-    MoE layer sent each row to."""
+    MoE layer sent each row to. `lora`: each row's adapter slot (`row_lora`)."""
     extra = {"decode_only": True} if decode_only else {}
     if return_routing:
         extra["return_routing"] = True
+    if lora is not None:
+        extra["lora"] = lora
     hidden, kv_cache, *routing = model(
         tokens, positions, kv_cache, table, attention_backend=attention_backend, **extra
     )
@@ -278,6 +299,7 @@ def forward_sample(
     attention_backend: str,
     num_logprobs: int = 0,
     decode_only: bool = False,
+    lora: jax.Array | None = None,
 ) -> tuple[Sampled, PagedKVCache]:
     """`forward_logits`, then one sampled token per row (`sample`), and the cache."""
     logits, kv_cache = forward_logits(
@@ -289,6 +311,7 @@ def forward_sample(
         rows,
         attention_backend=attention_backend,
         decode_only=decode_only,
+        lora=lora,
     )
     return sample(logits, sampling, num_logprobs=num_logprobs), kv_cache
 
@@ -326,6 +349,9 @@ def forward_step(
     # A model that routes experts always returns its routing (no second compiled
     # variant): it stays on the device unless a request asks (`ModelRunner.fetch_routing`).
     extra = {"return_routing": True} if getattr(model, "routes_experts", False) else {}
+    lora = row_lora(model, batch.sampling_ints, batch.table.cu_q_lens, tokens_in.shape[0])
+    if lora is not None:
+        extra["lora"] = lora
     hidden, kv_cache, *routing = model(
         tokens_in,
         batch.positions,
@@ -558,6 +584,7 @@ def decode_loop(
             sampling.advanced(i),
             attention_backend=attention_backend,
             num_logprobs=num_logprobs,
+            lora=row_lora(model, batch.sampling_ints, cu, num_rows),
             decode_only=True,  # every sequence decodes one token an iteration
         )
         new = sampled.tokens

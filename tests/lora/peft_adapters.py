@@ -1,0 +1,42 @@
+"""PEFT as the oracle: LoRA adapters written by PEFT over transformers' tiny models,
+and the merged models that are their reference (`merge_and_unload`)."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from tests.hf_reference import write_checkpoint
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_base(config, path):
+    """A transformers model of `config` saved in `path` (random, O(1) weights)."""
+    return write_checkpoint(config, path)
+
+
+def write_adapter(base, path, *, r, alpha, targets, seed, rslora=False, rank_pattern=None):
+    """A PEFT LoRA adapter over the torch model `base` with random A and B (PEFT starts
+    B at zero: a zero adapter would hide every indexing bug), saved in `path`; returns
+    the merged torch model, the reference of a request under it."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        use_rslora=rslora,
+        rank_pattern=rank_pattern or {},
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / np.sqrt(p.shape[-1]))
+    model.save_pretrained(path, safe_serialization=True)
+    return model.merge_and_unload().eval()
