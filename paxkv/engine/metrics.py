@@ -210,6 +210,7 @@ def engine_stats(
         # Tokens resumed (preempted) sequences took from a cache, the device's or the
         # host tier's (up to what they had computed, and beyond where a cache had more).
         "num_preempted_tokens_reused": prefix.resumed_hits,
+        **lora_stats(getattr(sch, "lora_slots", None)),
         "prompt_tokens": m.prompt_tokens,
         "generation_tokens": m.generation_tokens,
         "requests_finished": dict(m.finished),
@@ -227,6 +228,17 @@ def engine_stats(
         "host_time_s": host,
         "device_time_s": device,
         "host_overhead_fraction": host / (host + device) if host + device else 0.0,
+    }
+
+
+def lora_stats(slots: Any) -> dict[str, int]:
+    """The LoRA slots' counters (`paxkv.host.lora_slots`); empty without adapters."""
+    if slots is None:
+        return {}
+    return {
+        "lora_loads": slots.loads,
+        "lora_evictions": slots.evictions,
+        "lora_resident": len(slots.resident),
     }
 
 

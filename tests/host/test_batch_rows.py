@@ -22,7 +22,7 @@ def test_rows_grow_and_keep_their_contents():
     for row, pages in held.items():
         rows.check(row, [pages])
         i = pages[0] - 10
-        assert rows.ints[row].tolist() == [params[i].top_k, 100 + i]
+        assert rows.ints[row].tolist() == [params[i].top_k, 100 + i, 0]  # no LoRA slot
         np.testing.assert_allclose(rows.floats[row, FLOAT_COLUMN["temperature"]], 0.1 * i)
     # Cut one, release another: its row is cleared and handed to the next sequence.
     first, freed = list(held)[1], list(held)[3]

@@ -318,7 +318,7 @@ def _check_batch_against_scratch(s, out):
                 p.repetition_penalty,
             ]
         )
-        assert hb.sampling_ints[i].tolist() == [p.top_k, c.seq.seed, c.num_output_tokens]
+        assert hb.sampling_ints[i].tolist() == [p.top_k, c.seq.seed, 0, c.num_output_tokens]
 
 
 @settings(max_examples=60, deadline=None)

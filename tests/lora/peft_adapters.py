@@ -5,8 +5,7 @@ import copy
 
 import numpy as np
 import pytest
-
-from tests.hf_reference import write_checkpoint
+from hf_reference import write_checkpoint
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
