@@ -24,6 +24,7 @@ import dataclasses
 import os
 import signal
 import sys
+from typing import Any
 
 from absl import flags, logging
 
@@ -106,6 +107,31 @@ _SHUTDOWN_GRACE_S = flags.DEFINE_float(
 )
 
 
+_LORA_MODULES = flags.DEFINE_multi_string(
+    "lora_modules",
+    [],
+    "LoRA adapters to serve, name=path (a PEFT checkpoint directory), repeated or "
+    "comma-separated; requests name one as their model (needs --enable_lora).",
+)
+
+
+def lora_modules(values: list[str]) -> list[Any]:
+    """`--lora_modules` as LoRARequests (ids from 1, in order); ValueError naming a
+    malformed entry or a name given twice."""
+    from paxkv.host.lora_slots import LoRARequest
+
+    out: dict[str, Any] = {}
+    entries = [e.strip() for v in values for e in v.split(",") if e.strip()]
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora_modules entry {entry!r} must be name=path")
+        if name in out:
+            raise ValueError(f"--lora_modules names {name!r} twice")
+        out[name] = LoRARequest(name, len(out) + 1, path)
+    return list(out.values())
+
+
 def main(argv: list[str]) -> None:
     """The absl main: builds and warms up the engine, then serves until SIGTERM."""
     from paxkv.launch import flags as launch_flags  # imported by `run` already
@@ -134,10 +160,18 @@ def main(argv: list[str]) -> None:
                 "--enable_sleep_mode needs each replica in one process, not across "
                 "--jax_distributed processes"
             )
+        loras = lora_modules(_LORA_MODULES.value)
         if role != "follower" and sock is None:
             sock = bind(_HOST.value, _PORT.value)
         setup = launch_flags.serving_setup()
         setup = setup.replace(engine=dataclasses.replace(setup.engine, max_n=_MAX_N.value))
+        if loras and not setup.engine.enable_lora:
+            raise ValueError("--lora_modules needs --enable_lora")
+        if role != "alone" and setup.engine.enable_lora:
+            raise ValueError(
+                "--enable_lora needs each replica in one process, not across "
+                "--jax_distributed processes (not supported yet)"
+            )
         platform.announce("paxkv-serve", setup.engine.attention_backend)
         if role == "follower":  # no server here: run process 0's steps until it stops
             multihost.follow_and_exit(launch_flags.build_llm(setup))
@@ -153,6 +187,9 @@ def main(argv: list[str]) -> None:
             llms.append(llm)
             engines.append(llm.engine if channel is None else multihost.leader_engine(llm, channel))
         templates = _chat_templates(llms[0].chat_templates)
+        for lora in loras:  # read and checked now: a bad adapter stops the start
+            for e in engines:
+                e.add_lora(lora)
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
     _prepare_structured_outputs(engines)
@@ -174,6 +211,8 @@ def main(argv: list[str]) -> None:
         enable_sleep_mode=_ENABLE_SLEEP_MODE.value,
         api_key=_API_KEY.value or os.environ.get("PAXKV_API_KEY") or None,
         on_shutdown=None if channel is None else lambda: multihost.stop_followers(engine),
+        loras={lora.lora_name: lora for lora in loras},
+        enable_lora=setup.engine.enable_lora,
     )
     if channel is not None:
         # Half the heartbeat timeout: the requests are answered 503 before JAX ends the job.

@@ -2,7 +2,9 @@
 
     POST /v1/completions        prompt text, token ids, or a list of either
     POST /v1/chat/completions   messages through the chat template
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model and its LoRA adapters
+    POST /v1/load_lora_adapter  with `enable_lora` only: add or remove a LoRA adapter
+    POST /v1/unload_lora_adapter (vLLM's); requests name one as their `model`
     POST /tokenize, /detokenize the server's tokenizer, in vLLM's shapes
     GET  /tokenizer_info        (`paxkv.serve.tokenize`)
     GET  /health                200 once the engine is warm and stepping, else 503
@@ -39,6 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import itertools
 import json
 import socket
 import time
@@ -50,12 +53,13 @@ from absl import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from paxkv.engine import sleep
 from paxkv.engine.metrics import PrometheusCollector
+from paxkv.host.lora_slots import LoRARequest
 from paxkv.serve import protocol, responses, tokenize
 from paxkv.serve.frontend import EngineDead, QueueFull, Submission
 from paxkv.serve.protocol import ApiError
@@ -90,6 +94,10 @@ class ServerState:
     # stops the other processes).
     on_shutdown: Callable[[], None] | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # LoRA adapters the engines serve (`--lora_modules`, `/v1/load_lora_adapter`), by
+    # name; with `enable_lora` the load and unload endpoints are served.
+    loras: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
+    enable_lora: bool = False
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -109,6 +117,16 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", _api(state, _completions), methods=["POST"]),
         Route("/v1/chat/completions", _api(state, _chat_completions), methods=["POST"]),
         Route("/v1/models", _api(state, _models), methods=["GET"]),
+        *(
+            [
+                Route("/v1/load_lora_adapter", _api(state, _load_lora_adapter), methods=["POST"]),
+                Route(
+                    "/v1/unload_lora_adapter", _api(state, _unload_lora_adapter), methods=["POST"]
+                ),
+            ]
+            if state.enable_lora
+            else []
+        ),
         Route("/tokenize", _api(state, _tokenize), methods=["POST"]),
         Route("/detokenize", _api(state, _detokenize), methods=["POST"]),
         Route("/tokenizer_info", _api(state, _tokenizer_info), methods=["GET"]),
@@ -278,7 +296,7 @@ def _parse_json(raw: bytes) -> Any:
 
 async def _completions(state: ServerState, request: Request) -> Response:
     body = await _json_body(request, state.limits)
-    protocol.check_model(body, state.model_name)
+    lora = protocol.check_model(body, state.model_name, state.loras)
     stream, include_usage = protocol.stream_options(body)
     salt = protocol.cache_salt(body)
 
@@ -310,6 +328,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
         include_usage=include_usage,
         token_ids=_token_ids_flag(body),
         cache_salt=salt,
+        lora=lora,
         echo=body.get("echo") is True,
         best=(body.get("n") or 1) if protocol.best_of_n(body) is not None else None,
         logprobs=body.get("logprobs") is not None,
@@ -318,7 +337,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
 
 async def _chat_completions(state: ServerState, request: Request) -> Response:
     body = await _json_body(request, state.limits)
-    protocol.check_model(body, state.model_name)
+    lora = protocol.check_model(body, state.model_name, state.loras)
     stream, include_usage = protocol.stream_options(body)
     salt = protocol.cache_salt(body)
 
@@ -357,6 +376,7 @@ async def _chat_completions(state: ServerState, request: Request) -> Response:
         include_usage=include_usage,
         token_ids=_token_ids_flag(body),
         cache_salt=salt,
+        lora=lora,
     )
 
 
@@ -384,12 +404,13 @@ async def _serve(
     echo: bool = False,
     best: int | None = None,
     logprobs: bool = True,
+    lora: str | None = None,
 ) -> Response:
     """Submits one engine request per prompt and answers with their completions (with
     `best`, each prompt's `best` of highest cumulative logprob, logprobs shown only
     if the client asked)."""
     submissions = [
-        Submission(f"{response_id}-{i}", {"prompt_token_ids": ids}, p, cache_salt)
+        Submission(f"{response_id}-{i}", {"prompt_token_ids": ids}, p, cache_salt, lora)
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
     ]
     group = await state.front.submit(submissions, stream=stream)
@@ -406,7 +427,7 @@ async def _serve(
         "id": response_id,
         "object": "chat.completion.chunk" if chat_response else "text_completion",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": lora or state.model_name,
     }
     if stream:
         events = _events(group, choices, header, chat_response, include_usage)
@@ -494,26 +515,62 @@ class _EventStream(StreamingResponse):
 
 
 async def _models(state: ServerState, request: Request) -> Response:
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "paxkv",
-                    "root": state.model_name,
-                    "max_model_len": state.max_model_len,
-                }
-            ],
-        }
-    )
+    base = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "paxkv",
+        "root": state.model_name,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }
+    adapters = [  # as vLLM lists them: the adapter's path as root, the base as parent
+        base | {"id": name, "root": lora.lora_path, "parent": state.model_name}
+        for name, lora in state.loras.items()
+    ]
+    return JSONResponse({"object": "list", "data": [base, *adapters]})
+
+
+async def _load_lora_adapter(state: ServerState, request: Request) -> Response:
+    """`POST /v1/load_lora_adapter {"lora_name", "lora_path"}` (vLLM's): loads a PEFT
+    adapter on every replica; requests then name it as their `model`. 400 naming the
+    field (the adapter's file and field for one the model cannot take)."""
+    body = await _json_body(request, state.limits)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    for field, value in (("lora_name", name), ("lora_path", path)):
+        if not isinstance(value, str) or not value:
+            raise ApiError(
+                400, f"{field} must be a non-empty string, got {value!r:.80}", param=field
+            )
+    if name == state.model_name:
+        raise ApiError(400, f"lora_name={name!r} is the base model's name", param="lora_name")
+    if name in state.loras:
+        raise ApiError(400, f"LoRA adapter {name!r} is loaded already", param="lora_name")
+    taken = {lora.lora_int_id for lora in state.loras.values()}
+    lora = LoRARequest(name, next(i for i in itertools.count(1) if i not in taken), path)
+    try:
+        await state.front.add_lora(lora)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="lora_path") from None
+    state.loras[name] = lora
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _unload_lora_adapter(state: ServerState, request: Request) -> Response:
+    """`POST /v1/unload_lora_adapter {"lora_name"}` (vLLM's): requests running under it
+    finish; 404 for a name not loaded."""
+    body = await _json_body(request, state.limits)
+    name = body.get("lora_name")
+    if not isinstance(name, str) or name not in state.loras:
+        raise ApiError(404, f"LoRA adapter {name!r:.80} is not loaded", param="lora_name")
+    del state.loras[name]
+    await state.front.remove_lora(name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def _tokenize(state: ServerState, request: Request) -> Response:
     body = await _json_body(request, state.limits)
-    protocol.check_model(body, state.model_name)
+    protocol.check_model(body, state.model_name, state.loras)
     out = await asyncio.to_thread(
         tokenize.tokenize,
         body,
@@ -527,7 +584,7 @@ async def _tokenize(state: ServerState, request: Request) -> Response:
 
 async def _detokenize(state: ServerState, request: Request) -> Response:
     body = await _json_body(request, state.limits)
-    protocol.check_model(body, state.model_name)
+    protocol.check_model(body, state.model_name, state.loras)
     vocab = state.front.engines[0].model_config.vocab_size
     out = await asyncio.to_thread(tokenize.detokenize, body, state.tokenizer, vocab_size=vocab)
     return JSONResponse(out)

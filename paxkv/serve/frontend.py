@@ -50,6 +50,7 @@ class Submission:
     prompt: str | dict
     params: SamplingParams
     cache_salt: str | None = None
+    lora: str | None = None  # the name of a LoRA adapter the engines have loaded
 
 
 class RequestGroup:
@@ -205,6 +206,14 @@ class AsyncEngine:
         self.asleep = level
         return result
 
+    async def add_lora(self, request: Any) -> bool:
+        """`Engine.add_lora` on the stepping thread."""
+        return await self._call(lambda: self.engine.add_lora(request))
+
+    async def remove_lora(self, name: str) -> bool:
+        """`Engine.remove_lora` on the stepping thread."""
+        return await self._call(lambda: self.engine.remove_lora(name))
+
     async def wake_up(self) -> dict[str, float]:
         """`Engine.wake_up` on the stepping thread: {"restored_bytes", "seconds"}; the
         queued requests then run. A no-op when awake."""
@@ -239,7 +248,9 @@ class AsyncEngine:
         self._validate(submissions)  # again, now on the stepping thread: all or none
         for s in submissions:
             params = dataclasses.replace(s.params, output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(s.request_id, s.prompt, params, cache_salt=s.cache_salt)
+            self.engine.add_request(
+                s.request_id, s.prompt, params, cache_salt=s.cache_salt, lora_request=s.lora
+            )
             self._groups[s.request_id] = group
 
     def _stop(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from paxkv.host.request import SamplingParams
@@ -147,16 +147,23 @@ def engine_rejection(error: Exception, *, chat_request: bool) -> ApiError:
     return bad_request(error, param=param)
 
 
-def check_model(body: Mapping[str, Any], served_model_name: str) -> None:
-    """404 unless `model` is absent or the served model's name, as vLLM answers."""
+def check_model(
+    body: Mapping[str, Any], served_model_name: str, adapters: Iterable[str] = ()
+) -> str | None:
+    """The LoRA adapter `model` names (one of `adapters`), or None for the base model
+    (`model` absent or the served model's name); 404 otherwise, as vLLM answers."""
     model = body.get("model")
     if model is None or model == served_model_name:
-        return
+        return None
     if not isinstance(model, str):
         raise ApiError(400, f"model must be a string, got {model!r:.80}", param="model")
+    adapters = list(adapters)
+    if model in adapters:
+        return model
+    also = f" and the LoRA adapters {adapters}" if adapters else ""
     raise ApiError(
         404,
-        f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+        f"The model `{model}` does not exist; this server serves `{served_model_name}`{also}",
         param="model",
         code="model_not_found",
     )

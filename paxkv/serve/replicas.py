@@ -235,6 +235,21 @@ class ReplicaSet:
             )
         )
 
+    async def add_lora(self, request: Any) -> None:
+        """Loads a LoRA adapter on every live replica (`Engine.add_lora`); ValueError
+        from the first that refuses it (the others then forget it)."""
+        live = [f for f in self.fronts if not f.dead]
+        results = await asyncio.gather(*(f.add_lora(request) for f in live), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.remove_lora(request.lora_name)
+            raise errors[0]
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unloads adapter `name` on every live replica; whether any had it."""
+        live = [f for f in self.fronts if not f.dead]
+        return any(await asyncio.gather(*(f.remove_lora(name) for f in live)))
+
     async def wake_up(self) -> list[dict[str, float]]:
         """Wakes every live replica's engine (`AsyncEngine.wake_up`); each one's
         {"restored_bytes", "seconds"}, in replica order (zeros for one awake)."""

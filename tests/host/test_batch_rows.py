@@ -38,7 +38,22 @@ def test_rows_grow_and_keep_their_contents():
     for row, pages in held.items():
         rows.check(row, [pages])
     assert rows.num_rows_in_use == 5
-    assert ROW_INTS == ("top_k", "seed")
+    assert ROW_INTS == ("top_k", "seed", "lora_slot")
+
+
+def test_rows_count_the_sequences_of_each_lora_slot():
+    rows = BatchRows(pages_per_seq=2)
+    a = rows.acquire(SamplingParams(), seed=1, lora_slot=2)
+    b = rows.acquire(SamplingParams(), seed=2, lora_slot=2)
+    c = rows.acquire(SamplingParams(), seed=3)
+    assert rows.ints[a].tolist() == [0, 1, 2] and rows.ints[c].tolist() == [0, 3, 0]
+    assert rows.slot_in_use(2) and not rows.slot_in_use(1)
+    rows.release(a)
+    assert rows.slot_in_use(2)
+    rows.release(b)
+    assert not rows.slot_in_use(2)
+    assert rows.acquire(SamplingParams(), seed=4) in (a, b)  # a reused row holds no slot
+    assert not rows.slot_in_use(2)
 
 
 def test_a_row_never_holds_more_than_pages_per_seq():
