@@ -204,7 +204,7 @@ class LLM:
         sampling_params: Params = None,
         *,
         use_tqdm: UseTqdm = True,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions of every prompt; returns them in the prompts' order.
 
@@ -220,7 +220,8 @@ class LLM:
         the params), so no output is built before a request ends.
 
         `lora_request` (with `enable_lora=True`): the LoRA adapter of every prompt, or
-        one per prompt (None: the base model), loaded at first use (docs/lora.md).
+        one per prompt (None: the base model): a `LoRARequest`, loaded at first use, or
+        the name of one loaded (docs/lora.md).
         """
         return self._generate(prompts, sampling_params, use_tqdm, what="prompt", lora=lora_request)
 
@@ -234,7 +235,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates the next message of each conversation; one output per conversation.
 
@@ -282,7 +283,7 @@ class LLM:
         sampling_params: Params = None,
         *,
         use_tqdm: UseTqdm = False,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Like `generate`, but yields each request's outputs as it advances.
 
@@ -460,14 +461,14 @@ class LLM:
                 self.engine.requests.validate(rid, prompt, p)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{what} {i}: {e}") from None
-        if lora is None or isinstance(lora, LoRARequest):
+        if lora is None or isinstance(lora, (LoRARequest, str)):  # str: a loaded one's name
             loras = [lora] * len(prompts)
         else:
             loras = list(lora)
             if len(loras) != len(prompts):
                 raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} {what}s")
         for i, request in enumerate(loras):
-            if request is not None:
+            if isinstance(request, LoRARequest):
                 try:
                     self.engine.add_lora(request)
                 except (TypeError, ValueError) as e:

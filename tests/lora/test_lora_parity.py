@@ -193,3 +193,90 @@ def test_a_page_computed_under_one_adapter_never_serves_another(setup):
     assert hits[0] == hits[1] == hits[2]  # the same prompt under another adapter: no hit
     if config is TINY:
         assert hits[3] > hits[2]  # under its own adapter again: a hit
+
+
+def test_bad_adapters_are_refused_and_the_batch_runs_on(setup, tmp_path):
+    from peft_adapters import write_random_adapter
+
+    config, base_dir, base, adapters = setup
+    engine = _engine(base_dir, max_lora_rank=4)
+    prompt = np.random.default_rng(7).integers(1, config.vocab_size, 10).tolist()
+    good = sorted(adapters)[0]  # rank 4
+    engine.add_request("ok", {"prompt_token_ids": prompt}, GREEDY)
+    engine.add_request(
+        "ok-lora",
+        {"prompt_token_ids": prompt},
+        GREEDY,
+        lora_request=LoRARequest(good, 1, adapters[good][0]),
+    )
+    too_big = "qv-rslora"  # rank 8
+    with pytest.raises(ValueError, match="rank r=8 exceeds max_lora_rank=4"):
+        engine.add_request(
+            "x",
+            {"prompt_token_ids": prompt},
+            GREEDY,
+            lora_request=LoRARequest(too_big, 2, adapters[too_big][0]),
+        )
+    other = config.replace(hidden_size=config.hidden_size // 2)
+    wrong_base = write_random_adapter(
+        tmp_path / "other", other, r=2, alpha=2, targets=["q_proj"], seed=0
+    )
+    with pytest.raises(ValueError, match="does not match the base model"):
+        engine.add_lora(LoRARequest("other", 3, wrong_base))
+    head = write_random_adapter(tmp_path / "head", config, r=2, alpha=2, targets=["q_proj"], seed=0)
+    with open(f"{head}/adapter_config.json") as f:
+        cfg = json.load(f)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(f"{head}/adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = np.ones((2, config.hidden_size), np.float32)
+    save_file(tensors, f"{head}/adapter_model.safetensors")
+    with pytest.raises(ValueError, match="lm_head"):
+        engine.add_lora(LoRARequest("head", 4, head))
+    cfg["use_dora"] = True
+    with pytest.raises(ValueError, match="use_dora"):
+        engine.update_lora("dora", load_file(f"{adapters[good][0]}/adapter_model.safetensors"), cfg)
+    with pytest.raises(ValueError, match="'nobody' is not loaded"):
+        engine.add_request("y", {"prompt_token_ids": prompt}, GREEDY, lora_request="nobody")
+    with pytest.raises(ValueError, match="enable_lora=False"):
+        _engine(base_dir, enable_lora=False).add_request(
+            "z", {"prompt_token_ids": prompt}, GREEDY, lora_request=good
+        )
+    # The requests admitted before every refusal finish, each as its reference says.
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert sorted(done) == ["ok", "ok-lora"]
+    assert done["ok"].outputs[0].token_ids == greedy(base, prompt, GREEDY.max_tokens)
+    assert done["ok-lora"].outputs[0].token_ids == greedy(
+        adapters[good][1], prompt, GREEDY.max_tokens
+    )
+    assert [r.lora_name for r in engine.list_loras()] == [good]
+
+
+def test_a_removed_adapter_ends_its_queued_requests_with_the_reason(setup):
+    config, base_dir, _, adapters = setup
+    engine = _engine(base_dir, max_num_seqs=1, max_loras=1)
+    a, b = sorted(adapters)[:2]
+    prompt = np.random.default_rng(8).integers(1, config.vocab_size, 10).tolist()
+    engine.add_request(
+        "first",
+        {"prompt_token_ids": prompt},
+        GREEDY,
+        lora_request=LoRARequest(a, 1, adapters[a][0]),
+    )
+    engine.add_request(
+        "queued",
+        {"prompt_token_ids": prompt},
+        GREEDY,
+        lora_request=LoRARequest(b, 2, adapters[b][0]),
+    )
+    engine.step()  # "first" runs; "queued" waits for the one sequence slot
+    assert engine.remove_lora(b)
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["first"].outputs[0].finish_reason == "length"
+    assert done["queued"].outputs[0].finish_reason == "abort"
+    assert f"{b!r} was removed" in done["queued"].error
+    assert engine.pool.num_free == engine.pool.num_usable
