@@ -34,18 +34,18 @@ def _config(preset: str):
 
 
 def step_cost(
-    preset: str, *, max_loras: int, rank: int, method: str = "gather"
+    preset: str, *, rows: int, max_loras: int, rank: int, method: str = "auto"
 ) -> dict[str, float]:
-    """FLOPs and bytes of the decode step of `DECODE_BATCH` sequences (max_loras=0: no
-    LoRA), from the compiled program's cost analysis."""
+    """FLOPs and bytes of the step of `rows` packed rows over `DECODE_BATCH` sequences
+    (max_loras=0: no LoRA), from the compiled program's cost analysis."""
     model = registry.init_model(_config(preset))
     config = EngineConfig(
         num_pages=2 * DECODE_BATCH + 1,
         page_size=16,
         max_model_len=32,
         max_num_seqs=DECODE_BATCH,
-        max_num_batched_tokens=DECODE_BATCH,
-        token_buckets=(DECODE_BATCH,),
+        max_num_batched_tokens=rows,
+        token_buckets=(rows,),
         page_buckets=(2,),
         enable_lora=max_loras > 0,
         max_loras=max(max_loras, 1),
@@ -53,7 +53,7 @@ def step_cost(
         lora_method=method,
     )
     runner = Engine(model, config).runner
-    program = runner._spec("forward", (DECODE_BATCH, DECODE_BATCH, 2))
+    program = runner._spec("forward", (rows, DECODE_BATCH, 2))
     cost = program.fn.lower(*program.args, **program.kwargs).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return {"flops": float(cost.get("flops", 0)), "bytes": float(cost.get("bytes accessed", 0))}
@@ -73,7 +73,14 @@ def random_adapter(config, rank: int, seed: int) -> tuple[dict, dict]:
 
 
 def zipf_run(
-    preset: str, *, adapters: int, requests: int, max_loras: int, rank: int, lora: bool
+    preset: str,
+    *,
+    adapters: int,
+    requests: int,
+    max_loras: int,
+    rank: int,
+    lora: bool,
+    method: str = "auto",
 ) -> dict[str, float]:
     """Serves `requests` requests (Zipf-drawn adapters when `lora`); tokens/s and counts."""
     mc = _config(preset)
@@ -87,6 +94,7 @@ def zipf_run(
         enable_lora=lora,
         max_loras=max_loras,
         max_lora_rank=rank,
+        lora_method=method,
     )
     engine = Engine(model, config)
     rng = np.random.default_rng(0)
@@ -119,36 +127,40 @@ def zipf_run(
 
 
 def main(argv: list[str]) -> None:
-    """Prints the cost table, then the Zipf run's figures."""
+    """Prints the cost table, then the Zipf runs' figures."""
     del argv
     f = FLAGS
-    print(f"cost of one decode step of {DECODE_BATCH} sequences ({f.preset}, f32, cost analysis):")
-    base = step_cost(f.preset, max_loras=0, rank=f.rank)
-    print(f"  base: {base['flops'] / 1e6:.1f} MFLOP, {base['bytes'] / 1e6:.1f} MB")
-    for method, loras, rank in (
-        ("gather", 8, f.rank),
-        ("gather", 32, f.rank),
-        ("gather", 8, 2 * f.rank),
-        ("ragged", 8, f.rank),
-        ("ragged", 32, f.rank),
-    ):
-        c = step_cost(f.preset, max_loras=loras, rank=rank, method=method)
+    print(f"cost of one step over {DECODE_BATCH} sequences ({f.preset}, f32, XLA cost analysis):")
+    for rows in (DECODE_BATCH, 4 * DECODE_BATCH):
+        base = step_cost(f.preset, rows=rows, max_loras=0, rank=f.rank)
         print(
-            f"  {method} max_loras={loras:<3} rank={rank:<3}: {c['flops'] / 1e6:.1f} MFLOP "
-            f"(x{c['flops'] / base['flops']:.2f}), {c['bytes'] / 1e6:.1f} MB "
-            f"(x{c['bytes'] / base['bytes']:.2f})"
+            f"  {rows} rows, no LoRA: {base['flops'] / 1e6:.1f} MFLOP, {base['bytes'] / 1e6:.1f} MB"
         )
+        for method, loras, rank in (
+            ("gather", 8, f.rank),
+            ("gather", 32, f.rank),
+            ("gather", 8, 2 * f.rank),
+            ("ragged", 8, f.rank),
+            ("ragged", 32, f.rank),
+        ):
+            c = step_cost(f.preset, rows=rows, max_loras=loras, rank=rank, method=method)
+            print(
+                f"  {rows} rows, {method} max_loras={loras:<3} rank={rank:<3}: "
+                f"{c['flops'] / 1e6:.1f} MFLOP (x{c['flops'] / base['flops']:.2f}), "
+                f"{c['bytes'] / 1e6:.1f} MB (x{c['bytes'] / base['bytes']:.2f})"
+            )
     args = dict(adapters=f.adapters, requests=f.requests, max_loras=f.max_loras, rank=f.rank)
-    plain = zipf_run(f.preset, lora=False, **args)
-    many = zipf_run(f.preset, lora=True, **args)
     print(f"{f.requests} requests, {f.adapters} adapters (Zipf 1.1), {f.max_loras} slots:")
+    plain = zipf_run(f.preset, lora=False, **args)
     print(f"  base model: {plain['tok_per_s']:.0f} tok/s ({plain['seconds']:.1f} s)")
-    print(
-        f"  adapters:   {many['tok_per_s']:.0f} tok/s ({many['seconds']:.1f} s), "
-        f"{many['distinct_adapters']} distinct, {many['loads']} loads, "
-        f"{many['evictions']} evictions, {many['compilations_after_warmup']} compilations "
-        "after warm-up"
-    )
+    for method in ("auto", "gather", "ragged"):
+        r = zipf_run(f.preset, lora=True, method=method, **args)
+        print(
+            f"  {method:<6}: {r['tok_per_s']:.0f} tok/s ({r['seconds']:.1f} s, "
+            f"x{r['tok_per_s'] / plain['tok_per_s']:.2f}), {r['distinct_adapters']} adapters "
+            f"drawn, {r['loads']} loads, {r['evictions']} evictions, "
+            f"{r['compilations_after_warmup']} compilations after warm-up"
+        )
 
 
 if __name__ == "__main__":

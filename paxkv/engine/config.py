@@ -87,9 +87,10 @@ class EngineConfig:
     max_loras: int = _field(1, "LoRA adapters on the device at once (enable_lora).")
     max_lora_rank: int = _field(16, "Largest LoRA rank served (enable_lora).")
     lora_method: str = _field(
-        "gather",
-        "How a step applies each row's adapter (docs/lora.md).",
-        choices=("gather", "ragged"),
+        "auto",
+        "How a step applies each row's adapter: per-row gathers (decode-sized steps) "
+        "or a grouped matmul, jax.lax.ragged_dot (docs/lora.md).",
+        choices=("auto", "gather", "ragged"),
     )
     seed: int = 0
     watermark: float = 0.01
@@ -169,8 +170,10 @@ class EngineConfig:
         check_bool("enable_lora", self.enable_lora)
         check_int("max_loras", self.max_loras, lo=1)
         check_int("max_lora_rank", self.max_lora_rank, lo=1)
-        if self.lora_method not in ("gather", "ragged"):
-            raise ValueError(f"lora_method={self.lora_method!r} must be 'gather' or 'ragged'")
+        if self.lora_method not in ("auto", "gather", "ragged"):
+            raise ValueError(
+                f"lora_method={self.lora_method!r} must be 'auto', 'gather' or 'ragged'"
+            )
         for name in ("token_buckets", "seq_buckets", "page_buckets"):
             sizes = getattr(self, name)
             if sizes is not None:

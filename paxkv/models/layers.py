@@ -368,7 +368,7 @@ class CausalLM(nnx.Module):
         """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
         return output_logits(self, hidden)
 
-    def add_lora_slots(self, max_loras: int, max_rank: int, method: str = "gather") -> None:
+    def add_lora_slots(self, max_loras: int, max_rank: int, method: str = "auto") -> None:
         """Gives the projections LoRA adapter slots, in place (`paxkv.models.lora`)."""
         lora.add_lora_slots(self, max_loras, max_rank, method)
 

@@ -38,8 +38,11 @@ TARGETS = {
 # How a step applies the adapters: "gather" gathers each row's A and B (FLOPs and bytes
 # in proportion to the rows and the rank, whatever the number of slots); "ragged" sorts
 # the rows by slot and runs `jax.lax.ragged_dot` (a grouped matmul kernel on TPU; XLA's
-# CPU lowering computes every slot for every row). See docs/lora.md.
-METHODS = ("gather", "ragged")
+# CPU lowering computes every slot for every row, and reads each slot's A and B once);
+# "auto" gathers in steps of at most `GATHER_MAX_ROWS` rows (decodes) and runs ragged
+# above, where the gathered copies outgrow the slots (measured: docs/lora.md).
+METHODS = ("auto", "gather", "ragged")
+GATHER_MAX_ROWS = 64
 
 
 class LoRAWeight(nnx.Variable):
@@ -63,7 +66,7 @@ def supported_targets(model: Any) -> tuple[str, ...]:
 
 
 def add_lora_slots(
-    model: nnx.Module, max_loras: int, max_rank: int, method: str = "gather"
+    model: nnx.Module, max_loras: int, max_rank: int, method: str = "auto"
 ) -> None:
     """Gives every target projection of `model` (in place) `max_loras + 1` zero slots
     of rank `max_rank`, in the kernel's dtype, applied by `method` (`METHODS`); sets
@@ -123,7 +126,10 @@ def project(proj: nnx.Module, x: jax.Array, lora: jax.Array | None) -> jax.Array
     if lora is None or a is None:
         return y
     precision = getattr(proj, "precision", None)
-    delta = lora_delta(x, a[...], proj.lora_b[...], lora, proj.lora_method, precision)
+    method = proj.lora_method
+    if method == "auto":  # the step's rows are static: one choice per compiled shape
+        method = "gather" if x.shape[0] <= GATHER_MAX_ROWS else "ragged"
+    delta = lora_delta(x, a[...], proj.lora_b[...], lora, method, precision)
     return (y.astype(jnp.float32) + delta).astype(y.dtype)
 
 
