@@ -65,9 +65,7 @@ def supported_targets(model: Any) -> tuple[str, ...]:
     return tuple(target_projections(layer_stack.layer_modules(model)[0]))
 
 
-def add_lora_slots(
-    model: nnx.Module, max_loras: int, max_rank: int, method: str = "auto"
-) -> None:
+def add_lora_slots(model: nnx.Module, max_loras: int, max_rank: int, method: str = "auto") -> None:
     """Gives every target projection of `model` (in place) `max_loras + 1` zero slots
     of rank `max_rank`, in the kernel's dtype, applied by `method` (`METHODS`); sets
     `model.lora_slots` (N)."""
