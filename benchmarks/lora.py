@@ -59,17 +59,21 @@ def step_cost(
     return {"flops": float(cost.get("flops", 0)), "bytes": float(cost.get("bytes accessed", 0))}
 
 
-def random_adapter(config, rank: int, seed: int) -> tuple[dict, dict]:
-    """A PEFT-named state dict (every target) and its adapter config, random."""
+def random_adapter(
+    config, rank: int, seed: int, *, targets: tuple[str, ...] = tuple(TARGETS), alpha: float = 0
+) -> tuple[dict, dict]:
+    """A PEFT-named state dict of `targets` and its adapter config (alpha: the rank
+    unless given), random: A ~ N(0, 1/in), B ~ N(0, 1/r)."""
     rng = np.random.default_rng(seed)
     tensors = {}
     for layer in range(config.num_layers):
-        for name, holder in TARGETS.items():
+        for name in targets:
+            holder = TARGETS[name]
             d_in, d_out = _dims(config, name)
             key = f"base_model.model.model.layers.{layer}.{holder}.{name}"
             tensors[f"{key}.lora_A.weight"] = rng.normal(0, d_in**-0.5, (rank, d_in))
             tensors[f"{key}.lora_B.weight"] = rng.normal(0, rank**-0.5, (d_out, rank))
-    return tensors, {"r": rank, "lora_alpha": rank}
+    return tensors, {"r": rank, "lora_alpha": alpha or rank}
 
 
 def zipf_run(

@@ -43,32 +43,37 @@ def write_adapter(base, path, *, r, alpha, targets, seed, rslora=False, rank_pat
 
 def write_random_adapter(path, config, *, r, alpha, targets, seed):
     """A LoRA adapter in PEFT's files for a model of `config` (a paxkv config), random
-    A and B, written with NumPy and safetensors alone (for models with no transformers
-    class, like tiny-py); the parity tests check PEFT's own files against transformers."""
+    A and B (`benchmarks.lora.random_adapter`), written with safetensors alone (for
+    models with no transformers class, like tiny-py); the parity tests check PEFT's own
+    files against transformers."""
     import json
     import os
 
     from safetensors.numpy import save_file
 
-    from paxkv.models.lora_checkpoint import _dims
+    from benchmarks.lora import random_adapter
 
-    rng = np.random.default_rng(seed)
-    holder = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
-    holder |= {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-    tensors = {}
-    for layer in range(config.num_layers):
-        for name in targets:
-            d_in, d_out = _dims(config, name)
-            key = f"base_model.model.model.layers.{layer}.{holder[name]}.{name}"
-            tensors[f"{key}.lora_A.weight"] = (rng.normal(size=(r, d_in)) / np.sqrt(d_in)).astype(
-                np.float32
-            )
-            tensors[f"{key}.lora_B.weight"] = (rng.normal(size=(d_out, r)) / np.sqrt(r)).astype(
-                np.float32
-            )
+    tensors, adapter_config = random_adapter(config, r, seed, targets=targets, alpha=alpha)
     os.makedirs(path, exist_ok=True)
+    tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    adapter_config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": targets}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config, f)
+        json.dump({"peft_type": "LORA", **adapter_config, "target_modules": targets}, f)
     return str(path)
+
+
+def random_loras(root, config, ids, *, r=4, alpha=8):
+    """`LoRARequest`s `a{i}` for `i` in `ids`, each a random adapter of every target
+    written under `root`."""
+    from paxkv import LoRARequest
+
+    return [
+        LoRARequest(
+            f"a{i}",
+            i,
+            write_random_adapter(
+                root / f"a{i}", config, r=r, alpha=alpha, targets=ALL_TARGETS, seed=i
+            ),
+        )
+        for i in ids
+    ]

@@ -7,14 +7,13 @@ mixed in: the base rows are untouched by a neighbour's adapter)."""
 import numpy as np
 import pytest
 from engine_configs import small_config
-from peft_adapters import write_random_adapter
+from peft_adapters import random_loras
 
-from paxkv import LoRARequest, SamplingParams
+from paxkv import SamplingParams
 from paxkv.engine import Engine
 from paxkv.models import layer_stack, load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=4)
 
 
@@ -22,14 +21,7 @@ LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=4)
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-features")
     config, model, _ = load_model("tiny", dtype="float32", seed=0)
-    loras = [
-        LoRARequest(
-            f"a{i}",
-            i,
-            write_random_adapter(root / f"a{i}", config, r=4, alpha=8, targets=TARGETS, seed=i),
-        )
-        for i in (1, 2, 3)
-    ]
+    loras = random_loras(root, config, (1, 2, 3))
     rng = np.random.default_rng(0)
     # Repetitive prompts, so that n-gram lookup finds proposals.
     submissions = [

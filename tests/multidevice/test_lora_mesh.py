@@ -7,16 +7,15 @@ in a batch, with nothing compiled after warm-up."""
 import numpy as np
 import pytest
 from engine_configs import small_config
-from peft_adapters import write_random_adapter
+from peft_adapters import random_loras
 
-from paxkv import LoRARequest, SamplingParams
+from paxkv import SamplingParams
 from paxkv.engine import Engine
 from paxkv.models import load_model
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MeshShape
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _serve(engine, submissions):
@@ -37,14 +36,7 @@ def _spec(engine, *names):
 @pytest.mark.parametrize("model_axis", [2, 4])
 def test_adapters_on_a_mesh_equal_one_device(model_axis, tmp_path):
     config, model, _ = load_model("tiny", dtype="float32", seed=0)
-    loras = [
-        LoRARequest(
-            f"a{i}",
-            i,
-            write_random_adapter(tmp_path / f"a{i}", config, r=4, alpha=8, targets=TARGETS, seed=i),
-        )
-        for i in (1, 2, 3)
-    ]
+    loras = random_loras(tmp_path, config, (1, 2, 3))
     rng = np.random.default_rng(0)
     submissions = [
         (rng.integers(0, config.vocab_size, 9 + 5 * i).tolist(), [*loras, None][i % 4])
