@@ -177,6 +177,10 @@ BAD_SETTINGS = [
     (dict(token_buckets=(16, 0)), ValueError, r"token_buckets\[1\]=0"),
     (dict(max_num_seqs=3, seq_buckets=(4,)), ValueError, r"seq_buckets=\(4,\) .* max_num_seqs=3"),
     (dict(kv_host_cache_gib=-1), ValueError, r"kv_host_cache_gib=-1 must be >= 0"),
+    (dict(max_loras=0), ValueError, r"max_loras=0 must be in \[1, inf\]"),
+    (dict(max_lora_rank=-2), ValueError, r"max_lora_rank=-2 must be in \[1, inf\]"),
+    (dict(enable_lora="yes"), TypeError, r"enable_lora must be a bool"),
+    (dict(lora_method="punica"), ValueError, r"lora_method='punica' must be 'auto', 'gather'"),
     (dict(kv_host_cache_gib="1"), TypeError, r"kv_host_cache_gib must be a number"),
     (
         dict(kv_host_cache_gib=1, enable_prefix_caching=False),

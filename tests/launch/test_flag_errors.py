@@ -178,3 +178,22 @@ def test_a_job_that_never_forms_ends_in_the_stated_time_with_one_line(process_id
         "started, with the same --coordinator_address and --num_processes?"
     ), result.stderr[-3000:]
     assert "Check failure" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora_modules=sql=/ckpt/sql"], "error: --lora_modules needs --enable_lora"),
+        (
+            ["--enable_lora", "--lora_modules=sql"],
+            "error: --lora_modules entry 'sql' must be name=path",
+        ),
+        (
+            ["--enable_lora", "--lora_modules=a=/x,a=/y"],
+            "error: --lora_modules names 'a' twice",
+        ),
+    ],
+)
+def test_serve_checks_its_lora_modules_before_loading_the_model(flags, message):
+    result = _run(["paxkv.launch.serve", "--port=0", *flags])
+    assert _error_line(result) == message

@@ -97,3 +97,13 @@ def plain_like(model, submissions):
     """The same prompts on the base model (int8 pages), adapters dropped."""
     base = [(p, None) for p, _ in submissions]
     return _serve(Engine(model, small_config(96, kv_cache_dtype="int8")), base)
+
+
+def test_adapters_survive_sleep_and_wake(setup, plain):
+    _, model, submissions = setup
+    engine = Engine(model, small_config(96, **LORA))
+    first = _serve(engine, submissions[:4])
+    engine.sleep(level=2)  # the slots go to host memory with the weights, and come back
+    engine.wake_up()
+    second = _serve(engine, submissions[4:])
+    assert [o.token_ids for o in first + second] == [o.token_ids for o in plain]
