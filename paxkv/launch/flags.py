@@ -46,6 +46,13 @@ SCAN_LAYERS = flags.DEFINE_bool(
     "layer, not all of them (deep models compile in seconds); unset: the set-up's "
     "(on for the real-size set-ups).",
 )
+QUANTIZATION = flags.DEFINE_enum(
+    "quantization",
+    None,
+    ["int8", "fp8"],
+    "Quantize the projections' and experts' weights at load, a scale per output channel "
+    "(docs/quantization.md); unset: the model dtype.",
+)
 SEED = define_seed(0, "Seed of random weights, sampling and the planner's draws.")
 
 
@@ -259,6 +266,8 @@ def serving_setup() -> ServingSetup:
         model = model.replace(dtype=DTYPE.value)
     if SCAN_LAYERS.value is not None:
         model = model.replace(scan_layers=SCAN_LAYERS.value)
+    if QUANTIZATION.value is not None:
+        model = model.replace(quantization=QUANTIZATION.value)
     overrides = {
         name: _flag_ints(name, f.value) if isinstance(f.value, list) else f.value
         for name, f in _ENGINE_FLAGS.items()
@@ -309,6 +318,7 @@ def build_model(setup: ServingSetup) -> Any:
         dtype=DTYPE.value,
         seed=SEED.value,
         scan_layers=setup.model.scan_layers,
+        quantization=setup.model.quantization,
     )
     return model
 
@@ -329,6 +339,7 @@ def build_llm(setup: ServingSetup, *, warmup: bool = False, mesh: Any = None) ->
             dtype=DTYPE.value,
             seed=SEED.value,
             scan_layers=setup.model.scan_layers,
+            quantization=setup.model.quantization,
             config=setup.engine,
             warmup=warmup,
             mesh=mesh,

@@ -87,6 +87,7 @@ def load_model(
     seed: int = 0,
     mesh: Any = None,
     scan_layers: bool | None = None,
+    quantization: str | None = None,
 ) -> tuple[DecoderConfig, Model, Tokenizer | None]:
     """`(config, model, tokenizer or None)` from a preset name or a local directory.
 
@@ -104,7 +105,19 @@ def load_model(
     invalid or incomplete `config.json`, an unreadable or truncated weights file, an
     unreadable tokenizer file, parameters holding NaN or inf; OSError for a file that
     cannot be opened.
+
+    `quantization` ("int8", "fp8") quantizes the projections' and experts' weights once
+    loaded (`paxkv.models.quantized_weights`), a scale per output channel.
     """
+    if quantization is not None:
+        from .quantized_weights import check_mode, quantize_model
+
+        check_mode(quantization)
+        config, model, tokenizer = load_model(
+            name_or_path, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
+        )
+        quantize_model(model, quantization)
+        return model.config, model, tokenizer
     from .registry import BYTE_LEVEL_PRESETS, PRESETS, init_model
     from .tokenizer import ByteTokenizer, load_tokenizer
     from .weights import ORBAX_PARAMS_DIR, load_hf_checkpoint, read_hf_config, restore_params

@@ -88,6 +88,9 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     scan_layers: bool = False
+    # Weight-only quantization of the projections and experts ("int8", "fp8"; None:
+    # the model dtype), set by `paxkv.models.quantized_weights.quantize_model`.
+    quantization: str | None = None
 
     def __post_init__(self):
         """ValueError showing the value for a dtype, size, head count, head dim, norm

@@ -20,10 +20,9 @@ from flax import nnx
 
 from paxkv.sharding.shardings import COLUMN, ROW, SplitRule
 
-from . import layer_stack, lora
+from . import layer_stack, lora, quantized_weights
 from .decoder_config import DecoderConfig
 from .llama_config import Llama3RopeScaling
-from .lora import project
 
 INIT_STD = 0.02  # Hugging Face's initializer_range for these models
 # MLP activations by their Hugging Face names; gelu_pytorch_tanh is tanh-approximate.
@@ -171,6 +170,23 @@ def linear(config: DecoderConfig, d_in: int, d_out: int, *, bias: bool, rngs) ->
         kernel_init=nnx.initializers.normal(INIT_STD),
         rngs=rngs,
     )
+
+
+def project(proj: nnx.Module, x: jax.Array, lora_slots: jax.Array | None) -> jax.Array:
+    """A projection of `x [T, in]` -> `[T, out]`: `proj(x)`, or its quantized matmul for
+    quantized weights (`paxkv.models.quantized_weights`), plus each row's LoRA adapter
+    when `lora_slots` (i32[T], each row's slot) is given and `proj` has slots
+    (`paxkv.models.lora`)."""
+    quantized = hasattr(proj, "kernel_scale")
+    y = quantized_weights.quantized_matmul(proj, x) if quantized else proj(x)
+    a = getattr(proj, "lora_a", None)
+    if lora_slots is None or a is None:
+        return y
+    method = proj.lora_method
+    if method == "auto":  # the step's rows are static: one choice per compiled shape
+        method = "gather" if x.shape[0] <= lora.GATHER_MAX_ROWS else "ragged"
+    delta = lora.lora_delta(x, a[...], proj.lora_b[...], lora_slots, method, proj.precision)
+    return (y.astype(jnp.float32) + delta).astype(y.dtype)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:  # f32, x's shape

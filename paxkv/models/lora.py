@@ -116,21 +116,6 @@ def lora_delta(
     return out
 
 
-def project(proj: nnx.Module, x: jax.Array, lora: jax.Array | None) -> jax.Array:
-    """`proj(x)` (`[T, in]` -> `[T, out]`), plus each row's adapter when `lora` (i32[T],
-    each row's slot) is given and `proj` has slots (`add_lora_slots`)."""
-    y = proj(x)
-    a = getattr(proj, "lora_a", None)
-    if lora is None or a is None:
-        return y
-    precision = getattr(proj, "precision", None)
-    method = proj.lora_method
-    if method == "auto":  # the step's rows are static: one choice per compiled shape
-        method = "gather" if x.shape[0] <= GATHER_MAX_ROWS else "ragged"
-    delta = lora_delta(x, a[...], proj.lora_b[...], lora, method, precision)
-    return (y.astype(jnp.float32) + delta).astype(y.dtype)
-
-
 def stacked_layers(model: nnx.Module) -> list[list[int]]:
     """For each module of `layer_stack.layer_modules`, the model layers it holds, in the
     order of its leading axis (one layer for an unstacked module)."""

@@ -39,6 +39,7 @@ from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MODEL_AXIS
 from paxkv.sharding.shardings import COLUMN, EXPERT, ROW, SplitRule
 
+from . import quantized_weights
 from .decoder_config import DecoderConfig
 from .layers import INIT_STD, linear, matmul_precision
 from .moe_config import GROUPED_MATMULS
@@ -293,8 +294,13 @@ class Experts(nnx.Module):
         self.form = form
 
     def __getitem__(self, name: str) -> jax.Array:
-        """The parameter `name`'s value."""
-        return getattr(self, name)[...]
+        """The parameter `name`'s value (dequantized, for quantized weights:
+        `paxkv.models.quantized_weights`)."""
+        value = getattr(self, name)[...]
+        scale = getattr(self, name + quantized_weights.SCALE, None)
+        if scale is None:
+            return value
+        return quantized_weights.dequantize(value, scale[...], scale.get_value().dtype)
 
 
 class MoE(nnx.Module):

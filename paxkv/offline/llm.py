@@ -61,6 +61,9 @@ class LLM:
       dtype: parameter dtype ("float32", "bfloat16"); None keeps the model's.
       scan_layers: hold the layers stacked and run them as one scan, so each step
         shape compiles one layer rather than all of them (deep models); None: off.
+      quantization: "int8" or "fp8" quantizes the projections' and experts' weights at
+        load, a scale per output channel (`paxkv.models.quantized_weights`; the
+        quantization extra); None: the model dtype.
       seed: seed of random initialisation (presets), and with `config=None` of requests
         without a seed (a given `config` carries its own).
       mesh: a `jax.sharding.Mesh` of one replica to shard the model and cache over
@@ -96,6 +99,7 @@ class LLM:
         seed: int = 0,
         mesh: Any = None,
         scan_layers: bool | None = None,
+        quantization: str | None = None,
         config: EngineConfig | None = None,
         warmup: bool | str = True,
         cache_dir: str | None = None,
@@ -106,7 +110,12 @@ class LLM:
         # On a mesh the weights are loaded straight into their shardings.
         mesh = mesh if mesh is not None else shardings.default_mesh()
         model_config, module, tokenizer = models.load_model(
-            model, dtype=dtype, seed=seed, mesh=mesh, scan_layers=scan_layers
+            model,
+            dtype=dtype,
+            seed=seed,
+            mesh=mesh,
+            scan_layers=scan_layers,
+            quantization=quantization,
         )
         config = _engine_config(config or default_engine_config(model_config, seed), engine_kwargs)
         draft = _draft_model(models, config, tokenizer, dtype=dtype, seed=seed, mesh=mesh)

@@ -301,7 +301,8 @@ def param_spec(
         if names.issuperset(rule.modules):
             named = True
             if m.splits(getattr(config, rule.divisor)):
-                bias = path[-1].endswith("bias")
+                # A bias, or a quantized kernel's scale (`[..., 1, out]`): split as the outputs.
+                bias = path[-1].endswith(("bias", "_scale"))
                 return kernel_spec(rule.parallel, len(shape), bias=bias)
     if not named and len(shape) > 2:
         raise ValueError(f"no sharding rule for the parameter {'.'.join(path)} of shape {shape}")

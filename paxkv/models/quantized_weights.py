@@ -1,0 +1,117 @@
+"""Weight-only quantization of a model's projections and experts: int8 or fp8, a scale
+per output channel, with qwix (the quantization library tpu-inference and MaxText use).
+
+`quantize_model(model, "int8")` replaces, in place, the kernel of every projection the
+layers hold (attention q/k/v/o, the MLP's gate/up/down) and every expert weight of the
+MoE families by its quantized values (`int8`, or `float8_e4m3fn` for "fp8") and adds
+`kernel_scale` (`{name}_scale` for experts): `kernel ~= qvalue * scale`, one scale per
+output column of each layer (and expert), absmax-calibrated. The embedding, the LM head,
+norms, biases and routers stay in the model dtype: they are a small share of the bytes
+(the head reads only the rows' logits) and the most sensitive.
+
+A quantized projection runs `qwix.dot_general` on the stored values and scales
+(`project`); an expert weight is dequantized where its grouped matmul reads it. The
+scales are `nnx.Param`s, so they shard with their kernels' output channels (as biases
+do: `paxkv.sharding.shardings.param_spec`) and `update_weights` checks them like any
+parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from . import layer_stack
+
+# Modes by name, and the dtype their values are stored in.
+QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCALE = "_scale"  # the suffix of a scale's name: `kernel_scale`, `w1_scale`
+
+
+def _qwix() -> Any:
+    try:
+        import qwix
+    except ImportError:
+        raise ImportError("quantized weights need qwix: pip install -e '.[quantization]'") from None
+    return qwix
+
+
+def check_mode(mode: str) -> str:
+    """`mode` if it is one of `QTYPES`; ValueError naming the field otherwise."""
+    if mode not in QTYPES:
+        raise ValueError(f"quantization={mode!r} must be one of {sorted(QTYPES)} (or None)")
+    return mode
+
+
+def quantize_weight(w: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
+    """`w [..., in, out]` as (values in `QTYPES[mode]`, scale `[..., 1, out]` in w's
+    dtype): one absmax scale per output channel of each leading index (layer, expert)."""
+    q = _qwix().quantize(
+        w, QTYPES[check_mode(mode)], channelwise_axes=[a for a in range(w.ndim) if a != w.ndim - 2]
+    )
+    return q.qvalue, q.scale
+
+
+def dequantize(values: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """`values * scale` in `dtype` (the reference of a quantized matmul)."""
+    return (values.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+
+
+_quantize = jax.jit(quantize_weight, static_argnames="mode")
+
+
+def _projections(layer: nnx.Module) -> list[nnx.Module]:
+    """The projections (`nnx.Linear`s) of a layer's attention and dense MLP."""
+    out = []
+    for holder in ("self_attn", "mlp"):
+        module = getattr(layer, holder, None)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            proj = getattr(module, name, None) if module is not None else None
+            if proj is not None and hasattr(proj, "kernel"):
+                out.append(proj)
+    return out
+
+
+def _experts(layer: nnx.Module) -> list[tuple[nnx.Module, str]]:
+    """`(experts module, weight name)` of each expert weight stack of a MoE layer."""
+    moe = getattr(layer, getattr(layer, "moe_attribute", ""), None)
+    experts = getattr(moe, "experts", None)
+    if experts is None:
+        return []
+    form = experts.form
+    return [(experts, name) for name in (*form.inputs, form.output)]
+
+
+def quantize_model(model: nnx.Module, mode: str) -> None:
+    """Quantizes `model`'s projections and experts in place (see the module docstring);
+    sets `config.quantization`. ValueError for an unknown mode or a model quantized already."""
+    check_mode(mode)
+    if getattr(model.config, "quantization", None):
+        raise ValueError(f"the model is quantized already ({model.config.quantization})")
+    for layer in layer_stack.layer_modules(model):
+        for proj in _projections(layer):
+            values, scale = _quantize(proj.kernel.get_value(), mode=mode)
+            proj.kernel = nnx.Param(values)
+            proj.kernel_scale = nnx.Param(scale)
+        for experts, name in _experts(layer):
+            values, scale = _quantize(getattr(experts, name).get_value(), mode=mode)
+            setattr(experts, name, nnx.Param(values))
+            setattr(experts, name + SCALE, nnx.Param(scale))
+    model.config = model.config.replace(quantization=mode)
+
+
+def quantized_matmul(proj: nnx.Module, x: jax.Array) -> jax.Array:
+    """`x [T, in] @ kernel` of a quantized projection (`[T, out]`, x's dtype), with
+    its bias: qwix's dot_general of x with the stored values and scales."""
+    qwix = _qwix()
+    values, scale = proj.kernel[...], proj.kernel_scale[...]
+    w = qwix.QArray(qvalue=values, scale=scale, qtype=values.dtype)
+    y = qwix.dot_general(
+        x.astype(scale.dtype), w, (((x.ndim - 1,), (0,)), ((), ())), precision=proj.precision
+    )
+    if proj.bias is not None:
+        y = y + proj.bias[...]
+    return y.astype(x.dtype)

@@ -1,0 +1,113 @@
+"""Quantized weights (int8 and fp8, a scale per output channel) against a
+dequantize-then-matmul reference: the same model with every quantized kernel replaced
+by `values * scale` in f32, per family (dense, Qwen3, Gemma 3, Mixtral and Qwen3-MoE
+experts, gpt-oss), logit for logit; the engine against the quantized model's dense
+oracle, token for token; the bytes halved against bf16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_gemma import check_engine_matches_dense
+from test_models import perturbed_model
+
+from paxkv.models import load_model
+from paxkv.models.gemma_config import TINY_GEMMA3
+from paxkv.models.gpt_oss_config import TINY_GPT_OSS
+from paxkv.models.llama_config import TINY, TINY_QWEN3
+from paxkv.models.moe_config import TINY_MIXTRAL, TINY_QWEN3_MOE
+from paxkv.models.quantized_weights import QTYPES, quantize_model
+
+pytest.importorskip("qwix")
+
+CONFIGS = {
+    "llama": TINY,
+    "qwen3": TINY_QWEN3,
+    "gemma3": TINY_GEMMA3.replace(sliding_window=8),
+    "mixtral": TINY_MIXTRAL,
+    "qwen3-moe": TINY_QWEN3_MOE,
+    "gpt-oss": TINY_GPT_OSS,
+}
+
+
+def _dequantized_reference(original, quantized):
+    """`original` (unquantized) with each weight `quantized` quantized replaced by its
+    `values * scale`, in f32: the reference of the quantized matmuls."""
+    reference = nnx.clone(original)
+    flat = dict(nnx.to_flat_state(nnx.state(quantized, nnx.Param)))
+    updates = []
+    for path, scale in flat.items():
+        if path[-1].endswith("_scale"):
+            weight = (*path[:-1], path[-1].removesuffix("_scale"))
+            values = flat[weight].get_value().astype(jnp.float32)
+            updates.append((weight, nnx.Param(values * scale.get_value().astype(jnp.float32))))
+    assert updates
+    nnx.update(reference, nnx.from_flat_state(updates))
+    return reference
+
+
+@pytest.mark.parametrize("mode", sorted(QTYPES))
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_quantized_logits_equal_the_dequantized_reference(name, mode):
+    original = perturbed_model(CONFIGS[name].replace(dtype="float32"))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, 24), jnp.int32)
+    before = np.asarray(original.dense_logits(tokens))
+    model = nnx.clone(original)
+    quantize_model(model, mode)
+    assert model.config.quantization == mode
+    got = np.asarray(model.dense_logits(tokens))
+    reference = np.asarray(_dequantized_reference(original, model).dense_logits(tokens))
+    np.testing.assert_allclose(got, reference, rtol=0, atol=2e-5)
+    # Quantized, not a copy: the logits moved (how far, on a trained model:
+    # docs/quantization.md; these random ones are sharp, which amplifies it).
+    moved = np.abs(got - before).max()
+    assert 0 < moved < np.abs(before).max()
+
+
+def test_the_weights_round_to_their_channel_scale():
+    model = perturbed_model(TINY.replace(dtype="float32"))
+    kernel = np.asarray(model.layers[0].self_attn.q_proj.kernel.get_value())
+    quantize_model(model, "int8")
+    proj = model.layers[0].self_attn.q_proj
+    values, scale = np.asarray(proj.kernel.get_value()), np.asarray(proj.kernel_scale.get_value())
+    assert values.dtype == np.int8 and scale.shape == (1, kernel.shape[1])
+    # qwix's absmax calibration maps each column's largest magnitude to 127.5 steps.
+    np.testing.assert_allclose(scale[0], np.abs(kernel).max(axis=0) / 127.5, rtol=1e-6)
+    error = np.abs(values * scale - kernel)
+    inner = np.abs(kernel) < 127 * scale  # rounded to the nearest step
+    assert (error[inner] <= (scale / 2 + 1e-7).repeat(kernel.shape[0], 0)[inner]).all()
+    assert error.max() <= scale.max() / 2 + 1e-7 or (error <= scale + 1e-7).all()
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_engine_greedy_equals_the_quantized_dense_oracle(name):
+    model = perturbed_model(CONFIGS[name].replace(dtype="float32"))
+    quantize_model(model, "int8")
+    check_engine_matches_dense(model, hybrid_kv_cache=False)
+
+
+def test_int8_halves_the_bf16_bytes_of_the_weights_it_quantizes():
+    _, model, _ = load_model("tiny", dtype="bfloat16")
+    sizes = lambda m, kind: sum(
+        x.nbytes
+        for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(m, nnx.Param))
+        if ("proj" in jax.tree_util.keystr(path)) == (kind == "projections")
+    )
+    before = sizes(model, "projections"), sizes(model, "rest")
+    quantize_model(model, "int8")
+    after = sizes(model, "projections"), sizes(model, "rest")
+    # The scales (one bf16 per output channel) are the only bytes beyond half.
+    assert before[0] / 2 < after[0] < before[0] / 2 * 1.05
+    assert after[1] == before[1]  # embedding, head and norms untouched
+
+
+def test_bad_modes_and_double_quantization_are_refused():
+    _, model, _ = load_model("tiny", dtype="float32")
+    with pytest.raises(ValueError, match=r"quantization='int4' must be one of \['fp8', 'int8'\]"):
+        quantize_model(model, "int4")
+    quantize_model(model, "int8")
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_model(model, "fp8")
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        load_model("tiny", quantization="int4")
