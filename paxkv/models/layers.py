@@ -342,12 +342,15 @@ def duplicate_kv_heads(model: Any, factor: int) -> None:
             lead = kernel.shape[:-1]
             heads = kernel.reshape(*lead, c.num_kv_heads, d)
             proj.kernel.set_value(jnp.repeat(heads, factor, axis=-2).reshape(*lead, -1))
-            if proj.bias is not None:
-                bias = proj.bias.get_value()  # [Hkv * D], stacked: [L, Hkv * D]
-                heads = bias.reshape(*bias.shape[:-1], c.num_kv_heads, d)
-                proj.bias.set_value(
-                    jnp.repeat(heads, factor, axis=-2).reshape(*bias.shape[:-1], -1)
-                )
+            # Per output column: the bias ([Hkv * D]) and a quantized kernel's scale
+            # ([1, Hkv * D]; stacked: a leading [L]).
+            for column in (proj.bias, getattr(proj, "kernel_scale", None)):
+                if column is not None:
+                    value = column.get_value()
+                    heads = value.reshape(*value.shape[:-1], c.num_kv_heads, d)
+                    column.set_value(
+                        jnp.repeat(heads, factor, axis=-2).reshape(*value.shape[:-1], -1)
+                    )
         attn.num_kv_heads = c.num_kv_heads * factor
     model.config = c.replace(num_kv_heads=c.num_kv_heads * factor)
     model.kv_head_repeats = getattr(model, "kv_head_repeats", 1) * factor

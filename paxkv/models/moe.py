@@ -388,10 +388,15 @@ def sharding_rules(form: ExpertForm) -> tuple[SplitRule, ...]:
     divides `intermediate_size` (the inputs and their biases by column, keeping a fused
     projection's gate and up pairs together, the output by row), else replicated. The
     router and the output's bias are replicated."""
-    by_expert = tuple(SplitRule(("experts", n), EXPERT, "num_experts") for n in form.names)
-    inputs = form.names[: len(form.inputs)] + form.names[len(form.inputs) + 1 :]
+    # Quantized weights' scales (`paxkv.models.quantized_weights`) split as their weights'
+    # output channels: with them by expert or by column, replicated by row.
+    scale = quantized_weights.SCALE
+    names = (*form.names, *(n + scale for n in (*form.inputs, form.output)))
+    by_expert = tuple(SplitRule(("experts", n), EXPERT, "num_experts") for n in names)
+    inputs = [n for n in names if n not in (form.output, form.output + scale)]
     inside = (
         *(SplitRule(("experts", n), COLUMN, "intermediate_size") for n in inputs),
         SplitRule(("experts", form.output), ROW, "intermediate_size"),
+        SplitRule(("experts", form.output + scale), ROW, "intermediate_size"),
     )
     return by_expert + inside
