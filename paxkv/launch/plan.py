@@ -75,8 +75,9 @@ def main(argv: list[str]) -> None:
         mesh = launch_flags.mesh_shape() or ONE_DEVICE
         try:
             budget = _budget(setup.model, mesh)
-        except ValueError as e:  # the weights fill the device: a larger model axis may not
-            remedy = _mesh_remedy(setup, mesh)
+        except ValueError as e:  # the weights fill the device: quantized, or split, may not
+            remedies = [_quantization_remedy(setup, mesh), _mesh_remedy(setup, mesh)]
+            remedy = " or ".join(r for r in remedies if r is not None)
             raise ValueError(f"{e}; fits with {remedy}" if remedy else str(e)) from None
         report = build_report(
             setup.model,
@@ -100,6 +101,7 @@ def main(argv: list[str]) -> None:
     except (ValueError, OSError) as e:
         exit_with_error(str(e))
     print(report.to_markdown(), end="", flush=True)
+    print(_weights_section(setup, mesh), end="", flush=True)
     problem = _fit_problem(report, setup, mesh)
     if problem is not None:
         exit_with_error(problem, status=1)
@@ -139,6 +141,9 @@ def _fit_problem(report: CapacityReport, setup: ServingSetup, mesh: MeshShape) -
     longest = (p.kv_budget_bytes // layer_pages - 1) * p.page_size
     if longest > 0:
         remedies.append(f"--max_model_len={longest}")
+    quantization_remedy = _quantization_remedy(setup, mesh)
+    if quantization_remedy is not None:
+        remedies.append(quantization_remedy)
     mesh_remedy = _mesh_remedy(setup, mesh)
     if mesh_remedy is not None:
         remedies.append(mesh_remedy)
@@ -150,6 +155,71 @@ def _fit_problem(report: CapacityReport, setup: ServingSetup, mesh: MeshShape) -
         f"{1 + p.pages_per_seq} pages of {layer_pages} bytes, the null page included)"
         + (f"; fits with {' or '.join(remedies)}" if remedies else "")
     )
+
+
+WEIGHT_OPTIONS = (None, "int8", "fp8")  # the model dtype, then quantized weights
+
+
+def _fit(model: DecoderConfig, setup: ServingSetup, mesh: MeshShape) -> capacity.CapacityPlan:
+    """The plan of one max_model_len sequence in the requested cache, with `model`'s
+    weights; ValueError when the weights leave no KV budget."""
+    engine = setup.engine
+    budget = _budget(model, mesh)
+    return capacity.plan_capacity(
+        model,
+        kv_budget_bytes=budget.kv_budget_bytes,
+        page_size=engine.page_size,
+        lengths=[engine.max_model_len],
+        max_model_len=engine.max_model_len,
+        kv_cache_dtype=engine.kv_cache_dtype,
+        mesh=mesh,
+        platform=kv_budget.DEVICE_PLATFORM.get(budget.device) if budget.device else None,
+    )
+
+
+def _weights_section(setup: ServingSetup, mesh: MeshShape) -> str:
+    """A markdown table of the model's weights in its dtype and quantized (int8, fp8:
+    `--quantization`), each with the KV pages it leaves in the requested cache and the
+    max_model_len sequences they hold; and which fit one."""
+    engine = setup.engine
+    lines = [
+        "",
+        f"## Weights: what each leaves the {engine.kv_cache_dtype} KV cache",
+        "",
+        "| weights | bytes per device | --num_pages | sequences of max_model_len |",
+        "|---|---:|---:|---:|",
+    ]
+    fits = []
+    for mode in WEIGHT_OPTIONS:
+        model = setup.model.replace(quantization=mode)
+        label = f"{model.dtype}" if mode is None else f"{mode} (--quantization={mode})"
+        weights = parameters.weights_bytes(model, mesh=mesh)
+        try:
+            plan = _fit(model, setup, mesh)
+        except ValueError:
+            lines.append(f"| {label} | {format_bytes(weights)} | does not fit | 0 |")
+            continue
+        seqs = plan.num_pages // plan.pages_per_seq if plan.pages_per_seq else 0
+        lines.append(f"| {label} | {format_bytes(weights)} | {plan.num_pages} | {seqs} |")
+        if plan.fits_one_sequence:
+            fits.append(label)
+    lines += ["", f"One max_model_len sequence fits with: {', '.join(fits) or 'none'}.", ""]
+    return "\n".join(lines)
+
+
+def _quantization_remedy(setup: ServingSetup, mesh: MeshShape) -> str | None:
+    """`--quantization=int8 (...)` when the model's weights do not fit one sequence
+    unquantized but do quantized; None otherwise (or when already quantized)."""
+    if setup.model.quantization:
+        return None
+    for mode in WEIGHT_OPTIONS[1:]:
+        try:
+            plan = _fit(setup.model.replace(quantization=mode), setup, mesh)
+        except ValueError:
+            continue
+        if plan.fits_one_sequence:
+            return f"--quantization={mode} ({plan.num_pages} pages)"
+    return None
 
 
 # Model-axis sizes `_mesh_remedy` tries, beyond the requested one.

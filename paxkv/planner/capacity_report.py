@@ -132,7 +132,8 @@ class CapacityReport:
             "",
             f"- model: {m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim} head dim; "
             f"{_count(num_parameters(m))} parameters{self._experts_note()}, "
-            f"{format_bytes(b.weights_bytes)} of {self.dtype} weights",
+            f"{format_bytes(b.weights_bytes)} of {self.dtype} weights"
+            + (f" ({m.quantization} projections)" if getattr(m, "quantization", None) else ""),
             f"- KV budget: {format_bytes(b.kv_budget_bytes)} ({b.kv_budget_bytes} bytes)"
             + (
                 f" = {b.kv_fraction} x ({b.device} {format_bytes(b.device_bytes)} - weights "

@@ -119,8 +119,45 @@ def num_parameters_per_device(model: DecoderConfig, mesh: MeshShape) -> int:
     return vocab + model.num_layers * layer + h
 
 
+# Bytes of one stored value of each weight quantization (`paxkv.models.quantized_weights`).
+QUANTIZED_ITEMSIZE = {"int8": 1, "fp8": 1}
+
+
+def quantized_parameters_per_device(model: DecoderConfig, mesh: MeshShape) -> tuple[int, int]:
+    """`(weights, scales)`: the parameters weight quantization stores quantized on each
+    device of `mesh` (every layer's attention projections and MLP or expert weights,
+    split as `num_parameters_per_device` splits them), and the per-output-channel
+    scales it adds (split with their outputs; replicated for the row-parallel o and
+    down projections)."""
+    h, d, m = model.hidden_size, model.head_dim, mesh.model
+    q, kv = model.num_heads * d, model.num_kv_heads * d
+    attention, attention_scales = h * q + 2 * h * kv + q * h, q + 2 * kv + h
+    if mesh.splits(model.num_kv_heads):
+        attention, attention_scales = attention // m, (q + 2 * kv) // m + h
+    i, e = model.intermediate_size, max(_num_experts(model), 1)
+    mlp, mlp_scales = 3 * h * i * e, (2 * i + h) * e
+    if _num_experts(model) and mesh.splits(_num_experts(model)):
+        mlp, mlp_scales = mlp // m, mlp_scales // m
+    elif mesh.splits(i):
+        mlp, mlp_scales = mlp // m, (2 * i // m + h) * e
+    layers = model.num_layers
+    return layers * (attention + mlp), layers * (attention_scales + mlp_scales)
+
+
 def weights_bytes(
-    model: DecoderConfig, dtype: str | None = None, *, mesh: MeshShape = ONE_DEVICE
+    model: DecoderConfig,
+    dtype: str | None = None,
+    *,
+    mesh: MeshShape = ONE_DEVICE,
+    quantization: str | None = None,
 ) -> int:
-    """Bytes of the parameters in `dtype` (None: the model's) on each device of `mesh`."""
-    return num_parameters_per_device(model, mesh) * np.dtype(dtype or model.dtype).itemsize
+    """Bytes of the parameters in `dtype` (None: the model's) on each device of `mesh`,
+    with the weights `quantization` (None: the model's own, `config.quantization`)
+    stores quantized taking `QUANTIZED_ITEMSIZE` bytes each, and their scales `dtype`'s."""
+    itemsize = np.dtype(dtype or model.dtype).itemsize
+    total = num_parameters_per_device(model, mesh) * itemsize
+    mode = quantization or getattr(model, "quantization", None)
+    if not mode:
+        return total
+    weights, scales = quantized_parameters_per_device(model, mesh)
+    return total - weights * (itemsize - QUANTIZED_ITEMSIZE[mode]) + scales * itemsize

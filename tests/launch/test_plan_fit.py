@@ -51,10 +51,13 @@ def test_v5e_prints_the_report_then_what_fits(runs):
     # int8 pages are half the size (plus scales): they fit; so does a shorter limit,
     # and two devices, each holding half the KV heads and about half the weights.
     longest = (pages - 1) * 16
+    # int8 weights (8.46 GiB: the embedding and head stay bfloat16) leave 3474 pages.
     assert (
         "fits with --kv_cache_dtype=int8 or --kv_cache_dtype=fp8 or --kv_cache_dtype=fp8_e5m2 "
-        f"or --max_model_len={longest} or --mesh=model:2,data:1 (" in err
+        f"or --max_model_len={longest} or --quantization=int8 (3474 pages) "
+        "or --mesh=model:2,data:1 (" in err
     )
+    assert "| int8 (--quantization=int8) | 8.46 GiB | 3474 | 6 |" in out
 
 
 def test_v5e_int8_fits(runs):
@@ -83,4 +86,6 @@ def test_weights_that_fill_the_device_name_the_mesh(runs):
     # float32: 29.92 GiB of weights on a 16 GiB device; model:2 leaves 0.9 GiB for
     # 513 float32 pages of 2 MiB (4 heads a device): no; model:4 does.
     assert result.returncode == 2 and result.stdout == ""
-    assert "nothing is left for the KV cache; fits with --mesh=model:4,data:1 (" in err
+    # int8 projections (the embedding and head stay float32) leave room for the cache.
+    assert "nothing is left for the KV cache; fits with --quantization=int8 (" in err
+    assert "or --mesh=model:4,data:1 (" in err

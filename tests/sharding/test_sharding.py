@@ -238,3 +238,30 @@ def test_launch_flags():
     for name, message in expected_errors.items():
         _, err, rc = runs[name]
         assert rc == 2 and message in err, (name, err)
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny", "tiny-mixtral", "tiny-gpt-oss", "tiny-gemma3", "qwen2.5-7b"]
+)
+def test_plan_counts_the_sharded_bytes_of_quantized_weights(name):
+    pytest.importorskip("qwix")
+    from paxkv.models.quantized_weights import quantize_model
+
+    def quantized():
+        model = init_model(PRESETS[name])
+        quantize_model(model, "int8")
+        return model
+
+    _, params = nnx.split(nnx.eval_shape(quantized))
+    config = PRESETS[name].replace(quantization="int8")
+    leaves = jax.tree_util.tree_leaves(params)
+    for model in (1, 2, 4, 8):
+        mesh = AbstractMesh((1, model), ("data", "model"))
+        specs = jax.tree_util.tree_leaves(
+            shardings.param_specs(params, config, mesh), is_leaf=lambda x: isinstance(x, P)
+        )
+        held = sum(
+            math.prod(x.shape) // (model if "model" in spec else 1) * x.dtype.itemsize
+            for x, spec in zip(leaves, specs, strict=True)
+        )
+        assert held == parameters.weights_bytes(config, mesh=MeshShape(model=model)), model
