@@ -30,6 +30,13 @@ _MODEL = flags.DEFINE_string(
 _KV_CACHE_DTYPES = flags.DEFINE_multi_enum(
     "kv_cache_dtypes", list(_DEFAULTS.kv_cache_dtypes), KV_CACHE_DTYPES, "Cache dtypes to compare."
 )
+_WEIGHTS = flags.DEFINE_multi_enum(
+    "weight_quantizations",
+    ["none"],
+    ["none", "int8", "fp8"],
+    "Weights to measure: none (the model's dtype), int8, fp8 (each with every "
+    "--kv_cache_dtypes; repeat the flag for several).",
+)
 _NUM_WINDOWS = flags.DEFINE_integer(
     "num_windows", _DEFAULTS.num_windows, "Held-out windows for perplexity.", lower_bound=1
 )
@@ -69,6 +76,7 @@ def main(argv: list[str]) -> None:
         exit_with_error(f"unexpected arguments {argv[1:]}")
     config = quality.QualityConfig(
         kv_cache_dtypes=tuple(_KV_CACHE_DTYPES.value),
+        weight_quantizations=tuple(_WEIGHTS.value),
         num_windows=_NUM_WINDOWS.value,
         window_len=_WINDOW_LEN.value,
         chunk_len=_CHUNK_LEN.value,

@@ -1,7 +1,9 @@
-"""What a quantized KV cache costs in quality: held-out perplexity and greedy agreement.
+"""What a quantized KV cache, or quantized weights, cost in quality: held-out
+perplexity and greedy agreement.
 
 Both measures run the model over the paged cache, so the quantized KV write and the
-dequantizing attention read are what change between the rows:
+dequantizing attention read (and the quantized projections: `paxkv.models.
+quantized_weights`) are what change between the rows:
 
 * **Perplexity** is teacher-forced. Each held-out window is prefilled through the
   model's paged `__call__` in chunks of `chunk_len` tokens, so every chunk attends to
@@ -32,10 +34,12 @@ from paxkv.engine import Engine, EngineConfig
 from paxkv.engine.device.step import forward_logits
 from paxkv.host.request import SamplingParams
 from paxkv.kv_cache import PagedKVCache, PageTable
+from paxkv.models.quantized_weights import quantize_model
 from paxkv.models.training import spaced_windows
 from paxkv.pallas_kernels.layout import cdiv
 
 REFERENCE_DTYPE = "auto"
+NO_QUANTIZATION = "none"  # the weights in the model's own dtype
 
 
 def _chunk_nll(graphdef, state, kv_cache, tokens, positions, targets, table, *, attention_backend):
@@ -207,6 +211,8 @@ class QualityConfig:
     """The measurement's sizes; the defaults run in a few minutes on a 2-core CPU."""
 
     kv_cache_dtypes: tuple[str, ...] = ("auto", "int8", "fp8")
+    # Weights: "none" (the model's dtype), "int8", "fp8"; each with every cache dtype.
+    weight_quantizations: tuple[str, ...] = (NO_QUANTIZATION,)
     num_windows: int = 64
     window_len: int = 256
     chunk_len: int = 64
@@ -225,20 +231,26 @@ def evaluate(
     *,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
-    """Perplexity and greedy agreement of every cache dtype on held-out bytes `eval_data`.
+    """Perplexity and greedy agreement of every weight quantization and cache dtype on
+    held-out bytes `eval_data`.
 
     Returns `{"config", "dense", "rows"}`: the dense forward's perplexity (the oracle the
-    "auto" row must match), and one row per dtype with its perplexity, its relative
-    perplexity change against "auto", the mean absolute difference of its per-token NLL
-    from "auto"'s (`nll_abs_diff`, nats: how far the cache moves each prediction, either
-    way), its agreement with "auto" and its seconds. `progress(done, total, stage)` is
+    unquantized "auto" row must match), and one row per (weights, cache dtype) with its
+    perplexity, its relative perplexity change against the unquantized "auto" row, the
+    mean absolute difference of its per-token NLL from that row's (`nll_abs_diff`,
+    nats: how far quantization moves each prediction, either way), its agreement with
+    that row and its seconds. `progress(done, total, stage)` is
     called before each of its `total` stages (the dense forward, then each dtype's
     perplexity and greedy runs) with the number done and the one starting, and once at
     the end (`done == total`, stage "done").
     """
     dtypes = list(dict.fromkeys((REFERENCE_DTYPE, *config.kv_cache_dtypes)))
+    weights = list(dict.fromkeys((NO_QUANTIZATION, *config.weight_quantizations)))
+    variants = [(w, d) for w in weights for d in dtypes]
     stages = ["dense forward"]
-    stages += [f"{d} {what}" for d in dtypes for what in ("perplexity", "greedy")] + ["done"]
+    stages += [
+        f"{w} weights, {d} {what}" for w, d in variants for what in ("perplexity", "greedy")
+    ] + ["done"]
 
     def report(done: int) -> None:
         if progress is not None:
@@ -248,12 +260,15 @@ def evaluate(
     prompts = line_start_prompts(eval_data, config.num_prompts, config.prompt_len)
     report(0)
     dense = perplexity(dense_nll(model, windows))
-    rows, reference = [], None
-    for i, dtype in enumerate(dtypes):
+    rows, reference, models = [], None, {NO_QUANTIZATION: model}
+    for i, (mode, dtype) in enumerate(variants):
         start = time.perf_counter()
         report(1 + 2 * i)
+        if mode not in models:
+            models[mode] = nnx.clone(model)
+            quantize_model(models[mode], mode)
         nll = paged_nll(
-            model,
+            models[mode],
             windows,
             kv_cache_dtype=dtype,
             chunk_len=config.chunk_len,
@@ -264,7 +279,7 @@ def evaluate(
         ppl = perplexity(nll)
         report(2 + 2 * i)
         tokens = greedy_continuations(
-            model,
+            models[mode],
             prompts,
             kv_cache_dtype=dtype,
             max_tokens=config.max_tokens,
@@ -275,6 +290,7 @@ def evaluate(
             reference, reference_nll, reference_ppl = tokens, nll, ppl["perplexity"]
         rows.append(
             {
+                "weights": mode,
                 "kv_cache_dtype": dtype,
                 **ppl,
                 "perplexity_change": ppl["perplexity"] / reference_ppl - 1,
@@ -290,12 +306,13 @@ def evaluate(
 def markdown_table(result: dict[str, Any]) -> str:
     """The rows of `evaluate` as a Markdown table."""
     lines = [
-        "| kv cache | bits/byte | perplexity | vs auto | mean abs ΔNLL | prefix agreement | token agreement | identical |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| weights | kv cache | bits/byte | perplexity | vs unquantized | mean abs ΔNLL | prefix agreement | token agreement | identical |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['kv_cache_dtype']} | {r['bits_per_byte']:.4f} | {r['perplexity']:.4f} "
+            f"| {r['weights']} | {r['kv_cache_dtype']} | {r['bits_per_byte']:.4f} "
+            f"| {r['perplexity']:.4f} "
             f"| {100 * r['perplexity_change']:+.3f}% | {r['nll_abs_diff']:.5f} "
             f"| {r['prefix_agreement']:.3f} "
             f"| {r['token_agreement']:.3f} | {r['identical']:.3f} |"

@@ -1,5 +1,6 @@
 """The KV-cache quality measures on the trained tiny-py model, at a very small size."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -49,10 +50,10 @@ def result(evaluated):
 def test_progress_names_each_stage_before_it_runs(evaluated):
     assert evaluated[1] == [
         (0, 5, "dense forward"),
-        (1, 5, "auto perplexity"),
-        (2, 5, "auto greedy"),
-        (3, 5, "int8 perplexity"),
-        (4, 5, "int8 greedy"),
+        (1, 5, "none weights, auto perplexity"),
+        (2, 5, "none weights, auto greedy"),
+        (3, 5, "none weights, int8 perplexity"),
+        (4, 5, "none weights, int8 greedy"),
         (5, 5, "done"),
     ]
 
@@ -79,7 +80,7 @@ def test_rows_for_every_dtype(result):
     rows = {r["kv_cache_dtype"]: r for r in result["rows"]}
     assert list(rows) == ["auto", "int8"]
     table = quality.markdown_table(result).splitlines()
-    assert len(table) == 2 + 2 and table[2].startswith("| auto |")
+    assert len(table) == 2 + 2 and table[2].startswith("| none | auto |")
     for r in rows.values():
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
         assert r["bits_per_byte"] == pytest.approx(math.log2(r["perplexity"]))
@@ -145,3 +146,16 @@ def test_per_token_nll_over_chunks(model, eval_data):
     np.testing.assert_allclose(paged, quality.dense_nll(model, windows), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of chunk_len=5"):
         quality.paged_nll(model, windows, chunk_len=5)
+
+
+def test_quantized_weights_get_rows_of_their_own(model, eval_data):
+    pytest.importorskip("qwix")
+    config = dataclasses.replace(SMALL, kv_cache_dtypes=("auto",), weight_quantizations=("int8",))
+    rows = quality.evaluate(model, eval_data, config)["rows"]
+    assert [(r["weights"], r["kv_cache_dtype"]) for r in rows] == [
+        ("none", "auto"),
+        ("int8", "auto"),
+    ]
+    unquantized, int8 = rows
+    assert unquantized["nll_abs_diff"] == 0 and int8["nll_abs_diff"] > 0  # the weights moved
+    assert abs(int8["perplexity_change"]) < 0.05  # and the trained model kept its loss
