@@ -36,13 +36,19 @@ class ParamSource:
     rest: nnx.State  # its other variables (the model's own arrays, no copy)
     params: nnx.State  # its Param leaves as ShapeDtypeStructs
     kv_head_factor: int
+    # For a model with quantized weights (`config.quantization`): `w -> (values, scale)`,
+    # how a float weight given for a quantized one is quantized (`quantize_weight`).
+    quantize: Any = None
 
     @classmethod
     def of(cls, model: nnx.Module, kv_head_factor: int = 1) -> ParamSource:
         """`model`'s layout (before `duplicate_kv_heads(kv_head_factor)`, if > 1)."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        return cls(graphdef, rest, abstract, kv_head_factor)
+        quantize = None
+        if getattr(model.config, "quantization", None):
+            quantize = model.quantize_weight
+        return cls(graphdef, rest, abstract, kv_head_factor, quantize)
 
     def to_runner(self, params: nnx.State) -> nnx.State:
         """The runner's Param state of `params` (a state of this layout)."""
@@ -140,6 +146,35 @@ def _stacked(given: dict[Path, Any], origin: dict[Path, tuple[Path, int]]) -> di
     for path, layers in parts.items():
         xs = [layers[r] for r in range(len(layers))]
         out[path] = np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+    return out
+
+
+SCALE = "_scale"  # a quantized weight's scale: its name plus this (`kernel_scale`)
+
+
+def quantize_given(given: dict[Path, Any], spec: dict[Path, Any], quantize: Any) -> dict[Path, Any]:
+    """`given` with each float weight given for a quantized one of `spec` (one with a
+    `<name>_scale` beside it, which `given` lacks) quantized by `quantize` into its
+    values and scale: a float tree updates a quantized model (RL with a quantized
+    rollout model). The float weight must be in the scale's dtype (the model's)."""
+    if quantize is None:
+        return given
+    out = dict(given)
+    for path, want in spec.items():
+        scale_path = (*path[:-1], path[-1] + SCALE)
+        got = given.get(path)
+        if scale_path not in spec or scale_path in given or not hasattr(got, "dtype"):
+            continue
+        if np.dtype(got.dtype) == np.dtype(want.dtype):
+            continue  # quantized values without their scale: `check_tree` names it
+        float_dtype = np.dtype(spec[scale_path].dtype)
+        if np.dtype(got.dtype) != float_dtype:
+            raise ValueError(
+                f"parameter {_name(path)}: a {np.dtype(got.dtype).name} weight for a "
+                f"quantized one; give it in {float_dtype.name} (the model's dtype) to be "
+                f"quantized, or as {np.dtype(want.dtype).name} with its {_name(scale_path)}"
+            )
+        out[path], out[scale_path] = quantize(got)
     return out
 
 
@@ -254,8 +289,10 @@ def prepare_params(
     spec = _spec(source.params)
     if _is_per_layer(given, spec):
         layer_spec, origin = _per_layer(spec)
+        given = quantize_given(given, layer_spec, source.quantize)
         check_tree(given, layer_spec)
         given = _stacked(given, origin)
+    given = quantize_given(given, spec, source.quantize)
     check_tree(given, spec)
     params = nnx.from_flat_state(
         [(p, var.replace(given[_key(p)])) for p, var in nnx.to_flat_state(source.params)]

@@ -387,6 +387,11 @@ class CausalLM(nnx.Module):
         """`hidden [N, hidden]` -> `f32[N, vocab]`, through lm_head or the tied embedding."""
         return output_logits(self, hidden)
 
+    def quantize_weight(self, w: Any) -> tuple[jax.Array, jax.Array]:
+        """`w [..., in, out]` quantized as this model's weights are (`config.quantization`):
+        (values, scale per output channel)."""
+        return quantized_weights.quantize_weight(jnp.asarray(w), mode=self.config.quantization)
+
     def add_lora_slots(self, max_loras: int, max_rank: int, method: str = "auto") -> None:
         """Gives the projections LoRA adapter slots, in place (`paxkv.models.lora`)."""
         lora.add_lora_slots(self, max_loras, max_rank, method)

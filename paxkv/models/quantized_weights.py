@@ -46,7 +46,7 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def quantize_weight(w: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
+def _quantize_weight(w: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     """`w [..., in, out]` as (values in `QTYPES[mode]`, scale `[..., 1, out]` in w's
     dtype): one absmax scale per output channel of each leading index (layer, expert)."""
     q = _qwix().quantize(
@@ -60,7 +60,7 @@ def dequantize(values: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return (values.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
 
 
-_quantize = jax.jit(quantize_weight, static_argnames="mode")
+quantize_weight = jax.jit(_quantize_weight, static_argnames="mode")
 
 
 def _projections(layer: nnx.Module) -> list[nnx.Module]:
@@ -93,11 +93,11 @@ def quantize_model(model: nnx.Module, mode: str) -> None:
         raise ValueError(f"the model is quantized already ({model.config.quantization})")
     for layer in layer_stack.layer_modules(model):
         for proj in _projections(layer):
-            values, scale = _quantize(proj.kernel.get_value(), mode=mode)
+            values, scale = quantize_weight(proj.kernel.get_value(), mode=mode)
             proj.kernel = nnx.Param(values)
             proj.kernel_scale = nnx.Param(scale)
         for experts, name in _experts(layer):
-            values, scale = _quantize(getattr(experts, name).get_value(), mode=mode)
+            values, scale = quantize_weight(getattr(experts, name).get_value(), mode=mode)
             setattr(experts, name, nnx.Param(values))
             setattr(experts, name + SCALE, nnx.Param(scale))
     model.config = model.config.replace(quantization=mode)

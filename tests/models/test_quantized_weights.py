@@ -111,3 +111,37 @@ def test_bad_modes_and_double_quantization_are_refused():
         quantize_model(model, "fp8")
     with pytest.raises(ValueError, match="quantization='int4'"):
         load_model("tiny", quantization="int4")
+
+
+def test_update_weights_quantizes_a_float_tree_in_place():
+    from engine_configs import small_config
+
+    from paxkv import SamplingParams
+    from paxkv.engine import Engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+
+    def serve(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        done = engine.run_until_done()
+        return [done[str(i)].outputs[0] for i in range(len(prompts))]
+
+    old, new = (perturbed_model(TINY.replace(dtype="float32"), seed=s) for s in (0, 1))
+    quantized_old, quantized_new = nnx.clone(old), nnx.clone(new)
+    quantize_model(quantized_old, "int8")
+    quantize_model(quantized_new, "int8")
+    engine = Engine(quantized_old, small_config(64))
+    engine.warmup()
+    compiled = engine.num_compilations
+    serve(engine)
+    engine.update_weights(nnx.state(new, nnx.Param))  # a float tree, as a trainer holds it
+    got = serve(engine)
+    expected = serve(Engine(quantized_new, small_config(64)))
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.cumulative_logprob for o in got] == [o.cumulative_logprob for o in expected]
+    assert engine.num_compilations == compiled
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(new, nnx.Param))
+    with pytest.raises(ValueError, match="give it in float32"):
+        engine.update_weights(bf16)
