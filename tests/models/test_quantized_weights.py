@@ -145,3 +145,12 @@ def test_update_weights_quantizes_a_float_tree_in_place():
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(new, nnx.Param))
     with pytest.raises(ValueError, match="give it in float32"):
         engine.update_weights(bf16)
+
+
+@pytest.mark.parametrize("method", ["compressed-tensors", "fp8", "awq"])
+def test_a_pre_quantized_checkpoint_is_refused_naming_its_format(method):
+    from paxkv.models import config_from_hf
+
+    hf = TINY.to_hf() | {"quantization_config": {"quant_method": method}}
+    with pytest.raises(ValueError, match=f"quant_method='{method}'.*quantization='int8' or 'fp8'"):
+        config_from_hf(hf)
