@@ -156,18 +156,10 @@ class DecoderConfig:
         `hidden_size // num_heads`). `intermediate_size_key` is where the MLP width is
         (Qwen3-MoE: `moe_intermediate_size`). The RoPE base and the sliding window are
         left to the family. ValueError naming the field, as `hf_fields.field` says, and
-        for a pre-quantized checkpoint (`quantization_config`), naming its method.
+        for a pre-quantized checkpoint of a format not read (`hf_fields.quantization`).
         """
         if unknown := sorted(set(defaults) - (set(HF_KEYS) - {"dtype", "eos_token_id"})):
             raise TypeError(f"no default to give for {unknown}")
-        quantization = hf.get("quantization_config")
-        if quantization is not None:  # compressed-tensors, fp8, awq, gptq, mxfp4, ...
-            method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-            raise ValueError(
-                f"field 'quantization_config' (quant_method={method!r}): pre-quantized "
-                "checkpoints are not read; load the bfloat16 checkpoint and quantize it at "
-                "load (quantization='int8' or 'fp8', --quantization)"
-            )
 
         def read(name: str, kind: type, default: Any = hf_fields.REQUIRED, **kw: Any) -> Any:
             key = intermediate_size_key if name == "intermediate_size" else HF_KEYS[name]
@@ -197,6 +189,7 @@ class DecoderConfig:
             "dtype": hf_fields.dtype(hf),
             "bos_token_id": read("bos_token_id", int, None, minimum=0),
             "eos_token_id": hf_fields.eos_token_id(hf),
+            "quantization": hf_fields.quantization(hf),
         }
 
     def to_hf(self) -> dict[str, Any]:

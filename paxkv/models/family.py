@@ -45,6 +45,7 @@ class Model(Protocol):
 # In a Hugging Face tensor name, where the expert's number goes: a parameter stacked over
 # experts (`[E, ...]`) is the E tensors of the name with 0 .. E - 1 in its place.
 EXPERT_INDEX = "{expert}"
+SCALE = "_scale"  # a quantized weight's scale (`paxkv.models.quantized_weights`)
 
 
 def hf_name(path: tuple) -> tuple[str, bool]:
@@ -59,7 +60,12 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     *modules, leaf = (str(p) for p in path)
     prefix = [] if modules[:1] == ["lm_head"] else ["model"]
     if modules[-1:] == ["experts"]:
+        if leaf.endswith(SCALE):  # a quantized weight's scale, `[out, 1]` in the file
+            weight = leaf.removesuffix(SCALE)
+            return ".".join([*prefix, *modules, EXPERT_INDEX, weight, "weight_scale"]), True
         return ".".join([*prefix, *modules, EXPERT_INDEX, leaf, "weight"]), True
+    if leaf == "kernel" + SCALE:  # compressed-tensors' `weight_scale`, `[out, 1]`
+        return ".".join([*prefix, *modules, "weight_scale"]), True
     transpose = leaf == "kernel"
     leaf = "weight" if leaf in ("kernel", "embedding") else leaf
     return ".".join([*prefix, *modules, leaf]), transpose

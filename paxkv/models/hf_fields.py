@@ -121,3 +121,71 @@ def check_positive(config: Any, *names: str) -> None:
             raise ValueError(f"{name}={value!r} must be a number")
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name}={value} must be a finite number > 0")
+
+
+# compressed-tensors (llm-compressor) formats read, by their weights' `type`: 8-bit
+# symmetric per-channel or per-tensor weights, stored as `weight` and `weight_scale`.
+COMPRESSED_TENSORS_FORMATS = {
+    "int-quantized": "int",
+    "float-quantized": "float",
+    "naive-quantized": None,
+}
+_WEIGHT_TYPES = {"int": "int8", "float": "fp8"}
+
+
+def quantization(hf: Mapping[str, Any]) -> str | None:
+    """The weight quantization of a pre-quantized checkpoint ("int8", "fp8"), from its
+    `quantization_config`; None without one. compressed-tensors checkpoints of 8-bit
+    symmetric weights with a scale per output channel or per tensor, every Linear but
+    `lm_head` quantized alike, are read (their input activations, if quantized too,
+    W8A8, run unquantized). ValueError naming the field and showing the value for
+    every other method, format or scheme."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    q = field(hf, "quantization_config", dict)
+    method = q.get("quant_method")
+    hint = (
+        "load the bfloat16 checkpoint and quantize it at load (quantization='int8' or 'fp8', "
+        "--quantization)"
+    )
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"field 'quantization_config' (quant_method={method!r}): this pre-quantized format "
+            f"is not read (only compressed-tensors int8 and fp8 weights); {hint}"
+        )
+    fmt = q.get("format")
+    groups = q.get("config_groups") or {}
+    ignored = [i for i in q.get("ignore") or [] if i != "lm_head"]
+    where = "quantization_config"
+    if fmt not in COMPRESSED_TENSORS_FORMATS:
+        raise ValueError(
+            f"field '{where}.format'={fmt!r}: compressed-tensors formats read: "
+            f"{sorted(COMPRESSED_TENSORS_FORMATS)}; {hint}"
+        )
+    if ignored:
+        raise ValueError(
+            f"field '{where}.ignore'={q.get('ignore')!r}: only lm_head may stay unquantized"
+        )
+    if len(groups) != 1:
+        raise ValueError(f"field '{where}.config_groups' has {len(groups)} groups; one is read")
+    ((name, group),) = groups.items()
+    weights = group.get("weights") or {}
+    prefix = f"{where}.config_groups.{name}.weights"
+    expected = {"num_bits": 8, "symmetric": True, "group_size": None, "dynamic": False}
+    for key, want in expected.items():
+        if weights.get(key, want) != want:
+            raise ValueError(f"field '{prefix}.{key}'={weights.get(key)!r}: only {want!r} is read")
+    if weights.get("strategy") not in ("channel", "tensor"):
+        raise ValueError(
+            f"field '{prefix}.strategy'={weights.get('strategy')!r}: 'channel' and 'tensor' are read"
+        )
+    kind = weights.get("type")
+    if kind not in _WEIGHT_TYPES or (COMPRESSED_TENSORS_FORMATS[fmt] not in (None, kind)):
+        raise ValueError(f"field '{prefix}.type'={kind!r} in format {fmt!r}: int or float 8-bit")
+    if group.get("targets") != ["Linear"]:
+        raise ValueError(
+            f"field '{where}.config_groups.{name}.targets'={group.get('targets')!r}: "
+            "only ['Linear'] is read"
+        )
+    return _WEIGHT_TYPES[kind]

@@ -45,9 +45,20 @@ _FLOAT_DTYPE_PREFIXES = ("F", "BF")
 
 
 def _abstract_model(config: DecoderConfig):
-    """`(graphdef, state)` of the model with ShapeDtypeStruct leaves; allocates nothing."""
+    """`(graphdef, state)` of the model with ShapeDtypeStruct leaves (its weights
+    quantized as `config.quantization` says); allocates nothing."""
     cls = model_class(config)
-    return nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
+    mode = getattr(config, "quantization", None)
+
+    def make() -> Model:
+        model = cls(config.replace(quantization=None) if mode else config, rngs=nnx.Rngs(0))
+        if mode:
+            from .quantized_weights import quantize_model
+
+            quantize_model(model, mode)
+        return model
+
+    return nnx.split(nnx.eval_shape(make))
 
 
 class _Param(NamedTuple):
@@ -210,7 +221,9 @@ def load_hf_checkpoint(
     if scan_layers is not None:
         config = config.replace(scan_layers=scan_layers)
     files = _tensor_files(path)
-    found = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+    # A W8A8 checkpoint's static activation scales: its activations run unquantized here.
+    ignored = _IGNORED_SUFFIXES + ((".input_scale",) if config.quantization else ())
+    found = {n for n in files if not n.endswith(ignored)}
     graphdef, state = _abstract_model(config)
     params = list(_hf_params(state, config))
     expected = {name for param in params for name in param.names.flat}
@@ -237,41 +250,58 @@ def load_hf_checkpoint(
                 raise ValueError(f"tensor {name} is indexed in {file} but not stored there")
             return f, file
 
-        def read(name: str, transpose: bool, index: tuple = ()) -> np.ndarray:
-            # Slice `index` (of the model's layout) of tensor `name`, counted and checked.
+        def read(
+            name: str, transpose: bool, dtype: Any, hf_shape: tuple, index: tuple = ()
+        ) -> np.ndarray:
+            # Slice `index` (of the model's layout) of tensor `name`, counted and checked,
+            # in `dtype`. A per-tensor scale (one value) is read whole and broadcast to
+            # the per-channel scale's `hf_shape`.
             f, file = handle(name)
-            part = np.asarray(_read_slice(f, file, name)[index[::-1] if transpose else index])
+            stored = _read_slice(f, file, name)
+            hf_index = index[::-1] if transpose else index
+            if name.endswith("weight_scale") and np.prod(stored.get_shape()) == 1:
+                value = np.asarray(stored[:]).reshape(())
+                part = np.broadcast_to(value, np.empty(hf_shape, bool)[hf_index].shape)
+            elif stored.get_dtype() in _FLOAT8:  # NumPy has no float8: mapped from the file
+                part = np.asarray(_float8_tensor(file, name)[hf_index])
+            else:
+                part = np.asarray(stored[hf_index])
             stats["bytes_read"] += part.nbytes
             stats[name] = stats.get(name, 0) + part.nbytes
             if not np.isfinite(part).all():  # on the host, before the cast
                 nonfinite.setdefault(file, []).append(name)
-            return (part.T if transpose else part).astype(config.dtype, copy=False)
+            return (part.T if transpose else part).astype(dtype, copy=False)
 
         for names, transpose, var_path, var in params:
-            want = var.get_value().shape
+            want, dtype = var.get_value().shape, var.get_value().dtype
             tensor_shape = want[names.ndim :]
             want_hf = tensor_shape[::-1] if transpose else tensor_shape
+            quantized = np.dtype(dtype) == np.int8  # a compressed-tensors int8 weight
             for name in names.flat:
                 f, file = handle(name)
                 stored = _read_slice(f, file, name)
-                if not stored.get_dtype().startswith(_FLOAT_DTYPE_PREFIXES):
+                stored_dtype = stored.get_dtype()
+                if not (stored_dtype.startswith(_FLOAT_DTYPE_PREFIXES) or quantized):
                     raise ValueError(
-                        f"{file}: tensor {name} is stored as {stored.get_dtype()}; weights "
+                        f"{file}: tensor {name} is stored as {stored_dtype}; weights "
                         "must be floating point (F32, F16, BF16, ...), not integers or bools"
                     )
+                if quantized and stored_dtype != "I8":
+                    raise ValueError(f"{file}: tensor {name} is stored as {stored_dtype}, not I8")
                 shape = tuple(stored.get_shape())
-                if shape != want_hf:
+                per_tensor = name.endswith("weight_scale") and np.prod(shape) == 1
+                if shape != want_hf and not per_tensor:
                     raise ValueError(
                         f"{file}: tensor {name} has shape {shape}, expected {want_hf} "
                         "from the config"
                     )
 
-            def part(index, names=names, transpose=transpose):
+            def part(index, names=names, transpose=transpose, dtype=dtype, hf_shape=want_hf):
                 # Device slice `index` of the parameter: its leading indices pick the
                 # stacked tensors (layers, experts), the rest is read of each in turn.
                 picked, rest = names[tuple(index[: names.ndim])], tuple(index[names.ndim :])
                 picked_names = list(picked.flat) if names.ndim else [picked]
-                parts = [read(str(n), transpose, rest) for n in picked_names]
+                parts = [read(str(n), transpose, dtype, hf_shape, rest) for n in picked_names]
                 if not names.ndim:
                     return parts[0]
                 return np.stack(parts).reshape(*picked.shape, *parts[0].shape)
@@ -284,6 +314,23 @@ def load_hf_checkpoint(
     if nonfinite:
         raise _nonfinite_error({f: sorted(set(n)) for f, n in nonfinite.items()})
     return config, nnx.merge(graphdef, state)
+
+
+# safetensors' float8 dtypes, as ml_dtypes names them (fp8 checkpoints' weights).
+_FLOAT8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _float8_tensor(file: str, name: str) -> np.ndarray:
+    """Tensor `name` of safetensors `file`, stored as float8, as a read-only ml_dtypes
+    array mapped from the file (safetensors' NumPy reader has no float8 type)."""
+    import ml_dtypes
+
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(size))[name]
+    start, end = info["data_offsets"]
+    raw = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size + start, shape=(end - start,))
+    return raw.view(getattr(ml_dtypes, _FLOAT8[info["dtype"]])).reshape(info["shape"])
 
 
 def _read_slice(f, file: str, name: str):
