@@ -274,6 +274,18 @@ def place_checked(
     return out
 
 
+def with_params_of(current: nnx.State, new: nnx.State) -> nnx.State:
+    """`current` with its `nnx.Param` leaves taken from `new` (a state of the same
+    layout, from `prepare_params`), its other variables (LoRA slots) kept as they are."""
+    taken = {_key(path): var for path, var in nnx.to_flat_state(new) if isinstance(var, nnx.Param)}
+    return nnx.from_flat_state(
+        [
+            (path, taken[_key(path)] if isinstance(var, nnx.Param) else var)
+            for path, var in nnx.to_flat_state(current)
+        ]
+    )
+
+
 def prepare_params(
     current: nnx.State, source: ParamSource, weights: Any, *, copy: bool = True
 ) -> nnx.State:

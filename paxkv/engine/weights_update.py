@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from paxkv.engine.params import prepare_params
+from paxkv.engine.params import prepare_params, with_params_of
 from paxkv.engine.requests import RequestRegistry
 from paxkv.engine.runner import StepRunner
 from paxkv.engine.stepper import Stepper
@@ -112,7 +112,9 @@ class WeightUpdater:
                     self.end_request(req.request_id, why)
             else:
                 self.scheduler.preempt_all()
-            runner.params = new_params
+            # The Param leaves only: the runner's other state (LoRA slots a step in
+            # between may have written) is taken as it is now.
+            runner.params = with_params_of(runner.params, new_params)
             self.version += 1
             self.scheduler.kv_cache_manager.set_weight_version(self.version)
             self.requests.set_weight_version(self.version)

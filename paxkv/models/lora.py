@@ -67,7 +67,7 @@ def supported_targets(model: Any) -> tuple[str, ...]:
 
 def add_lora_slots(model: nnx.Module, max_loras: int, max_rank: int, method: str = "auto") -> None:
     """Gives every target projection of `model` (in place) `max_loras + 1` zero slots
-    of rank `max_rank`, in the kernel's dtype, applied by `method` (`METHODS`); sets
+    of rank `max_rank`, in the model dtype, applied by `method` (`METHODS`); sets
     `model.lora_slots` (N)."""
     if method not in METHODS:
         raise ValueError(f"lora_method={method!r} must be one of {METHODS}")
@@ -76,8 +76,11 @@ def add_lora_slots(model: nnx.Module, max_loras: int, max_rank: int, method: str
         for proj in target_projections(layer).values():
             kernel = proj.kernel.get_value()  # [..., in, out]
             *lead, d_in, d_out = kernel.shape
-            proj.lora_a = LoRAWeight(jnp.zeros((*lead, n, d_in, max_rank), kernel.dtype))
-            proj.lora_b = LoRAWeight(jnp.zeros((*lead, n, max_rank, d_out), kernel.dtype))
+            # The model dtype: a quantized kernel's is its scale's (`quantized_weights`).
+            scale = getattr(proj, "kernel_scale", None)
+            dtype = kernel.dtype if scale is None else scale.get_value().dtype
+            proj.lora_a = LoRAWeight(jnp.zeros((*lead, n, d_in, max_rank), dtype))
+            proj.lora_b = LoRAWeight(jnp.zeros((*lead, n, max_rank, d_out), dtype))
             proj.lora_method = method
     model.lora_slots = n
 

@@ -285,9 +285,8 @@ def param_spec(
             return param_spec(layer, shape, config, mesh)
         return P(None, *param_spec(layer, shape[1:], config, mesh))
     if path[-1] in LORA_ARRAYS:  # as its kernel splits (`paxkv.models.lora`)
-        kernel_in, kernel_out = (*param_spec((*path[:-1], "kernel"), (1, 1), config, mesh), None)[
-            :2
-        ]
+        kernel = tuple(param_spec((*path[:-1], "kernel"), (1, 1), config, mesh))
+        kernel_in, kernel_out = (*kernel, None, None)[:2]  # P() when the kernel is whole
         spec = [None] * len(shape)
         if path[-1] == "lora_a":  # [N, in, r]: split where a row-parallel kernel's inputs are
             spec[-2] = kernel_in

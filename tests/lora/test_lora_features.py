@@ -107,3 +107,21 @@ def test_adapters_survive_sleep_and_wake(setup, plain):
     engine.wake_up()
     second = _serve(engine, submissions[4:])
     assert [o.token_ids for o in first + second] == [o.token_ids for o in plain]
+
+
+def test_adapters_on_quantized_weights_equal_the_dequantized_model(setup):
+    from flax import nnx
+    from quantized_reference import dequantized_reference
+
+    from paxkv.models.quantized_weights import quantize_model
+
+    _, model, submissions = setup
+    quantized = nnx.clone(model)
+    quantize_model(quantized, "int8")
+    reference = dequantized_reference(model, quantized)
+    got = _serve(Engine(quantized, small_config(96, **LORA)), submissions)
+    want = _serve(Engine(reference, small_config(96, **LORA)), submissions)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_allclose(
+        [o.cumulative_logprob for o in got], [o.cumulative_logprob for o in want], atol=1e-3
+    )

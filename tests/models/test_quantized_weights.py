@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from quantized_reference import dequantized_reference
 from test_gemma import check_engine_matches_dense
 from test_models import perturbed_model
 
@@ -29,22 +30,6 @@ CONFIGS = {
     "qwen3-moe": TINY_QWEN3_MOE,
     "gpt-oss": TINY_GPT_OSS,
 }
-
-
-def _dequantized_reference(original, quantized):
-    """`original` (unquantized) with each weight `quantized` quantized replaced by its
-    `values * scale`, in f32: the reference of the quantized matmuls."""
-    reference = nnx.clone(original)
-    flat = dict(nnx.to_flat_state(nnx.state(quantized, nnx.Param)))
-    updates = []
-    for path, scale in flat.items():
-        if path[-1].endswith("_scale"):
-            weight = (*path[:-1], path[-1].removesuffix("_scale"))
-            values = flat[weight].get_value().astype(jnp.float32)
-            updates.append((weight, nnx.Param(values * scale.get_value().astype(jnp.float32))))
-    assert updates
-    nnx.update(reference, nnx.from_flat_state(updates))
-    return reference
 
 
 # int8 for every family, fp8 for a dense and a MoE one in CI (the others are slow tests:
@@ -69,7 +54,7 @@ def test_quantized_logits_equal_the_dequantized_reference(name, mode):
     quantize_model(model, mode)
     assert model.config.quantization == mode
     got = np.asarray(model.dense_logits(tokens))
-    reference = np.asarray(_dequantized_reference(original, model).dense_logits(tokens))
+    reference = np.asarray(dequantized_reference(original, model).dense_logits(tokens))
     np.testing.assert_allclose(got, reference, rtol=0, atol=2e-5)
     # Quantized, not a copy: the logits moved (how far, on a trained model:
     # docs/quantization.md; these random ones are sharp, which amplifies it).
@@ -159,7 +144,8 @@ def test_update_weights_quantizes_a_float_tree_in_place():
         engine.update_weights(bf16)
 
 
-@pytest.mark.parametrize("method", ["compressed-tensors", "fp8", "awq"])
+# compressed-tensors checkpoints are read: tests/models/test_compressed_tensors.py.
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq"])
 def test_a_pre_quantized_checkpoint_is_refused_naming_its_format(method):
     from paxkv.models import config_from_hf
 
