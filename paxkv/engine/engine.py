@@ -136,7 +136,9 @@ class Engine:
         # The LoRA adapters served (None: enable_lora is off), written to their device
         # slots before each step.
         self.loras = (
-            LoRAAdapters(self.runner, self.scheduler.lora_slots) if config.enable_lora else None
+            LoRAAdapters(self.runner, self.scheduler.lora_slots, self._lora_keys_in_use)
+            if config.enable_lora
+            else None
         )
         if self.loras is not None:
             self.scheduler.admission.lora_current = self.loras.current_key
@@ -557,9 +559,21 @@ class Engine:
 
     @_locked
     def remove_lora(self, name: str) -> bool:
-        """Forgets adapter `name`: requests running under it finish, queued ones end
-        aborted with the reason. Whether it was loaded."""
-        return self._lora_adapters().remove(name)
+        """Forgets adapter `name`: requests that started under it finish under it
+        (preempted ones too), those not started end now, aborted with the reason.
+        Whether it was loaded."""
+        removed = self._lora_adapters().remove(name)
+        for req in list(self.requests.unfinished()):
+            seqs = req.seqs
+            if any(s.lora_key and s.lora_key[0] == name for s in seqs) and all(
+                s.first_scheduled_time is None for s in seqs
+            ):
+                self.endings.end(req.request_id, f"LoRA adapter {name!r} was removed before it ran")
+        return removed
+
+    def _lora_keys_in_use(self) -> set:
+        """The adapter keys unfinished sequences run under."""
+        return {s.lora_key for r in self.requests.unfinished() for s in r.seqs if s.lora_key}
 
     @_locked
     def update_lora(

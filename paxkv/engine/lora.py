@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,10 +39,14 @@ class LoRAAdapters:
       slots: the scheduler's slot LRU, whose loads `flush` writes.
     """
 
-    def __init__(self, runner: Any, slots: LoRASlots) -> None:
+    def __init__(self, runner: Any, slots: LoRASlots, live_keys: Callable[[], set] = set) -> None:
         self.runner = runner
         self.slots = slots
+        self.live_keys = live_keys  # the keys unfinished sequences run under
         self._adapters: dict[str, _Adapter] = {}
+        # Replaced or removed adapters' contents, by key, while a sequence that started
+        # under them may still need their slot (a preempted one, resuming).
+        self._retired: dict[tuple, dict[tuple, np.ndarray]] = {}
         self._versions = itertools.count(1)
 
     def add(self, request: LoRARequest) -> bool:
@@ -81,7 +85,7 @@ class LoRAAdapters:
         contents = self.runner.lora_slot_contents((state_dict, adapter_config))
         known = self._adapters.pop(name, None)
         if known is not None:
-            self.slots.forget(known.key)
+            self._retire(known)
             request = known.request
         else:
             taken = {a.request.lora_int_id for a in self._adapters.values()}
@@ -98,8 +102,12 @@ class LoRAAdapters:
         known = self._adapters.pop(name, None)
         if known is None:
             return False
-        self.slots.forget(known.key)
+        self._retire(known)
         return True
+
+    def _retire(self, adapter: _Adapter) -> None:
+        self.slots.forget(adapter.key)
+        self._retired[adapter.key] = adapter.contents
 
     def key_for(self, request: LoRARequest | str) -> tuple[str, int]:
         """The key a request under `request` runs with, adding its adapter first if it
@@ -133,9 +141,15 @@ class LoRAAdapters:
         return sum(sum(v.nbytes for v in a.contents.values()) for a in self._adapters.values())
 
     def flush(self) -> None:
-        """Writes the slots the scheduler gave adapters since the last flush."""
-        by_key = {a.key: a for a in self._adapters.values()}
-        for slot, key in self.slots.take_loads():
-            adapter = by_key.get(key)
-            # An adapter removed since its slot was recorded: nobody runs under it.
-            self.runner.write_lora_slot(slot, adapter.contents if adapter else None)
+        """Writes the slots the scheduler gave adapters since the last flush. A failed
+        write forgets every slot (their contents are not known) and raises."""
+        if self._retired:  # forget the retired weights no sequence runs under any more
+            live = self.live_keys()
+            self._retired = {k: c for k, c in self._retired.items() if k in live}
+        contents = {a.key: a.contents for a in self._adapters.values()} | self._retired
+        try:
+            for slot, key in self.slots.take_loads():
+                self.runner.write_lora_slot(slot, contents.get(key))
+        except BaseException:
+            self.slots.clear()
+            raise

@@ -47,8 +47,9 @@ class Admission:
         self.kv_cache_manager = kv_cache_manager
         self.watermark_pages = watermark_pages
         self.lora_slots = lora_slots
-        # `name -> the key of its current weights, or None once removed`: a waiting
-        # sequence runs under its adapter's weights at admission (set by the engine).
+        # `name -> the key of its current weights, or None once removed`: a sequence
+        # admitted for the first time runs under its adapter's weights then; a preempted
+        # one keeps the weights it started with (set by the engine).
         self.lora_current: Callable[[str], tuple | None] | None = None
 
     def has_lora_slot(self, seq: SequenceState) -> bool:
@@ -59,7 +60,7 @@ class Admission:
             return True
         if self.lora_slots is None:
             raise ValueError(f"sequence {seq.seq_id} names a LoRA adapter; enable_lora is off")
-        if self.lora_current is not None:
+        if self.lora_current is not None and seq.first_scheduled_time is None:
             key = self.lora_current(seq.lora_key[0])
             if key is None:
                 raise ValueError(f"LoRA adapter {seq.lora_key[0]!r} was removed before it ran")

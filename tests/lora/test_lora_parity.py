@@ -280,3 +280,30 @@ def test_a_removed_adapter_ends_its_queued_requests_with_the_reason(setup):
     assert done["queued"].outputs[0].finish_reason == "abort"
     assert f"{b!r} was removed" in done["queued"].error
     assert engine.pool.num_free == engine.pool.num_usable
+
+
+def test_requests_started_under_an_adapter_finish_under_it_through_preemption(setup):
+    from safetensors.numpy import load_file
+
+    config, base_dir, _, adapters = setup
+    old, new = sorted(adapters)[:2]
+    # Room for one long sequence at a time (7 pages, uniform paging: Gemma 3's window
+    # groups would give pages back): the second preempts the first.
+    engine = _engine(base_dir, max_loras=1, num_pages=12, hybrid_kv_cache=False)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(1, config.vocab_size, 40).tolist() for _ in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    lora = LoRARequest("tuned", 1, adapters[old][0])
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params, lora_request=lora)
+    done = {}
+    for _ in range(3):  # both have started
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    tensors = load_file(f"{adapters[new][0]}/adapter_model.safetensors")
+    with open(f"{adapters[new][0]}/adapter_config.json") as f:
+        engine.update_lora("tuned", tensors, json.load(f))
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert engine.stats()["num_preemptions"] > 0
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == greedy(adapters[old][1], p, 16)
