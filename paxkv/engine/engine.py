@@ -584,6 +584,12 @@ class Engine:
         (RL with LoRA); running ones keep the old. Nothing recompiles."""
         self._lora_adapters().update(name, state_dict, adapter_config)
 
+    def check_lora(self, name: str) -> None:
+        """ValueError unless adapter `name` is loaded (TypeError for a name not a str)."""
+        if not isinstance(name, str):
+            raise TypeError(f"lora_request must be a LoRARequest or a str, got {name!r}")
+        self._lora_adapters().key_for(name)
+
     def list_loras(self) -> list[LoRARequest]:
         """The adapters loaded, in the order they were added."""
         return [] if self.loras is None else self.loras.requests()

@@ -108,11 +108,11 @@ class LoRASlots:
         slot = self._slots.pop(key, None)
         if slot is None:
             return
-        self._loads = [(s, k) for s, k in self._loads if k != key]
-        if self.in_use(slot):
+        if self.in_use(slot):  # its pending load is still needed by those who hold it
             self._slots[("forgotten", key)] = slot  # held until its sequences leave
             self._slots.move_to_end(("forgotten", key), last=False)
         else:
+            self._loads = [(s, k) for s, k in self._loads if k != key]
             self._free.append(slot)
 
     def clear(self) -> None:

@@ -115,6 +115,15 @@ _LORA_MODULES = flags.DEFINE_multi_string(
 )
 
 
+_ALLOW_RUNTIME_LORA_UPDATING = flags.DEFINE_bool(
+    "allow_runtime_lora_updating",
+    False,
+    "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints, "
+    "which its VLLM_ALLOW_RUNTIME_LORA_UPDATING turns on): clients then name "
+    "directories the server reads. Needs --enable_lora.",
+)
+
+
 def lora_modules(values: list[str]) -> list[Any]:
     """`--lora_modules` as LoRARequests (ids from 1, in order); ValueError naming a
     malformed entry or a name given twice."""
@@ -167,6 +176,8 @@ def main(argv: list[str]) -> None:
         setup = setup.replace(engine=dataclasses.replace(setup.engine, max_n=_MAX_N.value))
         if loras and not setup.engine.enable_lora:
             raise ValueError("--lora_modules needs --enable_lora")
+        if _ALLOW_RUNTIME_LORA_UPDATING.value and not setup.engine.enable_lora:
+            raise ValueError("--allow_runtime_lora_updating needs --enable_lora")
         if role != "alone" and setup.engine.enable_lora:
             raise ValueError(
                 "--enable_lora needs each replica in one process, not across "
@@ -195,6 +206,8 @@ def main(argv: list[str]) -> None:
     _prepare_structured_outputs(engines)
     engine = engines[0]
     name = _SERVED_MODEL_NAME.value or launch_flags.MODEL_DIR.value or setup.name
+    if any(lora.lora_name == name for lora in loras):
+        exit_with_error(f"--lora_modules names an adapter {name!r}, the served model's name")
     state = ServerState(
         front=ReplicaSet(engines, max_queued=_MAX_QUEUED.value, router=_ROUTER.value),
         model_name=name,
@@ -212,7 +225,7 @@ def main(argv: list[str]) -> None:
         api_key=_API_KEY.value or os.environ.get("PAXKV_API_KEY") or None,
         on_shutdown=None if channel is None else lambda: multihost.stop_followers(engine),
         loras={lora.lora_name: lora for lora in loras},
-        enable_lora=setup.engine.enable_lora,
+        allow_runtime_lora_updating=_ALLOW_RUNTIME_LORA_UPDATING.value,
     )
     if channel is not None:
         # Half the heartbeat timeout: the requests are answered 503 before JAX ends the job.

@@ -109,7 +109,7 @@ def load_model(
     `quantization` ("int8", "fp8") quantizes the projections' and experts' weights once
     loaded (`paxkv.models.quantized_weights`), a scale per output channel.
     """
-    if quantization is not None:
+    if quantization is not None and not _is_hf_checkpoint(name_or_path):
         from .quantized_weights import check_mode, quantize_model
 
         check_mode(quantization)
@@ -144,8 +144,10 @@ def load_model(
     if os.path.isdir(os.path.join(name, ORBAX_PARAMS_DIR)):
         config = read_hf_config(name).replace(**overrides)
         model = restore_params(config, name, mesh=mesh)
-    else:
-        config, model = load_hf_checkpoint(name, dtype=dtype, mesh=mesh, scan_layers=scan_layers)
+    else:  # quantized as it loads (no device holds the float weights)
+        config, model = load_hf_checkpoint(
+            name, dtype=dtype, mesh=mesh, scan_layers=scan_layers, quantization=quantization
+        )
     declared = _declared_tokenizer(name)
     if declared.get("paxkv_tokenizer") == "bytes":  # beside a tokenizer.json for others
         return config, model, ByteTokenizer()
@@ -153,6 +155,14 @@ def load_model(
     if tokenizer is None and declared.get("tokenizer_class") == "ByteTokenizer":
         tokenizer = ByteTokenizer()
     return config, model, tokenizer
+
+
+def _is_hf_checkpoint(name: str | os.PathLike) -> bool:
+    """Whether `load_model` reads `name` as a Hugging Face checkpoint directory."""
+    from .weights import ORBAX_PARAMS_DIR
+
+    path = os.fspath(name)
+    return os.path.isdir(path) and not os.path.isdir(os.path.join(path, ORBAX_PARAMS_DIR))
 
 
 def _declared_tokenizer(path: str) -> dict:

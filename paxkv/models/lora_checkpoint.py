@@ -182,13 +182,14 @@ def read_adapter(path: str, model_config: Any, *, max_rank: int) -> LoRAAdapter:
         raise ValueError(f"{path}: no {CONFIG_FILE} (not a PEFT adapter directory)")
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
-        found = sorted(os.listdir(path))
-        raise ValueError(f"{path}: no {WEIGHTS_FILE} (found {found}); save with safetensors")
+        raise ValueError(f"{path}: no {WEIGHTS_FILE} (adapters are read from safetensors)")
     try:
         with open(config_path) as f:
             config = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     from safetensors.numpy import load_file
 
     try:
@@ -204,6 +205,7 @@ def _load_with_ml_dtypes(path: str, error: Exception) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file NumPy cannot read alone (bfloat16), or the error."""
     try:
         from safetensors.flax import load_file
-    except ImportError:
+
+        return {k: np.asarray(v, np.float32) for k, v in load_file(path).items()}
+    except Exception:  # not a safetensors file (or cut off): the first reader's error
         raise ValueError(f"{path}: cannot read ({error})") from None
-    return {k: np.asarray(v, np.float32) for k, v in load_file(path).items()}

@@ -29,7 +29,7 @@ from flax import nnx
 
 from . import layer_stack
 from .decoder_config import DecoderConfig
-from .family import EXPERT_INDEX, Model
+from .family import EXPERT_INDEX, SCALE, Model
 from .registry import config_from_hf, family_of, model_class
 
 CONFIG_FILE = "config.json"
@@ -196,8 +196,15 @@ def load_hf_checkpoint(
     mesh: Any = None,
     stats: dict[str, int] | None = None,
     scan_layers: bool | None = None,
+    quantization: str | None = None,
 ) -> tuple[DecoderConfig, Model]:
     """Loads a local Hugging Face checkpoint directory (single-file or sharded safetensors).
+
+    `quantization` ("int8", "fp8"; `paxkv.models.quantized_weights`) quantizes a float
+    checkpoint's projections and experts as they load: each weight is read whole to the
+    host, quantized on the CPU and placed (values and scale) into its sharding, so no
+    device holds it in float. A pre-quantized checkpoint (`quantization_config`) loads
+    as it is quantized.
 
     The parameters are cast to `dtype` (default: the config's `torch_dtype`);
     `scan_layers=True` loads the layers stacked (`[L, ...]` per parameter, each layer's
@@ -216,6 +223,17 @@ def load_hf_checkpoint(
     """
     path = os.fspath(path)
     config = read_hf_config(path)
+    on_load = None  # the quantization to apply as float weights load
+    if quantization is not None and config.quantization is None:
+        from .quantized_weights import check_mode
+
+        on_load = check_mode(quantization)
+        config = config.replace(quantization=on_load)
+    elif quantization is not None and quantization != config.quantization:
+        raise ValueError(
+            f"quantization={quantization!r}: checkpoint {path} is quantized already "
+            f"({config.quantization})"
+        )
     if dtype is not None:
         config = config.replace(dtype=dtype)
     if scan_layers is not None:
@@ -226,6 +244,13 @@ def load_hf_checkpoint(
     found = {n for n in files if not n.endswith(ignored)}
     graphdef, state = _abstract_model(config)
     params = list(_hf_params(state, config))
+    if on_load:  # the scales are made here, not read
+        params = [p for p in params if not str(p.path[-1]).endswith(SCALE)]
+    scales = {  # the scale variables, by path (a quantized weight's is beside it)
+        tuple(str(p) for p in path): var
+        for path, var in nnx.to_flat_state(state)
+        if str(path[-1]).endswith(SCALE)
+    }
     expected = {name for param in params for name in param.names.flat}
     if missing := sorted(expected - found):
         raise ValueError(f"checkpoint {path} is missing tensors: {missing}")
@@ -276,7 +301,12 @@ def load_hf_checkpoint(
             want, dtype = var.get_value().shape, var.get_value().dtype
             tensor_shape = want[names.ndim :]
             want_hf = tensor_shape[::-1] if transpose else tensor_shape
-            quantized = np.dtype(dtype) == np.int8  # a compressed-tensors int8 weight
+            scale_path = (*(str(p) for p in var_path[:-1]), str(var_path[-1]) + SCALE)
+            quantizing = on_load is not None and scale_path in scales
+            if quantizing:  # read in float, quantized below
+                dtype = np.dtype(config.dtype)
+            # a compressed-tensors int8 weight
+            quantized = np.dtype(dtype) == np.int8
             for name in names.flat:
                 f, file = handle(name)
                 stored = _read_slice(f, file, name)
@@ -306,6 +336,13 @@ def load_hf_checkpoint(
                     return parts[0]
                 return np.stack(parts).reshape(*picked.shape, *parts[0].shape)
 
+            if quantizing:
+                values, scale = _quantized_on_host(part((slice(None),) * len(want)), on_load)
+                scale_var = scales[scale_path]
+                for v, p, x in ((var, var_path, values), (scale_var, scale_path, scale)):
+                    where = None if mesh is None else _sharding_of(v, p, config, mesh)
+                    v.set_value(jax.device_put(x, where) if where else jnp.asarray(x))
+                continue
             if mesh is None:
                 var.set_value(jnp.asarray(part((slice(None),) * len(want))))
                 continue
@@ -331,6 +368,16 @@ def _float8_tensor(file: str, name: str) -> np.ndarray:
     start, end = info["data_offsets"]
     raw = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size + start, shape=(end - start,))
     return raw.view(getattr(ml_dtypes, _FLOAT8[info["dtype"]])).reshape(info["shape"])
+
+
+def _quantized_on_host(weight: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """`weight` (`[..., in, out]`) quantized on the CPU (`quantize_weight`): host arrays
+    of its values and scale, which never touch an accelerator in float."""
+    from .quantized_weights import quantize_weight
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        values, scale = quantize_weight(jnp.asarray(weight), mode=mode)
+    return np.asarray(values), np.asarray(scale)
 
 
 def _read_slice(f, file: str, name: str):

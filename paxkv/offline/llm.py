@@ -477,11 +477,13 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} {what}s")
         for i, request in enumerate(loras):
-            if isinstance(request, LoRARequest):
-                try:
+            try:
+                if isinstance(request, LoRARequest):
                     self.engine.add_lora(request)
-                except (TypeError, ValueError) as e:
-                    raise type(e)(f"{what} {i}: lora_request: {e}") from None
+                elif request is not None:  # a loaded adapter's name
+                    self.engine.check_lora(request)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{what} {i}: lora_request: {e}") from None
         if output_kind is not None:
             copies = {
                 id(p): dataclasses.replace(p, output_kind=output_kind)

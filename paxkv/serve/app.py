@@ -3,7 +3,7 @@
     POST /v1/completions        prompt text, token ids, or a list of either
     POST /v1/chat/completions   messages through the chat template
     GET  /v1/models             the served model and its LoRA adapters
-    POST /v1/load_lora_adapter  with `enable_lora` only: add or remove a LoRA adapter
+    POST /v1/load_lora_adapter  with `allow_runtime_lora_updating`: add or remove an adapter
     POST /v1/unload_lora_adapter (vLLM's); requests name one as their `model`
     POST /tokenize, /detokenize the server's tokenizer, in vLLM's shapes
     GET  /tokenizer_info        (`paxkv.serve.tokenize`)
@@ -95,9 +95,12 @@ class ServerState:
     on_shutdown: Callable[[], None] | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # LoRA adapters the engines serve (`--lora_modules`, `/v1/load_lora_adapter`), by
-    # name; with `enable_lora` the load and unload endpoints are served.
+    # name; with `allow_runtime_lora_updating` the load and unload endpoints are served
+    # (clients then name directories the server reads: vLLM's default is off too).
     loras: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
-    enable_lora: bool = False
+    allow_runtime_lora_updating: bool = False
+    # One load or unload at a time: each checks the names, then awaits the engines.
+    lora_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -124,7 +127,7 @@ def build_app(state: ServerState) -> Starlette:
                     "/v1/unload_lora_adapter", _api(state, _unload_lora_adapter), methods=["POST"]
                 ),
             ]
-            if state.enable_lora
+            if state.allow_runtime_lora_updating
             else []
         ),
         Route("/tokenize", _api(state, _tokenize), methods=["POST"]),
@@ -544,15 +547,16 @@ async def _load_lora_adapter(state: ServerState, request: Request) -> Response:
             )
     if name == state.model_name:
         raise ApiError(400, f"lora_name={name!r} is the base model's name", param="lora_name")
-    if name in state.loras:
-        raise ApiError(400, f"LoRA adapter {name!r} is loaded already", param="lora_name")
-    taken = {lora.lora_int_id for lora in state.loras.values()}
-    lora = LoRARequest(name, next(i for i in itertools.count(1) if i not in taken), path)
-    try:
-        await state.front.add_lora(lora)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="lora_path") from None
-    state.loras[name] = lora
+    async with state.lora_lock:
+        if name in state.loras:
+            raise ApiError(400, f"LoRA adapter {name!r} is loaded already", param="lora_name")
+        taken = {lora.lora_int_id for lora in state.loras.values()}
+        lora = LoRARequest(name, next(i for i in itertools.count(1) if i not in taken), path)
+        try:
+            await state.front.add_lora(lora)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="lora_path") from None
+        state.loras[name] = lora
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -561,10 +565,11 @@ async def _unload_lora_adapter(state: ServerState, request: Request) -> Response
     finish; 404 for a name not loaded."""
     body = await _json_body(request, state.limits)
     name = body.get("lora_name")
-    if not isinstance(name, str) or name not in state.loras:
-        raise ApiError(404, f"LoRA adapter {name!r:.80} is not loaded", param="lora_name")
-    del state.loras[name]
-    await state.front.remove_lora(name)
+    async with state.lora_lock:
+        if not isinstance(name, str) or name not in state.loras:
+            raise ApiError(404, f"LoRA adapter {name!r:.80} is not loaded", param="lora_name")
+        del state.loras[name]
+        await state.front.remove_lora(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

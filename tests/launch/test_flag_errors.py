@@ -192,6 +192,10 @@ def test_a_job_that_never_forms_ends_in_the_stated_time_with_one_line(process_id
             ["--enable_lora", "--lora_modules=a=/x,a=/y"],
             "error: --lora_modules names 'a' twice",
         ),
+        (
+            ["--allow_runtime_lora_updating"],
+            "error: --allow_runtime_lora_updating needs --enable_lora",
+        ),
     ],
 )
 def test_serve_checks_its_lora_modules_before_loading_the_model(flags, message):

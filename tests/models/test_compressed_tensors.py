@@ -183,3 +183,28 @@ def test_schemes_not_read_are_refused_naming_the_field(change, message):
     } | change
     with pytest.raises(ValueError, match=message):
         config_from_hf(TINY.to_hf() | {"quantization_config": q})
+
+
+@pytest.mark.parametrize("config", [TINY, TINY_MIXTRAL], ids=["llama", "mixtral"])
+def test_a_float_checkpoint_is_quantized_as_it_loads(config, tmp_path):
+    import jax
+    from flax import nnx
+
+    from paxkv.models import load_model
+    from paxkv.models.quantized_weights import quantize_model
+
+    write_checkpoint(config, tmp_path)
+    loaded, model = load_hf_checkpoint(tmp_path, quantization="int8")
+    _, after = load_hf_checkpoint(tmp_path)
+    quantize_model(after, "int8")
+    assert loaded == after.config and loaded.quantization == "int8"
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(after, nnx.Param)),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert load_model(tmp_path, quantization="fp8")[0].quantization == "fp8"
+    with pytest.raises(ValueError, match="quantized already"):
+        load_hf_checkpoint(write_compressed(tmp_path, tmp_path / "q"), quantization="fp8")

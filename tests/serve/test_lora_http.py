@@ -12,7 +12,12 @@ from serve_env import ENGINE, MAX_MODEL_LEN, Server
 
 from paxkv import LLM, LoRARequest, SamplingParams
 
-LORA_FLAGS = ("--enable_lora", "--max_loras=1", "--max_lora_rank=8")
+LORA_FLAGS = (
+    "--enable_lora",
+    "--max_loras=1",
+    "--max_lora_rank=8",
+    "--allow_runtime_lora_updating",
+)
 PROMPT = "def add(a, b):"
 
 
