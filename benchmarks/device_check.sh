@@ -20,3 +20,11 @@ echo "kernels exit $?" >>"$out/machine.txt"
 # The host KV tier's copies each way, 64 pages of Llama 3.1 8B's KV shape (2 MiB a page).
 timeout 120 python -m benchmarks.page_copies >"$out/page_copies.txt" 2>&1
 echo "page_copies exit $?" >>"$out/machine.txt"
+# Multi-LoRA: the cost of the gathered and grouped (ragged_dot) deltas, and a Zipf run
+# over 100 adapters with 8 slots (tiny shapes: the scheduling and the programs).
+timeout 240 python -m benchmarks.lora >"$out/lora.txt" 2>&1
+echo "lora exit $?" >>"$out/machine.txt"
+# Quantized weights: one layer's bytes of a decode step in bfloat16, int8 and fp8
+# (whether the device fuses the dequantization into the matmul).
+timeout 180 python -m benchmarks.quantized_weights >"$out/quantized_weights.txt" 2>&1
+echo "quantized_weights exit $?" >>"$out/machine.txt"
