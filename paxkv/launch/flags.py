@@ -49,9 +49,10 @@ SCAN_LAYERS = flags.DEFINE_bool(
 QUANTIZATION = flags.DEFINE_enum(
     "quantization",
     None,
-    ["int8", "fp8"],
-    "Quantize the projections' and experts' weights at load, a scale per output channel "
-    "(docs/quantization.md); unset: the model dtype.",
+    ["int8", "fp8", "w8a8-int8", "w8a8-fp8"],
+    "Quantize the projections' and experts' weights at load, a scale per output channel; "
+    "w8a8-: the projections' input activations too, per row (docs/quantization.md); "
+    "unset: the model dtype.",
 )
 SEED = define_seed(0, "Seed of random weights, sampling and the planner's draws.")
 

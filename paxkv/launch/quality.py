@@ -33,9 +33,9 @@ _KV_CACHE_DTYPES = flags.DEFINE_multi_enum(
 _WEIGHTS = flags.DEFINE_multi_enum(
     "weight_quantizations",
     ["none"],
-    ["none", "int8", "fp8"],
-    "Weights to measure: none (the model's dtype), int8, fp8 (each with every "
-    "--kv_cache_dtypes; repeat the flag for several).",
+    ["none", "int8", "fp8", "w8a8-int8", "w8a8-fp8"],
+    "Weights to measure: none (the model's dtype), int8, fp8, or W8A8 (activations "
+    "quantized too), each with every --kv_cache_dtypes; repeat the flag for several.",
 )
 _NUM_WINDOWS = flags.DEFINE_integer(
     "num_windows", _DEFAULTS.num_windows, "Held-out windows for perplexity.", lower_bound=1

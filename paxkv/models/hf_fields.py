@@ -134,11 +134,13 @@ _WEIGHT_TYPES = {"int": "int8", "float": "fp8"}
 
 
 def quantization(hf: Mapping[str, Any]) -> str | None:
-    """The weight quantization of a pre-quantized checkpoint ("int8", "fp8"), from its
+    """The quantization of a pre-quantized checkpoint ("int8", "fp8", or "w8a8-int8",
+    "w8a8-fp8" when its input activations are quantized too), from its
     `quantization_config`; None without one. compressed-tensors checkpoints of 8-bit
     symmetric weights with a scale per output channel or per tensor, every Linear but
-    `lm_head` quantized alike, are read (their input activations, if quantized too,
-    W8A8, run unquantized). ValueError naming the field and showing the value for
+    `lm_head` quantized alike, are read; 8-bit symmetric input activations of the
+    weights' type make them W8A8 (each row then gets its scale at run time: a static
+    `input_scale` is not used). ValueError naming the field and showing the value for
     every other method, format or scheme."""
     q = hf.get("quantization_config")
     if q is None:
@@ -188,4 +190,14 @@ def quantization(hf: Mapping[str, Any]) -> str | None:
             f"field '{where}.config_groups.{name}.targets'={group.get('targets')!r}: "
             "only ['Linear'] is read"
         )
-    return _WEIGHT_TYPES[kind]
+    inputs = group.get("input_activations")
+    if inputs is None:
+        return _WEIGHT_TYPES[kind]
+    prefix = f"{where}.config_groups.{name}.input_activations"
+    for key, want in (("num_bits", 8), ("symmetric", True), ("type", kind)):
+        if inputs.get(key, want) != want:
+            raise ValueError(
+                f"field '{prefix}.{key}'={inputs.get(key)!r}: W8A8 is read with {want!r} "
+                "(8-bit symmetric activations of the weights' type)"
+            )
+    return "w8a8-" + _WEIGHT_TYPES[kind]

@@ -1,5 +1,6 @@
-"""Weight-only quantization of a model's projections and experts: int8 or fp8, a scale
-per output channel, with qwix (the quantization library tpu-inference and MaxText use).
+"""Quantization of a model's projections and experts: int8 or fp8 weights, a scale per
+output channel, and for the W8A8 modes the projections' input activations too, a scale
+per row, with qwix (the quantization library tpu-inference and MaxText use).
 
 `quantize_model(model, "int8")` replaces, in place, the kernel of every projection the
 layers hold (attention q/k/v/o, the MLP's gate/up/down) and every expert weight of the
@@ -10,7 +11,10 @@ norms, biases and routers stay in the model dtype: they are a small share of the
 (the head reads only the rows' logits) and the most sensitive.
 
 A quantized projection runs `qwix.dot_general` on the stored values and scales
-(`project`); an expert weight is dequantized where its grouped matmul reads it. The
+(`project`). In the W8A8 modes ("w8a8-int8", "w8a8-fp8") its input rows are quantized
+too, each with its absmax scale, so the matmul itself runs on int8 or fp8 operands: the
+MXU's int8 path on TPU, fp8 tensor cores on H100 and later. An expert weight is
+dequantized where its grouped matmul reads it (weight-only in every mode). The
 scales are `nnx.Param`s, so they shard with their kernels' output channels (as biases
 do: `paxkv.sharding.shardings.param_spec`) and `update_weights` checks them like any
 parameter.
@@ -26,8 +30,15 @@ from flax import nnx
 
 from . import layer_stack
 
-# Modes by name, and the dtype their values are stored in.
-QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+# Modes by name, and the dtype their weights' values are stored in; the "w8a8-" modes
+# quantize the projections' input activations to the same dtype.
+QTYPES = {
+    "int8": jnp.int8,
+    "fp8": jnp.float8_e4m3fn,
+    "w8a8-int8": jnp.int8,
+    "w8a8-fp8": jnp.float8_e4m3fn,
+}
+W8A8 = "w8a8-"
 SCALE = "_scale"  # the suffix of a scale's name: `kernel_scale`, `w1_scale`
 
 
@@ -96,6 +107,8 @@ def quantize_model(model: nnx.Module, mode: str) -> None:
             values, scale = quantize_weight(proj.kernel.get_value(), mode=mode)
             proj.kernel = nnx.Param(values)
             proj.kernel_scale = nnx.Param(scale)
+            # Static: the dtype the input rows are quantized to (W8A8), or None.
+            proj.input_qtype = QTYPES[mode] if mode.startswith(W8A8) else None
         for experts, name in _experts(layer):
             values, scale = quantize_weight(getattr(experts, name).get_value(), mode=mode)
             setattr(experts, name, nnx.Param(values))
@@ -109,9 +122,11 @@ def quantized_matmul(proj: nnx.Module, x: jax.Array) -> jax.Array:
     qwix = _qwix()
     values, scale = proj.kernel[...], proj.kernel_scale[...]
     w = qwix.QArray(qvalue=values, scale=scale, qtype=values.dtype)
-    y = qwix.dot_general(
-        x.astype(scale.dtype), w, (((x.ndim - 1,), (0,)), ((), ())), precision=proj.precision
-    )
+    lhs = x.astype(scale.dtype)
+    qtype = getattr(proj, "input_qtype", None)
+    if qtype is not None:  # W8A8: each row quantized with its own absmax scale
+        lhs = qwix.quantize(lhs, qtype, channelwise_axes=list(range(x.ndim - 1)))
+    y = qwix.dot_general(lhs, w, (((x.ndim - 1,), (0,)), ((), ())), precision=proj.precision)
     if proj.bias is not None:
         y = y + proj.bias[...]
     return y.astype(x.dtype)

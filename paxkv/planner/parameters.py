@@ -120,7 +120,7 @@ def num_parameters_per_device(model: DecoderConfig, mesh: MeshShape) -> int:
 
 
 # Bytes of one stored value of each weight quantization (`paxkv.models.quantized_weights`).
-QUANTIZED_ITEMSIZE = {"int8": 1, "fp8": 1}
+QUANTIZED_ITEMSIZE = {"int8": 1, "fp8": 1, "w8a8-int8": 1, "w8a8-fp8": 1}
 
 
 def quantized_parameters_per_device(model: DecoderConfig, mesh: MeshShape) -> tuple[int, int]:
