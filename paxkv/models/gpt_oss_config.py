@@ -87,20 +87,23 @@ class GptOssConfig(DecoderConfig):
 
         A field missing takes transformers' class default. Raises ValueError naming the
         field as `LlamaConfig.from_hf` does, and for what this decoder does not
-        implement: other model types, quantized weights (the published checkpoints'
-        MXFP4 experts: dequantize them to bfloat16 first), rope types other than yarn
-        and default, and YaRN's explicit attention factors.
+        implement: other model types, quantized weights other than the published
+        checkpoints' MXFP4 experts (`quant_method` "mxfp4": dequantized as they load,
+        `paxkv.models.weights`), rope types other than yarn and default, and YaRN's
+        explicit attention factors.
         """
         model_type = _field(hf, "model_type", str)
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(f"model_type={model_type!r} is not supported; expected 'gpt_oss'")
         quantization = _field(hf, "quantization_config", dict, default=None)
-        if quantization is not None:
+        if quantization is not None and quantization.get("quant_method") == "mxfp4":
+            hf = {k: v for k, v in hf.items() if k != "quantization_config"}
+        elif quantization is not None:
             method = quantization.get("quant_method")
             raise ValueError(
-                f"quantization_config.quant_method={method!r}: quantized weights are not "
-                "supported; load bfloat16 weights (transformers dequantizes MXFP4 with "
-                "Mxfp4Config(dequantize=True), then save_pretrained)"
+                f"quantization_config.quant_method={method!r}: of quantized gpt-oss "
+                "checkpoints only MXFP4 experts are read (dequantized as they load); load "
+                "bfloat16 weights, and quantize=int8 or fp8 at load"
             )
         shared = cls.shared_from_hf(
             hf,

@@ -239,9 +239,15 @@ def load_hf_checkpoint(
     if scan_layers is not None:
         config = config.replace(scan_layers=scan_layers)
     files = _tensor_files(path)
+    # MXFP4 tensors (gpt-oss's experts): `<name>_blocks` and `<name>_scales` stand for
+    # `<name>`, dequantized as it is read.
+    mxfp4 = _mxfp4_pairs(files)
+    for name, (blocks, _) in mxfp4.items():
+        files[name] = files[blocks]
+    mxfp4_parts = {blocks for blocks, _ in mxfp4.values()} | {s for _, s in mxfp4.values()}
     # A W8A8 checkpoint's static activation scales: its activations run unquantized here.
     ignored = _IGNORED_SUFFIXES + ((".input_scale",) if config.quantization else ())
-    found = {n for n in files if not n.endswith(ignored)}
+    found = {n for n in files if not n.endswith(ignored) and n not in mxfp4_parts}
     graphdef, state = _abstract_model(config)
     params = list(_hf_params(state, config))
     if on_load:  # the scales are made here, not read
@@ -263,9 +269,13 @@ def load_hf_checkpoint(
     with contextlib.ExitStack() as stack:
         opened: dict[str, tuple[Any, set[str]]] = {}
 
+        dequantized: dict[str, np.ndarray] = {}  # an MXFP4 tensor's, while it is read
+
         def handle(name: str) -> tuple[Any, str]:
             # The open file holding tensor `name` (a stacked parameter's layers may
             # lie in several shards), checked to store it.
+            if name in mxfp4:
+                name = mxfp4[name][0]
             file = files[name]
             if file not in opened:
                 f = stack.enter_context(_open_safetensors(file))
@@ -282,8 +292,18 @@ def load_hf_checkpoint(
             # in `dtype`. A per-tensor scale (one value) is read whole and broadcast to
             # the per-channel scale's `hf_shape`.
             f, file = handle(name)
-            stored = _read_slice(f, file, name)
             hf_index = index[::-1] if transpose else index
+            if name in mxfp4:
+                if name not in dequantized:
+                    blocks, scales = (_read_slice(*handle(n), n)[:] for n in mxfp4[name])
+                    dequantized.clear()  # one at a time
+                    dequantized[name] = dequantize_mxfp4(np.asarray(blocks), np.asarray(scales))
+                part = dequantized[name][hf_index]
+                stats["bytes_read"] += part.nbytes
+                if not np.isfinite(part).all():  # a scale of 255 (NaN in e8m0)
+                    nonfinite.setdefault(file, []).append(name)
+                return (part.T if transpose else part).astype(dtype, copy=False)
+            stored = _read_slice(f, file, name)
             if name.endswith("weight_scale") and np.prod(stored.get_shape()) == 1:
                 value = np.asarray(stored[:]).reshape(())
                 part = np.broadcast_to(value, np.empty(hf_shape, bool)[hf_index].shape)
@@ -308,6 +328,10 @@ def load_hf_checkpoint(
             # a compressed-tensors int8 weight
             quantized = np.dtype(dtype) == np.int8
             for name in names.flat:
+                if name in mxfp4:
+                    pair = (_read_slice(*handle(n), n) for n in mxfp4[name])
+                    _check_mxfp4(*pair, name, want_hf)
+                    continue
                 f, file = handle(name)
                 stored = _read_slice(f, file, name)
                 stored_dtype = stored.get_dtype()
@@ -368,6 +392,48 @@ def _float8_tensor(file: str, name: str) -> np.ndarray:
     start, end = info["data_offsets"]
     raw = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size + start, shape=(end - start,))
     return raw.view(getattr(ml_dtypes, _FLOAT8[info["dtype"]])).reshape(info["shape"])
+
+
+# MXFP4's 4-bit values (e2m1), by code: the low nibble of a byte is the even element.
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+
+
+def _mxfp4_pairs(files: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """`name -> (name_blocks, name_scales)` of every MXFP4 tensor in `files`."""
+    return {
+        n.removesuffix("_blocks"): (n, n.removesuffix("_blocks") + "_scales")
+        for n in files
+        if n.endswith("_blocks") and n.removesuffix("_blocks") + "_scales" in files
+    }
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling, gpt-oss's experts) as float32: `blocks u8[E, R, G, 16]`
+    (two e2m1 values a byte, low nibble first) times `2 ** (scales u8[E, R, G] - 127)`,
+    a scale per 32 values; returned `[E, G * 32, R]` (the rows R are the outputs: the
+    NNX layout, `[E, in, out]`)."""
+    values = np.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    e, r, g, b = values.shape
+    return values.reshape(e, r, g * b).transpose(0, 2, 1)
+
+
+def _check_mxfp4(blocks: Any, scales: Any, name: str, want: tuple) -> None:
+    """ValueError naming the tensor unless `name`'s MXFP4 blocks and scales are bytes of
+    shapes that dequantize to `want` (`[E, in, out]`)."""
+    b, s = tuple(blocks.get_shape()), tuple(scales.get_shape())
+    if blocks.get_dtype() != "U8" or scales.get_dtype() != "U8":
+        raise ValueError(f"MXFP4 tensor {name}: blocks and scales must be U8")
+    if len(b) != 4 or b[:3] != s or (b[0], b[2] * b[3] * 2, b[1]) != tuple(want):
+        raise ValueError(
+            f"MXFP4 tensor {name}: blocks {b} and scales {s} do not make {tuple(want)} "
+            "(blocks [E, out, in / 32, 16], scales [E, out, in / 32])"
+        )
 
 
 def _quantized_on_host(weight: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:

@@ -129,6 +129,9 @@ GPT_OSS_20B_HF = {
 
 def test_from_hf_parses_the_published_config():
     assert GptOssConfig.from_hf(GPT_OSS_20B_HF) == GPT_OSS_20B.replace(dtype="float32")
+    # The published checkpoints' MXFP4 experts are dequantized as they load.
+    mxfp4 = GPT_OSS_20B_HF | {"quantization_config": {"quant_method": "mxfp4"}}
+    assert GptOssConfig.from_hf(mxfp4) == GPT_OSS_20B.replace(dtype="float32")
     assert GptOssConfig.from_hf(json.loads(json.dumps(GPT_OSS_20B.to_hf()))) == GPT_OSS_20B
     # Transformers' defaults when the fields are missing: alternating layers, YaRN.
     bare = {"model_type": "gpt_oss", "num_hidden_layers": 4}
@@ -138,9 +141,9 @@ def test_from_hf_parses_the_published_config():
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (
-            {"quantization_config": {"quant_method": "mxfp4"}},
-            "quant_method='mxfp4': quantized weights are not supported",
+        (  # MXFP4 is read (tests/models/test_mxfp4.py); other methods are not
+            {"quantization_config": {"quant_method": "awq"}},
+            "quant_method='awq': of quantized gpt-oss checkpoints only MXFP4",
         ),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
         (
