@@ -67,6 +67,14 @@ def test_mxfp4_experts_equal_transformers_dequantization(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(model.dense_logits(tokens)), np.asarray(float_model.dense_logits(tokens))
     )
+    # And on to int8 experts as they load, as from the float checkpoint.
+    config, int8 = load_hf_checkpoint(tmp_path / "mxfp4", quantization="int8")
+    _, int8_from_float = load_hf_checkpoint(tmp_path / "reference", quantization="int8")
+    experts = int8.layers[0].mlp.experts
+    assert config.quantization == "int8" and experts.gate_up_proj.get_value().dtype == np.int8
+    np.testing.assert_array_equal(
+        np.asarray(int8.dense_logits(tokens)), np.asarray(int8_from_float.dense_logits(tokens))
+    )
 
 
 def test_bad_mxfp4_tensors_are_named(tmp_path):
