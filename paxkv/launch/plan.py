@@ -230,23 +230,12 @@ def _mesh_remedy(setup: ServingSetup, mesh: MeshShape) -> str | None:
     """`--mesh=model:N,data:D (...)` for the smallest model axis above `mesh`'s over
     which the requested cache holds one sequence (each device holding its shard of the
     weights and KV heads), or None when none of `MESH_MODEL_SIZES` does."""
-    model, engine = setup.model, setup.engine
     for n in (n for n in MESH_MODEL_SIZES if n > mesh.model):
         larger = MeshShape(model=n, data=mesh.data)
         try:
-            budget = _budget(model, larger)
+            plan = _fit(setup.model, setup, larger)
         except ValueError:
             continue
-        plan = capacity.plan_capacity(
-            model,
-            kv_budget_bytes=budget.kv_budget_bytes,
-            page_size=engine.page_size,
-            lengths=[engine.max_model_len],
-            max_model_len=engine.max_model_len,
-            kv_cache_dtype=engine.kv_cache_dtype,
-            mesh=larger,
-            platform=kv_budget.DEVICE_PLATFORM.get(budget.device) if budget.device else None,
-        )
         if plan.fits_one_sequence:
             return (
                 f"--mesh={larger} ({n} devices a replica, each holding its shard of "

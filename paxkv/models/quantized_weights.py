@@ -28,15 +28,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paxkv.pallas_kernels.layout import QUANTIZED_KV_CACHE_DTYPES
+
 from . import layer_stack
 
 # Modes by name, and the dtype their weights' values are stored in; the "w8a8-" modes
 # quantize the projections' input activations to the same dtype.
+# The values' dtypes are the quantized KV pages' of the same names (one copy: layout).
 QTYPES = {
-    "int8": jnp.int8,
-    "fp8": jnp.float8_e4m3fn,
-    "w8a8-int8": jnp.int8,
-    "w8a8-fp8": jnp.float8_e4m3fn,
+    mode: QUANTIZED_KV_CACHE_DTYPES[mode.removeprefix("w8a8-")]
+    for mode in ("int8", "fp8", "w8a8-int8", "w8a8-fp8")
 }
 W8A8 = "w8a8-"
 SCALE = "_scale"  # the suffix of a scale's name: `kernel_scale`, `w1_scale`

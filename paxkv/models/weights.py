@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from paxkv.pallas_kernels.layout import QUANTIZED_KV_CACHE_DTYPES
+
 from . import layer_stack
 from .decoder_config import DecoderConfig
 from .family import EXPERT_INDEX, SCALE, Model
@@ -377,21 +379,22 @@ def load_hf_checkpoint(
     return config, nnx.merge(graphdef, state)
 
 
-# safetensors' float8 dtypes, as ml_dtypes names them (fp8 checkpoints' weights).
-_FLOAT8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# safetensors' float8 dtypes (fp8 checkpoints' weights): the fp8 KV pages' dtypes.
+_FLOAT8 = {
+    "F8_E4M3": QUANTIZED_KV_CACHE_DTYPES["fp8"],
+    "F8_E5M2": QUANTIZED_KV_CACHE_DTYPES["fp8_e5m2"],
+}
 
 
 def _float8_tensor(file: str, name: str) -> np.ndarray:
     """Tensor `name` of safetensors `file`, stored as float8, as a read-only ml_dtypes
     array mapped from the file (safetensors' NumPy reader has no float8 type)."""
-    import ml_dtypes
-
     with open(file, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         info = json.loads(f.read(size))[name]
     start, end = info["data_offsets"]
     raw = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size + start, shape=(end - start,))
-    return raw.view(getattr(ml_dtypes, _FLOAT8[info["dtype"]])).reshape(info["shape"])
+    return raw.view(_FLOAT8[info["dtype"]]).reshape(info["shape"])
 
 
 # MXFP4's 4-bit values (e2m1), by code: the low nibble of a byte is the even element.
