@@ -350,6 +350,7 @@ class Engine:
                     "(enable_lora=False)"
                 )
             lora_key = self.loras.key_for(lora_request)
+            lora_request = self.loras.request_of(lora_key[0])
         if self.endings.is_pending(request_id):
             raise ValueError(
                 f"request_id={request_id!r} was aborted and its final output is not yet "
@@ -370,6 +371,7 @@ class Engine:
             arrival_time=arrival_time,
             cache_salt=self.routed_experts.cache_salt(request_id, params, cache_salt),
             lora_key=lora_key,
+            lora_request=lora_request,
         )
         for seq, matcher in zip(req.seqs, matchers, strict=False):
             self._stepper.constrained.add(seq, matcher)

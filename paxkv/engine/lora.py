@@ -126,6 +126,10 @@ class LoRAAdapters:
             )
         return known.key
 
+    def request_of(self, name: str) -> LoRARequest:
+        """The `LoRARequest` of loaded adapter `name`."""
+        return self._adapters[name].request
+
     def current_key(self, name: str) -> tuple[str, int] | None:
         """The key of adapter `name`'s current weights; None when it is not loaded."""
         known = self._adapters.get(name)

@@ -267,6 +267,7 @@ def _build(
         metrics,
         error,
         versions,
+        lora_request=req.lora_request,
     )
 
 

@@ -61,6 +61,7 @@ class Request:
     # `(weight version, outputs sampled before it)` for each version since it arrived.
     version_starts: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(0, 0)])
     tokenizer: Any = dataclasses.field(default=None, repr=False)  # decodes its text
+    lora_request: Any = None  # the `LoRARequest` it runs under (None: the base model)
     progress: list[Progress] | None = dataclasses.field(default=None, repr=False)
     # `(prompt_logprobs, scores)` once built, and whether a delta output carried them.
     _prompt_out: tuple[list, np.ndarray] | None = dataclasses.field(default=None, repr=False)
@@ -161,6 +162,7 @@ class Request:
             weight_versions=self.weight_versions(),
             prompt_logprobs=prompt_logprobs,
             scores=scores,
+            lora_request=self.lora_request,
         )
 
     def _prompt_logprobs(self, tokenizer: Any, delta: bool) -> tuple[list | None, Any]:
@@ -211,6 +213,7 @@ class Request:
             completions,
             self.finished,
             weight_versions=self.weight_versions(),
+            lora_request=self.lora_request,
         )
 
     def _sent(self, i: int) -> int:
@@ -307,6 +310,7 @@ class RequestRegistry:
         cache_salt: str | None = None,
         score_from: int = 1,
         lora_key: tuple | None = None,
+        lora_request: Any = None,
     ) -> Request:
         """Validates a request and registers it with its sequences; ValueError or
         TypeError (naming the argument and showing its value) rejects it. With
@@ -344,6 +348,7 @@ class RequestRegistry:
         if params.prompt_logprobs is not None:
             seqs[0].prompt_scores = PromptScores(ids, score_from, params.prompt_logprobs)
         request = Request(request_id, text, ids, seqs, arrival, [(self.weight_version, 0)])
+        request.lora_request = lora_request
         self._requests[request_id] = request
         return request
 

@@ -470,6 +470,9 @@ class RequestOutput:
     # first output after the prefill.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     scores: np.ndarray | None = None
+    # The LoRA adapter it ran under (`paxkv.host.lora_slots.LoRARequest`), as vLLM's
+    # field; None: the base model.
+    lora_request: Any = None
 
 
 def normalize_prompt(prompt) -> tuple[str | None, list[int] | None]:

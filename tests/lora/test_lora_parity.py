@@ -120,6 +120,11 @@ def _run(engine, submissions):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+    for i, (_, lora) in enumerate(submissions):  # each output names its adapter, as vLLM's
+        named = lora if lora is None or isinstance(lora, LoRARequest) else None
+        if isinstance(lora, str):
+            named = next(r for r in engine.list_loras() if r.lora_name == lora)
+        assert done[str(i)].lora_request == named
     return [done[str(i)].outputs[0].token_ids for i in range(len(submissions))]
 
 
