@@ -327,7 +327,28 @@ class PrometheusCollector:
         yield groups
         yield from self._speculation(stats)
         yield from self._offload(stats)
+        yield from self._lora(stats)
         yield from self._replicas(stats)
+
+    def _lora(self, stats: dict[str, Any]) -> Iterable[Any]:
+        """The LoRA slots' counters (`lora_stats`), with adapters on: adapters written to
+        a slot and evicted from one, and the adapters resident."""
+        if "lora_loads" not in stats:
+            return
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, help in (
+            ("loads", "adapters written to a slot"),
+            ("evictions", "adapters evicted"),
+        ):
+            yield CounterMetricFamily(
+                f"{self._prefix}:lora_{name}", help, value=stats[f"lora_{name}"]
+            )
+        yield GaugeMetricFamily(
+            f"{self._prefix}:lora_resident",
+            "adapters in device slots",
+            value=stats["lora_resident"],
+        )
 
     def _offload(self, stats: dict[str, Any]) -> Iterable[Any]:
         """The host KV tier's metrics, when it is on, under vLLM's `kv_offload` names:

@@ -86,6 +86,9 @@ def test_load_and_unload_at_run_time(server, oracle, adapters):
     for name in ("a2", "a1", "a2"):
         out = client.completions.create(model=name, prompt=PROMPT, temperature=0, max_tokens=12)
         assert out.choices[0].text == _expected(oracle, adapters, name)
+    metrics = server.metrics()  # a2, a1, a2 took turns in the one slot
+    assert metrics["paxkv:lora_loads_total"] >= 3 and metrics["paxkv:lora_evictions_total"] >= 2
+    assert metrics["paxkv:lora_resident"] == 1
     r = httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": "a2"})
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
