@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from benchmarks.step_cost import forward_cost
 from paxkv import Engine, EngineConfig, LoRARequest, SamplingParams  # noqa: F401
 from paxkv.models import registry
 from paxkv.models.llama_config import PRESETS
@@ -38,25 +39,9 @@ def step_cost(
 ) -> dict[str, float]:
     """FLOPs and bytes of the step of `rows` packed rows over `DECODE_BATCH` sequences
     (max_loras=0: no LoRA), from the compiled program's cost analysis."""
+    lora = dict(enable_lora=True, max_loras=max_loras, max_lora_rank=rank, lora_method=method)
     model = registry.init_model(_config(preset))
-    config = EngineConfig(
-        num_pages=2 * DECODE_BATCH + 1,
-        page_size=16,
-        max_model_len=32,
-        max_num_seqs=DECODE_BATCH,
-        max_num_batched_tokens=rows,
-        token_buckets=(rows,),
-        page_buckets=(2,),
-        enable_lora=max_loras > 0,
-        max_loras=max(max_loras, 1),
-        max_lora_rank=rank,
-        lora_method=method,
-    )
-    runner = Engine(model, config).runner
-    program = runner._spec("forward", (rows, DECODE_BATCH, 2))
-    cost = program.fn.lower(*program.args, **program.kwargs).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return {"flops": float(cost.get("flops", 0)), "bytes": float(cost.get("bytes accessed", 0))}
+    return forward_cost(model, rows=rows, seqs=DECODE_BATCH, **(lora if max_loras else {}))
 
 
 def random_adapter(

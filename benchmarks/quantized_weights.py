@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from paxkv.engine import Engine, EngineConfig
+from benchmarks.step_cost import forward_cost
 from paxkv.models import PRESETS, registry
 from paxkv.models.quantized_weights import quantize_model
 
@@ -28,26 +28,12 @@ def step_cost(preset: str, layers: int, quantization: str | None) -> dict[str, f
     model = registry.init_model(config)
     if quantization:
         quantize_model(model, quantization)
-    engine = Engine(
-        model,
-        EngineConfig(
-            num_pages=2 * ROWS + 1,
-            page_size=16,
-            max_model_len=32,
-            max_num_seqs=ROWS,
-            max_num_batched_tokens=ROWS,
-            token_buckets=(ROWS,),
-            page_buckets=(2,),
-        ),
-    )
-    program = engine.runner._spec("forward", (ROWS, ROWS, 2))
-    cost = program.fn.lower(*program.args, **program.kwargs).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = forward_cost(model, rows=ROWS, seqs=ROWS)
     params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {
         "param_bytes": float(params),
-        "bytes": float(cost.get("bytes accessed", 0)),
-        "flops": float(cost.get("flops", 0)),
+        "bytes": cost["bytes"],
+        "flops": cost["flops"],
     }
 
 
