@@ -31,17 +31,35 @@ MAX_RANK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+_BUILT: dict = {}
+
+
+def _family(name, tmp_path_factory):
+    """(config, base dir, base torch model, {name: (adapter dir, merged torch model)}),
+    made once per family."""
+    if name not in _BUILT:
+        config = FAMILIES[name]
+        root = tmp_path_factory.mktemp(f"lora-{name}")
+        base = write_checkpoint(config, root / "base")
+        adapters = {}
+        for i, (adapter, spec) in enumerate(sorted(ADAPTERS.items())):
+            path = root / adapter
+            adapters[adapter] = (str(path), write_adapter(base, path, seed=i + 1, **spec))
+        _BUILT[name] = config, str(root / "base"), base, adapters
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def setup(request, tmp_path_factory):
-    """(config, base dir, base torch model, {name: (adapter dir, merged torch model)})."""
-    config = FAMILIES[request.param]
-    root = tmp_path_factory.mktemp(f"lora-{request.param}")
-    base = write_checkpoint(config, root / "base")
-    adapters = {}
-    for i, (name, spec) in enumerate(sorted(ADAPTERS.items())):
-        path = root / name
-        adapters[name] = (str(path), write_adapter(base, path, seed=i + 1, **spec))
-    return config, str(root / "base"), base, adapters
+    """Each family: the parity of the logits and of a mixed batch."""
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
+def engine_setup(request, tmp_path_factory):
+    """The engine's adapter bookkeeping (methods, updates, keys, errors, removal,
+    preemption), which no family changes: Llama in CI, Gemma 3 too with -m slow."""
+    return _family(request.param, tmp_path_factory)
 
 
 def test_logits_equal_the_merged_models(setup):
@@ -80,8 +98,8 @@ def _write(model, slot, contents):
             node.set_value(value.at[(*lead, slot)].set(contents[path]))
 
 
-def test_ragged_method_equals_gather(setup):
-    config, base_dir, _, adapters = setup
+def test_ragged_method_equals_gather(engine_setup):
+    config, base_dir, _, adapters = engine_setup
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, 20), jnp.int32)
     slots = jnp.asarray(np.random.default_rng(3).integers(0, 3, 20), jnp.int32)
     out = {}
@@ -162,10 +180,10 @@ def test_engine_mixed_batch_equals_the_merged_models(setup):
     assert engine.pool.num_free == engine.pool.num_usable  # nothing leaked
 
 
-def test_update_lora_serves_the_new_weights(setup, tmp_path):
+def test_update_lora_serves_the_new_weights(engine_setup, tmp_path):
     from safetensors.numpy import load_file
 
-    config, base_dir, _, adapters = setup
+    config, base_dir, _, adapters = engine_setup
     old, new = sorted(adapters)[:2]
     engine = _engine(base_dir, max_loras=1)
     prompt = np.random.default_rng(5).integers(1, config.vocab_size, 12).tolist()
@@ -183,8 +201,8 @@ def test_update_lora_serves_the_new_weights(setup, tmp_path):
     assert engine.num_compilations == compiled
 
 
-def test_a_page_computed_under_one_adapter_never_serves_another(setup):
-    config, base_dir, base, adapters = setup
+def test_a_page_computed_under_one_adapter_never_serves_another(engine_setup):
+    config, base_dir, base, adapters = engine_setup
     a, b = sorted(adapters)[:2]
     engine = _engine(base_dir)
     prompt = np.random.default_rng(6).integers(1, config.vocab_size, 33).tolist()
@@ -200,10 +218,10 @@ def test_a_page_computed_under_one_adapter_never_serves_another(setup):
         assert hits[3] > hits[2]  # under its own adapter again: a hit
 
 
-def test_bad_adapters_are_refused_and_the_batch_runs_on(setup, tmp_path):
+def test_bad_adapters_are_refused_and_the_batch_runs_on(engine_setup, tmp_path):
     from peft_adapters import write_random_adapter
 
-    config, base_dir, base, adapters = setup
+    config, base_dir, base, adapters = engine_setup
     engine = _engine(base_dir, max_lora_rank=4)
     prompt = np.random.default_rng(7).integers(1, config.vocab_size, 10).tolist()
     good = sorted(adapters)[0]  # rank 4
@@ -259,8 +277,8 @@ def test_bad_adapters_are_refused_and_the_batch_runs_on(setup, tmp_path):
     assert [r.lora_name for r in engine.list_loras()] == [good]
 
 
-def test_a_removed_adapter_ends_its_queued_requests_with_the_reason(setup):
-    config, base_dir, _, adapters = setup
+def test_a_removed_adapter_ends_its_queued_requests_with_the_reason(engine_setup):
+    config, base_dir, _, adapters = engine_setup
     engine = _engine(base_dir, max_num_seqs=1, max_loras=1)
     a, b = sorted(adapters)[:2]
     prompt = np.random.default_rng(8).integers(1, config.vocab_size, 10).tolist()
@@ -287,10 +305,10 @@ def test_a_removed_adapter_ends_its_queued_requests_with_the_reason(setup):
     assert engine.pool.num_free == engine.pool.num_usable
 
 
-def test_requests_started_under_an_adapter_finish_under_it_through_preemption(setup):
+def test_requests_started_under_an_adapter_finish_under_it_through_preemption(engine_setup):
     from safetensors.numpy import load_file
 
-    config, base_dir, _, adapters = setup
+    config, base_dir, _, adapters = engine_setup
     old, new = sorted(adapters)[:2]
     # Room for one long sequence at a time (7 pages, uniform paging: Gemma 3's window
     # groups would give pages back): the second preempts the first.
