@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from paxkv.sharding.shardings import SCALE  # a quantized weight's scale suffix
+
 Path = tuple[str, ...]  # a parameter's path in the state, every key as a str
 _STACKED, _TAIL = ("layers", "blocks"), ("layers", "tail")  # `models.layer_stack`'s names
 
@@ -147,9 +149,6 @@ def _stacked(given: dict[Path, Any], origin: dict[Path, tuple[Path, int]]) -> di
         xs = [layers[r] for r in range(len(layers))]
         out[path] = np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
     return out
-
-
-SCALE = "_scale"  # a quantized weight's scale: its name plus this (`kernel_scale`)
 
 
 def quantize_given(given: dict[Path, Any], spec: dict[Path, Any], quantize: Any) -> dict[Path, Any]:

@@ -288,16 +288,16 @@ class ModelRunner(StepRunner):
         it, before those after (the device's order)."""
         target = self.target
         flat = list(nnx.to_flat_state(target.params))
-        at = [i for i, (path, _) in enumerate(flat) if path[-1] in lora_slots.LORA_ARRAYS]
+        at = [i for i, (path, _) in enumerate(flat) if path[-1] in shardings.LORA_ARRAYS]
         arrays = [flat[i][1].get_value() for i in at]
         if contents is None:
             values = lora_slots.zero_slot(arrays)
         else:
             values = [contents[tuple(flat[i][0])] for i in at]
-        shardings = [a.sharding for a in arrays]
+        placed = [a.sharding for a in arrays]
         with self._compiles.counting():
             new = lora_slots.write_slot(arrays, np.int32(slot), values)
-        new = jax.device_put(new, shardings)  # as the steps were compiled (a no-op if so)
+        new = jax.device_put(new, placed)  # as the steps were compiled (a no-op if so)
         for i, a in zip(at, new, strict=True):
             flat[i] = (flat[i][0], flat[i][1].replace(a))
         target.params = nnx.from_flat_state(flat)

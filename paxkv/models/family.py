@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import jax
 
-from paxkv.sharding.shardings import SplitRule
+from paxkv.sharding.shardings import SCALE, SplitRule
 
 from .decoder_config import DecoderConfig
 
@@ -45,7 +45,6 @@ class Model(Protocol):
 # In a Hugging Face tensor name, where the expert's number goes: a parameter stacked over
 # experts (`[E, ...]`) is the E tensors of the name with 0 .. E - 1 in its place.
 EXPERT_INDEX = "{expert}"
-SCALE = "_scale"  # a quantized weight's scale (`paxkv.models.quantized_weights`)
 
 
 def hf_name(path: tuple) -> tuple[str, bool]:

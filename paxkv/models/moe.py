@@ -37,7 +37,7 @@ from flax import nnx
 
 from paxkv.sharding import shardings
 from paxkv.sharding.mesh_shape import MODEL_AXIS
-from paxkv.sharding.shardings import COLUMN, EXPERT, ROW, SplitRule
+from paxkv.sharding.shardings import COLUMN, EXPERT, ROW, SCALE, SplitRule
 
 from . import quantized_weights
 from .decoder_config import DecoderConfig
@@ -297,7 +297,7 @@ class Experts(nnx.Module):
         """The parameter `name`'s value (dequantized, for quantized weights:
         `paxkv.models.quantized_weights`)."""
         value = getattr(self, name)[...]
-        scale = getattr(self, name + quantized_weights.SCALE, None)
+        scale = getattr(self, name + SCALE, None)
         if scale is None:
             return value
         return quantized_weights.dequantize(value, scale[...], scale.get_value().dtype)
@@ -390,13 +390,12 @@ def sharding_rules(form: ExpertForm) -> tuple[SplitRule, ...]:
     router and the output's bias are replicated."""
     # Quantized weights' scales (`paxkv.models.quantized_weights`) split as their weights'
     # output channels: with them by expert or by column, replicated by row.
-    scale = quantized_weights.SCALE
-    names = (*form.names, *(n + scale for n in (*form.inputs, form.output)))
+    names = (*form.names, *(n + SCALE for n in (*form.inputs, form.output)))
     by_expert = tuple(SplitRule(("experts", n), EXPERT, "num_experts") for n in names)
-    inputs = [n for n in names if n not in (form.output, form.output + scale)]
+    inputs = [n for n in names if n not in (form.output, form.output + SCALE)]
     inside = (
         *(SplitRule(("experts", n), COLUMN, "intermediate_size") for n in inputs),
         SplitRule(("experts", form.output), ROW, "intermediate_size"),
-        SplitRule(("experts", form.output + scale), ROW, "intermediate_size"),
+        SplitRule(("experts", form.output + SCALE), ROW, "intermediate_size"),
     )
     return by_expert + inside

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paxkv.pallas_kernels.layout import QUANTIZED_KV_CACHE_DTYPES
+from paxkv.sharding.shardings import SCALE
 
 from . import layer_stack
 
@@ -40,7 +41,6 @@ QTYPES = {
     for mode in ("int8", "fp8", "w8a8-int8", "w8a8-fp8")
 }
 W8A8 = "w8a8-"
-SCALE = "_scale"  # the suffix of a scale's name: `kernel_scale`, `w1_scale`
 
 
 def _qwix() -> Any:

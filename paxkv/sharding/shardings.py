@@ -214,6 +214,9 @@ COLUMN, ROW, EXPERT = "column", "row", "expert"
 # A LoRA slot array of a projection (`paxkv.models.lora`): split as its kernel's inputs
 # (A) or outputs (B), never along its slot or rank axes.
 LORA_ARRAYS = ("lora_a", "lora_b")
+# A quantized weight's per-output-channel scale is named as the weight plus this
+# (`kernel_scale`, `w1_scale`: `paxkv.models.quantized_weights`); split as a bias.
+SCALE = "_scale"
 _SPLIT_AXIS = {COLUMN: -1, ROW: -2, EXPERT: 0}  # of a kernel; a bias drops its `in` axis
 
 
@@ -301,7 +304,7 @@ def param_spec(
             named = True
             if m.splits(getattr(config, rule.divisor)):
                 # A bias, or a quantized kernel's scale (`[..., 1, out]`): split as the outputs.
-                bias = path[-1].endswith(("bias", "_scale"))
+                bias = path[-1].endswith(("bias", SCALE))
                 return kernel_spec(rule.parallel, len(shape), bias=bias)
     if not named and len(shape) > 2:
         raise ValueError(f"no sharding rule for the parameter {'.'.join(path)} of shape {shape}")

@@ -10,8 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LORA_ARRAYS = ("lora_a", "lora_b")  # the slot arrays' names in the model's state
-
 
 def _write_slot(
     arrays: list[jax.Array],  # each [..., N, x, y]
